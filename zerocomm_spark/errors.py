@@ -47,6 +47,24 @@ class KeyNotFoundError(KeystoreError):
     hint = "The message or connection names a key this member never created; check the identity directory."
 
 
+class InsecurePermissionsError(KeystoreError):
+    """The identity directory or key file can be read or written by other users."""
+
+    hint = "Keep the identity directory mode 700 and its key file mode 600, owned by the user running the agent."
+
+
+class KeystoreClosedError(KeystoreError):
+    """The keystore was used after close()."""
+
+    hint = "Open it again with Keystore.open(directory)."
+
+
+class InvalidRecordError(KeystoreError):
+    """A record, secret or name given to the keystore cannot be stored."""
+
+    hint = "Names are non-empty strings, secrets bytes, records JSON objects (str keys, JSON values)."
+
+
 class DIDError(ZeroCommError):
     """A DID is malformed or cannot be resolved."""
 
@@ -123,6 +141,36 @@ class RemoteError(TransportError):
     """The peer answered with an Error frame (it could not parse or does not support the request)."""
 
     hint = "Check that both members run compatible zerocomm-spark versions."
+
+
+class RemoteNotSupportedError(RemoteError):
+    """The peer serves no handler for the protocol id (or message type) that was sent to it."""
+
+    hint = "The peer does not serve this protocol; check its discover-features answer or its version."
+
+
+class RemoteHandlerError(RemoteError):
+    """The peer's handler raised while answering the request; the peer logged the details."""
+
+    hint = "The failure is on the peer's side; see its log, then retry."
+
+
+class RemoteFrameTooLargeError(RemoteError):
+    """The peer refused the frame because it exceeds the peer's max_frame_bytes."""
+
+    hint = "Send smaller messages or raise transport.max_frame_bytes on both members."
+
+
+class FrameFieldError(TransportError, ValueError):
+    """A wire header field is out of range, so the message cannot be encoded."""
+
+    hint = "Protocol ids and priorities are 0-255, request ids and nonces 0 to 2**32-1, payloads bytes."
+
+
+class TransportNotRunningError(TransportError):
+    """The transport was used before start() or after close(), or closed while a call was pending."""
+
+    hint = "Call start() (or use the transport as a context manager); a closed transport cannot restart."
 
 
 # --- DIDComm protocols -------------------------------------------------------------------------
