@@ -200,6 +200,30 @@ class ReplayError(ProtocolError):
     hint = "Nothing to do: the duplicate was ignored."
 
 
+class UnknownMessageTypeError(ProtocolError):
+    """The message's @type names a protocol or message this agent does not implement."""
+
+    hint = "Ask the peer which protocols it speaks with agent.discover(peer, '*')."
+
+
+class ConnectionNotReadyError(ProtocolError):
+    """The connection exists but its DID exchange has not completed (or was abandoned)."""
+
+    hint = "Wait for the DID exchange to complete, or accept a fresh invitation if it was abandoned."
+
+
+class ProblemReportError(ProtocolError):
+    """The peer answered with a DIDComm problem report instead of continuing the protocol."""
+
+    hint = "See the report's code; usually ask the peer for a fresh invitation and try again."
+
+
+class ReceiveTimeoutError(ZeroCommError, TimeoutError):
+    """No message arrived within the deadline given to receive()."""
+
+    hint = "Nothing was lost; call receive() again or give a longer timeout."
+
+
 class AgentClosedError(ZeroCommError):
     """The agent was used after close()."""
 
