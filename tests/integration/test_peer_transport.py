@@ -1,0 +1,424 @@
+"""PeerTransport over real ZeroMQ on loopback: two transports, and a raw DEALER playing a hostile peer."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+import zmq
+
+from zerocomm_spark.errors import (
+    ConfigurationError,
+    FrameTooLargeError,
+    PeerTimeoutError,
+    RemoteError,
+    RemoteFrameTooLargeError,
+    RemoteHandlerError,
+    RemoteNotSupportedError,
+    TransportNotRunningError,
+)
+from zerocomm_spark.transport.frames import (
+    DirectSend,
+    Error,
+    ErrorCode,
+    Ping,
+    Pong,
+    ProtocolId,
+    RpcRequest,
+    RpcResponse,
+    decode,
+    encode,
+)
+from zerocomm_spark.transport.peer import PeerInfo, PeerTransport
+
+pytestmark = pytest.mark.timeout(60)
+
+ECHO = ProtocolId.DIDCOMM
+
+
+def _echo(payload: bytes, peer: PeerInfo) -> bytes:
+    return b"echo:" + payload
+
+
+@pytest.fixture
+def server() -> Iterator[PeerTransport]:
+    t = PeerTransport(workers=4, max_frame_bytes=4096, identity=b"server")
+    t.register(ECHO, rpc=_echo)
+    with t:
+        yield t
+
+
+@pytest.fixture
+def client() -> Iterator[PeerTransport]:
+    with PeerTransport(identity=b"client") as t:
+        yield t
+
+
+@pytest.fixture
+def raw(server: PeerTransport) -> Iterator[zmq.Socket[bytes]]:
+    """A bare DEALER, to put on the wire what a well-behaved transport never would."""
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.ROUTING_ID, b"raw-peer")
+    sock.connect(server.endpoint)
+    yield sock
+    sock.close(linger=0)
+    ctx.term()
+
+
+def _recv(sock: zmq.Socket[bytes], timeout: float = 3.0) -> bytes | None:
+    if sock.poll(int(timeout * 1000), zmq.POLLIN):
+        return sock.recv()
+    return None
+
+
+def _free_port_endpoint() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return f"tcp://127.0.0.1:{port}"  # nothing listens here any more
+
+
+def _wait_until(predicate, timeout: float = 5.0) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not reached in time")
+        time.sleep(0.01)
+
+
+# --- basic protocol ---------------------------------------------------------------------------
+
+
+def test_endpoint_is_the_real_bound_port(server: PeerTransport) -> None:
+    assert server.endpoint.startswith("tcp://127.0.0.1:")
+    assert int(server.endpoint.rsplit(":", 1)[1]) > 0
+
+
+def test_rpc_round_trip_and_peer_info(server: PeerTransport, client: PeerTransport) -> None:
+    seen: list[PeerInfo] = []
+
+    def who(payload: bytes, peer: PeerInfo) -> bytes:
+        seen.append(peer)
+        return payload.upper()
+
+    server.register(ProtocolId.GROUP_CONTROL, rpc=who)
+    assert client.request(server.endpoint, ECHO, b"hello", timeout=5) == b"echo:hello"
+    assert client.request(server.endpoint, ProtocolId.GROUP_CONTROL, b"abc", timeout=5) == b"ABC"
+    assert seen[0].identity == b"client"
+    assert seen[0].address == "127.0.0.1"
+    stats = client.stats()
+    assert stats["frames_out"] == 2 and stats["frames_in"] == 2 and stats["pending"] == 0
+
+
+def test_request_async_and_binary_payloads(server: PeerTransport, client: PeerTransport) -> None:
+    payload = bytes(range(256)) * 4
+    fut = client.request_async(server.endpoint, ECHO, payload, timeout=5)
+    assert fut.result(timeout=5) == b"echo:" + payload
+
+
+def test_many_concurrent_rpcs_are_correlated_out_of_order(client: PeerTransport) -> None:
+    n = 12
+    finished: list[int] = []
+    lock = threading.Lock()
+
+    def slow(payload: bytes, peer: PeerInfo) -> bytes:
+        i = int(payload)
+        time.sleep(0.03 * (n - i))  # earlier requests take longer, so answers come back reversed
+        with lock:
+            finished.append(i)
+        return b"answer-%d" % i
+
+    with PeerTransport(workers=n) as srv:
+        srv.register(ECHO, rpc=slow)
+        futures = [client.request_async(srv.endpoint, ECHO, str(i).encode(), timeout=10) for i in range(n)]
+        results = [f.result(timeout=10) for f in futures]
+    assert results == [b"answer-%d" % i for i in range(n)]
+    assert finished != sorted(finished), "handlers did not overlap; the test proves nothing"
+    assert finished[0] > finished[-1]
+
+
+def test_direct_send_is_delivered_with_the_sender(server: PeerTransport, client: PeerTransport) -> None:
+    got: list[tuple[bytes, bytes]] = []
+    done = threading.Event()
+
+    def direct(payload: bytes, peer: PeerInfo) -> None:
+        got.append((payload, peer.identity))
+        if len(got) == 3:
+            done.set()
+
+    server.register(ProtocolId.GROUP_DATA, direct=direct)
+    for i in range(3):
+        client.send(server.endpoint, ProtocolId.GROUP_DATA, b"m%d" % i)
+    assert done.wait(5)
+    assert sorted(got) == [(b"m0", b"client"), (b"m1", b"client"), (b"m2", b"client")]
+
+
+def test_ping_measures_a_round_trip(server: PeerTransport, client: PeerTransport) -> None:
+    rtt = client.ping(server.endpoint, timeout=5)
+    assert 0 < rtt < 1.0
+    _wait_until(lambda: server.stats()["frames_out"] >= 1)  # the Pong
+
+
+def test_dead_endpoint_times_out_at_the_deadline(client: PeerTransport) -> None:
+    dead = _free_port_endpoint()
+    start = time.monotonic()
+    with pytest.raises(PeerTimeoutError):
+        client.request(dead, ECHO, b"anyone?", timeout=0.5)
+    elapsed = time.monotonic() - start
+    assert 0.45 <= elapsed < 1.5
+    fut = client.request_async(dead, ECHO, b"anyone?", timeout=0.3)
+    with pytest.raises(PeerTimeoutError):
+        fut.result(timeout=3)
+    with pytest.raises(PeerTimeoutError):
+        client.ping(dead, timeout=0.3)
+    assert client.stats()["timeouts"] == 3
+    assert client.stats()["pending"] == 0
+
+
+def test_priority_orders_handling_when_the_receiver_is_busy(client: PeerTransport) -> None:
+    release = threading.Event()
+    blocked = threading.Event()
+    order: list[bytes] = []
+    all_done = threading.Event()
+
+    def handler(payload: bytes, peer: PeerInfo) -> None:
+        if payload == b"block":
+            blocked.set()
+            release.wait(10)
+            return
+        order.append(payload)
+        if len(order) == 6:
+            all_done.set()
+
+    with PeerTransport(workers=1) as srv:
+        srv.register(ProtocolId.GROUP_DATA, direct=handler)
+        client.send(srv.endpoint, ProtocolId.GROUP_DATA, b"block")
+        assert blocked.wait(5)
+        for i in range(3):
+            client.send(srv.endpoint, ProtocolId.GROUP_DATA, b"low%d" % i, priority=10)
+        for i in range(3):
+            client.send(srv.endpoint, ProtocolId.GROUP_DATA, b"high%d" % i, priority=200)
+        _wait_until(lambda: srv.stats()["inbox"] == 6)  # all queued behind the blocked worker
+        release.set()
+        assert all_done.wait(5)
+    assert order == [b"high0", b"high1", b"high2", b"low0", b"low1", b"low2"]
+
+
+# --- failures reported to the caller ----------------------------------------------------------
+
+
+def test_handler_exception_becomes_remote_error(server: PeerTransport, client: PeerTransport) -> None:
+    def broken(payload: bytes, peer: PeerInfo) -> bytes:
+        raise RuntimeError("boom")
+
+    def wrong_type(payload: bytes, peer: PeerInfo) -> bytes:
+        return "not bytes"  # type: ignore[return-value]
+
+    server.register(ProtocolId.GROUP_CONTROL, rpc=broken)
+    server.register(ProtocolId.GROUP_DATA, rpc=wrong_type)
+    start = time.monotonic()
+    with pytest.raises(RemoteHandlerError) as info:
+        client.request(server.endpoint, ProtocolId.GROUP_CONTROL, b"x", timeout=5)
+    assert isinstance(info.value, RemoteError)
+    assert "boom" not in str(info.value)  # details stay in the peer's log
+    with pytest.raises(RemoteHandlerError):
+        client.request(server.endpoint, ProtocolId.GROUP_DATA, b"x", timeout=5)
+    assert time.monotonic() - start < 2  # failed fast, no timeout
+    assert server.stats()["handler_errors"] == 2
+    assert client.request(server.endpoint, ECHO, b"still", timeout=5) == b"echo:still"
+
+
+def test_unregistered_protocol_fails_fast(server: PeerTransport, client: PeerTransport) -> None:
+    start = time.monotonic()
+    with pytest.raises(RemoteNotSupportedError):
+        client.request(server.endpoint, 99, b"x", timeout=5)
+    assert time.monotonic() - start < 2
+
+
+def test_oversized_request_is_refused_by_the_peer(server: PeerTransport, client: PeerTransport) -> None:
+    with pytest.raises(RemoteFrameTooLargeError):
+        client.request(server.endpoint, ECHO, b"x" * 5000, timeout=5)  # server allows 4096
+
+
+def test_oversized_frames_are_refused_locally(server: PeerTransport) -> None:
+    with pytest.raises(FrameTooLargeError):
+        server.request(server.endpoint, ECHO, b"x" * 5000, timeout=1)
+    with pytest.raises(FrameTooLargeError):
+        server.send(server.endpoint, ECHO, b"x" * 5000)
+
+
+def test_close_fails_pending_requests(client: PeerTransport) -> None:
+    release = threading.Event()
+    entered = threading.Event()
+
+    def stuck(payload: bytes, peer: PeerInfo) -> bytes:
+        entered.set()
+        release.wait(10)
+        return b"late"
+
+    with PeerTransport(workers=1) as srv:
+        srv.register(ECHO, rpc=stuck)
+        caller = PeerTransport().start()
+        fut = caller.request_async(srv.endpoint, ECHO, b"x", timeout=30)
+        assert entered.wait(5)
+        start = time.monotonic()
+        caller.close(timeout=3)
+        assert time.monotonic() - start < 3
+        with pytest.raises(TransportNotRunningError, match="closed while request"):
+            fut.result(timeout=1)
+        with pytest.raises(TransportNotRunningError):
+            caller.request(srv.endpoint, ECHO, b"y", timeout=1)
+        release.set()
+
+
+# --- hostile frames from a raw DEALER -----------------------------------------------------------
+
+HOSTILE = [
+    pytest.param(b"\xff\x00garbage", Error(ErrorCode.PARSING_ERROR, b"\xff\x00"), id="garbage"),
+    pytest.param(b"\x03\x00\x00\x00", Error(ErrorCode.PARSING_ERROR, b"\x03\x00"), id="truncated-request"),
+    pytest.param(b"\x01\x00\x00", Error(ErrorCode.PARSING_ERROR, b"\x01\x00"), id="truncated-ping"),
+    pytest.param(b"\x09\x01\x02\x03", Error(ErrorCode.PARSING_ERROR, b"\x09\x01"), id="unknown-type"),
+    pytest.param(
+        encode(RpcRequest(77, 4242, 5, b"hi")),
+        Error(ErrorCode.NOT_SUPPORTED, b"\x03\x4d", 4242),
+        id="unregistered-rpc",
+    ),
+    pytest.param(
+        encode(DirectSend(78, 5, b"hi")), Error(ErrorCode.NOT_SUPPORTED, b"\x05\x4e"), id="unregistered-direct"
+    ),
+    pytest.param(encode(RpcResponse(1, 1, b"?")), Error(ErrorCode.NOT_SUPPORTED, b"\x04\x00"), id="stray-response"),
+    pytest.param(
+        encode(RpcRequest(0, 777, 1, b"x" * 6000)), Error(ErrorCode.TOO_LARGE, b"\x03\x00", 777), id="oversized-rpc"
+    ),
+    pytest.param(
+        encode(DirectSend(0, 1, b"x" * 6000)), Error(ErrorCode.TOO_LARGE, b"\x05\x00"), id="oversized-direct"
+    ),
+]
+
+
+@pytest.mark.parametrize(("frame", "expected"), HOSTILE)
+def test_hostile_frame_gets_an_error_and_the_listener_keeps_serving(
+    server: PeerTransport, client: PeerTransport, raw: zmq.Socket[bytes], frame: bytes, expected: Error
+) -> None:
+    raw.send(frame)
+    reply = _recv(raw)
+    assert reply is not None, "no Error frame came back"
+    assert decode(reply) == expected
+    _wait_until(lambda: server.stats()["errors_out"] == 1)  # counted just after the send
+    assert server.stats()["malformed_in"] == 1
+    assert client.request(server.endpoint, ECHO, b"ok", timeout=5) == b"echo:ok"
+
+
+def test_multipart_message_is_an_error_not_a_crash(
+    server: PeerTransport, client: PeerTransport, raw: zmq.Socket[bytes]
+) -> None:
+    raw.send_multipart([encode(RpcRequest(0, 1, 1, b"a")), b"extra", b"frames"])
+    reply = _recv(raw)
+    assert reply is not None and decode(reply) == Error(ErrorCode.PARSING_ERROR, b"\x03\x00")
+    assert client.request(server.endpoint, ECHO, b"ok", timeout=5) == b"echo:ok"
+
+
+def test_frames_too_short_to_name_and_error_frames_get_no_answer(
+    server: PeerTransport, client: PeerTransport, raw: zmq.Socket[bytes]
+) -> None:
+    raw.send(b"")
+    raw.send(b"\x03")
+    raw.send(encode(Error(ErrorCode.PARSING_ERROR, b"\x03\x00")))  # answering Errors would loop
+    raw.send(b"\x00\x01")  # a malformed Error: refused, still not answered
+    assert _recv(raw, timeout=0.5) is None
+    _wait_until(lambda: server.stats()["errors_in"] == 1 and server.stats()["malformed_in"] == 3)
+    stats = server.stats()
+    assert stats["frames_in"] == 4 and stats["errors_out"] == 0
+    assert client.request(server.endpoint, ECHO, b"ok", timeout=5) == b"echo:ok"
+
+
+def test_raw_peer_can_use_the_protocol(server: PeerTransport, raw: zmq.Socket[bytes]) -> None:
+    raw.send(encode(Ping(0xDEADBEEF)))
+    assert decode(_recv(raw) or b"") == Pong(0xDEADBEEF)
+    raw.send(encode(RpcRequest(ECHO, 9, 17, b"raw")))
+    assert decode(_recv(raw) or b"") == RpcResponse(9, 17, b"echo:raw")  # response keeps the priority
+
+
+def test_bad_reply_to_a_request_does_not_break_the_caller(client: PeerTransport) -> None:
+    """A peer answering garbage on the reply path: the request times out, nothing crashes."""
+    ctx = zmq.Context()
+    router = ctx.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    endpoint = f"tcp://127.0.0.1:{port}"
+    try:
+        fut = client.request_async(endpoint, ECHO, b"q", timeout=1.0)
+        assert router.poll(3000)
+        identity, frame = router.recv_multipart()
+        rid = decode(frame).request_id  # type: ignore[union-attr]
+        router.send_multipart([identity, b"\x04\x00"])  # truncated response
+        router.send_multipart([identity, encode(RpcResponse(rid ^ 1, 1, b"not yours"))])
+        router.send_multipart([identity, encode(Pong(5)), b"extra"])
+        with pytest.raises(PeerTimeoutError):
+            fut.result(timeout=5)
+        # the same peer now answers correctly: the DEALER is still usable
+        fut = client.request_async(endpoint, ECHO, b"q2", timeout=5)
+        assert router.poll(3000)
+        identity, frame = router.recv_multipart()
+        rid = decode(frame).request_id  # type: ignore[union-attr]
+        router.send_multipart([identity, encode(RpcResponse(rid, 1, b"fine"))])
+        assert fut.result(timeout=5) == b"fine"
+    finally:
+        router.close(linger=0)
+        ctx.term()
+    assert client.stats()["malformed_in"] >= 2
+
+
+def test_frames_beyond_the_hard_cap_drop_the_connection_not_the_listener(
+    server: PeerTransport, client: PeerTransport, raw: zmq.Socket[bytes]
+) -> None:
+    raw.send(encode(DirectSend(0, 1, b"x" * 200_000)))  # ZMQ_MAXMSGSIZE stops it before it is buffered
+    assert _recv(raw, timeout=0.5) is None
+    assert server.stats()["frames_in"] == 0  # never reached the listener
+    assert client.request(server.endpoint, ECHO, b"ok", timeout=5) == b"echo:ok"
+
+
+# --- API edges --------------------------------------------------------------------------------
+
+
+def test_request_ids_wrap_around_u32(server: PeerTransport, client: PeerTransport) -> None:
+    client._next_rid = 0xFFFF_FFFF  # white-box: jump to the end of the id space
+    assert client.request(server.endpoint, ECHO, b"a", timeout=5) == b"echo:a"
+    assert client.request(server.endpoint, ECHO, b"b", timeout=5) == b"echo:b"
+    assert client._next_rid == 1
+
+
+def test_invalid_arguments_are_refused_before_anything_is_sent(server: PeerTransport) -> None:
+    with pytest.raises(ValueError):
+        server.request(server.endpoint, ECHO, b"x", priority=256)
+    with pytest.raises(ValueError):
+        server.send(server.endpoint, 300, b"x")
+    with pytest.raises(ConfigurationError):
+        server.request("not-an-endpoint", ECHO, b"x")
+    with pytest.raises(ConfigurationError):
+        server.request(server.endpoint, ECHO, b"x", timeout=0)
+    with pytest.raises(ConfigurationError):
+        server.register(ECHO)
+    assert server.stats()["frames_out"] == 0 and server.stats()["pending"] == 0
+
+
+def test_lifecycle_errors_and_idempotent_close() -> None:
+    t = PeerTransport()
+    with pytest.raises(TransportNotRunningError):
+        t.send("tcp://127.0.0.1:1", ECHO, b"x")
+    with pytest.raises(TransportNotRunningError):
+        _ = t.endpoint
+    with t:
+        assert t.ping(t.endpoint, timeout=5) >= 0  # a transport can talk to itself
+    t.close()  # second close is a no-op
+    with pytest.raises(TransportNotRunningError):
+        t.ping(t.endpoint)
+    with pytest.raises(TransportNotRunningError):
+        t.start()
+    with pytest.raises(ConfigurationError):
+        PeerTransport("tcp://127.0.0.1:notaport").start()

@@ -1,0 +1,911 @@
+"""Asynchronous peer transport over ZeroMQ ROUTER/DEALER.
+
+Why this shape:
+
+* pyzmq sockets are not thread-safe, so one IO thread owns every socket (the bound ROUTER for
+  inbound traffic and one lazily created DEALER per remote endpoint for outbound traffic). Other
+  threads hand it work through a priority queue and poke it through an inproc PAIR, the only
+  socket touched outside the IO thread, and only under a lock.
+* Nothing is lock-step: requests are correlated by a u32 request id, so many may be in flight
+  to one peer and answers may come back in any order.
+* The IO thread never runs application code. It decodes, answers what it can (Ping, refusals) and
+  queues the rest for a worker pool ordered by priority, so a slow handler never stalls the listener.
+* Every wait has a deadline: requests and pings expire in the IO loop itself, sockets close with a
+  bounded LINGER and close() joins threads with a timeout.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import logging
+import os
+import queue
+import secrets
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, InvalidStateError
+from concurrent.futures import TimeoutError as FutureTimeoutError
+from dataclasses import dataclass, field
+from types import TracebackType
+from typing import Any
+
+import zmq
+
+from zerocomm_spark.errors import (
+    ConfigurationError,
+    FrameError,
+    FrameTooLargeError,
+    PeerTimeoutError,
+    PeerUnreachableError,
+    RemoteError,
+    RemoteFrameTooLargeError,
+    RemoteHandlerError,
+    RemoteNotSupportedError,
+    TransportError,
+    TransportNotRunningError,
+)
+from zerocomm_spark.transport.frames import (
+    MAX_U32,
+    DirectSend,
+    Error,
+    ErrorCode,
+    MessageType,
+    Ping,
+    Pong,
+    RpcRequest,
+    RpcResponse,
+    decode,
+    encode,
+)
+
+__all__ = ["DEFAULT_MAX_FRAME_BYTES", "DirectHandler", "PeerInfo", "PeerTransport", "RpcHandler"]
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MAX_FRAME_BYTES = 16 * 1024 * 1024
+DEFAULT_PRIORITY = 128
+_CONTROL_PRIORITY = 255  # pings, pongs and refusals jump the queue: they measure or unblock others
+_LINGER_MS = 1000  # bounded so close() never hangs on an unreachable peer
+_HWM = 10_000
+_MAX_BACKLOG = 10_000  # queued inbound jobs; beyond it the ROUTER is not read (TCP back-pressure)
+_RECV_BATCH = 256  # messages read per socket per loop turn, so no socket starves the others
+_MAX_POLL_MS = 250
+_START_TIMEOUT = 10.0
+
+
+@dataclass(frozen=True, slots=True)
+class PeerInfo:
+    """Who sent an inbound message, as far as the transport can tell.
+
+    ``identity`` is the ZeroMQ routing id of the sender's DEALER (stable when the sender sets
+    ``identity``); ``address`` is the TCP peer address when ZeroMQ reports one. Neither is
+    authenticated: authenticity comes from the DIDComm envelope, not from the transport.
+    """
+
+    identity: bytes
+    address: str | None = None
+
+
+RpcHandler = Callable[[bytes, PeerInfo], bytes]
+DirectHandler = Callable[[bytes, PeerInfo], None]
+
+
+@dataclass(slots=True)
+class _Pending:
+    future: Future[Any]
+    endpoint: str
+    deadline: float
+    what: str  # for error messages only, never the payload
+    sent_at: float | None = None
+
+
+@dataclass(slots=True)
+class _Outbound:
+    frame: bytes
+    endpoint: str | None = None  # DEALER target ...
+    identity: bytes | None = None  # ... or ROUTER reply target
+    pending: _Pending | None = None
+    key: tuple[str, int, int] | None = None
+
+
+@dataclass(slots=True)
+class _Job:
+    kind: MessageType
+    protocol_id: int
+    priority: int
+    payload: bytes
+    peer: PeerInfo
+    request_id: int = 0
+    head: bytes = b""
+
+
+@dataclass(slots=True)
+class _Handlers:
+    rpc: RpcHandler | None = None
+    direct: DirectHandler | None = None
+
+
+@dataclass(slots=True)
+class _Stats:
+    frames_in: int = 0
+    frames_out: int = 0
+    bytes_in: int = 0
+    bytes_out: int = 0
+    errors_in: int = 0  # Error frames received
+    errors_out: int = 0  # Error frames sent
+    malformed_in: int = 0  # frames refused (parse, size, multipart, unsupported)
+    handler_errors: int = 0
+    timeouts: int = 0
+    dropped_out: int = 0
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def add(self, **delta: int) -> None:
+        with self.lock:
+            for name, value in delta.items():
+                setattr(self, name, getattr(self, name) + value)
+
+
+_RPC, _PING = 0, 1  # kinds in pending keys
+
+
+class PeerTransport:
+    """One member's network endpoint: serves registered protocols and calls other members.
+
+    ``max_frame_bytes`` bounds whole frames, header included, both ways; it should match on every
+    member. ``identity`` is this transport's routing id at other members (random when omitted); two
+    live transports must not share one, since the peer's ROUTER hands the route to the newest.
+    One DEALER is kept per remote endpoint for the transport's lifetime.
+    """
+
+    def __init__(
+        self,
+        bind: str = "tcp://127.0.0.1:*",
+        *,
+        max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
+        workers: int = 4,
+        identity: bytes | None = None,
+    ) -> None:
+        if not isinstance(max_frame_bytes, int) or max_frame_bytes < 64:
+            raise ConfigurationError(f"max_frame_bytes must be an integer >= 64, got {max_frame_bytes!r}")
+        if not isinstance(workers, int) or workers < 1:
+            raise ConfigurationError(f"workers must be a positive integer, got {workers!r}")
+        if identity is None:
+            identity = b"zc-" + secrets.token_hex(8).encode("ascii")
+        if not isinstance(identity, bytes) or not 1 <= len(identity) <= 255 or identity[0] == 0:
+            raise ConfigurationError("identity must be 1-255 bytes and must not start with a zero byte")
+        self._bind = bind
+        self._max_frame = max_frame_bytes
+        # Frames between max_frame_bytes and this cap are read and refused with TooLarge; beyond
+        # it ZeroMQ drops the connection before buffering, which bounds memory per message.
+        self._hard_cap = max(2 * max_frame_bytes, max_frame_bytes + 65536)
+        self._workers_n = workers
+        self._identity = identity
+
+        self._lock = threading.Lock()
+        self._handlers: dict[int, _Handlers] = {}
+        self._outbox: list[tuple[int, int, _Outbound]] = []
+        self._pending: dict[tuple[str, int, int], _Pending] = {}
+        self._deadlines: list[tuple[float, int, tuple[str, int, int], _Pending]] = []
+        self._seq = itertools.count()
+        self._next_rid = secrets.randbelow(MAX_U32 + 1)
+        self._wake_pending = False
+        self._started = False
+        self._closed = False
+        self._io_failed = False
+        self._stopping = threading.Event()
+        self._close_deadline = 0.0
+
+        self._inbox: queue.PriorityQueue[tuple[int, int, _Job | None]] = queue.PriorityQueue()
+        self._stats = _Stats()
+        self._ctx: zmq.Context[zmq.Socket[bytes]] | None = None
+        self._wake_tx: zmq.Socket[bytes] | None = None
+        self._wake_addr = f"inproc://zerocomm-wake-{os.getpid()}-{secrets.token_hex(4)}"
+        self._io: threading.Thread | None = None
+        self._workers: list[threading.Thread] = []
+        self._ready = threading.Event()
+        self._start_error: BaseException | None = None
+        self._endpoint: str | None = None
+
+    # --- lifecycle --------------------------------------------------------------------------
+
+    def start(self) -> PeerTransport:
+        """Bind and start the IO thread and the workers; returns self once the endpoint is known."""
+        with self._lock:
+            if self._closed:
+                raise TransportNotRunningError("this transport was closed")
+            if self._started:
+                raise TransportError("start() was called twice", hint="Start a transport once.")
+            self._started = True
+        self._ctx = zmq.Context()
+        self._io = threading.Thread(target=self._io_main, name="zerocomm-peer-io", daemon=True)
+        self._io.start()
+        if not self._ready.wait(_START_TIMEOUT) or self._start_error is not None:
+            err = self._start_error
+            self._closed = True
+            self._stopping.set()
+            self._io.join(_START_TIMEOUT)
+            if not self._io.is_alive():
+                self._ctx.term()
+            raise ConfigurationError(f"cannot bind the peer transport to {self._bind!r}: {err}") from err
+        wake = self._ctx.socket(zmq.PAIR)
+        wake.setsockopt(zmq.LINGER, 0)
+        wake.connect(self._wake_addr)
+        self._wake_tx = wake
+        for i in range(self._workers_n):
+            t = threading.Thread(target=self._worker_main, name=f"zerocomm-peer-worker-{i}", daemon=True)
+            t.start()
+            self._workers.append(t)
+        log.info("peer transport listening on %s as %s", self._endpoint, _fmt_id(self._identity))
+        return self
+
+    @property
+    def endpoint(self) -> str:
+        """The address peers connect to: the bound one, with the real port when bound to ``*``."""
+        if self._endpoint is None:
+            raise TransportNotRunningError("the transport has no endpoint before start()")
+        return self._endpoint
+
+    @property
+    def identity(self) -> bytes:
+        """The routing id peers see as ``PeerInfo.identity`` for messages from this transport."""
+        return self._identity
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Fail pending calls, flush what is queued (bounded by LINGER) and join every thread."""
+        deadline = time.monotonic() + max(timeout, 0.0)
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            pending = list(self._pending.values())
+            self._pending.clear()
+            self._deadlines.clear()
+            self._close_deadline = deadline
+        for p in pending:
+            _fail(p.future, TransportNotRunningError(f"transport closed while {p.what} was pending"))
+        if not self._started:
+            return
+        self._stopping.set()
+        self._wake()
+        current = threading.current_thread()
+        io = self._io
+        if io is not None and io is not current:
+            io.join(max(deadline - time.monotonic(), 0.0))
+        for i in range(len(self._workers)):
+            self._inbox.put((-1000, i, None))  # sentinels sort before every job: stop promptly
+        for t in self._workers:
+            if t is not current:
+                t.join(max(deadline - time.monotonic(), 0.0))
+        with self._lock:
+            if self._wake_tx is not None:
+                self._wake_tx.close(linger=0)
+                self._wake_tx = None
+        stuck = [t.name for t in [io, *self._workers] if t is not None and t is not current and t.is_alive()]
+        if stuck:
+            # Terminating the context now would block until those threads let go of it.
+            log.warning("peer transport closed with threads still running: %s", ", ".join(stuck))
+        elif self._ctx is not None:
+            self._ctx.term()
+        log.info("peer transport %s closed", self._endpoint)
+
+    def __enter__(self) -> PeerTransport:
+        if not self._started:
+            self.start()
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+    # --- public API -------------------------------------------------------------------------
+
+    def register(
+        self, protocol_id: int, *, rpc: RpcHandler | None = None, direct: DirectHandler | None = None
+    ) -> None:
+        """Serve a protocol id; until then its requests are refused with NotSupported.
+
+        Handlers run on the worker pool, possibly concurrently, so they must be thread-safe.
+        Registering the same id again replaces the handlers given.
+        """
+        _check_u8("protocol_id", protocol_id)
+        if rpc is None and direct is None:
+            raise ConfigurationError("register() needs an rpc handler, a direct handler or both")
+        with self._lock:
+            current = self._handlers.get(protocol_id, _Handlers())
+            updated = _Handlers(rpc or current.rpc, direct or current.direct)
+            self._handlers = {**self._handlers, protocol_id: updated}  # copy-on-write for the IO thread
+
+    def request_async(
+        self,
+        endpoint: str,
+        protocol_id: int,
+        payload: bytes,
+        *,
+        priority: int = DEFAULT_PRIORITY,
+        timeout: float = 10.0,
+    ) -> Future[bytes]:
+        """Send an RpcRequest; the future resolves to the response payload or fails at the deadline."""
+        _check_endpoint(endpoint)
+        _check_timeout(timeout)
+        future: Future[bytes] = Future()
+        with self._lock:
+            self._check_running()
+            rid = self._allocate_rid(endpoint)
+        # Encoded outside the lock: the payload may be megabytes.
+        frame = encode(RpcRequest(protocol_id, rid, priority, payload))
+        self._check_size(frame)
+        what = f"request {rid} (protocol {protocol_id}) to {endpoint}"
+        pending = _Pending(future, endpoint, time.monotonic() + timeout, what)
+        key = (endpoint, _RPC, rid)
+        with self._lock:
+            self._check_running()
+            self._track(key, pending)
+            self._enqueue_locked(priority, _Outbound(frame, endpoint=endpoint, pending=pending, key=key))
+        return future
+
+    def request(
+        self,
+        endpoint: str,
+        protocol_id: int,
+        payload: bytes,
+        *,
+        priority: int = DEFAULT_PRIORITY,
+        timeout: float = 10.0,
+    ) -> bytes:
+        """Send an RpcRequest and wait for its response payload.
+
+        Raises PeerTimeoutError at the deadline and a RemoteError subclass when the peer refuses.
+        """
+        future = self.request_async(endpoint, protocol_id, payload, priority=priority, timeout=timeout)
+        return _wait(future, timeout, f"request to {endpoint}")
+
+    def send(
+        self, endpoint: str, protocol_id: int, payload: bytes, *, priority: int = DEFAULT_PRIORITY
+    ) -> None:
+        """Fire-and-forget DirectSend: returns once queued; delivery is best effort."""
+        _check_endpoint(endpoint)
+        frame = encode(DirectSend(protocol_id, priority, payload))
+        self._check_size(frame)
+        with self._lock:
+            self._check_running()
+            self._enqueue_locked(priority, _Outbound(frame, endpoint=endpoint))
+
+    def ping(self, endpoint: str, timeout: float = 5.0) -> float:
+        """Round-trip time in seconds, measured from the moment the Ping left this process."""
+        _check_endpoint(endpoint)
+        _check_timeout(timeout)
+        future: Future[float] = Future()
+        with self._lock:
+            self._check_running()
+            nonce = secrets.randbits(32)
+            while (endpoint, _PING, nonce) in self._pending:
+                nonce = secrets.randbits(32)
+            key = (endpoint, _PING, nonce)
+            pending = _Pending(future, endpoint, time.monotonic() + timeout, f"ping to {endpoint}")
+            self._track(key, pending)
+            frame = encode(Ping(nonce))
+            item = _Outbound(frame, endpoint=endpoint, pending=pending, key=key)
+            self._enqueue_locked(_CONTROL_PRIORITY, item)
+        return _wait(future, timeout, f"ping to {endpoint}")
+
+    def stats(self) -> dict[str, int]:
+        """Counters for metrics: frames and bytes each way, refusals, timeouts, current backlog."""
+        s = self._stats
+        with s.lock:
+            out = {
+                "frames_in": s.frames_in,
+                "frames_out": s.frames_out,
+                "bytes_in": s.bytes_in,
+                "bytes_out": s.bytes_out,
+                "errors_in": s.errors_in,
+                "errors_out": s.errors_out,
+                "malformed_in": s.malformed_in,
+                "handler_errors": s.handler_errors,
+                "timeouts": s.timeouts,
+                "dropped_out": s.dropped_out,
+            }
+        with self._lock:
+            out["pending"] = len(self._pending)
+            out["outbox"] = len(self._outbox)
+        out["inbox"] = self._inbox.qsize()
+        return out
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else "running" if self._started else "new"
+        return f"PeerTransport({self._endpoint or self._bind!r}, {state})"
+
+    # --- caller-side helpers (hold self._lock) ----------------------------------------------
+
+    def _check_running(self) -> None:
+        if self._closed:
+            raise TransportNotRunningError("the transport is closed")
+        if not self._started:
+            raise TransportNotRunningError("the transport is not started")
+        if self._io_failed:
+            raise TransportNotRunningError("the transport's IO thread failed; close it and start a new one")
+
+    def _check_size(self, frame: bytes) -> None:
+        if len(frame) > self._max_frame:
+            raise FrameTooLargeError(f"a {len(frame)}-byte frame exceeds max_frame_bytes={self._max_frame}")
+
+    def _allocate_rid(self, endpoint: str) -> int:
+        rid = self._next_rid
+        while (endpoint, _RPC, rid) in self._pending:  # only after 2**32 ids with one still pending
+            rid = (rid + 1) & MAX_U32
+        self._next_rid = (rid + 1) & MAX_U32
+        return rid
+
+    def _track(self, key: tuple[str, int, int], pending: _Pending) -> None:
+        self._pending[key] = pending
+        heapq.heappush(self._deadlines, (pending.deadline, next(self._seq), key, pending))
+
+    def _enqueue_locked(self, priority: int, item: _Outbound) -> None:
+        heapq.heappush(self._outbox, (-priority, next(self._seq), item))
+        self._wake_locked()
+
+    def _enqueue(self, priority: int, item: _Outbound) -> None:
+        with self._lock:
+            if self._closed and self._stopping.is_set() and self._io is not threading.current_thread():
+                return  # late replies from workers after close: nothing will send them
+            heapq.heappush(self._outbox, (-priority, next(self._seq), item))
+            self._wake_locked()
+
+    def _wake(self) -> None:
+        with self._lock:
+            self._wake_locked()
+
+    def _wake_locked(self) -> None:
+        # Coalesced: one outstanding wake-up is enough, the IO thread drains the whole outbox.
+        if self._wake_pending or self._wake_tx is None or threading.current_thread() is self._io:
+            return
+        self._wake_pending = True
+        try:
+            self._wake_tx.send(b"", zmq.NOBLOCK)
+        except zmq.ZMQError:
+            self._wake_pending = False  # the IO loop polls with a short timeout anyway
+
+    # --- IO thread --------------------------------------------------------------------------
+
+    def _io_main(self) -> None:
+        assert self._ctx is not None
+        ctx = self._ctx
+        router: zmq.Socket[bytes] | None = None
+        wake_rx: zmq.Socket[bytes] | None = None
+        dealers: dict[str, zmq.Socket[bytes]] = {}
+        try:
+            router = ctx.socket(zmq.ROUTER)
+            self._tune(router)
+            router.setsockopt(zmq.ROUTER_MANDATORY, 1)  # unroutable replies raise instead of vanishing
+            router.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a restarted peer with the same identity takes over
+            router.bind(self._bind)
+            self._endpoint = router.getsockopt_string(zmq.LAST_ENDPOINT)
+            wake_rx = ctx.socket(zmq.PAIR)
+            wake_rx.setsockopt(zmq.LINGER, 0)
+            wake_rx.bind(self._wake_addr)
+        except Exception as exc:  # noqa: BLE001 - reported to start()
+            self._start_error = exc
+            for s in (router, wake_rx):
+                if s is not None:
+                    s.close(linger=0)
+            self._ready.set()
+            return
+        self._ready.set()
+        assert router is not None and wake_rx is not None
+
+        poller = zmq.Poller()
+        poller.register(router, zmq.POLLIN)
+        poller.register(wake_rx, zmq.POLLIN)
+        by_socket: dict[zmq.Socket[bytes], str] = {}
+        router_polled = True
+        try:
+            while not self._stopping.is_set():
+                backlog_full = self._inbox.qsize() >= _MAX_BACKLOG
+                if backlog_full == router_polled:  # stop/restart reading inbound under back-pressure
+                    poller.modify(router, 0 if backlog_full else zmq.POLLIN)
+                    router_polled = not backlog_full
+                events = dict(poller.poll(self._poll_timeout_ms(backlog_full)))
+                if wake_rx in events:
+                    self._drain_wake(wake_rx)
+                if router in events:
+                    self._read_router(router)
+                for sock in [s for s in events if s in by_socket]:
+                    self._read_dealer(sock, by_socket[sock])
+                self._flush(router, dealers, by_socket, poller)
+                self._expire()
+            # Orderly stop: push out what was queued before close(), then let LINGER deliver it.
+            self._flush(router, dealers, by_socket, poller)
+        except Exception:  # noqa: BLE001 - a dead IO thread must not leave callers hanging
+            log.exception("peer transport IO thread failed; closing the transport")
+            self._fail_all(TransportError("the transport's IO thread failed"))
+        finally:
+            linger = int(max(0.0, min(_LINGER_MS / 1000, self._close_deadline - time.monotonic())) * 1000)
+            for sock in [*dealers.values(), router]:
+                sock.close(linger=linger)
+            wake_rx.close(linger=0)
+
+    def _tune(self, sock: zmq.Socket[bytes]) -> None:
+        sock.setsockopt(zmq.LINGER, _LINGER_MS)
+        sock.setsockopt(zmq.MAXMSGSIZE, self._hard_cap)
+        sock.setsockopt(zmq.SNDHWM, _HWM)
+        sock.setsockopt(zmq.RCVHWM, _HWM)
+        sock.setsockopt(zmq.TCP_KEEPALIVE, 1)
+        sock.setsockopt(zmq.HEARTBEAT_IVL, 5000)  # ZMTP heartbeats notice half-open TCP connections
+        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 15000)
+
+    def _poll_timeout_ms(self, backlog_full: bool) -> int:
+        limit = 20 if backlog_full else _MAX_POLL_MS
+        with self._lock:
+            if self._deadlines:
+                until = (self._deadlines[0][0] - time.monotonic()) * 1000
+                return max(0, min(limit, int(until) + 1))
+        return limit
+
+    def _drain_wake(self, wake_rx: zmq.Socket[bytes]) -> None:
+        with self._lock:
+            self._wake_pending = False
+        while True:
+            try:
+                wake_rx.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+
+    def _connect(
+        self,
+        endpoint: str,
+        dealers: dict[str, zmq.Socket[bytes]],
+        by_socket: dict[zmq.Socket[bytes], str],
+        poller: zmq.Poller,
+    ) -> zmq.Socket[bytes]:
+        sock = dealers.get(endpoint)
+        if sock is not None:
+            return sock
+        assert self._ctx is not None
+        sock = self._ctx.socket(zmq.DEALER)
+        try:
+            self._tune(sock)
+            sock.setsockopt(zmq.ROUTING_ID, self._identity)
+            sock.setsockopt(zmq.RECONNECT_IVL, 100)
+            sock.setsockopt(zmq.RECONNECT_IVL_MAX, 5000)
+            sock.setsockopt(zmq.CONNECT_TIMEOUT, 5000)
+            sock.connect(endpoint)
+        except zmq.ZMQError:
+            sock.close(linger=0)
+            raise
+        dealers[endpoint] = sock
+        by_socket[sock] = endpoint
+        poller.register(sock, zmq.POLLIN)
+        return sock
+
+    def _flush(
+        self,
+        router: zmq.Socket[bytes],
+        dealers: dict[str, zmq.Socket[bytes]],
+        by_socket: dict[zmq.Socket[bytes], str],
+        poller: zmq.Poller,
+    ) -> None:
+        with self._lock:
+            batch = [heapq.heappop(self._outbox)[2] for _ in range(len(self._outbox))]  # priority order
+        for item in batch:
+            if item.pending is not None and item.pending.future.done():
+                continue  # expired or cancelled while queued
+            try:
+                if item.identity is not None:
+                    router.send_multipart([item.identity, item.frame], zmq.NOBLOCK)
+                else:
+                    assert item.endpoint is not None
+                    sock = self._connect(item.endpoint, dealers, by_socket, poller)
+                    sock.send(item.frame, zmq.NOBLOCK)
+            except zmq.ZMQError as exc:
+                self._stats.add(dropped_out=1)
+                target = item.endpoint or _fmt_id(item.identity or b"")
+                log.warning("dropped a %d-byte frame to %s: %s", len(item.frame), target, exc.strerror)
+                if item.pending is not None and item.key is not None:
+                    error = PeerUnreachableError(f"cannot send to {target}: {exc.strerror}")
+                    self._resolve(item.key, item.pending, error)
+                continue
+            if item.pending is not None:
+                item.pending.sent_at = time.monotonic()
+            if item.frame[0] == MessageType.ERROR:
+                self._stats.add(frames_out=1, bytes_out=len(item.frame), errors_out=1)
+            else:
+                self._stats.add(frames_out=1, bytes_out=len(item.frame))
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        expired: list[_Pending] = []
+        with self._lock:
+            while self._deadlines and self._deadlines[0][0] <= now:
+                _, _, key, pending = heapq.heappop(self._deadlines)
+                if self._pending.get(key) is pending:
+                    del self._pending[key]
+                    expired.append(pending)
+        for p in expired:
+            if not p.future.done():
+                self._stats.add(timeouts=1)  # counted first, so a woken caller already sees it
+                _fail(p.future, PeerTimeoutError(f"no answer to {p.what} before the deadline"))
+
+    def _resolve(
+        self, key: tuple[str, int, int], pending: _Pending, outcome: BaseException | None, value: Any = None
+    ) -> None:
+        with self._lock:
+            if self._pending.get(key) is pending:
+                del self._pending[key]
+        if outcome is not None:
+            _fail(pending.future, outcome)
+        else:
+            _succeed(pending.future, value)
+
+    def _fail_all(self, exc: TransportError) -> None:
+        with self._lock:
+            pending = list(self._pending.values())
+            self._pending.clear()
+            self._deadlines.clear()
+            self._io_failed = True
+        for p in pending:
+            _fail(p.future, exc)
+
+    def _refuse(
+        self, identity: bytes, frame: bytes | memoryview, code: ErrorCode, reason: str, rid: int | None = None
+    ) -> None:
+        """Answer a frame we cannot serve, unless it is too short to name or is itself an Error."""
+        self._stats.add(malformed_in=1)
+        log.warning("refused a %d-byte frame from %s: %s", len(frame), _fmt_id(identity), reason)
+        if len(frame) < 2 or frame[0] == MessageType.ERROR:  # never answer an Error: no ping-pong loops
+            return
+        reply = encode(Error(code, bytes(frame[:2]), rid))
+        self._enqueue(_CONTROL_PRIORITY, _Outbound(reply, identity=identity))
+
+    def _read_router(self, router: zmq.Socket[bytes]) -> None:
+        for _ in range(_RECV_BATCH):
+            try:
+                parts = router.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            try:
+                self._on_inbound(parts)
+            except Exception:  # noqa: BLE001 - one bad frame must not stop the listener
+                self._stats.add(malformed_in=1)
+                log.exception("failed to handle an inbound frame; listener continues")
+
+    def _on_inbound(self, parts: list[zmq.Frame]) -> None:
+        identity = parts[0].bytes
+        frames = parts[1:]
+        size = sum(len(f.buffer) for f in frames)
+        self._stats.add(frames_in=1, bytes_in=size)
+        if len(frames) != 1:
+            first = frames[0].buffer if frames else memoryview(b"")
+            if len(first) > self._max_frame:
+                first = first[:2]
+            reason = f"{len(frames)} ZeroMQ frames where one is expected"
+            self._refuse(identity, first, ErrorCode.PARSING_ERROR, reason)
+            return
+        data = frames[0].buffer
+        if len(data) > self._max_frame:
+            rid = None
+            if data[0] == MessageType.RPC_REQUEST and len(data) >= 6:
+                rid = int.from_bytes(data[2:6], "big")
+            reason = f"exceeds max_frame_bytes={self._max_frame}"
+            self._refuse(identity, data, ErrorCode.TOO_LARGE, reason, rid)
+            return
+        try:
+            msg = decode(data)
+        except FrameError as exc:
+            self._refuse(identity, data, ErrorCode.PARSING_ERROR, _reason(exc))
+            return
+        if isinstance(msg, Ping):
+            self._enqueue(_CONTROL_PRIORITY, _Outbound(encode(Pong(msg.nonce)), identity=identity))
+            return
+        if isinstance(msg, Error):
+            self._stats.add(errors_in=1)
+            log.warning(
+                "peer %s sent %s about a frame starting %s", _fmt_id(identity), msg.code.name, msg.head.hex()
+            )
+            return
+        if isinstance(msg, RpcRequest):
+            handlers = self._handlers.get(msg.protocol_id)
+            if handlers is None or handlers.rpc is None:
+                reason = f"no rpc handler for protocol {msg.protocol_id}"
+                self._refuse(identity, data, ErrorCode.NOT_SUPPORTED, reason, msg.request_id)
+                return
+            peer = self._peer(identity, frames[0])
+            head = bytes(data[:2])
+            job = _Job(MessageType.RPC_REQUEST, msg.protocol_id, msg.priority, msg.payload, peer, msg.request_id, head)
+        elif isinstance(msg, DirectSend):
+            handlers = self._handlers.get(msg.protocol_id)
+            if handlers is None or handlers.direct is None:
+                reason = f"no direct handler for protocol {msg.protocol_id}"
+                self._refuse(identity, data, ErrorCode.NOT_SUPPORTED, reason)
+                return
+            peer = self._peer(identity, frames[0])
+            job = _Job(MessageType.DIRECT_SEND, msg.protocol_id, msg.priority, msg.payload, peer)
+        else:  # Pong or RpcResponse: answers belong on our DEALERs, not on the ROUTER
+            reason = f"unexpected {msg.TYPE.name} on the listening socket"
+            self._refuse(identity, data, ErrorCode.NOT_SUPPORTED, reason)
+            return
+        self._inbox.put((-job.priority, next(self._seq), job))
+
+    @staticmethod
+    def _peer(identity: bytes, frame: zmq.Frame) -> PeerInfo:
+        try:
+            address: str | None = frame.get("Peer-Address")
+        except (zmq.ZMQError, AttributeError, TypeError):
+            address = None
+        return PeerInfo(identity, address)
+
+    def _read_dealer(self, sock: zmq.Socket[bytes], endpoint: str) -> None:
+        for _ in range(_RECV_BATCH):
+            try:
+                parts = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            try:
+                self._on_reply(parts, endpoint)
+            except Exception:  # noqa: BLE001 - keep serving the other replies
+                self._stats.add(malformed_in=1)
+                log.exception("failed to handle a reply from %s", endpoint)
+
+    def _on_reply(self, parts: list[zmq.Frame], endpoint: str) -> None:
+        size = sum(len(f.buffer) for f in parts)
+        self._stats.add(frames_in=1, bytes_in=size)
+        if len(parts) != 1 or size > self._max_frame:
+            self._stats.add(malformed_in=1)
+            log.warning("ignored a reply from %s: %d ZeroMQ frames, %d bytes", endpoint, len(parts), size)
+            return
+        try:
+            msg = decode(parts[0].buffer)
+        except FrameError as exc:
+            self._stats.add(malformed_in=1)
+            log.warning("ignored an unparsable %d-byte reply from %s: %s", size, endpoint, _reason(exc))
+            return
+        now = time.monotonic()
+        if isinstance(msg, RpcResponse):
+            key = (endpoint, _RPC, msg.request_id)
+            with self._lock:
+                pending = self._pending.get(key)
+            if pending is None:
+                log.debug("late or unknown response %d from %s ignored", msg.request_id, endpoint)
+                return
+            self._resolve(key, pending, None, msg.payload)
+        elif isinstance(msg, Pong):
+            key = (endpoint, _PING, msg.nonce)
+            with self._lock:
+                pending = self._pending.get(key)
+            if pending is None:
+                self._stats.add(malformed_in=1)
+                log.warning("Pong from %s carries a nonce no ping is waiting for", endpoint)
+                return
+            self._resolve(key, pending, None, now - (pending.sent_at or now))
+        elif isinstance(msg, Error):
+            self._stats.add(errors_in=1)
+            with self._lock:
+                key = (endpoint, _RPC, msg.request_id) if msg.request_id is not None else None
+                pending = self._pending.get(key) if key is not None else None
+            if key is None or pending is None:
+                log.warning("peer %s refused a frame starting %s: %s", endpoint, msg.head.hex(), msg.code.name)
+                return
+            self._resolve(key, pending, _remote_error(msg.code, pending.what))
+        else:
+            self._stats.add(malformed_in=1)
+            log.warning("ignored an unexpected %s from %s on an outbound socket", msg.TYPE.name, endpoint)
+
+    # --- workers ----------------------------------------------------------------------------
+
+    def _worker_main(self) -> None:
+        while True:
+            try:
+                _, _, job = self._inbox.get(timeout=1.0)
+            except queue.Empty:
+                if self._stopping.is_set():
+                    return
+                continue
+            if job is None:
+                return
+            try:
+                self._run(job)
+            except Exception:  # noqa: BLE001 - never lose a worker
+                log.exception("peer transport worker failed")
+
+    def _run(self, job: _Job) -> None:
+        handlers = self._handlers.get(job.protocol_id, _Handlers())
+        if job.kind == MessageType.DIRECT_SEND:
+            try:
+                assert handlers.direct is not None
+                handlers.direct(job.payload, job.peer)
+            except Exception:  # noqa: BLE001 - logged, the sender expects no answer
+                self._stats.add(handler_errors=1)
+                log.exception(
+                    "direct handler for protocol %s failed on a message from %s",
+                    job.protocol_id,
+                    _fmt_id(job.peer.identity),
+                )
+            return
+        try:
+            assert handlers.rpc is not None
+            result = handlers.rpc(job.payload, job.peer)
+            if not isinstance(result, (bytes, bytearray, memoryview)):
+                raise TypeError(f"rpc handler returned {type(result).__name__}, not bytes")
+            reply = encode(RpcResponse(job.request_id, job.priority, bytes(result)))
+            if len(reply) > self._max_frame:
+                log.error("response to request %d is %d bytes, over max_frame_bytes", job.request_id, len(reply))
+                reply = encode(Error(ErrorCode.TOO_LARGE, job.head, job.request_id))
+        except Exception:  # noqa: BLE001 - the caller gets Error(Internal), details stay here
+            self._stats.add(handler_errors=1)
+            log.exception(
+                "rpc handler for protocol %s failed on request %d from %s",
+                job.protocol_id,
+                job.request_id,
+                _fmt_id(job.peer.identity),
+            )
+            reply = encode(Error(ErrorCode.INTERNAL, job.head, job.request_id))
+        self._enqueue(job.priority, _Outbound(reply, identity=job.peer.identity))
+
+
+# --- module helpers -------------------------------------------------------------------------
+
+
+def _fmt_id(identity: bytes) -> str:
+    try:
+        text = identity.decode("ascii")
+        if text.isprintable():
+            return text
+    except UnicodeDecodeError:
+        pass
+    return "0x" + identity.hex()
+
+
+def _reason(exc: TransportError) -> str:
+    """The message without the hint, for one-line logs."""
+    return str(exc).removesuffix(f". {exc.hint}")
+
+
+def _check_u8(name: str, value: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= 255:
+        raise ConfigurationError(f"{name} must be an integer 0-255, got {value!r}")
+
+
+def _check_endpoint(endpoint: str) -> None:
+    if not isinstance(endpoint, str) or "://" not in endpoint:
+        raise ConfigurationError(f"a peer endpoint looks like tcp://host:port, got {endpoint!r}")
+
+
+def _check_timeout(timeout: float) -> None:
+    if not isinstance(timeout, (int, float)) or not timeout > 0:
+        raise ConfigurationError(f"timeout must be a positive number of seconds, got {timeout!r}")
+
+
+def _wait(future: Future[Any], timeout: float, what: str) -> Any:
+    # The IO thread enforces the deadline; the slack only guards against a wedged IO thread.
+    try:
+        return future.result(timeout=timeout + 2.0)
+    except FutureTimeoutError:
+        future.cancel()
+        raise PeerTimeoutError(f"no answer to {what} within {timeout:g}s") from None
+
+
+def _fail(future: Future[Any], exc: BaseException) -> bool:
+    try:
+        future.set_exception(exc)
+        return True
+    except InvalidStateError:  # already resolved or cancelled by the caller
+        return False
+
+
+def _succeed(future: Future[Any], value: Any) -> None:
+    try:
+        future.set_result(value)
+    except InvalidStateError:
+        pass
+
+
+_REMOTE_ERRORS: dict[ErrorCode, type[RemoteError]] = {
+    ErrorCode.NOT_SUPPORTED: RemoteNotSupportedError,
+    ErrorCode.INTERNAL: RemoteHandlerError,
+    ErrorCode.TOO_LARGE: RemoteFrameTooLargeError,
+}
+
+
+def _remote_error(code: ErrorCode, what: str) -> RemoteError:
+    return _REMOTE_ERRORS.get(code, RemoteError)(f"the peer refused {what} with {code.name}")
