@@ -1,0 +1,399 @@
+"""Three agents, each in its own process, on loopback: invitations, DID exchange, messages both ways,
+discover features, hostile input, and a restart of every process from the same identity directory.
+
+The agents run tests/integration/agent_driver.py and are driven through their stdin/stdout with
+their own Python API. The hostile peer is this test process: a raw ZeroMQ DEALER for broken frames
+and a PeerTransport plus real keys and envelopes for broken DIDComm.
+"""
+
+from __future__ import annotations
+
+import json
+import queue
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import zmq
+
+from zerocomm_spark.connections import ConnectionStore
+from zerocomm_spark.envelope import pack, unpack
+from zerocomm_spark.errors import ConnectionNotFoundError, PeerTimeoutError, RemoteFrameTooLargeError
+from zerocomm_spark.keys.keypair import KeyPair
+from zerocomm_spark.keys.keystore import Keystore
+from zerocomm_spark.protocols.basic_message.v1_0.messages import BasicMessage
+from zerocomm_spark.protocols.did_exchange.v1_0.manager import DIDExchangeManager
+from zerocomm_spark.protocols.did_exchange.v1_0.messages import DIDXResponse
+from zerocomm_spark.protocols.message import parse_message
+from zerocomm_spark.protocols.out_of_band.v1_1.manager import OutOfBandManager
+from zerocomm_spark.transport.frames import Error, ErrorCode, ProtocolId, decode
+from zerocomm_spark.transport.peer import PeerInfo, PeerTransport
+
+pytestmark = [pytest.mark.timeout(120), pytest.mark.slow]
+
+DRIVER = Path(__file__).with_name("agent_driver.py")
+MAX_FRAME = 256 * 1024
+CALL_TIMEOUT = 20.0
+NAMES = ("alice", "bob", "carol")
+
+
+class AgentCallError(Exception):
+    def __init__(self, error: str, message: str) -> None:
+        super().__init__(f"{error}: {message}")
+        self.error = error
+        self.message = message
+
+
+class AgentProcess:
+    """One agent in a child process, called like the API it wraps."""
+
+    def __init__(self, path: Path, log: Path) -> None:
+        self.path = path
+        self._log = log.open("a")
+        self.proc = subprocess.Popen([sys.executable, "-u", str(DRIVER)], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=self._log, text=True, bufsize=1)
+        self._lines: queue.Queue[str | None] = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self._lines.put(line)
+        self._lines.put(None)
+
+    def start(self, op: str, **args: Any) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps({"op": op, **args}) + "\n")
+        self.proc.stdin.flush()
+
+    def result(self, timeout: float = CALL_TIMEOUT) -> Any:
+        try:
+            line = self._lines.get(timeout=timeout)
+        except queue.Empty:
+            raise AssertionError(f"agent process {self.path.name} gave no answer in {timeout}s") from None
+        if line is None:
+            raise AssertionError(f"agent process {self.path.name} exited with {self.proc.wait(5)}")
+        answer = json.loads(line)
+        if not answer["ok"]:
+            raise AgentCallError(answer["error"], answer["message"])
+        return answer["result"]
+
+    def call(self, op: str, **args: Any) -> Any:
+        self.start(op, **args)
+        return self.result()
+
+    def stop(self) -> None:
+        try:
+            if self.proc.poll() is None:
+                self.call("exit")
+                self.proc.wait(timeout=10)
+        finally:
+            if self.proc.poll() is None:
+                self.proc.kill()
+                self.proc.wait(timeout=5)
+            self._log.close()
+
+
+def _spawn(root: Path, labels: dict[str, str | None]) -> dict[str, AgentProcess]:
+    procs = {name: AgentProcess(root / name, root / f"{name}.log") for name in labels}
+    for name, proc in procs.items():  # all start in parallel, then we collect
+        args: dict[str, Any] = {"path": str(proc.path), "max_frame_bytes": MAX_FRAME}
+        if labels[name] is not None:
+            args["label"] = labels[name]
+        proc.start("open", **args)
+    for proc in procs.values():
+        proc.info = proc.result()  # type: ignore[attr-defined]
+    return procs
+
+
+def _connect(inviter: AgentProcess, invitee: AgentProcess) -> dict[str, Any]:
+    url = inviter.call("invite")
+    assert url.startswith("https://zerocomm.invalid/?oob=")
+    return invitee.call("accept", url=url, timeout=10)
+
+
+class Cluster:
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.agents = _spawn(root, {n: n for n in NAMES})
+        self.links: dict[tuple[str, str], dict[str, Any]] = {}
+
+    def __getitem__(self, name: str) -> AgentProcess:
+        return self.agents[name]
+
+    def stop(self) -> None:
+        for proc in self.agents.values():
+            proc.stop()
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    c = Cluster(tmp_path_factory.mktemp("agents"))
+    try:
+        # A triangle, each pair through its own invitation.
+        for inviter, invitee in (("alice", "bob"), ("bob", "carol"), ("carol", "alice")):
+            c.links[(inviter, invitee)] = _connect(c[inviter], c[invitee])
+        yield c
+    finally:
+        c.stop()
+
+
+def _by_label(connections: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    return {conn["label"]: conn for conn in connections}
+
+
+def test_everyone_is_connected_with_completed_exchanges(cluster: Cluster) -> None:
+    for name in NAMES:
+        conns = _by_label(cluster[name].call("connections"))
+        assert set(conns) == set(NAMES) - {name}
+        assert all(c["state"] == "completed" for c in conns.values())
+        assert all(c["their_did"].startswith("did:peer:2.") for c in conns.values())
+    # Both sides of one link agree on each other's DIDs.
+    bob_side = cluster.links[("alice", "bob")]
+    alice_side = _by_label(cluster["alice"].call("connections"))["bob"]
+    assert bob_side["role"] == "requester" and alice_side["role"] == "responder"
+    assert alice_side["their_did"] == bob_side["my_did"] and bob_side["their_did"] == alice_side["my_did"]
+
+
+def test_messages_flow_both_ways(cluster: Cluster) -> None:
+    alice, bob, carol = cluster["alice"], cluster["bob"], cluster["carol"]
+    sent = bob.call("send", peer="alice", message="hello alice, bob here")
+    got = alice.call("receive", timeout=5)
+    assert got["id"] == sent and got["content"] == "hello alice, bob here" and got["label"] == "bob"
+
+    alice_to_bob = _by_label(alice.call("connections"))["bob"]
+    alice.call("send", peer=alice_to_bob["their_did"], message="hi bob ✓")  # by DID this time
+    got = bob.call("receive", timeout=5)
+    assert got["content"] == "hi bob ✓" and got["label"] == "alice"
+
+    carol.call("send", peer="alice", message="one")
+    carol.call("send", peer="alice", message="two")
+    assert [alice.call("receive", timeout=5)["content"] for _ in range(2)] == ["one", "two"]
+    assert [m["content"] for m in alice.call("messages", peer="carol")] == ["one", "two"]
+    assert len(alice.call("messages")) == 3
+
+    with pytest.raises(AgentCallError) as info:
+        alice.call("send", peer="nobody", message="x")
+    assert info.value.error == "ConnectionNotFoundError"
+    with pytest.raises(AgentCallError) as info:
+        alice.call("receive", timeout=0.2)
+    assert info.value.error == "ReceiveTimeoutError"
+
+
+def test_discover_features_and_ping(cluster: Cluster) -> None:
+    everything = cluster["bob"].call("discover", peer="carol", query="*", timeout=5)
+    pids = {p["pid"] for p in everything}
+    assert "https://didcomm.org/didexchange/1.0" in pids and "https://didcomm.org/basicmessage/1.0" in pids
+    assert len(pids) == 5
+    some = cluster["carol"].call("discover", peer="alice", query="https://didcomm.org/d*", timeout=5)
+    assert sorted(p["pid"] for p in some) == ["https://didcomm.org/didexchange/1.0",
+                                              "https://didcomm.org/discover-features/1.0"]
+    assert cluster["alice"].call("discover", peer="bob", query="https://example.org/*", timeout=5) == []
+    rtt = cluster["alice"].call("ping", peer="carol", timeout=5)
+    assert 0 < rtt < 5
+
+
+@pytest.fixture
+def hostile(tmp_path: Path) -> Iterator[tuple[PeerTransport, "queue.Queue[bytes]"]]:
+    """A transport that can send frames bigger than the agents accept, and records what it is sent."""
+    inbound: queue.Queue[bytes] = queue.Queue()
+
+    def on_rpc(payload: bytes, peer: PeerInfo) -> bytes:
+        inbound.put(payload)
+        return b'{"ok":true}'
+
+    transport = PeerTransport(max_frame_bytes=4 * MAX_FRAME)
+    transport.register(ProtocolId.DIDCOMM, rpc=on_rpc)
+    with transport:
+        yield transport, inbound
+
+
+def _receipt(reply: bytes) -> dict[str, Any]:
+    receipt = json.loads(reply)
+    assert isinstance(receipt, dict) and isinstance(receipt["ok"], bool)
+    return receipt
+
+
+def _raw_frames(endpoint: str, unanswered: list[bytes], frames: list[bytes]) -> list[Error]:
+    """From a bare DEALER, send ``unanswered`` then each of ``frames``, collecting the agent's Error
+    answers (deadline 5 s each); an answer to ``unanswered`` would show up in place of the first."""
+    ctx = zmq.Context.instance()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(endpoint)
+    answers = []
+    try:
+        for frame in unanswered:
+            sock.send(frame)
+        for frame in frames:
+            sock.send(frame)
+            assert sock.poll(5000), "the agent did not answer a broken frame"
+            reply = decode(sock.recv())
+            assert isinstance(reply, Error) and reply.head == frame[:2]
+            answers.append(reply)
+    finally:
+        sock.close()
+    return answers
+
+
+def test_bad_input_gets_clear_errors_and_the_agent_keeps_serving(
+        cluster: Cluster, hostile: tuple[PeerTransport, "queue.Queue[bytes]"], tmp_path: Path) -> None:
+    alice, bob, carol = cluster["alice"], cluster["bob"], cluster["carol"]
+    client, inbound = hostile
+    endpoint = alice.info["endpoint"]  # type: ignore[attr-defined]
+    before = len(alice.call("connections", include_incomplete=True))
+
+    # 1. Garbage and truncated wire frames: answered with a ParsingError Error frame.
+    # (Frames under 2 bytes name nothing to refuse, so the transport drops them without an answer.)
+    errors = _raw_frames(endpoint, [b"", b"\x03"], [b"\xffnot a frame", b"\x03\x00\x01", b"\x03" + b"\x00" * 5])
+    assert [e.code for e in errors] == [ErrorCode.PARSING_ERROR] * 3
+
+    # 2. Garbage and truncated envelopes inside valid RPC frames.
+    invitation = OutOfBandManager.parse_url(alice.call("invite"))
+    good = pack(BasicMessage(content="x").to_dict(), [invitation.recipient_key])
+    for payload, error in ((b"\x00garbage", "MalformedEnvelopeError"),
+                           (good[: len(good) // 2], "MalformedEnvelopeError"),
+                           (good.replace(b'"tag":"', b'"tag":"AAAA', 1), "TamperedEnvelopeError")):
+        receipt = _receipt(client.request(endpoint, ProtocolId.DIDCOMM, payload, timeout=5))
+        assert receipt == {"ok": False, "error": error, "detail": receipt["detail"]}
+    client.send(endpoint, ProtocolId.DIDCOMM, b"junk as a DirectSend")  # no answer expected; must not hurt
+
+    # 3. An envelope for someone else.
+    stranger = pack(BasicMessage(content="x").to_dict(), [KeyPair.generate().verkey], sender=KeyPair.generate())
+    assert _receipt(client.request(endpoint, ProtocolId.DIDCOMM, stranger, timeout=5))["error"] == "NoRecipientKeyError"
+
+    # 4. An unknown message type, properly encrypted to one of alice's keys.
+    unknown = pack({"@type": "https://didcomm.org/no-such-protocol/1.0/thing", "@id": "u-1"},
+                   [invitation.recipient_key], sender=KeyPair.generate())
+    receipt = _receipt(client.request(endpoint, ProtocolId.DIDCOMM, unknown, timeout=5))
+    assert receipt["error"] == "UnknownMessageTypeError" and "no-such-protocol" in receipt["detail"]
+    # A valid type that needs a connection, from nobody alice knows.
+    orphan = pack(BasicMessage(content="x").to_dict(), [invitation.recipient_key], sender=KeyPair.generate())
+    receipt = _receipt(client.request(endpoint, ProtocolId.DIDCOMM, orphan, timeout=5))
+    assert receipt["error"] == "ConnectionNotFoundError"
+
+    # 5. An oversized frame.
+    with pytest.raises(RemoteFrameTooLargeError):
+        client.request(endpoint, ProtocolId.DIDCOMM, b"x" * (MAX_FRAME + 1024), timeout=5)
+
+    # 6. A DID-exchange request, then the same request replayed, then a second use of the invitation.
+    with Keystore.open(tmp_path / "mallory") as keystore:
+        store = ConnectionStore(keystore)
+        oob = OutOfBandManager(keystore, client.endpoint, "mallory")
+        didx = DIDExchangeManager(keystore, store, oob, endpoint=client.endpoint, label="mallory")
+        record, request, key = didx.create_request(invitation)
+        envelope = pack(request.to_dict(), [invitation.recipient_key], sender=key)
+        assert _receipt(client.request(endpoint, ProtocolId.DIDCOMM, envelope, timeout=5)) == {"ok": True}
+        # The genuine response arrives, signed with the invitation key.
+        unpacked = unpack(inbound.get(timeout=5), keystore.find)
+        response = parse_message(unpacked.json())
+        assert isinstance(response, DIDXResponse) and response.thid == request.id
+        assert didx.receive_response(response, recipient_verkey=unpacked.recipient_verkey,
+                                     sender_verkey=unpacked.sender_verkey).state == "response-received"
+
+        receipt = _receipt(client.request(endpoint, ProtocolId.DIDCOMM, envelope, timeout=5))
+        assert receipt["error"] == "ReplayError"
+        _, request2, key2 = didx.create_request(invitation)
+        envelope2 = pack(request2.to_dict(), [invitation.recipient_key], sender=key2)
+        receipt = _receipt(client.request(endpoint, ProtocolId.DIDCOMM, envelope2, timeout=5))
+        assert receipt["error"] == "ReplayError" and "already used" in receipt["detail"]
+    assert inbound.empty()  # no second response went out
+    assert len(alice.call("connections", include_incomplete=True)) == before + 1
+
+    # 7. Alice is still alive and serving everyone normally.
+    assert alice.proc.poll() is None
+    bob.call("send", peer="alice", message="still there?")
+    assert alice.call("receive", timeout=5)["content"] == "still there?"
+    alice.call("send", peer="carol", message="yes")
+    assert carol.call("receive", timeout=5)["content"] == "yes"
+    assert alice.call("ping", peer="bob", timeout=5) > 0
+
+
+def test_a_replayed_message_is_refused_by_the_agent_api(cluster: Cluster) -> None:
+    # Accepting an invitation that was already used: the inviter refuses, no connection is made.
+    url = cluster["alice"].call("invite", label="alice-2")
+    cluster["bob"].call("accept", url=url, timeout=10, label="bob-2")  # labels keep peers unambiguous
+    with pytest.raises(AgentCallError) as info:
+        cluster["carol"].call("accept", url=url, timeout=10)
+    assert info.value.error == "ReplayError"
+    states = [c["state"] for c in cluster["carol"].call("connections", include_incomplete=True)]
+    assert states.count("abandoned") == 1
+    with pytest.raises(AgentCallError) as info:
+        cluster["carol"].call("accept", url="https://zerocomm.invalid/?oob=garbage", timeout=5)
+    assert info.value.error == "InvitationError"
+
+
+def test_restart_keeps_identities_connections_and_endpoints(cluster: Cluster) -> None:
+    before = {name: cluster[name].call("connections") for name in NAMES}
+    endpoints = {name: cluster[name].info["endpoint"] for name in NAMES}  # type: ignore[attr-defined]
+    for name in NAMES:
+        cluster[name].call("close")
+        cluster[name].stop()
+    started = time.monotonic()
+    cluster.agents = _spawn(cluster.root, {n: None for n in NAMES})  # label comes from the keystore
+    assert time.monotonic() - started < 20
+    for name in NAMES:
+        assert cluster[name].info == {"endpoint": endpoints[name], "label": name}  # type: ignore[attr-defined]
+        assert cluster[name].call("connections") == before[name]
+
+    alice, bob, carol = cluster["alice"], cluster["bob"], cluster["carol"]
+    carol.call("send", peer="alice", message="back again")
+    assert alice.call("receive", timeout=5)["content"] == "back again"
+    alice.call("send", peer="bob", message="me too")
+    assert bob.call("receive", timeout=5)["content"] == "me too"
+    assert [p["pid"] for p in bob.call("discover", peer="carol", query="https://didcomm.org/trust_ping/*")] == [
+        "https://didcomm.org/trust_ping/1.0"]
+    assert carol.call("ping", peer="bob", timeout=5) > 0
+
+
+def test_agent_lifecycle_in_process(tmp_path: Path) -> None:
+    from zerocomm_spark import Agent
+    from zerocomm_spark.errors import AgentAlreadyRunningError, AgentClosedError, ConnectionNotReadyError
+
+    with Agent.open(tmp_path / "a", label="a") as a, Agent.open(tmp_path / "b", label="b") as b:
+        with pytest.raises(AgentAlreadyRunningError):
+            Agent.open(tmp_path / "a")
+        conn = b.accept(a.invite(goal_code="aries.rel.build"), timeout=5)
+        assert conn.completed and b.connection(conn.id) == conn and b.connection("a") == conn
+        assert b.connection(conn.their_did) == conn  # type: ignore[arg-type]
+        # A second connection with the same label makes the label ambiguous, not silently wrong.
+        b.accept(a.invite(), timeout=5)
+        with pytest.raises(ConnectionNotFoundError, match="labelled"):
+            b.send("a", "which one?")
+        b.send(conn, "by the Connection itself")
+        assert a.receive(timeout=5).content == "by the Connection itself"
+        # A connection whose exchange did not complete cannot carry messages.
+        dead_end = OutOfBandManager.parse_url(a.invite()).invitation
+        dead_end.services[0].service_endpoint = "tcp://127.0.0.1:1"  # type: ignore[union-attr]
+        with pytest.raises(PeerTimeoutError):
+            b.accept(dead_end.to_url(), timeout=0.5)
+        stuck = [c for c in b.connections(include_incomplete=True) if c.state == "abandoned"]
+        assert len(stuck) == 1
+        with pytest.raises(ConnectionNotReadyError):
+            b.send(stuck[0].id, "x")
+
+        # receive() blocked in another thread wakes with AgentClosedError when the agent closes.
+        outcome: list[BaseException] = []
+
+        def wait() -> None:
+            try:
+                a.receive(timeout=10)
+            except BaseException as exc:  # noqa: BLE001
+                outcome.append(exc)
+
+        waiter = threading.Thread(target=wait)
+        waiter.start()
+        time.sleep(0.2)
+        a.close()
+        waiter.join(5)
+        assert not waiter.is_alive() and isinstance(outcome[0], AgentClosedError)
+        with pytest.raises(AgentClosedError):
+            a.invite()
+    # Closed and reopened in this process: the directory lock was released.
+    with Agent.open(tmp_path / "a") as again:
+        assert again.label == "a" and len(again.connections()) == 2

@@ -1,0 +1,170 @@
+"""RFC 0434 out-of-band 1.1: invitation messages, URLs and the invitation records of the manager."""
+
+from __future__ import annotations
+
+import base64
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from urllib.parse import parse_qs, urlsplit
+
+import pytest
+
+from zerocomm_spark.did.peer import did_key, verkey_from_did_key
+from zerocomm_spark.errors import InvitationError, ProtocolError, ReplayError
+from zerocomm_spark.keys.keystore import Keystore
+from zerocomm_spark.protocols.message import b64url_encode
+from zerocomm_spark.protocols.out_of_band.v1_1.manager import OutOfBandManager
+from zerocomm_spark.protocols.out_of_band.v1_1.messages import DIDEXCHANGE_1_0, Invitation, Service
+
+ENDPOINT = "tcp://127.0.0.1:45678"
+
+
+@pytest.fixture
+def keystore(tmp_path: Path) -> Iterator[Keystore]:
+    with Keystore.open(tmp_path / "id") as ks:
+        yield ks
+
+
+@pytest.fixture
+def oob(keystore: Keystore) -> OutOfBandManager:
+    return OutOfBandManager(keystore, ENDPOINT, "alice")
+
+
+def _invitation() -> Invitation:
+    key = did_key("H3C2AVvLMv6gmMNam3uVAjZpfkcJCwDwnZn6z3wXmqPV")
+    return Invitation(services=[Service(recipient_keys=[key], service_endpoint=ENDPOINT)],
+                      label="alice", goal_code="aries.rel.build")
+
+
+def _url_for(data: object) -> str:
+    return "https://x.invalid/?oob=" + b64url_encode(json.dumps(data).encode())
+
+
+def test_invitation_round_trips_through_dict_and_url() -> None:
+    invitation = _invitation()
+    data = invitation.to_dict()
+    assert data["@type"] == "https://didcomm.org/out-of-band/1.1/invitation"
+    assert data["handshake_protocols"] == ["https://didcomm.org/didexchange/1.0"]
+    assert data["services"][0]["recipientKeys"][0].startswith("did:key:z6Mk")
+    assert data["services"][0]["serviceEndpoint"] == ENDPOINT
+    assert Invitation.from_dict(data) == invitation
+
+    url = invitation.to_url()
+    assert url.startswith("https://zerocomm.invalid/?oob=")
+    assert Invitation.from_url(url) == invitation
+    # The oob value is unpadded base64url of the JSON, as RFC 0434 shows.
+    encoded = parse_qs(urlsplit(url).query)["oob"][0]
+    assert "=" not in encoded
+    assert json.loads(base64.urlsafe_b64decode(encoded + "=" * (-len(encoded) % 4))) == data
+
+
+def test_url_with_a_query_already_and_padded_or_bare_values() -> None:
+    invitation = _invitation()
+    assert "?a=1&oob=" in invitation.to_url("https://example.org/join?a=1")
+    padded = base64.urlsafe_b64encode(invitation.to_json().encode()).decode()
+    assert Invitation.from_url("https://example.org/?oob=" + padded) == invitation
+    assert Invitation.from_url(padded) == invitation  # the bare value, e.g. pasted from a QR code
+
+
+@pytest.mark.parametrize(
+    ("url", "words"),
+    [
+        ("", "empty"),
+        ("https://example.org/?x=1", "no 'oob'"),
+        ("https://example.org/?c_i=abc", "RFC 0160"),
+        ("https://example.org/?oob=%%%", "base64url"),
+        ("https://example.org/?oob=" + b64url_encode(b"not json"), "base64url-encoded JSON"),
+        ("x" * 70_000, "longer than"),
+    ],
+)
+def test_malformed_urls_raise_invitation_error(url: str, words: str) -> None:
+    with pytest.raises(InvitationError, match=words):
+        Invitation.from_url(url)
+
+
+def test_truncated_url_is_refused() -> None:
+    url = _invitation().to_url()
+    with pytest.raises(InvitationError):
+        Invitation.from_url(url[: len(url) // 2])
+
+
+@pytest.mark.parametrize(
+    ("mutate", "field"),
+    [
+        (lambda d: d.pop("services"), "'services'"),
+        (lambda d: d.update({"services": []}), "'services'"),
+        (lambda d: d["services"][0].update({"recipientKeys": ["H3C2AVvLMv6gmMNam3uVAjZpfkcJCwDwnZn6z3wXmqPV"]}),
+         "'services[0].recipientKeys[0]'"),
+        (lambda d: d["services"][0].pop("serviceEndpoint"), "'serviceEndpoint'"),
+        (lambda d: d.pop("handshake_protocols"), "'handshake_protocols'"),
+        (lambda d: d.update({"label": 42}), "'label'"),
+        (lambda d: d.update({"@type": "https://didcomm.org/out-of-band/1.0/invitation"}), "'@type'"),
+    ],
+)
+def test_invalid_invitations_name_the_field(mutate, field: str) -> None:
+    data = _invitation().to_dict()
+    mutate(data)
+    with pytest.raises(InvitationError) as info:
+        Invitation.from_url(_url_for(data))
+    assert field in str(info.value)
+    assert isinstance(info.value, ProtocolError)
+
+
+def test_parse_url_needs_didexchange_and_a_zeromq_service() -> None:
+    data = _invitation().to_dict()
+    data["handshake_protocols"] = ["https://didcomm.org/connections/1.0"]
+    with pytest.raises(InvitationError, match="handshake protocol"):
+        OutOfBandManager.parse_url(_url_for(data))
+    data = _invitation().to_dict()
+    data["services"][0]["serviceEndpoint"] = "https://agent.example.org"
+    with pytest.raises(InvitationError, match="no usable service"):
+        OutOfBandManager.parse_url(_url_for(data))
+
+
+def test_created_invitation_has_a_fresh_key_and_is_remembered(oob: OutOfBandManager, keystore: Keystore) -> None:
+    first, record = oob.create_invitation(goal_code="aries.rel.build")
+    second, _ = oob.create_invitation(label="other")
+    key1 = verkey_from_did_key(first.services[0].recipient_keys[0])  # type: ignore[union-attr]
+    key2 = verkey_from_did_key(second.services[0].recipient_keys[0])  # type: ignore[union-attr]
+    assert key1 != key2
+    assert {k.verkey for k in keystore.keys("invitation")} == {key1, key2}
+    assert first.label == "alice" and second.label == "other"
+    assert first.handshake_protocols == [DIDEXCHANGE_1_0]
+    assert record.verkey == key1 and not record.multi_use and record.state == "await-response"
+    assert oob.record_for_key(key1).invitation_id == first.id  # type: ignore[union-attr]
+    assert oob.record_for_key("H3C2AVvLMv6gmMNam3uVAjZpfkcJCwDwnZn6z3wXmqPV") is None
+
+    received = OutOfBandManager.parse_url(first.to_url())
+    assert received.recipient_key == key1 and received.endpoint == ENDPOINT and received.id == first.id
+
+
+def test_single_use_invitation_is_consumed_once(oob: OutOfBandManager) -> None:
+    invitation, _ = oob.create_invitation()
+    record = oob.consume(invitation.id, "thread-1")
+    assert record.state == "done" and record.used_by == ["thread-1"]
+    with pytest.raises(ReplayError, match="already processed"):
+        oob.consume(invitation.id, "thread-1")
+    with pytest.raises(ReplayError, match="already used"):
+        oob.consume(invitation.id, "thread-2")
+    with pytest.raises(InvitationError):
+        oob.consume("no-such-invitation", "thread-3")
+
+
+def test_multi_use_invitation_takes_many_threads_but_no_replay(oob: OutOfBandManager) -> None:
+    invitation, _ = oob.create_invitation(multi_use=True)
+    oob.consume(invitation.id, "t1")
+    oob.consume(invitation.id, "t2")
+    with pytest.raises(ReplayError):
+        oob.consume(invitation.id, "t1")
+
+
+def test_invitation_records_survive_a_restart(tmp_path: Path) -> None:
+    with Keystore.open(tmp_path / "id") as ks:
+        invitation, _ = OutOfBandManager(ks, ENDPOINT, "a").create_invitation()
+        OutOfBandManager(ks, ENDPOINT, "a").consume(invitation.id, "t1")
+    with Keystore.open(tmp_path / "id") as ks:
+        oob = OutOfBandManager(ks, ENDPOINT, "a")
+        assert oob.get(invitation.id).used_by == ["t1"]  # type: ignore[union-attr]
+        with pytest.raises(ReplayError):
+            oob.consume(invitation.id, "t2")

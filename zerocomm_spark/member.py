@@ -1,0 +1,638 @@
+"""The agent a notebook (or a service) holds: identities, connections and DIDComm messaging in one object.
+
+How the pieces fit:
+
+* One sealed keystore per identity directory holds every key pair and record, so ``Agent.open`` on
+  the same directory after a restart knows the same peers; the bound endpoint is persisted too and
+  rebound, because peers stored it inside our DIDs.
+* Every DIDComm message to a peer is an RFC 0019 envelope (authcrypt from our relationship key;
+  the DID-exchange request is authcrypted from our new key to the invitation key) sent as an RPC on
+  ``ProtocolId.DIDCOMM``. The RPC answer is a small JSON *receipt* saying whether the peer's agent
+  accepted the message, so ``send`` returns only once the message arrived, and refusals (replay,
+  unknown type, not for me) come back as the matching ZeroComm error instead of a timeout.
+* Replies that are protocol messages (DID-exchange response, disclose, ping response) travel back as
+  their own RPCs from an outbox thread, never from inside the handler, so two agents answering each
+  other cannot deadlock their worker pools.
+* Inbound handling never raises into the transport: whatever arrives is turned into a receipt and a
+  log line naming the error class, never the payload or a key.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import queue
+import threading
+import time
+from collections import OrderedDict, deque
+from collections.abc import Callable
+from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeoutError
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+from urllib.parse import urlsplit
+
+from zerocomm_spark import errors
+from zerocomm_spark.connections import Connection, ConnectionRecord, ConnectionStore
+from zerocomm_spark.envelope import pack, unpack
+from zerocomm_spark.errors import (
+    AgentClosedError,
+    ConfigurationError,
+    ConnectionNotFoundError,
+    ConnectionNotReadyError,
+    PeerTimeoutError,
+    ProtocolError,
+    ReceiveTimeoutError,
+    ReplayError,
+    ZeroCommError,
+)
+from zerocomm_spark.keys.keystore import Keystore
+from zerocomm_spark.protocols.basic_message.v1_0.messages import BasicMessage
+from zerocomm_spark.protocols.did_exchange.v1_0.manager import DIDExchangeManager
+from zerocomm_spark.protocols.did_exchange.v1_0.messages import (
+    DIDXComplete,
+    DIDXProblemReport,
+    DIDXRequest,
+    DIDXResponse,
+)
+from zerocomm_spark.protocols.discover_features.v1_0.manager import DiscoverFeaturesManager
+from zerocomm_spark.protocols.discover_features.v1_0.messages import Disclose, Query
+from zerocomm_spark.protocols.message import AgentMessage, ProtocolDescriptor, Thread, parse_message, utc_now
+from zerocomm_spark.protocols.out_of_band.v1_1.manager import OutOfBandManager
+from zerocomm_spark.protocols.out_of_band.v1_1.messages import Invitation
+from zerocomm_spark.protocols.trust_ping.v1_0.messages import Ping, PingResponse
+from zerocomm_spark.transport.frames import ProtocolId
+from zerocomm_spark.transport.peer import DEFAULT_MAX_FRAME_BYTES, PeerInfo, PeerTransport
+
+__all__ = ["Agent", "Connection", "ReceivedMessage", "DEFAULT_ENDPOINT"]
+
+log = logging.getLogger(__name__)
+
+DEFAULT_ENDPOINT = "tcp://127.0.0.1:*"
+SETTINGS_KIND = "agent"
+SETTINGS_ID = "settings"
+OUTBOX_TIMEOUT = 5.0  # replies sent from the outbox; bounds how long close() can wait for them
+MAX_HISTORY = 10_000
+MAX_SEEN = 50_000
+_DETAIL_LIMIT = 500
+
+# A receipt may name only errors a peer can legitimately report about our message; anything else
+# (a keystore failure on their side, say) is reported as a plain ProtocolError.
+_REMOTE_ERROR_ROOTS = (errors.ProtocolError, errors.EnvelopeError, errors.DIDError, errors.SignatureError,
+                       errors.AgentClosedError)
+
+
+@dataclass(frozen=True)
+class ReceivedMessage:
+    """A basic message a peer sent us."""
+
+    id: str
+    connection_id: str
+    label: str | None
+    their_did: str | None
+    content: str
+    sent_time: str
+    received_time: str = field(default_factory=utc_now)
+
+    def __repr__(self) -> str:  # their DID is long; who and what is what a reader wants
+        return f"ReceivedMessage(label={self.label!r}, content={self.content!r}, sent_time={self.sent_time!r})"
+
+
+@dataclass(frozen=True)
+class _Inbound:
+    recipient_verkey: str
+    sender_verkey: str | None
+    connection: ConnectionRecord | None
+
+
+_CLOSED = object()
+
+
+def _reason(exc: ZeroCommError) -> str:
+    """The message without its hint: receipts carry it, the receiving side adds its own hint."""
+    text = str(exc)
+    return text.removesuffix(f". {exc.hint}") if exc.hint else text
+
+
+def _receipt_ok() -> bytes:
+    return b'{"ok":true}'
+
+
+def _receipt_error(exc: BaseException) -> bytes:
+    if isinstance(exc, ZeroCommError):
+        name, detail = type(exc).__name__, _reason(exc)
+    else:
+        name, detail = "RemoteHandlerError", "the agent failed while handling the message"
+    return json.dumps({"ok": False, "error": name, "detail": detail[:_DETAIL_LIMIT]}).encode("utf-8")
+
+
+def _raise_for_receipt(reply: bytes) -> None:
+    try:
+        receipt = json.loads(reply)
+    except (ValueError, UnicodeDecodeError):
+        receipt = None
+    if not isinstance(receipt, dict) or not isinstance(receipt.get("ok"), bool):
+        raise ProtocolError("the peer answered with something that is not a ZeroComm receipt")
+    if receipt["ok"]:
+        return
+    name, detail = receipt.get("error"), receipt.get("detail")
+    cls = getattr(errors, name, None) if isinstance(name, str) else None
+    if not (isinstance(cls, type) and issubclass(cls, _REMOTE_ERROR_ROOTS)):
+        cls = errors.RemoteHandlerError if name == "RemoteHandlerError" else ProtocolError
+    text = detail[:_DETAIL_LIMIT] if isinstance(detail, str) else "no detail"
+    raise cls(f"the peer refused the message: {text}")
+
+
+def _host(endpoint: str) -> str:
+    try:
+        return urlsplit(endpoint).hostname or ""
+    except ValueError:
+        return ""
+
+
+class Agent:
+    """A DIDComm agent on a ZeroMQ endpoint; open one per identity directory with ``Agent.open``."""
+
+    def __init__(self, keystore: Keystore, transport: PeerTransport, label: str, path: Path,
+                 endpoint: str | None = None) -> None:
+        """Use :meth:`Agent.open`; this wires already opened parts together."""
+        self._keystore = keystore
+        self._transport = transport
+        self._label = label
+        self._path = path
+        self._endpoint = endpoint or transport.endpoint
+        self._lock = threading.RLock()
+        self._closed = False
+        self._store = ConnectionStore(keystore)
+        self._oob = OutOfBandManager(keystore, self._endpoint, label)
+        self._didx = DIDExchangeManager(keystore, self._store, self._oob, endpoint=self._endpoint, label=label)
+        self._features = DiscoverFeaturesManager()
+        self._waiters: dict[tuple[str, str], Future[Any]] = {}
+        self._inbox: queue.Queue[Any] = queue.Queue()
+        self._history: deque[ReceivedMessage] = deque(maxlen=MAX_HISTORY)
+        self._seen: OrderedDict[tuple[str, str], None] = OrderedDict()
+        self._outbox = ThreadPoolExecutor(max_workers=4, thread_name_prefix="zerocomm-outbox")
+        self._handlers: dict[type[AgentMessage], Callable[[Any, _Inbound], None]] = {
+            DIDXRequest: self._on_request,
+            DIDXResponse: self._on_response,
+            DIDXComplete: self._on_complete,
+            DIDXProblemReport: self._on_problem_report,
+            BasicMessage: self._on_basic_message,
+            Ping: self._on_ping,
+            PingResponse: self._on_ping_response,
+            Query: self._on_query,
+            Disclose: self._on_disclose,
+            Invitation: self._on_invitation,
+        }
+
+    # --- lifecycle ------------------------------------------------------------------------------
+
+    @classmethod
+    def open(cls, path: str | Path, *, label: str | None = None, endpoint: str = DEFAULT_ENDPOINT,
+             passphrase: str | bytes | None = None, advertise: str | None = None,
+             max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES, workers: int = 4) -> "Agent":
+        """Open (or create) the agent of an identity directory and start serving its endpoint.
+
+        On a restart with a wildcard ``endpoint`` (the default) the port bound last time is bound
+        again, because peers know us by DIDs that contain it. ``advertise`` is the address peers
+        dial when it differs from the bound one (binding ``tcp://0.0.0.0:*`` on a cluster node).
+        """
+        directory = Path(path).expanduser().absolute()
+        if label is not None and (not isinstance(label, str) or not label.strip()):
+            raise ConfigurationError("label must be a non-empty string")
+        if advertise is not None and (not isinstance(advertise, str) or "://" not in advertise or "*" in advertise):
+            raise ConfigurationError(f"advertise must be a concrete endpoint like tcp://host:port, got {advertise!r}")
+        keystore = Keystore.open(directory, passphrase)
+        transport: PeerTransport | None = None
+        try:
+            settings = keystore.get_record(SETTINGS_KIND, SETTINGS_ID) or {}
+            saved = settings.get("endpoint") if isinstance(settings.get("endpoint"), str) else None
+            rebind = saved is not None and "*" in endpoint and _host(saved) == _host(endpoint)
+            bind = saved if saved is not None and rebind else endpoint
+            if saved is not None and not rebind and bind != saved:
+                log.warning("binding %s instead of %s: peers connected before cannot reach this agent "
+                            "until they reconnect", bind, saved)
+            transport = PeerTransport(bind, max_frame_bytes=max_frame_bytes, workers=workers)
+            try:
+                transport.start()
+            except ConfigurationError:
+                if not rebind:
+                    raise
+                raise ConfigurationError(
+                    f"cannot bind {saved} again, the endpoint this agent's peers know it by (is the port "
+                    "taken?); free it, or pass endpoint= explicitly and reconnect with new invitations"
+                ) from None
+            if advertise is None and rebind and isinstance(settings.get("advertise"), str):
+                advertise = settings["advertise"]
+            public = advertise or transport.endpoint
+            the_label = label or settings.get("label") or directory.name
+            wanted = {"label": the_label, "endpoint": transport.endpoint, "advertise": public}
+            if settings != wanted:
+                keystore.put_record(SETTINGS_KIND, SETTINGS_ID, wanted)
+            agent = cls(keystore, transport, the_label, directory, public)
+            transport.register(ProtocolId.DIDCOMM, rpc=agent._on_rpc, direct=agent._on_direct)
+        except BaseException:
+            if transport is not None:
+                transport.close(timeout=2.0)
+            keystore.close()
+            raise
+        log.info("agent %r serving %s with %d connection(s)", agent._label, agent._endpoint, len(agent._store))
+        return agent
+
+    def close(self) -> None:
+        """Stop serving and release the identity directory; safe to call twice."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            waiters = list(self._waiters.values())
+            self._waiters.clear()
+        for future in waiters:
+            _resolve(future, error=AgentClosedError("the agent was closed while waiting"))
+        self._inbox.put(_CLOSED)
+        self._outbox.shutdown(wait=True, cancel_futures=True)
+        self._transport.close(timeout=5.0)
+        self._keystore.close()
+        log.info("agent %r closed", self._label)
+
+    def __enter__(self) -> "Agent":
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.close()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    @property
+    def label(self) -> str:
+        return self._label
+
+    @property
+    def endpoint(self) -> str:
+        """The ZeroMQ endpoint peers dial (it is inside our invitations and DIDs)."""
+        return self._endpoint
+
+    @property
+    def path(self) -> Path:
+        return self._path
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else f"{len(self._store)} connection(s)"
+        return f"Agent(label={self._label!r}, endpoint={self._endpoint!r}, {state})"
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise AgentClosedError(f"the agent {self._label!r} is closed")
+
+    # --- connections ----------------------------------------------------------------------------
+
+    def invite(self, label: str | None = None, *, goal_code: str | None = None, goal: str | None = None,
+               multi_use: bool = False) -> str:
+        """An RFC 0434 invitation URL with a fresh key; single-use unless ``multi_use``."""
+        self._check_open()
+        invitation, _ = self._oob.create_invitation(label=label, goal_code=goal_code, goal=goal,
+                                                    multi_use=multi_use)
+        return invitation.to_url()
+
+    def accept(self, url: str, timeout: float = 10.0, *, label: str | None = None) -> Connection:
+        """Run the DID exchange for an invitation URL to completion (request, response, complete)."""
+        self._check_open()
+        deadline = _deadline(timeout)
+        received = OutOfBandManager.parse_url(url)
+        record, request, key = self._didx.create_request(received, label=label or self._label)
+        waiter = self._waiter("didx", request.id)
+        try:
+            envelope = pack(request.to_dict(), [received.recipient_key], sender=key)
+            self._deliver(received.endpoint, envelope, _remaining(deadline, "the DID-exchange request"))
+            record = self._await(waiter, deadline, "the DID-exchange response")
+            complete = self._didx.create_complete(record)
+            self._deliver_to(record, complete, _remaining(deadline, "the DID-exchange complete"))
+            record = self._didx.mark_completed(record)
+        except BaseException as exc:
+            current = self._store.find(record.connection_id) if not self._keystore.closed else None
+            if current is not None and current.state not in ("completed", "abandoned"):
+                self._didx.abandon(current, f"{type(exc).__name__} during the exchange")
+            raise
+        finally:
+            self._drop_waiter("didx", request.id)
+        log.info("connection %s completed (requester)", record.connection_id)
+        return record.view()
+
+    def connections(self, *, include_incomplete: bool = False) -> list[Connection]:
+        """Our connections, oldest first; completed ones unless ``include_incomplete``."""
+        self._check_open()
+        return [r.view() for r in self._store.all() if include_incomplete or r.completed]
+
+    def connection(self, peer: str | Connection) -> Connection:
+        """The connection ``peer`` names: a connection id, their DID or their label."""
+        self._check_open()
+        return self._resolve(peer, require_completed=False).view()
+
+    def _resolve(self, peer: str | Connection, *, require_completed: bool = True) -> ConnectionRecord:
+        if isinstance(peer, Connection):
+            peer = peer.id
+        if not isinstance(peer, str) or not peer:
+            raise ConnectionNotFoundError("a peer is named by a connection id, their DID or their label")
+        record = self._store.find(peer) or self._store.by_their_did(peer)
+        if record is None:
+            named = self._store.by_label(peer)
+            usable = [r for r in named if r.completed] or named
+            if len(usable) > 1:
+                raise ConnectionNotFoundError(
+                    f"{len(usable)} connections are labelled {peer!r}; name one by its id: "
+                    + ", ".join(r.connection_id for r in usable))
+            record = usable[0] if usable else None
+        if record is None:
+            raise ConnectionNotFoundError(f"no connection with the id, DID or label {peer!r}")
+        if require_completed and not record.completed:
+            raise ConnectionNotReadyError(f"connection {record.connection_id} is {record.state}")
+        return record
+
+    # --- messaging ------------------------------------------------------------------------------
+
+    def send(self, peer: str | Connection, message: str, timeout: float = 10.0) -> str:
+        """Send a basic message; returns its id once the peer's agent confirmed it arrived."""
+        self._check_open()
+        if not isinstance(message, str):
+            raise ConfigurationError(f"a basic message is a str, got {type(message).__name__}")
+        record = self._resolve(peer)
+        outgoing = BasicMessage(content=message)
+        self._deliver_to(record, outgoing, timeout)
+        return outgoing.id
+
+    def messages(self, peer: str | Connection | None = None) -> list[ReceivedMessage]:
+        """Every basic message received since open (oldest first), optionally from one peer."""
+        self._check_open()
+        with self._lock:
+            history = list(self._history)
+        if peer is None:
+            return history
+        connection_id = self._resolve(peer, require_completed=False).connection_id
+        return [m for m in history if m.connection_id == connection_id]
+
+    def receive(self, timeout: float | None = 10.0) -> ReceivedMessage:
+        """The next basic message not yet received; waits up to ``timeout`` seconds (None: forever)."""
+        self._check_open()
+        try:
+            item = self._inbox.get(timeout=timeout)
+        except queue.Empty:
+            raise ReceiveTimeoutError(f"no message within {timeout:g}s") from None
+        if item is _CLOSED:
+            self._inbox.put(_CLOSED)  # wake any other waiting reader too
+            raise AgentClosedError("the agent was closed while waiting for a message")
+        message: ReceivedMessage = item
+        return message
+
+    def discover(self, peer: str | Connection, query: str = "*", timeout: float = 10.0) -> list[ProtocolDescriptor]:
+        """The protocols (and roles) the peer speaks that match ``query`` (``*`` wildcards)."""
+        self._check_open()
+        deadline = _deadline(timeout)
+        record = self._resolve(peer)
+        request = self._features.create_query(query)
+        waiter = self._waiter("discover", request.id)
+        try:
+            self._deliver_to(record, request, _remaining(deadline, "the discover-features query"))
+            protocols: list[ProtocolDescriptor] = self._await(waiter, deadline, "the discover-features answer")
+            return protocols
+        finally:
+            self._drop_waiter("discover", request.id)
+
+    def ping(self, peer: str | Connection, timeout: float = 10.0) -> float:
+        """Round-trip seconds of an RFC 0048 trust ping: proves both agents and their keys work."""
+        self._check_open()
+        deadline = _deadline(timeout)
+        record = self._resolve(peer)
+        request = Ping(response_requested=True)
+        waiter = self._waiter("ping", request.id)
+        started = time.monotonic()
+        try:
+            self._deliver_to(record, request, _remaining(deadline, "the trust ping"))
+            self._await(waiter, deadline, "the trust ping response")
+            return time.monotonic() - started
+        finally:
+            self._drop_waiter("ping", request.id)
+
+    # --- outbound plumbing ----------------------------------------------------------------------
+
+    def _pack_for(self, record: ConnectionRecord, message: AgentMessage) -> tuple[str, bytes]:
+        """(their endpoint, the message authcrypted from our key for this relationship to theirs)."""
+        if record.their_verkey is None or record.my_verkey is None or record.their_endpoint is None:
+            raise ConnectionNotReadyError(f"connection {record.connection_id} has no keys or endpoint yet")
+        envelope = pack(message.to_dict(), [record.their_verkey], sender=self._keystore.get(record.my_verkey))
+        return record.their_endpoint, envelope
+
+    def _deliver_to(self, record: ConnectionRecord, message: AgentMessage, timeout: float) -> None:
+        self._deliver(*self._pack_for(record, message), timeout)
+
+    def _post_to(self, record: ConnectionRecord, message: AgentMessage, what: str,
+                 on_error: Callable[[BaseException], None] | None = None) -> None:
+        endpoint, envelope = self._pack_for(record, message)
+        self._post(endpoint, envelope, what, on_error)
+
+    def _deliver(self, endpoint: str, envelope: bytes, timeout: float) -> None:
+        """RPC the envelope and raise the peer's refusal as the matching error."""
+        reply = self._transport.request(endpoint, ProtocolId.DIDCOMM, envelope, timeout=timeout)
+        _raise_for_receipt(reply)
+
+    def _post(self, endpoint: str, envelope: bytes, what: str,
+              on_error: Callable[[BaseException], None] | None = None) -> None:
+        """Deliver from the outbox: handlers must not block a transport worker on another peer."""
+
+        def run() -> None:
+            try:
+                self._deliver(endpoint, envelope, OUTBOX_TIMEOUT)
+            except Exception as exc:  # noqa: BLE001 - reported through the log and on_error
+                log.warning("delivering %s failed: %s", what, type(exc).__name__)
+                if on_error is not None:
+                    try:
+                        on_error(exc)
+                    except Exception:  # noqa: BLE001
+                        log.exception("cleanup after a failed delivery of %s failed", what)
+
+        try:
+            self._outbox.submit(run)
+        except RuntimeError:  # the outbox was shut down: the agent is closing
+            log.info("dropped %s: the agent is closing", what)
+
+    def _waiter(self, kind: str, thid: str) -> Future[Any]:
+        future: Future[Any] = Future()
+        with self._lock:
+            self._check_open()
+            self._waiters[(kind, thid)] = future
+        return future
+
+    def _drop_waiter(self, kind: str, thid: str) -> None:
+        with self._lock:
+            self._waiters.pop((kind, thid), None)
+
+    def _settle(self, kind: str, thid: str, value: Any = None, error: BaseException | None = None) -> bool:
+        with self._lock:
+            future = self._waiters.get((kind, thid))
+        return future is not None and _resolve(future, value, error)
+
+    @staticmethod
+    def _await(future: Future[Any], deadline: float, what: str) -> Any:
+        try:
+            return future.result(timeout=_remaining(deadline, what))
+        except FutureTimeoutError:
+            raise PeerTimeoutError(f"no {what} before the deadline") from None
+
+    # --- inbound --------------------------------------------------------------------------------
+
+    def _on_rpc(self, payload: bytes, peer: PeerInfo) -> bytes:
+        try:
+            self._handle(payload)
+        except Exception as exc:  # noqa: BLE001 - bad input never stops the agent
+            self._log_refusal(exc)
+            return _receipt_error(exc)
+        return _receipt_ok()
+
+    def _on_direct(self, payload: bytes, peer: PeerInfo) -> None:
+        try:
+            self._handle(payload)
+        except Exception as exc:  # noqa: BLE001
+            self._log_refusal(exc)
+
+    @staticmethod
+    def _log_refusal(exc: BaseException) -> None:
+        if isinstance(exc, ZeroCommError):
+            log.info("refused an inbound message: %s", type(exc).__name__)
+        else:
+            log.error("failed on an inbound message: %s", type(exc).__name__, exc_info=exc)
+
+    def _handle(self, payload: bytes) -> None:
+        if self._closed:
+            raise AgentClosedError("the agent is closing")
+        unpacked = unpack(payload, self._keystore.find)
+        message = parse_message(unpacked.json())
+        if message.timing is not None and message.timing.expired():
+            raise ProtocolError("the message expired (~timing.expires_time is past)")
+        handler = self._handlers.get(type(message))
+        if handler is None:
+            raise errors.UnknownMessageTypeError(f"no handler for {message.message_type}")
+        key = (unpacked.sender_verkey or unpacked.recipient_verkey, message.id)
+        with self._lock:
+            if key in self._seen:
+                raise ReplayError(f"message {message.id} was already received")
+            self._seen[key] = None
+            while len(self._seen) > MAX_SEEN:
+                self._seen.popitem(last=False)
+        context = _Inbound(unpacked.recipient_verkey, unpacked.sender_verkey,
+                           self._store.by_my_verkey(unpacked.recipient_verkey))
+        try:
+            handler(message, context)
+        except BaseException:
+            with self._lock:  # not processed: a corrected resend with the same id must get through
+                self._seen.pop(key, None)
+            raise
+        log.debug("handled %s", message.message_type)
+
+    def _connected(self, context: _Inbound) -> ConnectionRecord:
+        """The connection the message arrived on, authenticated by the envelope's sender key."""
+        record = context.connection
+        if record is None:
+            raise ConnectionNotFoundError("the message arrived on no connection of ours")
+        if context.sender_verkey is None or context.sender_verkey != record.their_verkey:
+            raise ProtocolError("the message was not authcrypted by the connection's peer")
+        if record.state == "response-sent":
+            # Their first message on the connection proves our response arrived: implied complete.
+            record = self._didx.mark_completed(record)
+        if not record.completed:
+            raise ConnectionNotReadyError(f"connection {record.connection_id} is {record.state}")
+        return record
+
+    def _on_request(self, request: DIDXRequest, context: _Inbound) -> None:
+        record, response, _ = self._didx.receive_request(request, recipient_verkey=context.recipient_verkey,
+                                                         sender_verkey=context.sender_verkey)
+
+        def abandon(exc: BaseException) -> None:
+            current = self._store.find(record.connection_id)
+            if current is not None and current.state == "response-sent":
+                self._didx.abandon(current, f"response not delivered: {type(exc).__name__}")
+
+        self._post_to(record, response, "a DID-exchange response", on_error=abandon)
+
+    def _on_response(self, response: DIDXResponse, context: _Inbound) -> None:
+        try:
+            record = self._didx.receive_response(response, recipient_verkey=context.recipient_verkey,
+                                                 sender_verkey=context.sender_verkey)
+        except ReplayError:
+            raise
+        except ZeroCommError as exc:
+            self._settle("didx", response.thid, error=exc)
+            raise
+        self._settle("didx", response.thid, record)
+
+    def _on_complete(self, complete: DIDXComplete, context: _Inbound) -> None:
+        record = self._didx.receive_complete(complete, recipient_verkey=context.recipient_verkey,
+                                             sender_verkey=context.sender_verkey)
+        log.info("connection %s completed (responder)", record.connection_id)
+
+    def _on_problem_report(self, report: DIDXProblemReport, context: _Inbound) -> None:
+        _, error = self._didx.receive_problem_report(report, recipient_verkey=context.recipient_verkey,
+                                                     sender_verkey=context.sender_verkey)
+        self._settle("didx", report.thid, error=error)
+
+    def _on_basic_message(self, message: BasicMessage, context: _Inbound) -> None:
+        record = self._connected(context)
+        received = ReceivedMessage(id=message.id, connection_id=record.connection_id, label=record.their_label,
+                                   their_did=record.their_did, content=message.content,
+                                   sent_time=message.sent_time)
+        with self._lock:
+            self._history.append(received)
+        self._inbox.put(received)
+
+    def _on_ping(self, ping: Ping, context: _Inbound) -> None:
+        record = self._connected(context)
+        if ping.response_requested:
+            answer = PingResponse(thread=Thread(thid=ping.id))
+            self._post_to(record, answer, "a trust-ping response")
+
+    def _on_ping_response(self, response: PingResponse, context: _Inbound) -> None:
+        self._connected(context)
+        if not self._settle("ping", response.thid, True):
+            raise ProtocolError("the ping response answers no ping of ours")
+
+    def _on_query(self, query: Query, context: _Inbound) -> None:
+        record = self._connected(context)
+        answer = self._features.disclose(query)
+        self._post_to(record, answer, "a discover-features disclose")
+
+    def _on_disclose(self, disclose: Disclose, context: _Inbound) -> None:
+        self._connected(context)
+        if not self._settle("discover", disclose.thid, list(disclose.protocols)):
+            raise ProtocolError("the disclose answers no query of ours")
+
+    def _on_invitation(self, invitation: Invitation, context: _Inbound) -> None:
+        raise ProtocolError("an invitation travels out of band; pass its URL to agent.accept(url)")
+
+
+def _resolve(future: Future[Any], value: Any = None, error: BaseException | None = None) -> bool:
+    """Settle a waiter once; a second answer (duplicate, or close() racing a reply) is dropped."""
+    try:
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(value)
+    except InvalidStateError:
+        return False
+    return True
+
+
+def _deadline(timeout: float) -> float:
+    if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or not timeout > 0:
+        raise ConfigurationError(f"timeout must be a positive number of seconds, got {timeout!r}")
+    return time.monotonic() + float(timeout)
+
+
+def _remaining(deadline: float, what: str) -> float:
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise PeerTimeoutError(f"no time left for {what}")
+    return left
+
