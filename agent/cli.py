@@ -1,3 +1,686 @@
-"""The zerocomm command line (filled in by the agent issue)."""
-def main() -> int:
-    raise SystemExit("zerocomm: the command line arrives with the agent process")
+"""The zerocomm command: run an agent and drive it (connections, groups, messages, the journal).
+
+Every command except `init`, `agent start`, `keygen` and `config` talks to a running agent through
+its local API (zerocomm_spark.client), so the CLI, a notebook and a Spark task see the same member.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from zerocomm_spark import errors
+from zerocomm_spark.agent import config as config_mod
+from zerocomm_spark.agent.config import Config
+from zerocomm_spark.agent.output import (
+    Progress,
+    emit_json,
+    format_payload,
+    format_time,
+    render_pairs,
+    render_table,
+    short_did,
+)
+from zerocomm_spark.client import Client, error_header
+from zerocomm_spark.errors import ZeroCommError
+
+__all__ = ["main", "exit_code_for", "EXIT_CODES"]
+
+EXIT_OK = 0
+EXIT_ERROR = 1
+EXIT_USAGE = 2
+EXIT_NOT_RUNNING = 3
+EXIT_TIMEOUT = 4
+EXIT_ALREADY_RUNNING = 5
+EXIT_NOT_FOUND = 6
+EXIT_PERMISSION = 7
+EXIT_INTERRUPTED = 130
+
+EXIT_CODES = {
+    EXIT_OK: "success",
+    EXIT_ERROR: "an error (the message says what failed and what to do)",
+    EXIT_USAGE: "bad usage or configuration (unknown option, malformed setting, wrong argument)",
+    EXIT_NOT_RUNNING: "no agent is running for this configuration (start one: zerocomm agent start --detach)",
+    EXIT_TIMEOUT: "a deadline passed (the agent or a peer did not answer in time; retry with --timeout)",
+    EXIT_ALREADY_RUNNING: "an agent already runs for this identity (agent start)",
+    EXIT_NOT_FOUND: "no such connection, group or member",
+    EXIT_PERMISSION: "permission denied (socket directory of another user, key not allowed)",
+    EXIT_INTERRUPTED: "interrupted (Ctrl-C)",
+}
+
+
+def exit_code_for(exc: BaseException) -> int:
+    """The documented exit code for an error (see ``zerocomm --help``)."""
+    if isinstance(exc, errors.AgentAlreadyRunningError):
+        return EXIT_ALREADY_RUNNING
+    if isinstance(exc, errors.AgentNotRunningError):
+        return EXIT_NOT_RUNNING
+    if isinstance(exc, (errors.ApiPermissionError, errors.InsecurePermissionsError)):
+        return EXIT_PERMISSION
+    if isinstance(exc, TimeoutError):
+        return EXIT_TIMEOUT
+    not_found = tuple(getattr(errors, name) for name in ("ConnectionNotFoundError", "GroupNotOpenError",
+                                                         "NotAMemberError", "GroupNotFoundError")
+                      if hasattr(errors, name))
+    if isinstance(exc, not_found):
+        return EXIT_NOT_FOUND
+    if isinstance(exc, (errors.ConfigurationError, errors.BadRequestError)):
+        return EXIT_USAGE
+    if isinstance(exc, KeyboardInterrupt):
+        return EXIT_INTERRUPTED
+    return EXIT_ERROR
+
+
+# --- the parser --------------------------------------------------------------------------------
+
+_EPILOG = "exit codes:\n" + "\n".join(f"  {code:<4} {text}" for code, text in EXIT_CODES.items()) + """
+
+configuration: conf/zerocomm.toml lists every setting. Later wins: defaults, the file (--config,
+$ZEROCOMM_CONFIG, ~/.zerocomm/zerocomm.toml), environment ZEROCOMM_<SECTION>_<KEY>, flags
+(--set section.key=value and the shortcuts below).
+
+examples:
+  zerocomm init --label alice                  create an identity and a config file
+  zerocomm agent start --detach                run the agent in the background
+  zerocomm invite                              print an invitation URL for another member
+  zerocomm connect 'tcp://...?oob=...'         accept one (DID exchange)
+  zerocomm group create sensors
+  zerocomm group join sensors --via alice      join through a member you are connected to
+  zerocomm send sensors 'hello'                publish; returns once every member has it
+  zerocomm tail sensors                        follow the group's messages, like tail -f
+"""
+
+
+def _common() -> argparse.ArgumentParser:
+    """Options accepted before or after the command (defaults applied later, so both places work)."""
+    p = argparse.ArgumentParser(add_help=False)
+    s = argparse.SUPPRESS
+    g = p.add_argument_group("common options")
+    g.add_argument("--config", metavar="PATH", default=s, help="configuration file (TOML)")
+    g.add_argument("--identity-dir", metavar="DIR", default=s, help="the member's identity directory (identity.dir)")
+    g.add_argument("--label", metavar="NAME", default=s, help="how peers see this member (identity.label)")
+    g.add_argument("--socket-dir", metavar="DIR", default=s, help="the local API socket directory (api.socket_dir)")
+    g.add_argument("--endpoint", metavar="URL", default=s, help="the peer transport endpoint (peer.endpoint)")
+    g.add_argument("--log-level", metavar="LEVEL", default=s, help="debug, info, warning or error (log.level)")
+    g.add_argument("--set", metavar="SECTION.KEY=VALUE", action="append", default=s, dest="settings",
+                   help="override any setting (repeatable)")
+    g.add_argument("--json", action="store_true", default=s, help="print JSON for scripts instead of tables")
+    g.add_argument("--timeout", type=float, metavar="SECONDS", default=s,
+                   help="deadline of the command's calls (default 30)")
+    g.add_argument("--spawn", action="store_true", default=s,
+                   help="start an agent in the background if none is running")
+    return p
+
+
+def build_parser() -> argparse.ArgumentParser:
+    common = _common()
+    parser = argparse.ArgumentParser(
+        prog="zerocomm", parents=[common], formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="End-to-end encrypted DIDComm group messaging: run a member agent and drive it.",
+        epilog=_EPILOG)
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+
+    def add(parent: Any, name: str, help_text: str, func: Callable[..., int]) -> argparse.ArgumentParser:
+        p = parent.add_parser(name, help=help_text, description=help_text, parents=[common],
+                              formatter_class=argparse.RawDescriptionHelpFormatter, epilog=_EPILOG.split("\n\n")[0])
+        p.set_defaults(func=func)
+        return p
+
+    p = add(sub, "init", "create this member's identity (sealed keystore, journal key) and a config file", cmd_init)
+    p.add_argument("--force", action="store_true", help="overwrite an existing config file")
+
+    agent = sub.add_parser("agent", help="start, stop or inspect the agent process")
+    agent_sub = agent.add_subparsers(dest="agent_command", metavar="ACTION")
+    agent_sub.required = True
+    p = add(agent_sub, "start", "run the agent (foreground; --detach for the background)", cmd_agent_start)
+    p.add_argument("--detach", action="store_true", help="run in the background and return once it serves")
+    p.add_argument("--ready-fd", type=int, help=argparse.SUPPRESS)
+    p = add(agent_sub, "stop", "stop the agent gracefully (SIGTERM, then wait)", cmd_agent_stop)
+    p.add_argument("--force", action="store_true", help="kill it if it does not stop within the deadline")
+    add(agent_sub, "status", "is the agent running, and how is it (exit 3 if not running)", cmd_agent_status)
+
+    p = add(sub, "invite", "print an invitation URL another member accepts with `zerocomm connect`", cmd_invite)
+    p.add_argument("--multi-use", action="store_true", help="let several members accept it")
+    p.add_argument("--group", metavar="GROUP", help="an invitation to join GROUP (for the invitation joiner policy)")
+    p.add_argument("--invite-label", metavar="TEXT", help="a label shown to whoever accepts it")
+    p = add(sub, "connect", "accept an invitation URL: connect to the member that made it", cmd_connect)
+    p.add_argument("url", metavar="URL")
+    add(sub, "connections", "list this member's connections", cmd_connections)
+    p = add(sub, "message", "send a private DIDComm basic message to one connection", cmd_message)
+    p.add_argument("peer", metavar="PEER", help="connection id, label or DID")
+    p.add_argument("text", metavar="TEXT")
+    p = add(sub, "inbox", "basic messages received since the agent started", cmd_inbox)
+    p.add_argument("--peer", metavar="PEER")
+
+    group = sub.add_parser("group", help="create, join, leave and inspect groups")
+    group_sub = group.add_subparsers(dest="group_command", metavar="ACTION")
+    group_sub.required = True
+    p = add(group_sub, "create", "create a group with this member in it", cmd_group_create)
+    p.add_argument("group", metavar="GROUP")
+    p.add_argument("--mode", choices=("single", "multi", "shared"), help="how data is encrypted and fanned out")
+    p.add_argument("--ordered", action=argparse.BooleanOptionalAction, default=None,
+                   help="deliver in a total (Lamport) order")
+    p.add_argument("--consistent-join", action=argparse.BooleanOptionalAction, default=None,
+                   help="refuse joiners whose members disagree on the view")
+    p.add_argument("--role", choices=("read_write", "read_only"))
+    p = add(group_sub, "join", "join a group through a member you are connected to", cmd_group_join)
+    p.add_argument("group", metavar="GROUP")
+    p.add_argument("--via", required=True, metavar="PEER", help="a member of the group: connection id, label or DID")
+    p.add_argument("--role", choices=("read_write", "read_only"))
+    p = add(group_sub, "leave", "leave a group", cmd_group_leave)
+    p.add_argument("group", metavar="GROUP")
+    p = add(group_sub, "info", "a group's settings and this member's place in it", cmd_group_info)
+    p.add_argument("group", metavar="GROUP")
+    p = add(group_sub, "members", "a group's members with their roles and status", cmd_group_members)
+    p.add_argument("group", metavar="GROUP")
+    add(group_sub, "list", "the groups this member is in", cmd_group_list)
+    p = add(group_sub, "role", "switch this member's role in a group without leaving", cmd_group_role)
+    p.add_argument("group", metavar="GROUP")
+    p.add_argument("role", choices=("read_write", "read_only"))
+
+    p = add(sub, "send", "publish a message to a group; returns once every member acknowledged it", cmd_send)
+    p.add_argument("group", metavar="GROUP")
+    p.add_argument("message", metavar="MESSAGE", help="the text, or - to publish each line of stdin")
+    p.add_argument("--id", dest="message_id", metavar="ID", help="the message id (re-sending the same id is safe)")
+    p = add(sub, "tail", "print a group's messages as they arrive (from the journal), like tail -f", cmd_tail)
+    p.add_argument("group", metavar="GROUP")
+    p.add_argument("-n", "--lines", type=int, default=10, metavar="N", help="show the last N first (default 10)")
+    p.add_argument("--no-follow", action="store_true", help="print the last N and stop")
+    p = add(sub, "history", "a group's journaled messages, oldest first", cmd_history)
+    p.add_argument("group", metavar="GROUP")
+    p.add_argument("--limit", type=int, default=100, metavar="N", help="the last N messages (default 100)")
+    p.add_argument("--all", action="store_true", help="every retained message")
+    add(sub, "metrics", "messages in and out, bytes, lag per publisher, peers alive, API calls", cmd_metrics)
+    add(sub, "keygen", "make a CURVE key pair for a remote API client (api.allowed_clients)", cmd_keygen)
+    add(sub, "config", "show the configuration in force and where each setting comes from", cmd_config)
+    return parser
+
+
+# --- plumbing ----------------------------------------------------------------------------------
+
+
+class Ctx:
+    """What every command needs: parsed options, the configuration, output mode, a client on demand."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.json: bool = bool(getattr(args, "json", False))
+        self.timeout: float = float(getattr(args, "timeout", 30.0))
+        if not self.timeout > 0:
+            raise errors.ConfigurationError("--timeout must be a positive number of seconds")
+        flags = list(getattr(args, "settings", None) or [])
+        for option, name in (("identity_dir", "identity.dir"), ("label", "identity.label"),
+                             ("socket_dir", "api.socket_dir"), ("endpoint", "peer.endpoint"),
+                             ("log_level", "log.level")):
+            value = getattr(args, option, None)
+            if value is not None:
+                if option in ("identity_dir", "socket_dir"):
+                    value = str(Path(value).expanduser().absolute())
+                flags.append(f"{name}={value}")
+        self.config_path = getattr(args, "config", None)
+        missing_ok = getattr(args, "command", None) == "init"
+        self.config: Config = config_mod.load(self.config_path, flags=flags, missing_ok=missing_ok)
+        self._client: Client | None = None
+
+    def client(self) -> Client:
+        if self._client is None:
+            connect_timeout = min(self.timeout, 10.0)
+            try:
+                self._client = Client.connect(self.config.socket_dir, timeout=connect_timeout,
+                                              call_timeout=self.timeout)
+            except errors.AgentNotRunningError:
+                if not getattr(self.args, "spawn", False):
+                    raise errors.AgentNotRunningError(
+                        f"no agent is running for {self.config.identity_dir}",
+                        hint="Start it with `zerocomm agent start --detach` (same --config/--identity-dir), "
+                             "or add --spawn") from None
+                from zerocomm_spark.agent.daemon import start_detached
+
+                start_detached(self.config)
+                self._client = Client.connect(self.config.socket_dir, timeout=connect_timeout,
+                                              call_timeout=self.timeout)
+        return self._client
+
+    def out(self, value: Any, human: str | Callable[[], str]) -> None:
+        if self.json:
+            emit_json(value)
+        else:
+            text = human() if callable(human) else human
+            if text:
+                print(text, flush=True)
+
+    def close(self) -> None:
+        if self._client is not None:
+            self._client.close()
+
+
+# --- commands: identity and agent --------------------------------------------------------------
+
+
+def cmd_init(ctx: Ctx) -> int:
+    from zerocomm_spark.journal import journal_key
+    from zerocomm_spark.member import Agent
+
+    cfg = ctx.config
+    existing = (cfg.identity_dir / "keystore.sealed").exists()
+    agent = Agent.open(cfg.identity_dir, label=cfg.label, endpoint=cfg.get("peer", "endpoint"),
+                       passphrase=cfg.passphrase(), advertise=cfg.get("peer", "advertise") or None)
+    try:
+        keystore = getattr(agent, "keystore", None) or agent._keystore  # noqa: SLF001
+        journal_key(keystore)
+        label, endpoint = agent.label, agent.endpoint
+    finally:
+        agent.close()
+    target = Path(ctx.config_path).expanduser() if ctx.config_path else config_mod.user_config_file()
+    wrote = False
+    if not target.exists() or getattr(ctx.args, "force", False):
+        values = {s: dict(v) for s, v in cfg.values.items()}
+        values["identity"]["dir"] = str(cfg.identity_dir)
+        values["identity"]["label"] = label
+        target.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        target.write_text(config_mod.render_toml(values), encoding="utf-8")
+        target.chmod(0o600)
+        wrote = True
+    result = {"label": label, "identity_dir": str(cfg.identity_dir), "created": not existing,
+              "peer_endpoint": endpoint, "config_file": str(target), "config_written": wrote,
+              "socket_dir": str(cfg.socket_dir)}
+    ctx.out(result, lambda: "\n".join([
+        f"{'created' if not existing else 'found'} the identity {label!r} in {cfg.identity_dir}",
+        f"{'wrote' if wrote else 'kept the existing'} configuration {target}"
+        + ("" if wrote else " (--force to overwrite)"),
+        f"next: zerocomm{'' if not ctx.config_path else ' --config ' + str(target)} agent start --detach",
+    ]))
+    return EXIT_OK
+
+
+def cmd_agent_start(ctx: Ctx) -> int:
+    from zerocomm_spark.agent.daemon import run_foreground, start_detached
+
+    if getattr(ctx.args, "detach", False):
+        health = start_detached(ctx.config, timeout=getattr(ctx.args, "timeout", None))
+        ctx.out(health, lambda: f"agent {health.get('label')!r} running in the background (pid {health.get('pid')})\n"
+                                f"  API  {health.get('endpoints', {}).get('api')}\n"
+                                f"  log  {health.get('log_file')}\n"
+                                f"stop it with: zerocomm agent stop")
+        return EXIT_OK
+
+    def ready(health: dict[str, Any]) -> None:
+        if ctx.json:
+            emit_json(health)
+        elif sys.stderr.isatty():
+            sys.stderr.write(f"agent {health.get('label')!r} running (pid {health.get('pid')}), API "
+                             f"{health.get('endpoints', {}).get('api')}; Ctrl-C to stop\n")
+
+    try:
+        code = run_foreground(ctx.config, ready_fd=ctx.args.ready_fd, on_ready=ready)
+    except ZeroCommError as exc:
+        code = _report_error(exc, ctx.json)
+    # Everything durable is closed by now. Exit at once: the interpreter would otherwise join
+    # worker threads still parked in network waits (pings, resumes) for seconds.
+    import logging
+    import os
+
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)
+
+
+def cmd_agent_stop(ctx: Ctx) -> int:
+    from zerocomm_spark.agent.daemon import stop_agent
+
+    result = stop_agent(ctx.config, timeout=getattr(ctx.args, "timeout", None), force=ctx.args.force)
+    ctx.out(result, f"stopped the agent (pid {result['pid']}) in {result['seconds']:.1f}s"
+                    + (" by killing it" if result["forced"] else ""))
+    return EXIT_OK
+
+
+def cmd_agent_status(ctx: Ctx) -> int:
+    from zerocomm_spark.agent.daemon import agent_status
+
+    status = agent_status(ctx.config, timeout=min(ctx.timeout, 5.0))
+    endpoints = status.get("endpoints") or {}
+    journal = status.get("journal") or {}
+
+    def human() -> str:
+        pairs = [("state", status.get("state", "running") if status.get("responding") else "not responding"),
+                 ("label", status.get("label")), ("pid", status.get("pid")),
+                 ("uptime", f"{status['uptime_s']:.0f}s" if "uptime_s" in status else None),
+                 ("identity", status.get("identity_dir")), ("api", endpoints.get("api")),
+                 ("api tcp", endpoints.get("api_tcp")), ("api key", endpoints.get("api_public_key")),
+                 ("peer", endpoints.get("peer")), ("group", endpoints.get("group")),
+                 ("groups", ", ".join(status.get("groups") or []) or "(none)"),
+                 ("journal", f"offsets {journal.get('earliest_offset')}..{journal.get('next_offset')}, "
+                             f"committed {journal.get('committed_offset')}" if journal else None),
+                 ("heartbeat", f"{status.get('heartbeat_age_s', 0):.1f}s ago"), ("log", status.get("log_file"))]
+        if status.get("problem"):
+            pairs.append(("problem", status["problem"]))
+        return render_pairs((k, v) for k, v in pairs if v is not None)
+
+    ctx.out(status, human)
+    return EXIT_OK if status.get("responding") else EXIT_ERROR
+
+
+# --- commands: connections ---------------------------------------------------------------------
+
+
+def cmd_invite(ctx: Ctx) -> int:
+    url = ctx.client().invite(label=ctx.args.invite_label, multi_use=ctx.args.multi_use, group=ctx.args.group)
+    ctx.out({"url": url}, url)
+    return EXIT_OK
+
+
+def cmd_connect(ctx: Ctx) -> int:
+    with Progress("connecting", enabled=None if not ctx.json else False):
+        connection = ctx.client().accept(ctx.args.url, timeout=ctx.timeout)
+    ctx.out(connection, f"connected to {connection.get('label')!r} (connection {connection.get('id')})")
+    return EXIT_OK
+
+
+def cmd_connections(ctx: Ctx) -> int:
+    rows = ctx.client().connections(include_incomplete=True)
+    ctx.out(rows, lambda: render_table(rows, [("id", "ID"), ("label", "LABEL"), ("state", "STATE"), ("role", "ROLE"),
+                                              ("endpoint", "ENDPOINT"), ("created_at", "CREATED")]))
+    return EXIT_OK
+
+
+def cmd_message(ctx: Ctx) -> int:
+    message_id = ctx.client().send(ctx.args.peer, ctx.args.text)
+    ctx.out({"message_id": message_id}, f"delivered {message_id}")
+    return EXIT_OK
+
+
+def cmd_inbox(ctx: Ctx) -> int:
+    rows = ctx.client().messages(ctx.args.peer)
+    ctx.out(rows, lambda: render_table(rows, [("received_time", "RECEIVED"), ("label", "FROM"), ("content", "MESSAGE")]))
+    return EXIT_OK
+
+
+# --- commands: groups --------------------------------------------------------------------------
+
+
+def cmd_group_create(ctx: Ctx) -> int:
+    a = ctx.args
+    info = ctx.client().create(a.group, mode=a.mode, ordered=a.ordered, consistent_join=a.consistent_join, role=a.role)
+    ctx.out(info, f"created group {a.group!r}")
+    return EXIT_OK
+
+
+def cmd_group_join(ctx: Ctx) -> int:
+    a = ctx.args
+    with Progress(f"joining {a.group}", enabled=None if not ctx.json else False) as progress:
+        info = ctx.client().join(a.group, via=a.via, role=a.role, timeout=ctx.timeout, progress=progress.update)
+    members = info.get("members") if isinstance(info, dict) else None
+    count = f" ({len(members)} members)" if isinstance(members, list) else ""
+    ctx.out(info, f"joined group {a.group!r}{count}")
+    return EXIT_OK
+
+
+def cmd_group_leave(ctx: Ctx) -> int:
+    result = ctx.client().leave(ctx.args.group)
+    ctx.out(result, f"left group {ctx.args.group!r}")
+    return EXIT_OK
+
+
+def _member_rows(members: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    rows = []
+    for m in members:
+        row = dict(m)
+        row["did_short"] = short_did(m.get("did"), 40)
+        row["you"] = "(you)" if m.get("is_self") else ""
+        rows.append(row)
+    return rows
+
+
+def cmd_group_info(ctx: Ctx) -> int:
+    info = ctx.client().info(ctx.args.group)
+
+    def human() -> str:
+        simple = [(k, v) for k, v in info.items() if not isinstance(v, (list, dict))]
+        text = render_pairs(simple)
+        members = info.get("members")
+        if isinstance(members, list):
+            text += "\n\n" + _members_table(members)
+        return text
+
+    ctx.out(info, human)
+    return EXIT_OK
+
+
+def _members_table(members: list[dict[str, Any]]) -> str:
+    return render_table(_member_rows(members), [("label", "LABEL"), ("role", "ROLE"), ("status", "STATUS"),
+                                                ("you", ""), ("did_short", "DID")])
+
+
+def cmd_group_members(ctx: Ctx) -> int:
+    members = ctx.client().members(ctx.args.group)
+    ctx.out(members, lambda: _members_table(members))
+    return EXIT_OK
+
+
+def cmd_group_list(ctx: Ctx) -> int:
+    rows = ctx.client().groups()
+    ctx.out(rows, lambda: render_table(rows, [("group", "GROUP"), ("mode", "MODE"), ("role", "ROLE"),
+                                              ("member_count", "MEMBERS")]))
+    return EXIT_OK
+
+
+def cmd_group_role(ctx: Ctx) -> int:
+    result = ctx.client().switch_role(ctx.args.group, ctx.args.role)
+    ctx.out(result, f"now {ctx.args.role} in group {ctx.args.group!r}")
+    return EXIT_OK
+
+
+# --- commands: messages and the journal --------------------------------------------------------
+
+
+def cmd_send(ctx: Ctx) -> int:
+    a = ctx.args
+    if a.message == "-":
+        lines = [line.rstrip("\n") for line in sys.stdin]
+        if not lines:
+            raise errors.ConfigurationError("stdin had no lines to send")
+        ids = None
+    else:
+        lines = [a.message]
+        ids = [a.message_id] if a.message_id else None
+    with Progress(f"sending to {a.group}", enabled=None if not ctx.json and len(lines) > 1000 else False):
+        result = ctx.client().publish(a.group, lines, message_ids=ids, timeout=ctx.timeout)
+    value = {"group": a.group, "message_ids": result.message_ids, "seqs": result.seqs,
+             "duplicates": result.duplicates}
+    if len(result) == 1:
+        human = (f"sent {result.message_ids[0]} (seq {result.seqs[0]}) to {a.group!r}; every member has it"
+                 + (" (already sent before)" if result.duplicates else ""))
+    else:
+        human = f"sent {len(result)} messages (seqs {result.seqs[0]}..{result.seqs[-1]}) to {a.group!r}"
+    ctx.out(value, human)
+    return EXIT_OK
+
+
+class _Labels:
+    """Publisher DIDs to member labels, refreshed when an unknown DID shows up."""
+
+    def __init__(self, client: Client, group: str) -> None:
+        self.client = client
+        self.group = group
+        self.names: dict[str, str] = {}
+        self._refreshed = 0.0
+
+    def __call__(self, did: str) -> str:
+        if did not in self.names and time.monotonic() - self._refreshed > 2.0:
+            self._refreshed = time.monotonic()
+            try:
+                for m in self.client.members(self.group, timeout=5.0):
+                    if m.get("did") and m.get("label"):
+                        self.names[m["did"]] = m["label"]
+            except ZeroCommError:
+                pass
+        return self.names.get(did) or short_did(did)
+
+
+def _rows(table: Any) -> list[dict[str, Any]]:
+    return table.to_pylist() if table is not None else []
+
+
+def _print_rows(ctx: Ctx, rows: list[dict[str, Any]], labels: _Labels, *, stream: bool) -> None:
+    if ctx.json:
+        for row in rows:
+            emit_json({"offset": row["offset"], "group": row["group"], "message_id": row["message_id"],
+                       "publisher_did": row["publisher_did"], "publisher_label": labels(row["publisher_did"]),
+                       "seq": row["seq"], "lamport_ts": row["lamport_ts"], "sent_at": row["sent_at"],
+                       "received_at": row["received_at"], "headers": row.get("headers"),
+                       "payload": format_payload(row["payload"])})
+        return
+    shaped = [{"offset": r["offset"], "time": format_time(r["sent_at"]), "from": labels(r["publisher_did"]),
+               "seq": r["seq"], "message": format_payload(r["payload"], 200)} for r in rows]
+    if stream:
+        for r in shaped:
+            print(f"{r['time']}  {r['from']}  #{r['seq']}  {r['message']}", flush=True)
+    else:
+        print(render_table(shaped, [("offset", "OFFSET"), ("time", "SENT"), ("from", "FROM"), ("seq", "SEQ"),
+                                    ("message", "MESSAGE")], empty="(no messages)"))
+
+
+def cmd_history(ctx: Ctx) -> int:
+    client = ctx.client()
+    labels = _Labels(client, ctx.args.group)
+    rows: list[dict[str, Any]] = []
+    if ctx.args.all:
+        offset = None
+        while True:
+            page = client.fetch(group=ctx.args.group, start=offset)
+            rows += _rows(page.table)
+            if page.next_offset >= page.end_offset or offset == page.next_offset:
+                break
+            offset = page.next_offset
+    else:
+        rows = _rows(client.fetch(group=ctx.args.group, last=max(ctx.args.limit, 1)).table)
+    if ctx.json:
+        _print_rows(ctx, rows, labels, stream=True)
+    else:
+        _print_rows(ctx, rows, labels, stream=False)
+    return EXIT_OK
+
+
+def cmd_tail(ctx: Ctx) -> int:
+    client = ctx.client()
+    labels = _Labels(client, ctx.args.group)
+    page = client.fetch(group=ctx.args.group, last=ctx.args.lines) if ctx.args.lines > 0 else None
+    if page is not None:
+        _print_rows(ctx, _rows(page.table), labels, stream=True)
+        offset = page.next_offset
+    else:
+        offset = int(client.latest()["next_offset"])
+    if ctx.args.no_follow:
+        return EXIT_OK
+    while True:
+        page = client.fetch(group=ctx.args.group, start=offset, wait=10.0)
+        _print_rows(ctx, _rows(page.table), labels, stream=True)
+        offset = page.next_offset
+
+
+def cmd_metrics(ctx: Ctx) -> int:
+    metrics = ctx.client().metrics()
+
+    def human() -> str:
+        simple = [(k, v) for k, v in metrics.items() if not isinstance(v, (dict, list))]
+        text = render_pairs(simple)
+        lag_rows = [{"group": g, "publisher": short_did(p, 40), "lag": n}
+                    for g, pubs in (metrics.get("lag") or {}).items() for p, n in pubs.items()]
+        if lag_rows:
+            text += "\n\n" + render_table(lag_rows, [("group", "GROUP"), ("publisher", "PUBLISHER"), ("lag", "LAG")])
+        alive = metrics.get("peers_alive") or {}
+        if alive:
+            text += "\n\n" + render_table([{"peer": short_did(p, 40), "alive": a} for p, a in alive.items()],
+                                          [("peer", "PEER"), ("alive", "ALIVE")])
+        calls = metrics.get("api_calls") or {}
+        if calls:
+            text += "\n\n" + render_table(
+                [{"call": c, "count": int(v["count"]), "errors": int(v["errors"]),
+                  "avg_ms": f"{1000 * v['seconds'] / max(v['count'], 1):.1f}"} for c, v in sorted(calls.items())],
+                [("call", "CALL"), ("count", "COUNT"), ("errors", "ERRORS"), ("avg_ms", "AVG MS")])
+        return text
+
+    ctx.out(metrics, human)
+    return EXIT_OK
+
+
+def cmd_keygen(ctx: Ctx) -> int:
+    import zmq
+
+    public, secret = zmq.curve_keypair()
+    value = {"public_key": public.decode("ascii"), "secret_key": secret.decode("ascii")}
+    ctx.out(value, f"public_key  {value['public_key']}   (list it in the agent's api.allowed_clients)\n"
+                   f"secret_key  {value['secret_key']}   (keep it with the client; never share it)")
+    return EXIT_OK
+
+
+def cmd_config(ctx: Ctx) -> int:
+    cfg = ctx.config
+    rows = [{"setting": f"{s}.{k}", "value": config_mod._flag_text(v), "source": cfg.source[f"{s}.{k}"]}
+            for s, keys in cfg.values.items() for k, v in keys.items()]
+    value = {"file": str(cfg.file) if cfg.file else None, "values": cfg.values, "source": cfg.source,
+             "identity_dir": str(cfg.identity_dir), "socket_dir": str(cfg.socket_dir),
+             "journal_dir": str(cfg.journal_dir), "warnings": list(cfg.warnings)}
+    ctx.out(value, lambda: f"file: {cfg.file or '(none: defaults)'}\n\n"
+                           + render_table(rows, [("setting", "SETTING"), ("value", "VALUE"), ("source", "SOURCE")]))
+    return EXIT_OK
+
+
+# --- entry point -------------------------------------------------------------------------------
+
+
+def _report_error(exc: BaseException, as_json: bool) -> int:
+    code = exit_code_for(exc)
+    if as_json:
+        emit_json({"ok": False, "error": error_header(None, exc)["error"], "exit_code": code})
+    else:
+        if isinstance(exc, ZeroCommError):
+            message = str(exc)
+            hint = exc.hint
+            if hint and message.endswith(f". {hint}"):
+                message = message[: -len(hint) - 2]
+            sys.stderr.write(f"zerocomm: error: {message}\n")
+            if hint:
+                sys.stderr.write(f"  what to do: {hint}\n")
+        else:
+            sys.stderr.write(f"zerocomm: error: {type(exc).__name__}: {exc}\n")
+    return code
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """The console script: parse, run one command, map errors to the documented exit codes."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    as_json = bool(getattr(args, "json", False))
+    ctx: Ctx | None = None
+    try:
+        ctx = Ctx(args)
+        return int(args.func(ctx))
+    except KeyboardInterrupt:
+        return EXIT_INTERRUPTED
+    except BrokenPipeError:  # `zerocomm tail g | head`: the reader left; not an error
+        try:
+            sys.stdout = open("/dev/null", "w")  # noqa: SIM115 - silence the flush at exit
+        except OSError:
+            pass
+        return EXIT_OK
+    except ZeroCommError as exc:
+        return _report_error(exc, as_json)
+    except (TypeError, ValueError) as exc:  # a bad argument caught by the client before sending
+        return _report_error(errors.ConfigurationError(str(exc)), as_json)
+    finally:
+        if ctx is not None:
+            ctx.close()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

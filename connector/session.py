@@ -45,7 +45,7 @@ def local_spark(
     master: str = "local[2]",
     conf: dict[str, str] | None = None,
 ):
-    """Build (or return the running) local SparkSession with Delta configured.
+    """Build (or return the running) local SparkSession with Delta and format("zerocomm") configured.
 
     Spark binds to loopback only; the worker Python is this interpreter so executors import the
     same zerocomm_spark as the driver.
@@ -76,4 +76,9 @@ def local_spark(
         builder = builder.config(key, value)
     spark = builder.getOrCreate()
     spark.sparkContext.setLogLevel("WARN")
+    # An editable install cannot expose the top-level pyspark_zerocomm module Spark's own lookup
+    # finds, so register format("zerocomm") here too; it is idempotent.
+    from zerocomm_spark.connector import register
+
+    register(spark)
     return spark

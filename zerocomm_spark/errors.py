@@ -234,3 +234,266 @@ class AgentAlreadyRunningError(ZeroCommError):
     """Another agent already holds this identity directory."""
 
     hint = "Stop the other agent or use another identity directory."
+
+
+# --- groups: data plane ------------------------------------------------------------------------
+
+
+class GroupError(ZeroCommError):
+    """A group operation failed."""
+
+    hint = "Check the group's name and this member's view of it (members(group))."
+
+
+class InvalidGroupNameError(GroupError, ValueError):
+    """A group name cannot be used in topic names."""
+
+    hint = "Use a non-empty name of at most 200 characters without ':', NUL or control characters."
+
+
+class GroupNotOpenError(GroupError):
+    """The group is not open on this member's data plane."""
+
+    hint = "Call open_group(group, ...) first, or check the group's name."
+
+
+class GroupAlreadyOpenError(GroupError):
+    """open_group() was called for a group that is already open."""
+
+    hint = "A group is opened once per data plane; close_group() it first to change its mode."
+
+
+class NotAMemberError(GroupError):
+    """The DID named is not a member of the group on this data plane."""
+
+    hint = "Add it with add_member(group, member) first, or check the DID against members(group)."
+
+
+class ReadOnlyMemberError(GroupError):
+    """A read-only member tried to publish data."""
+
+    hint = "Switch this member to read_write (set_role) before publishing; read-only members only receive."
+
+
+class BackpressureError(GroupError, TimeoutError):
+    """Publishing waited for slow members until its deadline; nothing was sent or dropped."""
+
+    hint = ("Members are not keeping up: retry later, give a longer timeout, or raise the window; "
+            "stats()['lag'] and the named members show who is behind")
+
+
+class DataPlaneClosedError(GroupError):
+    """The data plane was used after close() (or before start())."""
+
+    hint = "Create and start() a new DataPlane; a closed one cannot restart."
+
+
+class MalformedDataMessageError(ProtocolError):
+    """A group data message (batch, ack, hello, resend) is not valid; it was dropped."""
+
+    hint = "The sender runs an incompatible zerocomm-spark version or the message was forged; nothing was delivered."
+
+
+# --- groups: membership -------------------------------------------------------------------------
+
+
+class GroupExistsError(GroupError):
+    """This member already has a group of that name (names are unique per member)."""
+
+    hint = "Pick another name, or leave(group) first; groups() lists the names in use."
+
+
+class GroupNotFoundError(GroupError):
+    """This member is not in a group of that name."""
+
+    hint = "Create it, or join it through a member (join(group, via=connection)); groups() lists yours."
+
+
+class JoinRefusedError(GroupError):
+    """A member (the acceptor or another) refused the join or subscribe by its admission policy."""
+
+    hint = ("Ask a member to add your DID (agent.groups.did) to its allow-list, or for an invitation issued "
+            "for the group (agent.groups.invite(group)), then join again")
+
+
+class InconsistentViewError(JoinRefusedError):
+    """The members disagree on who is in the group, and the group refuses inconsistent joins."""
+
+    hint = ("A member may hold a forged view (an intruder) or the group was changing; nothing was joined. "
+            "Join through another member, or retry once the group is quiet")
+
+
+class MalformedGroupMessageError(ProtocolError):
+    """A group membership message (join, subscribe, status, digest, view) is not valid; it was dropped."""
+
+    hint = "The sender runs an incompatible zerocomm-spark version, or the message was forged or altered."
+
+
+# --- journal (zerocomm_spark.journal) ----------------------------------------------------------
+
+
+class JournalError(ZeroCommError):
+    """The member's message journal cannot be opened, written or read."""
+
+    hint = "Check the journal directory's permissions and free space; reopen the journal to recover."
+
+
+class JournalKeyError(JournalError):
+    """The key given does not open this journal (or is not a 32-byte key)."""
+
+    hint = "Pass the 32-byte key the journal was created with; the member keeps it sealed in its keystore."
+
+
+class JournalLockedError(JournalError):
+    """Another Journal (in this or another process) already holds the directory."""
+
+    hint = "Close the other Journal or stop the process holding it; one writer per journal directory."
+
+
+class JournalClosedError(JournalError):
+    """The journal was used after close(), or stopped after a write failure."""
+
+    hint = "Open it again with Journal.open(directory, key=...); reopening recovers from the files on disk."
+
+
+class JournalCorruptError(JournalError):
+    """A record on disk fails its length, checksum or authentication check."""
+
+    hint = ("Other offset ranges remain readable; copy the named file aside for inspection and restore it "
+            "from a replica or backup. The message names no payload or key.")
+
+
+class JournalTimeoutError(JournalError, TimeoutError):
+    """A journal operation did not complete within its deadline."""
+
+    hint = ("The outcome is unknown: append the same rows again (duplicates are skipped), or check the disk "
+            "if this repeats.")
+
+
+class InvalidJournalRowError(JournalError, ValueError):
+    """A row (or column) given to append() does not fit the journal schema."""
+
+    hint = "See zerocomm_spark.journal.JOURNAL_SCHEMA: times are int microseconds since the epoch (UTC) or aware datetimes."
+
+
+class OffsetOutOfRangeError(JournalError, IndexError):
+    """The offset asked for is not in the journal (beyond its end, negative, or no longer retained)."""
+
+    hint = "Ask Journal.earliest_offset() and Journal.latest().next_offset for the readable range."
+
+
+class DataLossError(OffsetOutOfRangeError):
+    """The offsets asked for were deleted by retention (or lost), so they can never be read."""
+
+    hint = ("Restart reading from Journal.earliest_offset(), or fail the query (Spark: failOnDataLoss); "
+            "commit() sooner or raise retention to keep more.")
+
+
+# --- the agent process and its local API (zerocomm_spark.agent, zerocomm_spark.client) ---------
+
+
+class AgentNotRunningError(ZeroCommError):
+    """No agent answers on the local API socket (or TCP endpoint) that was named."""
+
+    hint = ("Start one with `zerocomm agent start --detach` (or Client.connect(..., spawn=True)), "
+            "or point the client at the right socket directory / --config")
+
+
+class AgentStartError(ZeroCommError):
+    """An agent process was started but did not come up (it exited or missed its deadline)."""
+
+    hint = "See the agent's log file named in the message; `zerocomm agent start` in the foreground shows it live"
+
+
+class ApiError(ZeroCommError):
+    """A call on the agent's local API failed outside of what the call itself does."""
+
+    hint = "Check the agent's log; `zerocomm agent status` shows whether it is healthy."
+
+
+class ApiTimeoutError(ApiError, TimeoutError):
+    """The agent did not answer a call within its deadline."""
+
+    hint = ("The outcome is unknown: the agent may still complete the call. Retry with a longer timeout; "
+            "publishing again with the same message ids delivers nothing twice")
+
+
+class BadRequestError(ApiError, ValueError):
+    """The agent refused a call it cannot parse: unknown call, missing or mistyped argument."""
+
+    hint = "See `zerocomm --help` or the Client method's signature for the arguments each call takes."
+
+
+class UnknownCallError(BadRequestError):
+    """The call names nothing the agent serves."""
+
+    hint = "Call one of the names the agent lists in the message (client and agent versions may differ)."
+
+
+class RequestTooLargeError(BadRequestError):
+    """A request is bigger than the agent's api.max_request_bytes."""
+
+    hint = "Split the batch into smaller ones, or raise api.max_request_bytes in the agent's configuration."
+
+
+class ApiPermissionError(ApiError, PermissionError):
+    """This user or key may not use the agent's API (socket directory not ours, CURVE key not allowed)."""
+
+    hint = ("The local API serves only the user that runs the agent: run the client as that user, or list "
+            "this client's CURVE public key in api.allowed_clients and use the TCP endpoint")
+
+
+class AgentBusyError(ApiError):
+    """The agent has too many calls in progress and refused this one."""
+
+    hint = "Retry shortly, make fewer concurrent calls, or raise api.workers in the agent's configuration."
+
+
+class ClientClosedError(ApiError):
+    """The client was used after close()."""
+
+    hint = "Connect again with Client.connect(...)."
+
+
+# --- the Spark connector (zerocomm_spark.connector) --------------------------------------------
+
+
+class ConnectorOptionError(ConfigurationError, ValueError):
+    """An option given to format("zerocomm") is unknown, missing or malformed."""
+
+    hint = "See the option table in docs/connector.md; option names are case-insensitive."
+
+
+class OffsetFormatError(ConnectorOptionError):
+    """An offset (startingOffsets, endingOffsets, or a checkpointed offset) cannot be parsed."""
+
+    hint = ('Offsets are JSON like {"group": {"publisher DID": seq}} (-2 earliest, -1 latest) or '
+            '"earliest" / "latest"; a checkpoint written by a newer connector needs that version')
+
+
+class SinkSchemaError(ConnectorOptionError):
+    """The DataFrame written to format("zerocomm") does not have the columns the sink takes."""
+
+    hint = ("Select a payload column (binary or string) and optionally message_id (string) and headers "
+            "(map<string,string>), e.g. df.selectExpr(\"CAST(value AS STRING) AS payload\")")
+
+
+class StreamDataLossError(DataLossError):
+    """Messages a query should read next are gone from this member's journal (retention, or never received)."""
+
+    hint = ("Restart the query from a new checkpoint, or set failOnDataLoss=false to skip what is gone with a "
+            "warning; commit sooner (the query does after each batch) or raise journal retention")
+
+
+class IncompleteReadError(ZeroCommError, TimeoutError):
+    """The member on an executor's host did not have the messages a partition covers within readTimeoutMs."""
+
+    hint = ("That host's member is behind or not in the group: check `zerocomm members GROUP` there, or raise "
+            "readTimeoutMs")
+
+
+class PublishNotAcknowledgedError(GroupError):
+    """A Spark write could not get every message acknowledged by the group; the batch was not committed."""
+
+    hint = ("Nothing is lost and nothing will be delivered twice: rerun the query (or let Spark retry); it "
+            "publishes the same message ids again. Check that the group's members are up, or raise publishTimeoutMs")

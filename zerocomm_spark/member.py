@@ -15,6 +15,8 @@ How the pieces fit:
   other cannot deadlock their worker pools.
 * Inbound handling never raises into the transport: whatever arrives is turned into a receipt and a
   log line naming the error class, never the payload or a key.
+* Other protocols plug in with ``register_protocol`` (handlers that may answer) and ``request``
+  (send and wait for the threaded answer); the group manager, ``agent.groups``, is built that way.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from concurrent.futures import TimeoutError as FutureTimeoutError
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 from zerocomm_spark import errors
@@ -66,7 +68,14 @@ from zerocomm_spark.protocols.trust_ping.v1_0.messages import Ping, PingResponse
 from zerocomm_spark.transport.frames import ProtocolId
 from zerocomm_spark.transport.peer import DEFAULT_MAX_FRAME_BYTES, PeerInfo, PeerTransport
 
-__all__ = ["Agent", "Connection", "ReceivedMessage", "DEFAULT_ENDPOINT"]
+if TYPE_CHECKING:
+    from zerocomm_spark.group.manager import GroupConfig, GroupManager
+
+__all__ = ["Agent", "Connection", "ProtocolHandler", "ReceivedMessage", "DEFAULT_ENDPOINT"]
+
+# A protocol handler gets the message and the (completed, authenticated) connection it came on;
+# what it returns, if anything, is sent back to that peer from the outbox.
+ProtocolHandler = Callable[[Any, ConnectionRecord], AgentMessage | None]
 
 log = logging.getLogger(__name__)
 
@@ -156,7 +165,7 @@ class Agent:
     """A DIDComm agent on a ZeroMQ endpoint; open one per identity directory with ``Agent.open``."""
 
     def __init__(self, keystore: Keystore, transport: PeerTransport, label: str, path: Path,
-                 endpoint: str | None = None) -> None:
+                 endpoint: str | None = None, group_config: "GroupConfig | None" = None) -> None:
         """Use :meth:`Agent.open`; this wires already opened parts together."""
         self._keystore = keystore
         self._transport = transport
@@ -174,6 +183,10 @@ class Agent:
         self._history: deque[ReceivedMessage] = deque(maxlen=MAX_HISTORY)
         self._seen: OrderedDict[tuple[str, str], None] = OrderedDict()
         self._outbox = ThreadPoolExecutor(max_workers=4, thread_name_prefix="zerocomm-outbox")
+        self._request_peers: dict[str, str] = {}  # request() thread id -> connection id the answer must come on
+        self._groups: GroupManager | None = None
+        self._group_config = group_config
+        self._groups_lock = threading.Lock()
         self._handlers: dict[type[AgentMessage], Callable[[Any, _Inbound], None]] = {
             DIDXRequest: self._on_request,
             DIDXResponse: self._on_response,
@@ -192,12 +205,14 @@ class Agent:
     @classmethod
     def open(cls, path: str | Path, *, label: str | None = None, endpoint: str = DEFAULT_ENDPOINT,
              passphrase: str | bytes | None = None, advertise: str | None = None,
-             max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES, workers: int = 4) -> "Agent":
+             max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES, workers: int = 4,
+             group_config: "GroupConfig | None" = None) -> "Agent":
         """Open (or create) the agent of an identity directory and start serving its endpoint.
 
         On a restart with a wildcard ``endpoint`` (the default) the port bound last time is bound
         again, because peers know us by DIDs that contain it. ``advertise`` is the address peers
         dial when it differs from the bound one (binding ``tcp://0.0.0.0:*`` on a cluster node).
+        ``group_config`` tunes ``agent.groups``; an identity with groups rejoins them here.
         """
         directory = Path(path).expanduser().absolute()
         if label is not None and (not isinstance(label, str) or not label.strip()):
@@ -231,12 +246,20 @@ class Agent:
             wanted = {"label": the_label, "endpoint": transport.endpoint, "advertise": public}
             if settings != wanted:
                 keystore.put_record(SETTINGS_KIND, SETTINGS_ID, wanted)
-            agent = cls(keystore, transport, the_label, directory, public)
+            agent = cls(keystore, transport, the_label, directory, public, group_config)
             transport.register(ProtocolId.DIDCOMM, rpc=agent._on_rpc, direct=agent._on_direct)
         except BaseException:
             if transport is not None:
                 transport.close(timeout=2.0)
             keystore.close()
+            raise
+        try:
+            from zerocomm_spark.group.store import GroupStore
+
+            if GroupStore(keystore).groups():  # a restarted member rejoins its groups with its identity
+                agent.groups  # noqa: B018 - starts the group manager
+        except BaseException:
+            agent.close()
             raise
         log.info("agent %r serving %s with %d connection(s)", agent._label, agent._endpoint, len(agent._store))
         return agent
@@ -251,6 +274,13 @@ class Agent:
             self._waiters.clear()
         for future in waiters:
             _resolve(future, error=AgentClosedError("the agent was closed while waiting"))
+        with self._groups_lock:
+            groups, self._groups = self._groups, None
+        if groups is not None:
+            try:
+                groups.close()
+            except Exception:  # noqa: BLE001 - closing the rest matters more
+                log.exception("closing the group manager failed")
         self._inbox.put(_CLOSED)
         self._outbox.shutdown(wait=True, cancel_futures=True)
         self._transport.close(timeout=5.0)
@@ -280,6 +310,20 @@ class Agent:
     @property
     def path(self) -> Path:
         return self._path
+
+    @property
+    def groups(self) -> "GroupManager":
+        """ZeroComm groups of this agent (created on first use, closed with the agent)."""
+        self._check_open()
+        with self._groups_lock:
+            if self._groups is None:
+                from zerocomm_spark.group.manager import GroupManager
+
+                manager = GroupManager(self, keystore=self._keystore, transport=self._transport,
+                                       connections=self._store, config=self._group_config)
+                manager.start()
+                self._groups = manager
+            return self._groups
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else f"{len(self._store)} connection(s)"
@@ -416,6 +460,68 @@ class Agent:
             return time.monotonic() - started
         finally:
             self._drop_waiter("ping", request.id)
+
+    # --- extension point: other DIDComm protocols ------------------------------------------------
+
+    def register_protocol(self, descriptor: ProtocolDescriptor,
+                          handlers: dict[type[AgentMessage], ProtocolHandler],
+                          replies: tuple[type[AgentMessage], ...] = ()) -> None:
+        """Serve another protocol on this agent's connections.
+
+        ``handlers`` answer requests: each gets the message and its connection (completed, and the
+        envelope authcrypted by that peer) and may return a reply, which is sent from the outbox so
+        a handler never blocks on another peer. Messages of a ``replies`` type settle the pending
+        :meth:`request` they are threaded to. The protocol is disclosed by discover-features.
+        """
+        self._check_open()
+        with self._lock:
+            for message_type, handler in handlers.items():
+                self._handlers[message_type] = self._protocol_handler(handler)
+            for message_type in replies:
+                self._handlers[message_type] = self._on_reply
+            protocols = [p for p in self._features.protocols if p.pid != descriptor.pid]
+            self._features = DiscoverFeaturesManager([*protocols, descriptor])
+
+    def _protocol_handler(self, handler: ProtocolHandler) -> Callable[[Any, _Inbound], None]:
+        def run(message: AgentMessage, context: _Inbound) -> None:
+            record = self._connected(context)
+            reply = handler(message, record)
+            if reply is not None:
+                self._post_to(record, reply, f"a {type(reply).__name__}")
+
+        return run
+
+    def request(self, peer: str | Connection, message: AgentMessage, timeout: float = 10.0) -> AgentMessage:
+        """Send ``message`` and return the peer's answer: the reply-type message threaded to it.
+
+        Raises the peer's refusal (from its receipt) or PeerTimeoutError at the deadline.
+        """
+        self._check_open()
+        deadline = _deadline(timeout)
+        record = self._resolve(peer)
+        waiter = self._waiter("request", message.id)
+        with self._lock:
+            self._request_peers[message.id] = record.connection_id
+        try:
+            self._deliver_to(record, message, _remaining(deadline, f"the {type(message).__name__}"))
+            answer: AgentMessage = self._await(waiter, deadline, f"answer to the {type(message).__name__}")
+            return answer
+        finally:
+            self._drop_waiter("request", message.id)
+            with self._lock:
+                self._request_peers.pop(message.id, None)
+
+    def deliver(self, peer: str | Connection, message: AgentMessage, timeout: float = 10.0) -> None:
+        """Send a protocol message; returns once the peer's agent handled it without error."""
+        self._check_open()
+        self._deliver_to(self._resolve(peer), message, timeout)
+
+    def _on_reply(self, message: AgentMessage, context: _Inbound) -> None:
+        record = self._connected(context)
+        with self._lock:
+            expected = self._request_peers.get(message.thid)
+        if expected != record.connection_id or not self._settle("request", message.thid, message):
+            raise ProtocolError(f"the {type(message).__name__} answers no request of ours on this connection")
 
     # --- outbound plumbing ----------------------------------------------------------------------
 

@@ -1,0 +1,453 @@
+"""The calls of the local API, each checked for argument types before it runs (see server.py).
+
+Why a thin layer: every call maps to one method of the member, its group manager or its journal;
+what lives here is what the API adds: Arrow in and out, idempotent publishes by message id,
+deadlines taken from the request, long polls for `tail`, and results as plain JSON.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import time
+import uuid
+from collections import OrderedDict
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from zerocomm_spark.agent.server import CallRegistry, Param, Request, non_empty, non_negative, positive
+from zerocomm_spark.client import PROTOCOL_VERSION, ipc_to_table, table_to_ipc
+from zerocomm_spark.errors import (
+    BadRequestError,
+    GroupError,
+    OffsetOutOfRangeError,
+    PeerTimeoutError,
+    ZeroCommError,
+)
+from zerocomm_spark.journal import JOURNAL_SCHEMA
+
+if TYPE_CHECKING:
+    from zerocomm_spark.agent.process import AgentProcess
+
+__all__ = ["build_registry", "AgentCalls"]
+
+log = logging.getLogger(__name__)
+
+_PUBLISHED_MEMORY = 100_000  # message ids remembered for idempotent re-publishes
+_MAX_ID = 256
+_PAYLOAD_TYPES = (pa.binary(), pa.large_binary(), pa.string(), pa.large_string())
+_HEADERS_TYPE = pa.map_(pa.string(), pa.string())
+
+
+def _empty() -> pa.Table:
+    # Not JOURNAL_SCHEMA.empty_table(): that imports pandas (most of a second) on first use.
+    return pa.Table.from_batches([], schema=JOURNAL_SCHEMA)
+
+
+def _plain(value: Any) -> Any:
+    """JSON-ready copies of dataclasses, mappings and sequences (results of the core's calls)."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value)
+                if f.name not in ("payload",)}
+    if hasattr(value, "to_dict") and callable(value.to_dict):
+        return _plain(value.to_dict())
+    if isinstance(value, Mapping):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple, set, frozenset)):
+        return [_plain(v) for v in value]
+    if isinstance(value, (bytes, bytearray)):
+        return f"<{len(value)} bytes>"
+    if isinstance(value, (str, int, float, bool)) or value is None:
+        return value
+    return str(value)
+
+
+def _role(value: Any) -> str | None:
+    return None if value in ("read_write", "read_only") else "must be read_write or read_only"
+
+
+def _mode(value: Any) -> str | None:
+    return None if value in ("single", "multi", "shared") else "must be single, multi or shared"
+
+
+class AgentCalls:
+    """The handlers; each takes the Request first, then its validated arguments."""
+
+    def __init__(self, process: "AgentProcess") -> None:
+        self.process = process
+        self._published: OrderedDict[tuple[str, str], tuple[int, Any]] = OrderedDict()
+        self._published_lock = threading.Lock()
+        self._group_locks: dict[str, threading.Lock] = {}
+
+    def _group_lock(self, group: str) -> threading.Lock:
+        with self._published_lock:
+            return self._group_locks.setdefault(group, threading.Lock())
+
+    # --- helpers --------------------------------------------------------------------------------
+
+    @property
+    def member(self) -> Any:
+        assert self.process.member is not None
+        return self.process.member
+
+    @property
+    def journal(self) -> Any:
+        assert self.process.journal is not None
+        return self.process.journal
+
+    @property
+    def groups(self) -> Any:
+        if self.process.groups is None:
+            raise GroupError("this agent runs without group support", hint="Upgrade zerocomm-spark")
+        return self.process.groups
+
+    # --- agent ----------------------------------------------------------------------------------
+
+    def status(self, req: Request) -> dict[str, Any]:
+        out = self.process.health("stopping" if self.process.stopping else "running")
+        out.update(protocol=PROTOCOL_VERSION, max_request_bytes=self.process.config.get("api", "max_request_bytes"),
+                   max_read_rows=self.process.config.get("api", "max_read_rows"),
+                   uptime_s=round(time.time() - self.process.started_at, 3))
+        if self.process.journal is not None:
+            out["journal"] = {"next_offset": self.journal.next_offset,
+                              "earliest_offset": self.journal.earliest_offset(),
+                              "committed_offset": self.journal.committed_offset}
+        return out
+
+    def metrics(self, req: Request) -> dict[str, Any]:
+        out = self.process.metrics.snapshot()
+        out["basic_messages_in"] = len(self.member.messages())
+        if self.process.groups is not None:
+            try:
+                stats = self.process.groups.stats()
+            except ZeroCommError:
+                stats = {}
+            for name in ("messages_out", "bytes_out"):
+                if name in stats:
+                    out[name] = stats[name]
+            out["lag"] = stats.get("lag", {})
+            out["peers_alive"] = stats.get("peers_alive", {})
+            out["unacked"] = stats.get("unacked", {})
+            out["group"] = {k: v for k, v in stats.items() if k not in ("lag", "peers_alive", "unacked")}
+        else:
+            out.setdefault("lag", {})
+            out.setdefault("peers_alive", {})
+        out["journal"] = {"next_offset": self.journal.next_offset, "earliest_offset": self.journal.earliest_offset(),
+                          "committed_offset": self.journal.committed_offset}
+        return out
+
+    # --- connections ----------------------------------------------------------------------------
+
+    def invite(self, req: Request, label: str | None, multi_use: bool, group: str | None) -> dict[str, Any]:
+        if group is not None:
+            url = self.groups.invite(group, multi_use=multi_use)
+        else:
+            url = self.member.invite(label, multi_use=multi_use)
+        return {"url": url}
+
+    def accept(self, req: Request, url: str) -> dict[str, Any]:
+        connection = self.member.accept(url, timeout=req.remaining())
+        return _plain(connection)
+
+    def connections(self, req: Request, include_incomplete: bool) -> list[dict[str, Any]]:
+        return _plain(self.member.connections(include_incomplete=include_incomplete))
+
+    def send(self, req: Request, peer: str, message: str) -> dict[str, Any]:
+        message_id = self.member.send(peer, message, timeout=req.remaining())
+        self.process.metrics.add(basic_messages_out=1)
+        return {"message_id": message_id}
+
+    def messages(self, req: Request, peer: str | None) -> list[dict[str, Any]]:
+        return _plain(self.member.messages(peer))
+
+    def ping(self, req: Request, peer: str) -> dict[str, Any]:
+        return {"rtt_s": self.member.ping(peer, timeout=req.remaining())}
+
+    # --- groups ---------------------------------------------------------------------------------
+
+    def groups_list(self, req: Request) -> list[dict[str, Any]]:
+        out = []
+        for name in self.groups.groups():
+            try:
+                info = self.groups.info(name)
+            except ZeroCommError:
+                continue  # left while we listed
+            out.append({"group": info.group, "mode": info.mode, "ordered": info.ordered, "role": info.role,
+                        "status": info.status, "member_count": len(info.members)})
+        return out
+
+    def create(self, req: Request, group: str, mode: str | None, ordered: bool | None,
+               consistent_join: bool | None, role: str | None) -> dict[str, Any]:
+        options = {k: v for k, v in (("mode", mode), ("ordered", ordered), ("consistent_join", consistent_join),
+                                     ("role", role)) if v is not None}
+        return _plain(self.groups.create(group, **options))
+
+    def join(self, req: Request, group: str, via: str, role: str | None) -> dict[str, Any]:
+        req.progress(phase="joining through " + via)
+        info = self.groups.join(group, via, role=role or "read_write", timeout=max(req.remaining(), 0.1))
+        req.progress(phase="joined", final=True)
+        return _plain(info)
+
+    def leave(self, req: Request, group: str) -> dict[str, Any]:
+        self.groups.leave(group, timeout=max(min(req.remaining(), 10.0), 0.1))
+        return {"group": group, "left": True}
+
+    def info(self, req: Request, group: str) -> dict[str, Any]:
+        return _plain(self.groups.info(group))
+
+    def members(self, req: Request, group: str) -> list[dict[str, Any]]:
+        return _plain(self.groups.members(group))
+
+    def switch_role(self, req: Request, group: str, role: str) -> dict[str, Any]:
+        info = self.groups.switch_role(group, role, timeout=max(min(req.remaining(), 10.0), 0.1))
+        return _plain(info if info is not None else self.groups.info(group))
+
+    def publish(self, req: Request, group: str) -> dict[str, Any]:
+        """A batch in, message ids and seqs out once every member acknowledged it."""
+        assert req.bulk is not None
+        table = ipc_to_table(req.bulk)
+        payloads, ids, headers = _publish_rows(table)
+        groups = self.groups
+        seqs: list[int | None] = [None] * len(ids)
+        waits: list[Any] = []
+        fresh: list[int] = []
+        with self._published_lock:
+            for i, mid in enumerate(ids):
+                known = self._published.get((group, mid))
+                if known is None:
+                    fresh.append(i)
+                else:
+                    seqs[i] = known[0]
+                    waits.append(known[1])
+        duplicates = len(ids) - len(fresh)
+        # One data-plane publish per run of rows with equal headers (headers apply per call).
+        runs: list[list[int]] = []
+        for i in fresh:
+            if runs and headers[runs[-1][-1]] == headers[i]:
+                runs[-1].append(i)
+            else:
+                runs.append([i])
+        limit = self.process.config.get("groups", "publish_timeout")
+        ingest = self.process.ingest
+        journaled: list[threading.Event] = []
+        for run in runs:
+            run_payloads, run_ids = [payloads[i] for i in run], [ids[i] for i in run]
+            with self._group_lock(group):  # seqs are assigned and tracked in the same order
+                sent_at = time.time()
+                try:
+                    receipt = groups.publish(group, run_payloads, message_ids=run_ids, headers=headers[run[0]],
+                                             timeout=min(req.remaining(), limit))
+                except GroupError as exc:
+                    if type(exc) is not GroupError:  # a subclass: not found, read-only, backpressure...
+                        raise
+                    # Still joining or resuming after a restart: wait (within the deadline) and retry.
+                    groups.wait_active(group, timeout=max(req.remaining() - 0.5, 0.1))
+                    receipt = groups.publish(group, run_payloads, message_ids=run_ids, headers=headers[run[0]],
+                                             timeout=min(req.remaining(), limit))
+                if ingest is not None:
+                    journaled.append(ingest.track_own(receipt, group, groups.did, run_payloads, run_ids,
+                                                      headers[run[0]], sent_at))
+            with self._published_lock:
+                for i, seq in zip(run, receipt.seqs):
+                    seqs[i] = seq
+                    self._published[(group, ids[i])] = (seq, receipt)
+                while len(self._published) > _PUBLISHED_MEMORY:
+                    self._published.popitem(last=False)
+            waits.append(receipt)
+            self.process.metrics.add(messages_published=len(run),
+                                     bytes_published=sum(len(payloads[i]) for i in run))
+        for receipt in {id(r): r for r in waits}.values():
+            left = min(req.remaining(), limit)
+            if left <= 0:
+                raise PeerTimeoutError(f"the deadline passed before group {group!r} acknowledged the batch",
+                                       hint="Publish the same rows again with the same message ids: "
+                                            "members drop what they already have")
+            receipt.wait(left)
+        for done in journaled:  # own messages are in this member's journal too before we answer
+            done.wait(max(min(req.remaining(), 5.0), 0.0))
+        return {"group": group, "message_ids": ids, "seqs": seqs, "duplicates": duplicates}
+
+    # --- the journal ----------------------------------------------------------------------------
+
+    def latest(self, req: Request, group: str | None) -> dict[str, Any]:
+        journal = self.journal
+        positions = journal.latest()
+        publishers = [
+            {"group": p.group, "publisher_did": p.publisher_did, "last_seq": p.last_seq, "last_offset": p.last_offset}
+            for p in positions.publishers.values() if group is None or p.group == group
+        ]
+        return {"next_offset": positions.next_offset, "earliest_offset": journal.earliest_offset(),
+                "committed_offset": journal.committed_offset, "publishers": publishers}
+
+    def read(self, req: Request, group: str | None, start: int | None, end: int | None, publisher: str | None,
+             first_seq: int | None, last_seq: int | None, max_rows: int | None, wait: float | None,
+             last: int | None) -> tuple[dict[str, Any], bytes]:
+        journal = self.journal
+        cap = self.process.config.get("api", "max_read_rows")
+        limit = min(max_rows or cap, cap)
+        if publisher is not None or first_seq is not None or last_seq is not None:
+            if group is None or publisher is None:
+                raise BadRequestError("read: a seq range needs both 'group' and 'publisher'")
+            first = 1 if first_seq is None else first_seq
+            final = (1 << 62) if last_seq is None else last_seq
+            table = journal.read_by_seq(group, publisher, first, final)
+            if table.num_rows > limit:
+                table = table.slice(0, limit)
+            next_seq = int(table.column("seq")[-1].as_py()) + 1 if table.num_rows else first
+            return ({"rows": table.num_rows, "next_seq": next_seq, "next_offset": journal.next_offset,
+                     "end_offset": journal.next_offset},
+                    table_to_ipc(table))
+        if last is not None:
+            table, next_offset = self._tail(group, last, limit)
+            return ({"rows": table.num_rows, "next_offset": next_offset, "end_offset": next_offset},
+                    table_to_ipc(table))
+        begin = journal.earliest_offset() if start is None else start
+        if end is not None and end < begin:
+            raise OffsetOutOfRangeError(f"read: end {end} is before start {begin}")
+        if wait and begin >= journal.next_offset:
+            assert self.process.ingest is not None
+            self.process.ingest.wait_for(lambda: journal.next_offset > begin, min(wait, req.remaining()))
+        table, next_offset = self._scan(group, begin, end, limit, req)
+        return ({"rows": table.num_rows, "next_offset": next_offset, "end_offset": journal.next_offset},
+                table_to_ipc(table))
+
+    def _scan(self, group: str | None, begin: int, end: int | None, limit: int,
+              req: Request) -> tuple[pa.Table, int]:
+        """Up to ``limit`` rows of ``group`` from ``begin``; the offset to continue from."""
+        journal = self.journal
+        stop = journal.next_offset if end is None else min(end, journal.next_offset)
+        if begin >= stop:
+            if begin > journal.next_offset:
+                raise OffsetOutOfRangeError(f"read: offset {begin} is beyond the journal's end "
+                                            f"({journal.next_offset})")
+            return _empty(), begin
+        pieces: list[pa.Table] = []
+        rows = 0
+        position = begin
+        chunk = max(limit, 1024)
+        while position < stop and rows < limit:
+            upto = min(stop, position + chunk)
+            table = journal.read(position, upto)
+            if group is not None:
+                table = table.filter(pc.equal(table.column("group"), group))
+            if rows + table.num_rows > limit:
+                table = table.slice(0, limit - rows)
+                position = int(table.column("offset")[-1].as_py()) + 1
+            else:
+                position = upto
+            pieces.append(table)
+            rows += table.num_rows
+            if req.remaining() < 1.0:
+                break
+        return (pa.concat_tables(pieces) if pieces else _empty()), position
+
+    def _tail(self, group: str | None, count: int, limit: int) -> tuple[pa.Table, int]:
+        journal = self.journal
+        want = min(count, limit)
+        end = journal.next_offset
+        earliest = journal.earliest_offset()
+        pieces: list[pa.Table] = []
+        rows = 0
+        upto = end
+        chunk = max(want * 4, 1024)
+        while upto > earliest and rows < want:
+            frm = max(earliest, upto - chunk)
+            table = journal.read(frm, upto)
+            if group is not None:
+                table = table.filter(pc.equal(table.column("group"), group))
+            pieces.insert(0, table)
+            rows += table.num_rows
+            upto = frm
+        table = pa.concat_tables(pieces) if pieces else _empty()
+        if table.num_rows > want:
+            table = table.slice(table.num_rows - want)
+        return table, end
+
+    def commit(self, req: Request, offset: int) -> dict[str, Any]:
+        return {"committed_offset": self.journal.commit(offset)}
+
+
+def _publish_rows(table: pa.Table) -> tuple[list[bytes], list[str], list[dict[str, str] | None]]:
+    """Payloads, message ids (fresh ones where missing) and per-row headers, or a BadRequestError."""
+    allowed = {"payload", "message_id", "headers"}
+    extra = [c for c in table.column_names if c not in allowed]
+    if extra:
+        raise BadRequestError(f"publish: unknown column(s) {', '.join(extra)}; a batch has payload "
+                              "(binary or string) and optionally message_id (string) and headers (map<string,string>)")
+    if "payload" not in table.column_names:
+        raise BadRequestError("publish: the batch has no 'payload' column")
+    if table.num_rows == 0:
+        raise BadRequestError("publish: the batch is empty")
+    payload = table.column("payload")
+    if payload.type not in _PAYLOAD_TYPES:
+        raise BadRequestError(f"publish: 'payload' must be binary or string, not {payload.type}")
+    if payload.null_count:
+        raise BadRequestError(f"publish: 'payload' has {payload.null_count} null value(s)")
+    if pa.types.is_string(payload.type) or pa.types.is_large_string(payload.type):
+        payload = payload.cast(pa.large_binary() if pa.types.is_large_string(payload.type) else pa.binary())
+    payloads: list[bytes] = payload.to_pylist()
+    if "message_id" in table.column_names:
+        column = table.column("message_id")
+        if not (pa.types.is_string(column.type) or pa.types.is_large_string(column.type) or pa.types.is_null(column.type)):
+            raise BadRequestError(f"publish: 'message_id' must be string, not {column.type}")
+        given = column.to_pylist()
+    else:
+        given = [None] * table.num_rows
+    ids: list[str] = []
+    seen: set[str] = set()
+    for i, mid in enumerate(given):
+        if mid is None or mid == "":
+            mid = uuid.uuid4().hex
+        elif len(mid) > _MAX_ID:
+            raise BadRequestError(f"publish: message_id of row {i} is longer than {_MAX_ID} characters")
+        if mid in seen:
+            raise BadRequestError(f"publish: message_id {mid[:64]!r} appears twice in the batch")
+        seen.add(mid)
+        ids.append(mid)
+    if "headers" in table.column_names:
+        column = table.column("headers")
+        if not (column.type == _HEADERS_TYPE or pa.types.is_null(column.type)
+                or (pa.types.is_map(column.type) and pa.types.is_string(column.type.key_type)
+                    and pa.types.is_string(column.type.item_type))):
+            raise BadRequestError(f"publish: 'headers' must be map<string, string>, not {column.type}")
+        headers = [None if h is None else (dict(h) or None) for h in column.to_pylist()]
+    else:
+        headers = [None] * table.num_rows
+    return payloads, ids, headers
+
+
+def build_registry(process: "AgentProcess") -> CallRegistry:
+    """Every call with its argument schema; the server checks arguments before calling a handler."""
+    calls = AgentCalls(process)
+    r = CallRegistry()
+    text = Param(str)
+    required_text = Param(str, required=True, check=non_empty)
+    group = Param(str, required=True, check=non_empty)
+    offset = Param(int, check=non_negative)
+    r.add("status", calls.status)
+    r.add("metrics", calls.metrics)
+    r.add("invite", calls.invite, {"label": text, "multi_use": Param(bool, default=False), "group": text})
+    r.add("accept", calls.accept, {"url": required_text})
+    r.add("connections", calls.connections, {"include_incomplete": Param(bool, default=False)})
+    r.add("send", calls.send, {"peer": required_text, "message": Param(str, required=True)})
+    r.add("messages", calls.messages, {"peer": text})
+    r.add("ping", calls.ping, {"peer": required_text})
+    r.add("groups", calls.groups_list)
+    r.add("create", calls.create, {"group": group, "mode": Param(str, check=_mode), "ordered": Param(bool),
+                                   "consistent_join": Param(bool), "role": Param(str, check=_role)})
+    r.add("join", calls.join, {"group": group, "via": required_text, "role": Param(str, check=_role)})
+    r.add("leave", calls.leave, {"group": group})
+    r.add("info", calls.info, {"group": group})
+    r.add("members", calls.members, {"group": group})
+    r.add("switch_role", calls.switch_role, {"group": group, "role": Param(str, required=True, check=_role)})
+    r.add("publish", calls.publish, {"group": group}, bulk="required")
+    r.add("latest", calls.latest, {"group": text})
+    r.add("read", calls.read, {"group": text, "start": offset, "end": offset, "publisher": text,
+                               "first_seq": offset, "last_seq": offset, "max_rows": Param(int, check=positive),
+                               "wait": Param(float, check=non_negative), "last": Param(int, check=positive)})
+    r.add("commit", calls.commit, {"offset": Param(int, required=True, check=non_negative)})
+    return r

@@ -1,0 +1,323 @@
+"""The agent's configuration: TOML, then environment, then flags; defaults that work on a laptop.
+
+Why layered this way: a service manager sets environment variables, a person types flags, and a
+shared file under ``conf/`` (or ``~/.zerocomm/zerocomm.toml``) holds the rest. Every setting has one
+name, ``section.key``, spelled ``ZEROCOMM_<SECTION>_<KEY>`` in the environment and
+``--set section.key=value`` on the command line, so nothing needs a special case. Unknown names are
+errors, because a misspelt setting that is silently ignored is worse than none.
+
+``conf/zerocomm.toml`` documents the same defaults as :data:`DEFAULTS`; a test keeps them equal.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tomllib
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from difflib import get_close_matches
+from pathlib import Path
+from typing import Any
+
+from zerocomm_spark.client import DEFAULT_IDENTITY_DIR, USER_CONFIG_FILE, default_socket_dir, find_config_file
+from zerocomm_spark.errors import ConfigurationError
+
+__all__ = ["Config", "DEFAULTS", "ENV_PREFIX", "load", "parse_duration", "render_toml"]
+
+ENV_PREFIX = "ZEROCOMM_"
+
+#: Every setting and its default. Types are taken from the defaults: str, int, float, bool, list of str.
+DEFAULTS: dict[str, dict[str, Any]] = {
+    "identity": {
+        "dir": DEFAULT_IDENTITY_DIR,
+        "label": "",
+        "passphrase_env": "",
+    },
+    "peer": {
+        "endpoint": "tcp://127.0.0.1:*",
+        "advertise": "",
+        "max_frame_bytes": 16 * 1024 * 1024,
+        "workers": 4,
+    },
+    "groups": {
+        "publish_endpoint": "",
+        "joiner_policy": "open",
+        "allow": [],
+        "publish_timeout": 30.0,
+    },
+    "api": {
+        "socket_dir": "",
+        "tcp_endpoint": "",
+        "allowed_clients": [],
+        "max_request_bytes": 64 * 1024 * 1024,
+        "workers": 16,
+        "max_pending": 256,
+        "max_read_rows": 100_000,
+    },
+    "journal": {
+        "dir": "",
+        "fsync": "interval",
+        "fsync_interval_ms": 200,
+        "segment_bytes": 64 * 1024 * 1024,
+        "retention_bytes": 0,
+        "retention_age": "7d",
+        "dedup_window": 100_000,
+    },
+    "agent": {
+        "heartbeat_interval": 2.0,
+        "start_timeout": 30.0,
+        "stop_timeout": 20.0,
+    },
+    "log": {
+        "level": "info",
+        "format": "json",
+        "file": "",
+    },
+}
+
+_CHOICES: dict[tuple[str, str], tuple[str, ...]] = {
+    ("journal", "fsync"): ("always", "interval", "never"),
+    ("log", "level"): ("debug", "info", "warning", "error"),
+    ("log", "format"): ("json", "kv"),
+    ("groups", "joiner_policy"): ("open", "allow-list", "invitation"),
+}
+_POSITIVE = {("peer", "max_frame_bytes"), ("peer", "workers"), ("api", "max_request_bytes"), ("api", "workers"),
+             ("api", "max_pending"), ("api", "max_read_rows"), ("journal", "fsync_interval_ms"),
+             ("journal", "segment_bytes"), ("agent", "heartbeat_interval"), ("agent", "start_timeout"),
+             ("agent", "stop_timeout"), ("groups", "publish_timeout")}
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d|w)?\s*$")
+_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, "w": 604800.0, None: 1.0}
+
+
+def parse_duration(text: str, what: str = "duration") -> float | None:
+    """Seconds from ``"7d"``, ``"12h"``, ``"90s"``, ``"250ms"`` or a bare number; "" or "0" means none."""
+    if text.strip() in ("", "0"):
+        return None
+    match = _DURATION.match(text)
+    if match is None:
+        raise ConfigurationError(f"{what} must be a duration like 7d, 12h, 30m, 90s or 250ms, not {text!r}")
+    return float(match.group(1)) * _UNITS[match.group(2)]
+
+
+@dataclass(frozen=True)
+class Config:
+    """Resolved settings, plus where each came from (for `zerocomm agent status --json`, and errors)."""
+
+    values: Mapping[str, Mapping[str, Any]]
+    source: Mapping[str, str]  # "section.key" -> "default" | file path | "env ZEROCOMM_..." | "flag"
+    file: Path | None = None
+    warnings: tuple[str, ...] = field(default_factory=tuple)
+
+    def get(self, section: str, key: str) -> Any:
+        return self.values[section][key]
+
+    # --- derived paths: one place decides where things live ------------------------------------
+
+    @property
+    def identity_dir(self) -> Path:
+        return Path(self.get("identity", "dir") or DEFAULT_IDENTITY_DIR).expanduser().absolute()
+
+    @property
+    def socket_dir(self) -> Path:
+        configured = self.get("api", "socket_dir")
+        return Path(configured).expanduser().absolute() if configured else default_socket_dir(self.identity_dir)
+
+    @property
+    def journal_dir(self) -> Path:
+        configured = self.get("journal", "dir")
+        return Path(configured).expanduser().absolute() if configured else self.identity_dir / "journal"
+
+    @property
+    def log_file(self) -> Path | None:
+        configured = self.get("log", "file")
+        return Path(configured).expanduser().absolute() if configured else None
+
+    @property
+    def label(self) -> str | None:
+        return self.get("identity", "label") or None
+
+    @property
+    def retention_ms(self) -> int | None:
+        seconds = parse_duration(self.get("journal", "retention_age"), "journal.retention_age")
+        return None if seconds is None else int(seconds * 1000)
+
+    def passphrase(self) -> str | None:
+        """The keystore passphrase from the environment variable the config names (never from the file)."""
+        name = self.get("identity", "passphrase_env")
+        if not name:
+            return None
+        value = os.environ.get(name)
+        if not value:
+            raise ConfigurationError(f"identity.passphrase_env names {name}, which is not set",
+                                     hint=f"Export {name} with the keystore passphrase, or clear identity.passphrase_env")
+        return value
+
+    def overrides(self) -> list[str]:
+        """``--set`` arguments reproducing the flags given (a detached child inherits file and environment)."""
+        out = []
+        for section, keys in self.values.items():
+            for key, value in keys.items():
+                if self.source.get(f"{section}.{key}") == "flag":
+                    out.append(f"{section}.{key}={_flag_text(value)}")
+        return out
+
+
+def _flag_text(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, list):
+        return ",".join(value)
+    return str(value)
+
+
+def _unknown(kind: str, name: str, known: Sequence[str]) -> ConfigurationError:
+    close = get_close_matches(name, list(known), n=1)
+    suggestion = f" (did you mean {close[0]!r}?)" if close else ""
+    return ConfigurationError(f"unknown {kind} {name!r}{suggestion}",
+                              hint=f"Known {kind}s: {', '.join(known)}; see conf/zerocomm.toml")
+
+
+def _coerce(section: str, key: str, value: Any, origin: str) -> Any:
+    """``value`` as the type of the default, parsing strings from env and flags."""
+    default = DEFAULTS[section][key]
+    name = f"{section}.{key}"
+    text = isinstance(value, str) and origin != "file"
+    try:
+        if isinstance(default, bool):
+            if text:
+                lowered = value.strip().lower()
+                if lowered not in ("true", "false", "1", "0", "yes", "no", "on", "off"):
+                    raise ValueError
+                value = lowered in ("true", "1", "yes", "on")
+            if not isinstance(value, bool):
+                raise ValueError
+        elif isinstance(default, int):
+            if text:
+                value = int(value.strip().replace("_", ""))
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ValueError
+        elif isinstance(default, float):
+            if text:
+                value = float(value.strip())
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise ValueError
+            value = float(value)
+        elif isinstance(default, list):
+            if text:
+                value = [v.strip() for v in value.split(",") if v.strip()]
+            if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+                raise ValueError
+        else:
+            if not isinstance(value, str):
+                raise ValueError
+    except ValueError:
+        kind = {bool: "true or false", int: "an integer", float: "a number", list: "a list of strings"}.get(
+            type(default), "a string")
+        raise ConfigurationError(f"{name} (from {origin}) must be {kind}, not {value!r}") from None
+    choices = _CHOICES.get((section, key))
+    if choices is not None:
+        value = value.lower() if isinstance(value, str) else value
+        if value not in choices:
+            raise ConfigurationError(f"{name} (from {origin}) must be one of {', '.join(choices)}, not {value!r}")
+    if (section, key) in _POSITIVE and not value > 0:
+        raise ConfigurationError(f"{name} (from {origin}) must be positive, not {value!r}")
+    if (section, key) == ("journal", "retention_age"):
+        parse_duration(value, name)
+    if isinstance(value, int) and not isinstance(value, bool) and value < 0:
+        raise ConfigurationError(f"{name} (from {origin}) must not be negative")
+    return value
+
+
+def _split_name(name: str, origin: str) -> tuple[str, str]:
+    section, _, key = name.partition(".")
+    if section not in DEFAULTS:
+        raise _unknown("section", section, list(DEFAULTS))
+    if key not in DEFAULTS[section]:
+        raise _unknown(f"{section} setting", key, list(DEFAULTS[section]))
+    return section, key
+
+
+def load(config: str | os.PathLike[str] | None = None, *, env: Mapping[str, str] | None = None,
+         flags: Mapping[str, str] | Sequence[str] = (), missing_ok: bool = False) -> Config:
+    """Resolve the configuration: defaults < file < ZEROCOMM_* environment < flags.
+
+    ``flags`` are ``section.key=value`` strings (the ``--set`` option) or a mapping of them.
+    ``missing_ok``: a named file that does not exist yet counts as empty (`zerocomm init` writes it).
+    """
+    env = os.environ if env is None else env
+    values = {section: dict(keys) for section, keys in DEFAULTS.items()}
+    source = {f"{s}.{k}": "default" for s, keys in DEFAULTS.items() for k in keys}
+    warnings: list[str] = []
+    if missing_ok and config is not None and not Path(config).expanduser().exists():
+        path = None
+    else:
+        path = find_config_file(config, env)
+    if path is not None:
+        try:
+            data = tomllib.loads(path.read_text(encoding="utf-8"))
+        except OSError as exc:
+            raise ConfigurationError(f"cannot read the configuration file {path}: {exc.strerror}") from None
+        except (UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
+            raise ConfigurationError(f"the configuration file {path} is not valid TOML: {exc}") from None
+        for section, keys in data.items():
+            if section not in DEFAULTS:
+                raise _unknown("section", section, list(DEFAULTS))
+            if not isinstance(keys, dict):
+                raise ConfigurationError(f"[{section}] in {path} must be a table of settings")
+            for key, value in keys.items():
+                if key not in DEFAULTS[section]:
+                    raise _unknown(f"{section} setting", key, list(DEFAULTS[section]))
+                values[section][key] = _coerce(section, key, value, "file")
+                source[f"{section}.{key}"] = str(path)
+    for name, value in env.items():
+        if not name.startswith(ENV_PREFIX) or name == "ZEROCOMM_CONFIG":
+            continue
+        rest = name[len(ENV_PREFIX):].lower()
+        section, _, key = rest.partition("_")
+        if section not in DEFAULTS or key not in DEFAULTS[section]:
+            warnings.append(f"ignored the environment variable {name}: it names no setting")
+            continue
+        values[section][key] = _coerce(section, key, value, f"env {name}")
+        source[f"{section}.{key}"] = f"env {name}"
+    items = flags.items() if isinstance(flags, Mapping) else [_split_flag(f) for f in flags]
+    for name, value in items:
+        section, key = _split_name(name, "flag")
+        values[section][key] = _coerce(section, key, value, f"flag {name}")
+        source[f"{section}.{key}"] = "flag"
+    return Config(values=values, source=source, file=path, warnings=tuple(warnings))
+
+
+def _split_flag(text: str) -> tuple[str, str]:
+    name, sep, value = text.partition("=")
+    if not sep or "." not in name:
+        raise ConfigurationError(f"--set takes section.key=value, not {text!r}",
+                                 hint="For example --set journal.fsync=always or --set log.level=debug")
+    return name.strip(), value
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    escaped = str(value).replace("\\", "\\\\").replace('"', '\\"')
+    return f'"{escaped}"'
+
+
+def render_toml(values: Mapping[str, Mapping[str, Any]]) -> str:
+    """A TOML file holding ``values`` (what `zerocomm init` writes)."""
+    lines = ["# zerocomm agent configuration (written by `zerocomm init`; see conf/zerocomm.toml for every",
+             "# setting). Override any setting with ZEROCOMM_<SECTION>_<KEY> or --set section.key=value.", ""]
+    for section, keys in values.items():
+        lines.append(f"[{section}]")
+        for key, value in keys.items():
+            lines.append(f"{key} = {_toml_value(value)}")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def user_config_file() -> Path:
+    return Path(USER_CONFIG_FILE).expanduser()

@@ -1,0 +1,219 @@
+"""Starting, stopping and inspecting agent processes: `zerocomm agent start|stop|status`.
+
+Why a fresh interpreter for --detach (not fork): the caller may be a Spark task or a notebook with
+threads and ZeroMQ contexts, which do not survive a fork. The child is started in its own session
+(so a terminal's Ctrl-C or a closed notebook does not kill it), with its output in the agent's log
+file, and reports through an inherited pipe: one JSON line, ready or the error it failed with. The
+parent waits for that line with a deadline, so failures (a second agent on the same identity, a
+port in use) surface in the command that started it, not only in a log.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from zerocomm_spark.agent.config import Config
+from zerocomm_spark.agent.runfiles import held_by, pid_alive, read_health
+from zerocomm_spark.client import Client, error_header, raise_for_error
+from zerocomm_spark.errors import (
+    AgentAlreadyRunningError,
+    AgentNotRunningError,
+    AgentStartError,
+    ApiTimeoutError,
+    ZeroCommError,
+)
+
+__all__ = ["log_file_of", "run_foreground", "start_detached", "stop_agent", "agent_status"]
+
+
+def log_file_of(config: Config) -> Path:
+    return config.log_file or config.socket_dir / "agent.log"
+
+
+def _tail(path: Path, lines: int = 5) -> str:
+    try:
+        text = path.read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return ""
+    return "\n".join(text.strip().splitlines()[-lines:])
+
+
+def start_detached(config: Config, timeout: float | None = None) -> dict[str, Any]:
+    """Start an agent in the background and return its health once it serves; raise what stopped it."""
+    from zerocomm_spark.agent.server import prepare_socket_dir
+
+    wait = timeout if timeout is not None else config.get("agent", "start_timeout")
+    holder = held_by(config.socket_dir)
+    if holder is not None:
+        raise AgentAlreadyRunningError(
+            f"an agent is already running for {config.identity_dir} (pid {holder})",
+            hint="Use it, or stop it first with `zerocomm agent stop`")
+    prepare_socket_dir(config.socket_dir)
+    log_path = log_file_of(config)
+    log_path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    argv = [sys.executable, "-m", "zerocomm_spark.agent"]
+    if config.file is not None:
+        argv += ["--config", str(config.file)]
+    for override in config.overrides():
+        argv += ["--set", override]
+    read_fd, write_fd = os.pipe()
+    argv += ["agent", "start", "--ready-fd", str(write_fd)]
+    log_fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    try:
+        child = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log_fd, stderr=log_fd,
+                                 pass_fds=(write_fd,), start_new_session=True, close_fds=True)
+    finally:
+        os.close(write_fd)
+        os.close(log_fd)
+    deadline = time.monotonic() + wait
+    buffer = b""
+    try:
+        while b"\n" not in buffer:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise AgentStartError(f"the agent (pid {child.pid}) did not report ready within {wait:g}s; "
+                                      f"see {log_path}")
+            ready, _, _ = select.select([read_fd], [], [], min(left, 0.5))
+            if not ready:
+                continue
+            chunk = os.read(read_fd, 65536)
+            if not chunk:
+                code = child.wait(timeout=5.0)
+                raise AgentStartError(f"the agent exited (code {code}) before it was ready; the end of {log_path}:\n"
+                                      f"{_tail(log_path)}")
+            buffer += chunk
+    finally:
+        os.close(read_fd)
+    try:
+        answer = json.loads(buffer.split(b"\n", 1)[0])
+    except ValueError:
+        raise AgentStartError(f"the agent reported something unreadable at start; see {log_path}") from None
+    if not answer.get("ok"):
+        child.wait(timeout=10.0)
+        raise_for_error(answer.get("error"))
+    health: dict[str, Any] = answer.get("health") or {}
+    health["log_file"] = str(log_path)
+    return health
+
+
+def _report(fd: int | None, answer: dict[str, Any]) -> None:
+    if fd is None:
+        return
+    try:
+        os.write(fd, (json.dumps(answer, default=str) + "\n").encode("utf-8"))
+    except OSError:
+        pass
+    finally:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+
+
+def run_foreground(config: Config, *, ready_fd: int | None = None,
+                   on_ready: Any = None) -> int:
+    """Run the agent in this process until SIGTERM or SIGINT; returns the exit code, raises if it cannot start."""
+    from zerocomm_spark.agent import logging as agent_logging
+    from zerocomm_spark.agent.process import AgentProcess
+
+    agent_logging.configure(config.get("log", "level"), config.get("log", "format"), config.log_file)
+    import logging
+
+    log = logging.getLogger("zerocomm_spark.agent")
+    for warning in config.warnings:
+        log.warning(warning)
+    process = AgentProcess(config)
+    signals = {"count": 0}
+
+    def on_signal(signum: int, frame: Any) -> None:
+        signals["count"] += 1
+        if signals["count"] > 1:  # a second Ctrl-C: the user does not want to wait
+            os._exit(130)
+        process.stop(signal.Signals(signum).name)
+
+    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        try:
+            process.start()
+        except Exception as exc:
+            if isinstance(exc, ZeroCommError):
+                log.error("the agent did not start: %s", exc)
+            else:
+                log.critical("the agent did not start", exc_info=exc)
+            _report(ready_fd, {"ok": False, "error": error_header(None, exc)["error"]})
+            raise
+        health = process.health()
+        _report(ready_fd, {"ok": True, "health": health})
+        if on_ready is not None:
+            on_ready(health)
+        try:
+            process.run()
+        finally:
+            process.close()
+        return 0
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
+def stop_agent(config: Config, timeout: float | None = None, *, force: bool = False) -> dict[str, Any]:
+    """SIGTERM the agent holding this configuration's run directory and wait until it let go."""
+    wait = timeout if timeout is not None else config.get("agent", "stop_timeout")
+    pid = held_by(config.socket_dir)
+    if pid is None:
+        raise AgentNotRunningError(f"no agent is running for {config.identity_dir} (nothing holds {config.socket_dir})",
+                                   hint="Nothing to stop; `zerocomm agent status` shows the same")
+    if pid <= 0:
+        raise AgentNotRunningError(f"an agent holds {config.socket_dir} but its pid file is unreadable",
+                                   hint="Find it with `fuser` on the pid file and stop it by hand")
+    started = time.monotonic()
+    os.kill(pid, signal.SIGTERM)
+    deadline = started + wait
+    while time.monotonic() < deadline:
+        if held_by(config.socket_dir) is None and not pid_alive(pid):
+            return {"stopped": True, "pid": pid, "seconds": round(time.monotonic() - started, 3), "forced": False}
+        time.sleep(0.05)
+    if force:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        time.sleep(0.2)
+        return {"stopped": True, "pid": pid, "seconds": round(time.monotonic() - started, 3), "forced": True}
+    raise ApiTimeoutError(f"the agent (pid {pid}) did not stop within {wait:g}s",
+                          hint="Wait longer (--timeout), or use `zerocomm agent stop --force` to kill it")
+
+
+def agent_status(config: Config, timeout: float = 5.0) -> dict[str, Any]:
+    """The running agent's health (from its API when it answers, else from its health file)."""
+    pid = held_by(config.socket_dir)
+    health = read_health(config.socket_dir)
+    if pid is None:
+        detail = ""
+        if health and isinstance(health.get("pid"), int):
+            detail = (f"; a health file from pid {health['pid']} remains (last heartbeat "
+                      f"{time.time() - float(health.get('heartbeat_at', 0)):.0f}s ago): it crashed or was killed")
+        raise AgentNotRunningError(f"no agent is running for {config.identity_dir}{detail}",
+                                   hint="Start it with `zerocomm agent start --detach`")
+    out: dict[str, Any] = dict(health or {})
+    out["pid"] = pid
+    try:
+        with Client.connect(config.socket_dir, timeout=timeout, call_timeout=timeout) as client:
+            out.update(client.status(timeout=timeout))
+        out["responding"] = True
+    except ZeroCommError as exc:
+        out["responding"] = False
+        out["problem"] = str(exc)
+    beat = out.get("heartbeat_at")
+    if isinstance(beat, (int, float)):
+        out["heartbeat_age_s"] = round(time.time() - beat, 3)
+    out["log_file"] = str(log_file_of(config))
+    return out

@@ -1,0 +1,204 @@
+"""Delivered group messages into the journal, before the publisher hears they arrived.
+
+Why synchronous: the data plane calls ``on_message`` on its receiver thread and acknowledges a
+publisher's messages only after the callback returned (docs/groups.md, "Acks"). Appending inside the
+callback therefore orders "journaled" before "acknowledged", which is what makes a ``kill -9`` lose
+nothing that was acknowledged: the publisher keeps every unacknowledged message and re-sends it to
+the restarted member, and the journal skips what it already holds (same publisher and seq, or a
+recent message id), so nothing is journaled twice either.
+
+If the journal cannot take a message (disk full, I/O error) the agent stops at once rather than
+return from the callback: returning would let the message be acknowledged without being durable.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from zerocomm_spark.agent.logging import event
+from zerocomm_spark.agent.metrics import Metrics
+from zerocomm_spark.errors import JournalClosedError, JournalTimeoutError
+from zerocomm_spark.journal import Journal
+
+__all__ = ["JournalIngest", "EXIT_JOURNAL_FAILED"]
+
+log = logging.getLogger(__name__)
+
+EXIT_JOURNAL_FAILED = 75  # EX_TEMPFAIL: a service manager restarts the agent; publishers re-send
+_RETRIES = 3
+
+
+def _micros(seconds: float) -> int:
+    return int(round(seconds * 1_000_000))
+
+
+class _Own:
+    """Messages this member published, journaled once the group acknowledged them."""
+
+    __slots__ = ("receipt", "rows", "done")
+
+    def __init__(self, receipt: Any, rows: list[dict[str, Any]]) -> None:
+        self.receipt = receipt
+        self.rows = rows
+        self.done = threading.Event()
+
+
+class JournalIngest:
+    """The group manager's ``on_message`` hook: one durable append per delivered message.
+
+    It also journals this member's own messages, once every member acknowledged them, so the
+    journal (and `history`, `tail`, a Spark query on this member) holds the whole group. Not at
+    publish time: after a crash a publisher may reuse the seqs of messages nobody received, and
+    the journal would then drop the new messages as duplicates of the old ones.
+    """
+
+    def __init__(self, journal: Journal, metrics: Metrics,
+                 on_fatal: Callable[[BaseException], None] | None = None) -> None:
+        self.journal = journal
+        self.metrics = metrics
+        self._on_fatal = on_fatal or _abort
+        self._cond = threading.Condition()
+        self._closing = False
+        self._own: list[_Own] = []  # in seq order per group: a receipt resolves after all earlier ones
+        self._own_cond = threading.Condition()
+        self._own_thread = threading.Thread(target=self._own_main, name="zerocomm-journal-own", daemon=True)
+        self._own_thread.start()
+
+    def track_own(self, receipt: Any, group: str, publisher: str, payloads: list[bytes], ids: list[str],
+                  headers: dict[str, str] | None, sent_at: float) -> threading.Event:
+        """Journal these just-published messages when ``receipt`` resolves; the event is set then.
+
+        Callers publish and track under one lock per group, so entries are queued in seq order.
+        """
+        sent = _micros(sent_at)
+        pairs = list(headers.items()) if headers else None
+        rows = [{"group": group, "message_id": mid, "publisher_did": publisher, "seq": seq, "lamport_ts": ts,
+                 "sent_at": sent, "headers": pairs, "payload": payload}
+                for mid, seq, ts, payload in zip(ids, receipt.seqs, receipt.lamport_ts, payloads)]
+        entry = _Own(receipt, rows)
+        with self._own_cond:
+            self._own.append(entry)
+            self._own_cond.notify_all()
+        return entry.done
+
+    def _own_main(self) -> None:
+        while not self._closing:
+            with self._own_cond:
+                ready = [e for e in self._own if e.receipt.done()]
+                if not ready:
+                    self._own_cond.wait(0.02)
+                    continue
+                # Per group, only a prefix of resolved entries may go (they hold consecutive seqs).
+                blocked: set[str] = set()
+                take: list[_Own] = []
+                for e in self._own:
+                    group = e.rows[0]["group"]
+                    if group in blocked:
+                        continue
+                    if e.receipt.done():
+                        take.append(e)
+                    else:
+                        blocked.add(group)
+                for e in take:
+                    self._own.remove(e)
+            rows: list[dict[str, Any]] = []
+            for e in take:
+                try:
+                    e.receipt.wait(0)
+                except Exception:  # noqa: BLE001 - not acknowledged (group left or closed): not journaled
+                    continue
+                rows.extend(e.rows)
+            if rows:
+                result = self._append(rows)
+                self.metrics.add(own_journaled=getattr(result, "appended", 0) or 0)
+                for row in rows:
+                    self.metrics.journaled(row["group"], row["publisher_did"], row["seq"])
+                with self._cond:
+                    self._cond.notify_all()
+            for e in take:
+                e.done.set()
+
+    def on_message(self, message: Any) -> None:
+        """Append one delivered message (a ``Delivered``); returns only once the journal has it."""
+        headers = getattr(message, "headers", None)
+        row = {
+            "group": message.group,
+            "message_id": message.message_id,
+            "publisher_did": message.publisher_did,
+            "seq": message.seq,
+            "lamport_ts": message.lamport_ts,
+            "sent_at": _micros(message.sent_at),
+            "received_at": _micros(message.received_at),
+            "headers": list(headers.items()) if headers else None,
+            "payload": message.payload,
+        }
+        result = self._append([row])
+        appended = getattr(result, "appended", None)
+        duplicates = getattr(result, "duplicates", 0) or 0
+        if duplicates:
+            self.metrics.add(journal_duplicates=duplicates)
+        if appended is None or appended:
+            self.metrics.add(messages_in=1, bytes_in=len(message.payload))
+        self.metrics.journaled(message.group, message.publisher_did, message.seq)
+        with self._cond:
+            self._cond.notify_all()
+
+    def _append(self, rows: list[dict[str, Any]]) -> Any:
+        last: BaseException | None = None
+        for attempt in range(_RETRIES):
+            try:
+                return self.journal.append(rows)
+            except JournalTimeoutError as exc:  # outcome unknown: appending again is safe (dedup)
+                last = exc
+                event(log, logging.WARNING, "journal append timed out; retrying", attempt=attempt + 1)
+            except JournalClosedError as exc:
+                if self._closing:
+                    # Shutting down: do not return (that would acknowledge); the process is exiting.
+                    self._block_forever()
+                last = exc
+                break
+            except Exception as exc:  # noqa: BLE001 - any failure to persist is fatal, see the module doc
+                last = exc
+                break
+        assert last is not None
+        self._on_fatal(last)
+        self._block_forever()
+        raise AssertionError("unreachable")
+
+    def _block_forever(self) -> None:
+        while True:
+            time.sleep(3600)
+
+    def wait_for(self, predicate: Callable[[], bool], timeout: float) -> bool:
+        """Block until ``predicate()`` (checked after every append) or ``timeout``: long polls use it."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while not predicate():
+                left = deadline - time.monotonic()
+                if left <= 0 or self._closing:
+                    return predicate()
+                self._cond.wait(min(left, 1.0))
+        return True
+
+    def close(self) -> None:
+        self._closing = True
+        with self._cond:
+            self._cond.notify_all()
+        self._own_thread.join(2.0)
+
+
+def _abort(exc: BaseException) -> None:
+    # Logged as the class and message only (never the rows), then a hard exit: see the module doc.
+    log.critical("the journal failed (%s: %s); stopping the agent without acknowledging the message",
+                 type(exc).__name__, str(exc)[:300])
+    for handler in logging.getLogger().handlers:
+        try:
+            handler.flush()
+        except Exception:  # noqa: BLE001
+            pass
+    os._exit(EXIT_JOURNAL_FAILED)

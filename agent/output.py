@@ -1,0 +1,148 @@
+"""How the zerocomm command talks to people and scripts: aligned tables, JSON, a progress line.
+
+Why separate: every command prints either for a person (tables, short texts, a progress display on
+stderr only when stderr is a terminal) or for a script (one JSON document, or JSON lines for a
+stream), and the choice must be the same everywhere.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import threading
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from datetime import datetime, timezone
+from typing import Any, TextIO
+
+__all__ = ["Progress", "emit_json", "render_table", "short_did", "format_time", "format_payload"]
+
+
+def emit_json(value: Any, stream: TextIO | None = None) -> None:
+    out = stream or sys.stdout
+    out.write(json.dumps(value, default=str, ensure_ascii=False) + "\n")
+    out.flush()
+
+
+def short_did(did: str | None, width: int = 24) -> str:
+    """DIDs are ~200 characters; the head and tail are enough to tell members apart on screen."""
+    if not did:
+        return "-"
+    if len(did) <= width:
+        return did
+    keep = (width - 3) // 2
+    return f"{did[:keep + 3]}...{did[-keep:]}" if did.startswith("did:") else f"{did[:keep]}...{did[-keep:]}"
+
+
+def format_time(value: Any) -> str:
+    """Seconds or microseconds since the epoch, an ISO string or a datetime -> local ISO time, seconds precision."""
+    if value is None or value == "":
+        return "-"
+    if isinstance(value, datetime):
+        dt = value if value.tzinfo else value.replace(tzinfo=timezone.utc)
+    elif isinstance(value, (int, float)):
+        seconds = value / 1e6 if value > 1e11 else float(value)
+        dt = datetime.fromtimestamp(seconds, tz=timezone.utc)
+    else:
+        try:
+            dt = datetime.fromisoformat(str(value).replace("Z", "+00:00"))
+        except ValueError:
+            return str(value)
+    return dt.astimezone().strftime("%Y-%m-%d %H:%M:%S")
+
+
+def format_payload(payload: bytes | None, width: int | None = None) -> str:
+    """Text as itself; binary as a marked hex prefix (a terminal must not receive raw bytes)."""
+    if payload is None:
+        return ""
+    try:
+        text = payload.decode("utf-8")
+        printable = all(c.isprintable() or c in "\t" for c in text)
+    except UnicodeDecodeError:
+        printable = False
+    if not printable:
+        text = f"<{len(payload)} bytes: {payload[:16].hex()}{'...' if len(payload) > 16 else ''}>"
+    if width is not None and len(text) > width:
+        text = text[: max(width - 3, 1)] + "..."
+    return text
+
+
+def render_table(rows: Iterable[Mapping[str, Any]], columns: Sequence[tuple[str, str]],
+                 empty: str = "(none)") -> str:
+    """Rows as a left-aligned table with a header; ``columns`` are (key, title)."""
+    data = [[("-" if row.get(key) is None else str(row.get(key))) for key, _ in columns] for row in rows]
+    if not data:
+        return empty
+    titles = [title for _, title in columns]
+    widths = [max(len(titles[i]), *(len(r[i]) for r in data)) for i in range(len(columns))]
+    lines = ["  ".join(t.ljust(w) for t, w in zip(titles, widths)).rstrip()]
+    lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in data]
+    return "\n".join(lines)
+
+
+def render_pairs(pairs: Iterable[tuple[str, Any]]) -> str:
+    """Key-value lines, keys aligned: for single objects (status, info)."""
+    items = [(k, "-" if v is None else str(v)) for k, v in pairs]
+    if not items:
+        return ""
+    width = max(len(k) for k, _ in items)
+    return "\n".join(f"{k.ljust(width)}  {v}" for k, v in items)
+
+
+class Progress:
+    """A one-line progress display on stderr, only when it is a terminal (scripts see nothing).
+
+    A spinner keeps moving while the agent works, and the latest report (phase, done/total) is
+    shown beside it, so a long join visibly progresses.
+    """
+
+    _FRAMES = "|/-\\"
+
+    def __init__(self, what: str, stream: TextIO | None = None, enabled: bool | None = None) -> None:
+        self.what = what
+        self.stream = stream or sys.stderr
+        self.enabled = self.stream.isatty() if enabled is None else enabled
+        self._info: dict[str, Any] = {}
+        self._started = time.monotonic()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    def __enter__(self) -> "Progress":
+        if self.enabled:
+            self._thread = threading.Thread(target=self._spin, name="zerocomm-progress", daemon=True)
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(1.0)
+            self.stream.write("\r\033[K")
+            self.stream.flush()
+
+    def update(self, info: Mapping[str, Any]) -> None:
+        with self._lock:
+            self._info = dict(info)
+
+    def line(self, frame: int) -> str:
+        with self._lock:
+            info = dict(self._info)
+        elapsed = time.monotonic() - self._started
+        parts = [f"{self._FRAMES[frame % len(self._FRAMES)]} {self.what}"]
+        phase = info.get("phase")
+        if phase:
+            parts.append(str(phase))
+        done, total = info.get("done"), info.get("total")
+        if isinstance(done, int) and isinstance(total, int) and total > 0:
+            filled = int(20 * min(done, total) / total)
+            parts.append(f"[{'#' * filled}{'.' * (20 - filled)}] {done}/{total}")
+        parts.append(f"{elapsed:.1f}s")
+        return "  ".join(parts)
+
+    def _spin(self) -> None:
+        frame = 0
+        while not self._stop.wait(0.1):
+            self.stream.write("\r\033[K" + self.line(frame))
+            self.stream.flush()
+            frame += 1

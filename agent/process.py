@@ -1,0 +1,255 @@
+"""The agent process: one member (identity, connections, groups, journal) behind a local API.
+
+Why one long-running process: Spark tasks come and go, but group membership must not. The agent
+holds the identity directory (the keystore's lock makes it the only one), keeps the member in its
+groups, journals every delivered message before acknowledging it, and serves clients (the CLI,
+notebooks, Spark tasks) over a Unix socket only its user can open.
+
+Start order is chosen so that a failure leaves nothing half-made: identity (refuses a second agent),
+run directory lock, journal, groups, API; close runs it backwards, with the API first so no new call
+starts while the rest shuts down.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import zmq
+
+from zerocomm_spark.agent.config import Config
+from zerocomm_spark.agent.ingest import JournalIngest
+from zerocomm_spark.agent.logging import event
+from zerocomm_spark.agent.metrics import Metrics
+from zerocomm_spark.agent.runfiles import RunLock, read_health
+from zerocomm_spark.agent.server import ApiServer, prepare_socket_dir
+from zerocomm_spark.errors import AgentAlreadyRunningError, ConfigurationError
+from zerocomm_spark.journal import JOURNAL_SCHEMA, Journal, journal_key
+from zerocomm_spark.member import Agent
+
+__all__ = ["AgentProcess", "VERSION"]
+
+log = logging.getLogger(__name__)
+
+VERSION = "0.1.0"
+API_CURVE_SECRET = "api-curve-secret"
+
+
+def _keystore_of(agent: Agent) -> Any:
+    keystore = getattr(agent, "keystore", None)
+    return keystore if keystore is not None else agent._keystore  # noqa: SLF001 - the process owns the agent
+
+
+class AgentProcess:
+    """Everything one agent runs; ``start()``, then ``run()`` until ``stop()``, then ``close()``."""
+
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self.metrics = Metrics()
+        self.member: Agent | None = None
+        self.journal: Journal | None = None
+        self.ingest: JournalIngest | None = None
+        self.groups: Any = None
+        self.server: ApiServer | None = None
+        self._lock: RunLock | None = None
+        self._stop = threading.Event()
+        self._closed = False
+        self.started_at = time.time()
+        self.stop_reason = ""
+
+    # --- lifecycle ------------------------------------------------------------------------------
+
+    def start(self) -> "AgentProcess":
+        """Open everything and serve; raises (having released what it opened) if any part fails."""
+        cfg = self.config
+        try:
+            self._open_member()
+            prepare_socket_dir(cfg.socket_dir)
+            self._lock = RunLock(cfg.socket_dir).acquire()
+            self._open_api()
+            self.write_health("running")
+        except BaseException:
+            self.close()
+            raise
+        event(log, logging.INFO, "agent started", label=self.member.label if self.member else None,
+              identity_dir=str(cfg.identity_dir), api=self.server.ipc_endpoint if self.server else None,
+              peer=self.member.endpoint if self.member else None)
+        return self
+
+    def _open_member(self) -> None:
+        from zerocomm_spark.agent.groups import group_config, member_class
+
+        cfg = self.config
+        agent_class = member_class(self._attach_journal, group_config(cfg))
+        try:
+            self.member = agent_class.open(
+                cfg.identity_dir, label=cfg.label, endpoint=cfg.get("peer", "endpoint"),
+                passphrase=cfg.passphrase(), advertise=cfg.get("peer", "advertise") or None,
+                max_frame_bytes=cfg.get("peer", "max_frame_bytes"), workers=cfg.get("peer", "workers"))
+        except AgentAlreadyRunningError:
+            health = read_health(cfg.socket_dir) or {}
+            pid = health.get("pid")
+            api = (health.get("endpoints") or {}).get("api")
+            if pid is None:  # it serves another socket directory: the keystore lock names the holder
+                try:
+                    text = (cfg.identity_dir / "keystore.lock").read_text(encoding="ascii").strip()
+                    pid = int(text) if text.isdigit() else None
+                except OSError:
+                    pid = None
+            who = f" (pid {pid}" + (f", API {api})" if api else ")") if pid else ""
+            raise AgentAlreadyRunningError(
+                f"an agent is already running for the identity directory {cfg.identity_dir}{who}; "
+                "one identity is served by one agent at a time",
+                hint="Use the running agent (`zerocomm agent status`), stop it first (`zerocomm agent stop`), "
+                     "or start this one with another --identity-dir") from None
+        self.groups = self.member.groups  # an agent process always runs its data plane
+
+    def _attach_journal(self, member: Agent, manager: Any) -> None:
+        """Open the journal and hook it to the group manager before the manager starts (see groups.py)."""
+        cfg = self.config
+        if self.journal is None:
+            retention_bytes = cfg.get("journal", "retention_bytes") or None
+            self.journal = Journal.open(
+                cfg.journal_dir, key=journal_key(_keystore_of(member)), fsync=cfg.get("journal", "fsync"),
+                fsync_interval_ms=cfg.get("journal", "fsync_interval_ms"),
+                segment_bytes=cfg.get("journal", "segment_bytes"), retention_bytes=retention_bytes,
+                retention_ms=cfg.retention_ms, dedup_window=cfg.get("journal", "dedup_window"))
+            self.ingest = JournalIngest(self.journal, self.metrics)
+        assert self.ingest is not None
+        manager.on_message(self.ingest.on_message)
+
+    def _open_api(self) -> None:
+        from zerocomm_spark.agent.calls import build_registry
+        from zerocomm_spark.client import ipc_to_table, table_to_ipc
+
+        def warm_up() -> None:
+            # Arrow loads parts of itself (and pandas) on first use, most of a second: pay it in the
+            # background now rather than in a client's first call or the first delivery.
+            try:
+                ipc_to_table(table_to_ipc(pa.table({"payload": pa.array([b""], type=pa.binary())})))
+            except Exception:  # noqa: BLE001 - only an optimisation
+                pass
+
+        threading.Thread(target=warm_up, name="zerocomm-warm-up", daemon=True).start()
+        cfg = self.config
+        assert self.member is not None
+        secret = None
+        if cfg.get("api", "tcp_endpoint"):
+            keystore = _keystore_of(self.member)
+            stored = keystore.get_secret(API_CURVE_SECRET)
+            if stored is None:
+                _, stored = zmq.curve_keypair()
+                keystore.put_secret(API_CURVE_SECRET, stored)
+            secret = bytes(stored)
+        self.server = ApiServer(
+            build_registry(self), cfg.socket_dir, tcp_endpoint=cfg.get("api", "tcp_endpoint"), curve_secret=secret,
+            allowed_clients=cfg.get("api", "allowed_clients"), max_request_bytes=cfg.get("api", "max_request_bytes"),
+            workers=cfg.get("api", "workers"), max_pending=cfg.get("api", "max_pending"),
+            on_call=self.metrics.call).start()
+
+    def run(self) -> None:
+        """Heartbeat (rewrite the health file) until stop() is called."""
+        interval = self.config.get("agent", "heartbeat_interval")
+        beat = time.monotonic()
+        # Short waits: a signal handler runs only between waits, and stop must not lag a heartbeat.
+        while not self._stop.wait(0.1):
+            if time.monotonic() - beat < interval:
+                continue
+            beat = time.monotonic()
+            try:
+                self.write_health("running")
+            except OSError as exc:
+                log.warning("cannot write the health file: %s", exc.strerror)
+        event(log, logging.INFO, "agent stopping", reason=self.stop_reason or None)
+
+    def stop(self, reason: str = "") -> None:
+        """Ask run() to return (safe from a signal handler or another thread)."""
+        self.stop_reason = self.stop_reason or reason
+        self._stop.set()
+
+    @property
+    def stopping(self) -> bool:
+        return self._stop.is_set()
+
+    def close(self) -> None:
+        """Stop serving and release everything, in reverse start order; safe to call twice."""
+        if self._closed:
+            return
+        self._closed = True
+        timeout = self.config.get("agent", "stop_timeout")
+        if self._lock is not None:
+            try:
+                self.write_health("stopping")
+            except OSError:
+                pass
+        steps: list[tuple[str, Any]] = [
+            ("api", lambda: self.server.close(timeout=min(timeout, 5.0)) if self.server else None),
+            # The member closes its group manager first: no delivery reaches the journal after this.
+            ("member", lambda: self.member.close() if self.member else None),
+            ("ingest", lambda: self.ingest.close() if self.ingest else None),
+            ("journal", lambda: self.journal.close() if self.journal else None),
+            ("run files", lambda: self._lock.release() if self._lock else None),
+        ]
+        for name, step in steps:
+            began = time.monotonic()
+            try:
+                step()
+                log.debug("closed the %s in %.3fs", name, time.monotonic() - began)
+            except Exception as exc:  # noqa: BLE001 - close the rest anyway
+                event(log, logging.WARNING, "closing a part of the agent failed", part=name,
+                      error=type(exc).__name__, reason=str(exc)[:300])
+        event(log, logging.INFO, "agent stopped", reason=self.stop_reason or None)
+
+    # --- health ---------------------------------------------------------------------------------
+
+    def health(self, state: str = "running") -> dict[str, Any]:
+        """What the health file and the `status` call say about this agent."""
+        endpoints: dict[str, Any] = {}
+        if self.server is not None:
+            endpoints["api"] = self.server.ipc_endpoint
+            if self.server.tcp_endpoint:
+                endpoints["api_tcp"] = self.server.tcp_endpoint
+                endpoints["api_public_key"] = self.server.public_key
+        if self.member is not None and not self.member.closed:
+            endpoints["peer"] = self.member.endpoint
+        group_endpoint = None
+        groups: list[str] = []
+        did = None
+        if self.groups is not None:
+            try:
+                did = self.groups.did
+                group_endpoint = self.groups.dataplane.publish_endpoint
+                groups = list(self.groups.groups())
+            except Exception:  # noqa: BLE001 - health must never fail on a part that is closing
+                pass
+        if group_endpoint:
+            endpoints["group"] = group_endpoint
+        return {
+            "pid": os.getpid(),
+            "state": state,
+            "label": self.member.label if self.member is not None else None,
+            "did": did,
+            "host": socket.gethostname(),
+            "identity_dir": str(self.config.identity_dir),
+            "socket_dir": str(self.config.socket_dir),
+            "journal_dir": str(self.config.journal_dir),
+            "endpoints": endpoints,
+            "started_at": self.started_at,
+            "groups": groups,
+            "version": VERSION,
+        }
+
+    def write_health(self, state: str) -> None:
+        if self._lock is None:
+            raise ConfigurationError("the run directory is not held")
+        self._lock.write_health(self.health(state))
+
+    @property
+    def run_dir(self) -> Path:
+        return self.config.socket_dir

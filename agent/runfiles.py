@@ -1,0 +1,133 @@
+"""The agent's run directory: pid file (held locked while the agent lives) and health file.
+
+Why a lock and not just a pid: a pid outlives its process (kill -9 leaves the file, and the number
+is reused), but an ``flock`` dies with its holder. So "is an agent running here?" is answered by
+trying the lock, and the pid is only trusted while someone holds it. The health file is rewritten
+atomically on every heartbeat so readers never see half of it; its ``heartbeat_at`` tells a hung
+agent from a live one.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from zerocomm_spark.client import HEALTH_FILE, PID_FILE
+from zerocomm_spark.errors import AgentAlreadyRunningError, ConfigurationError
+
+__all__ = ["RunLock", "read_health", "read_pid", "held_by", "pid_alive", "write_json_atomic"]
+
+
+def write_json_atomic(path: Path, data: dict[str, Any]) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        os.write(fd, (json.dumps(data, indent=1, sort_keys=True) + "\n").encode("utf-8"))
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+
+
+def read_health(run_dir: Path) -> dict[str, Any] | None:
+    try:
+        data = json.loads((run_dir / HEALTH_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def read_pid(run_dir: Path) -> int | None:
+    try:
+        text = (run_dir / PID_FILE).read_text(encoding="ascii").strip()
+    except (OSError, UnicodeDecodeError):
+        return None
+    return int(text) if text.isdigit() else None
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether ``pid`` runs; a zombie (exited, not yet reaped by its parent) counts as gone."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        stat_line = Path(f"/proc/{pid}/stat").read_text()
+        return stat_line.rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True
+
+
+def held_by(run_dir: Path) -> int | None:
+    """The pid of the agent holding this run directory's lock, or None if no agent holds it."""
+    path = run_dir / PID_FILE
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError:
+        return None
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except OSError as exc:
+            if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                pid = read_pid(run_dir)
+                return pid if pid is not None else -1
+            return None
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return None
+    finally:
+        os.close(fd)
+
+
+class RunLock:
+    """The exclusive hold of a run directory by one agent process, for its whole life."""
+
+    def __init__(self, run_dir: Path) -> None:
+        self.run_dir = run_dir
+        self._fd: int | None = None
+
+    def acquire(self) -> "RunLock":
+        path = self.run_dir / PID_FILE
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+        except OSError as exc:
+            raise ConfigurationError(f"cannot open the pid file {path}: {exc.strerror}") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(fd)
+            pid = read_pid(self.run_dir)
+            raise AgentAlreadyRunningError(
+                f"another agent (pid {pid if pid is not None else 'unknown'}) already serves the API socket "
+                f"directory {self.run_dir}",
+                hint="Stop it with `zerocomm agent stop`, or give this agent its own api.socket_dir") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode("ascii"), 0)
+        os.fsync(fd)
+        self._fd = fd
+        return self
+
+    def write_health(self, health: dict[str, Any]) -> None:
+        health = dict(health, heartbeat_at=time.time())
+        write_json_atomic(self.run_dir / HEALTH_FILE, health)
+
+    def release(self) -> None:
+        """Remove the health and pid files and drop the lock (the pid file goes first, while still held)."""
+        if self._fd is None:
+            return
+        for name in (HEALTH_FILE, PID_FILE):
+            try:
+                (self.run_dir / name).unlink()
+            except OSError:
+                pass
+        fd, self._fd = self._fd, None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+        finally:
+            os.close(fd)

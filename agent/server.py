@@ -1,0 +1,522 @@
+"""The agent's local API server: ZeroMQ ROUTERs on a Unix socket (and optionally TCP with CURVE).
+
+Why this shape:
+
+* One IO thread owns every socket (pyzmq sockets are not thread-safe). It parses and validates each
+  request (size, JSON header, call name, argument types) and answers bad input at once, so a
+  broken client costs the agent nothing and the agent keeps serving.
+* Calls run on a bounded worker pool, because some wait for the network (a publish returns once the
+  group acknowledged). Workers hand replies back through a queue and an inproc wake-up socket.
+  Beyond ``workers + max_pending`` calls in progress, new ones are refused as busy, not queued
+  without bound.
+* Two size limits: ``max_request_bytes`` (a clear RequestTooLargeError reply) and ZeroMQ's
+  MAXMSGSIZE at several times that, past which a frame is dropped unread instead of being buffered.
+* The Unix socket's directory is mode 700: only the agent's user can reach it. TCP is served only
+  with CURVE, and a ZAP authenticator admits only the client keys listed in the configuration.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import stat
+import threading
+import time
+import uuid
+from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import zmq
+import zmq.auth.thread
+
+from zerocomm_spark.agent.logging import event
+from zerocomm_spark.client import (
+    PROTOCOL_VERSION,
+    SOCKET_NAME,
+    decode_header,
+    encode_header,
+    error_header,
+    ipc_endpoint,
+)
+from zerocomm_spark.errors import (
+    AgentBusyError,
+    BadRequestError,
+    ConfigurationError,
+    InsecurePermissionsError,
+    RequestTooLargeError,
+    UnknownCallError,
+    ZeroCommError,
+)
+
+__all__ = ["ApiServer", "Call", "CallRegistry", "Param", "Request", "prepare_socket_dir"]
+
+log = logging.getLogger(__name__)
+
+MAX_TIMEOUT = 24 * 3600.0
+DEFAULT_CALL_TIMEOUT = 30.0
+_HARD_LIMIT_FACTOR = 4
+_PROGRESS_INTERVAL = 0.1
+_ID_LIMIT = 128
+_ZAP_DOMAIN = "zerocomm-api"
+
+_TYPE_NAMES = {str: "a string", int: "an integer", float: "a number", bool: "true or false",
+               list: "a list", dict: "an object"}
+
+
+@dataclass(frozen=True)
+class Param:
+    """One argument of a call: its JSON type, whether it is required, and a check of its value."""
+
+    kind: type
+    required: bool = False
+    default: Any = None
+    check: Callable[[Any], str | None] | None = None  # returns what is wrong, or None
+    items: type | None = None  # element type of a list
+
+    def validate(self, call: str, name: str, value: Any) -> Any:
+        if value is None:
+            if self.required:
+                raise BadRequestError(f"{call}: the argument {name!r} is required")
+            return self.default
+        ok = isinstance(value, self.kind) and not (self.kind is not bool and isinstance(value, bool))
+        if self.kind is float and isinstance(value, int) and not isinstance(value, bool):
+            ok, value = True, float(value)
+        if not ok:
+            raise BadRequestError(f"{call}: {name!r} must be {_TYPE_NAMES.get(self.kind, self.kind.__name__)}, "
+                                  f"not {_json_type(value)}")
+        if self.items is not None:
+            for i, item in enumerate(value):
+                if not isinstance(item, self.items) or isinstance(item, bool) and self.items is not bool:
+                    raise BadRequestError(f"{call}: {name}[{i}] must be {_TYPE_NAMES.get(self.items, 'valid')}, "
+                                          f"not {_json_type(item)}")
+        if self.check is not None:
+            problem = self.check(value)
+            if problem:
+                raise BadRequestError(f"{call}: {name!r} {problem}")
+        return value
+
+
+def _json_type(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    return {str: "a string", int: "an integer", float: "a number", list: "a list", dict: "an object"}.get(
+        type(value), type(value).__name__)
+
+
+def non_negative(value: Any) -> str | None:
+    return "must be >= 0" if value < 0 else None
+
+
+def positive(value: Any) -> str | None:
+    return "must be > 0" if value <= 0 else None
+
+
+def non_empty(value: Any) -> str | None:
+    return "must not be empty" if not value else None
+
+
+@dataclass
+class Request:
+    """One call in progress, as a handler sees it."""
+
+    id: str
+    call: str
+    args: dict[str, Any]
+    bulk: bytes | None
+    timeout: float
+    started: float = field(default_factory=time.monotonic)
+    client: str = ""
+    _progress: Callable[[dict[str, Any]], None] | None = None
+
+    @property
+    def deadline(self) -> float:
+        return self.started + self.timeout
+
+    def remaining(self) -> float:
+        return max(self.deadline - time.monotonic(), 0.0)
+
+    def progress(self, **info: Any) -> None:
+        """Tell the client how a long call is going (shown as a progress display by the CLI)."""
+        if self._progress is not None:
+            self._progress(info)
+
+
+Handler = Callable[..., Any]
+
+
+@dataclass(frozen=True)
+class Call:
+    name: str
+    handler: Handler
+    params: Mapping[str, Param]
+    bulk: str = "none"  # none | optional | required
+    doc: str = ""
+
+
+class CallRegistry:
+    """The calls an agent serves, with their argument schemas (checked before a handler runs)."""
+
+    def __init__(self) -> None:
+        self._calls: dict[str, Call] = {}
+
+    def add(self, name: str, handler: Handler, params: Mapping[str, Param] | None = None, *,
+            bulk: str = "none", doc: str = "") -> None:
+        self._calls[name] = Call(name, handler, dict(params or {}), bulk, doc)
+
+    def get(self, name: str) -> Call | None:
+        return self._calls.get(name)
+
+    def names(self) -> list[str]:
+        return sorted(self._calls)
+
+    def parse(self, header: dict[str, Any], bulk: bytes | None) -> tuple[Call, dict[str, Any], float]:
+        """The call, its validated arguments and timeout, or BadRequestError naming the problem."""
+        version = header.get("v", PROTOCOL_VERSION)
+        if version != PROTOCOL_VERSION:
+            raise BadRequestError(f"protocol version {version!r} is not served (this agent speaks {PROTOCOL_VERSION})",
+                                  hint="Use a client of the same zerocomm-spark version as the agent")
+        name = header.get("call")
+        if not isinstance(name, str) or not name:
+            raise BadRequestError(f"the header's 'call' must be a non-empty string, not {_json_type(name)}")
+        call = self._calls.get(name)
+        if call is None:
+            shown = name if len(name) <= 64 else name[:64] + "..."
+            raise UnknownCallError(f"unknown call {shown!r}; this agent serves: {', '.join(self.names())}")
+        args = header.get("args", {})
+        if args is None:
+            args = {}
+        if not isinstance(args, dict):
+            raise BadRequestError(f"{name}: 'args' must be an object, not {_json_type(args)}")
+        unknown = sorted(set(args) - set(call.params))
+        if unknown:
+            raise BadRequestError(f"{name}: unknown argument(s) {', '.join(map(repr, unknown))}; "
+                                  f"it takes {', '.join(call.params) or 'none'}")
+        values = {pname: param.validate(name, pname, args.get(pname)) for pname, param in call.params.items()}
+        if call.bulk == "required" and bulk is None:
+            raise BadRequestError(f"{name} needs an Arrow IPC frame after the JSON header")
+        if call.bulk == "none" and bulk is not None:
+            raise BadRequestError(f"{name} takes no bulk frame; send the JSON header alone")
+        timeout = header.get("timeout", DEFAULT_CALL_TIMEOUT)
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout <= MAX_TIMEOUT:
+            raise BadRequestError(f"'timeout' must be a number of seconds in (0, {MAX_TIMEOUT:g}], not {timeout!r}")
+        return call, values, float(timeout)
+
+
+def prepare_socket_dir(directory: Path) -> None:
+    """Create the socket directory mode 700, or refuse one another user could enter."""
+    try:
+        directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        st = directory.lstat()
+    except OSError as exc:
+        raise ConfigurationError(f"cannot create the API socket directory {directory}: {exc.strerror}") from None
+    if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
+        raise InsecurePermissionsError(f"the API socket directory {directory} is not a plain directory")
+    if st.st_uid != os.getuid():
+        raise InsecurePermissionsError(f"the API socket directory {directory} belongs to uid {st.st_uid}, "
+                                       f"not to the agent's user (uid {os.getuid()})")
+    if stat.S_IMODE(st.st_mode) != 0o700:
+        os.chmod(directory, 0o700)
+        log.info("tightened the API socket directory %s to mode 700", directory)
+
+
+class _Allowed:
+    """ZAP credentials provider: only the listed client keys get in."""
+
+    def __init__(self, keys: set[bytes]) -> None:
+        self.keys = keys
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        allowed = key in self.keys
+        if not allowed:
+            event(log, logging.WARNING, "refused a TCP API client: its CURVE key is not in api.allowed_clients",
+                  client_key_prefix=key[:8].decode("ascii", "replace"))
+        return allowed
+
+
+class ApiServer:
+    """Serves a CallRegistry on ipc:// (and tcp:// with CURVE); start() binds, close() stops."""
+
+    def __init__(self, registry: CallRegistry, socket_dir: Path, *, tcp_endpoint: str = "",
+                 curve_secret: bytes | None = None, allowed_clients: list[str] | None = None,
+                 max_request_bytes: int = 64 << 20, workers: int = 16, max_pending: int = 256,
+                 on_call: Callable[[str, bool, float], None] | None = None) -> None:
+        self.registry = registry
+        self.socket_dir = socket_dir
+        self.tcp_endpoint_config = tcp_endpoint
+        self.max_request_bytes = max_request_bytes
+        self.max_pending = max_pending
+        self._curve_secret = curve_secret
+        self._allowed = {k.encode("ascii") for k in (allowed_clients or [])}
+        self._on_call = on_call
+        self._ctx = zmq.Context()
+        self._auth: zmq.auth.thread.ThreadAuthenticator | None = None
+        self._routers: dict[str, zmq.Socket[bytes]] = {}
+        self._replies: queue.Queue[tuple[str, list[bytes]]] = queue.Queue()
+        self._wake_lock = threading.Lock()
+        self._wake_tx: zmq.Socket[bytes] | None = None
+        self._wake_addr = f"inproc://zerocomm-api-wake-{uuid.uuid4().hex}"
+        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="zerocomm-api")
+        self._in_flight = 0
+        self._count_lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.ipc_endpoint = ""
+        self.tcp_endpoint = ""
+        self.public_key = ""
+        self.stats = {"calls": 0, "errors": 0, "refused": 0}
+
+    # --- lifecycle ------------------------------------------------------------------------------
+
+    def start(self) -> "ApiServer":
+        prepare_socket_dir(self.socket_dir)
+        endpoint = ipc_endpoint(self.socket_dir)
+        hard_limit = self.max_request_bytes * _HARD_LIMIT_FACTOR + (1 << 20)
+        ipc = self._ctx.socket(zmq.ROUTER)
+        self._tune(ipc, hard_limit)
+        path = self.socket_dir / SOCKET_NAME
+        old_umask = os.umask(0o177)  # the socket file is created 600, never briefly open to others
+        try:
+            ipc.bind(endpoint)
+        except zmq.ZMQError as exc:
+            ipc.close(linger=0)
+            raise ConfigurationError(f"cannot bind the API socket {path}: {exc.strerror}") from None
+        finally:
+            os.umask(old_umask)
+        os.chmod(path, 0o600)
+        self._routers["ipc"] = ipc
+        self.ipc_endpoint = endpoint
+        if self.tcp_endpoint_config:
+            self._start_tcp(hard_limit)
+        wake_rx = self._ctx.socket(zmq.PAIR)
+        wake_rx.bind(self._wake_addr)
+        self._wake_tx = self._ctx.socket(zmq.PAIR)
+        self._wake_tx.connect(self._wake_addr)
+        self._thread = threading.Thread(target=self._io_main, args=(wake_rx,), name="zerocomm-api-io", daemon=True)
+        self._thread.start()
+        event(log, logging.INFO, "local API serving", endpoint=self.ipc_endpoint, tcp=self.tcp_endpoint or None)
+        return self
+
+    def _start_tcp(self, hard_limit: int) -> None:
+        if self._curve_secret is None:
+            raise ConfigurationError("api.tcp_endpoint is set but the agent has no API CURVE key")
+        if not self._allowed:
+            raise ConfigurationError("api.tcp_endpoint is set but api.allowed_clients is empty, so no client could "
+                                     "connect", hint="List the Z85 public keys of remote clients in "
+                                                     "api.allowed_clients (make one with `zerocomm keygen`)")
+        self._auth = zmq.auth.thread.ThreadAuthenticator(self._ctx, log=logging.getLogger("zmq.auth"))
+        self._auth.start()
+        self._auth.configure_curve_callback(domain=_ZAP_DOMAIN, credentials_provider=_Allowed(self._allowed))
+        tcp = self._ctx.socket(zmq.ROUTER)
+        self._tune(tcp, hard_limit)
+        tcp.curve_server = True
+        tcp.curve_secretkey = self._curve_secret
+        tcp.zap_domain = _ZAP_DOMAIN.encode()
+        try:
+            tcp.bind(self.tcp_endpoint_config)
+        except zmq.ZMQError as exc:
+            tcp.close(linger=0)
+            raise ConfigurationError(f"cannot bind api.tcp_endpoint {self.tcp_endpoint_config}: {exc.strerror}") from None
+        self.tcp_endpoint = tcp.getsockopt(zmq.LAST_ENDPOINT).decode()
+        self.public_key = zmq.curve_public(self._curve_secret).decode("ascii")
+        self._routers["tcp"] = tcp
+
+    @staticmethod
+    def _tune(sock: zmq.Socket[bytes], hard_limit: int) -> None:
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, hard_limit)
+        sock.setsockopt(zmq.SNDHWM, 10_000)
+        sock.setsockopt(zmq.RCVHWM, 10_000)
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Stop accepting calls, let running ones finish for ``timeout`` seconds, close the sockets."""
+        if self._stop.is_set():
+            return
+        self._stop.set()
+        self._wake()
+        if self._thread is not None:
+            self._thread.join(timeout)
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        with self._wake_lock:
+            if self._wake_tx is not None:
+                self._wake_tx.close(linger=0)
+                self._wake_tx = None
+        if self._auth is not None:
+            self._auth.stop()
+        try:
+            (self.socket_dir / SOCKET_NAME).unlink()
+        except OSError:
+            pass
+        self._ctx.destroy(linger=0)
+
+    # --- the IO thread --------------------------------------------------------------------------
+
+    def _wake(self) -> None:
+        with self._wake_lock:
+            if self._wake_tx is not None:
+                try:
+                    self._wake_tx.send(b"", zmq.NOBLOCK)
+                except zmq.ZMQError:
+                    pass
+
+    def _io_main(self, wake_rx: zmq.Socket[bytes]) -> None:
+        poller = zmq.Poller()
+        poller.register(wake_rx, zmq.POLLIN)
+        by_socket = {}
+        for name, sock in self._routers.items():
+            poller.register(sock, zmq.POLLIN)
+            by_socket[sock] = name
+        try:
+            while not self._stop.is_set():
+                try:
+                    ready = dict(poller.poll(500))
+                except zmq.ZMQError:
+                    break
+                if wake_rx in ready:
+                    while True:
+                        try:
+                            wake_rx.recv(zmq.NOBLOCK)
+                        except zmq.Again:
+                            break
+                self._flush_replies()
+                for sock, name in by_socket.items():
+                    if sock in ready:
+                        self._read(sock, name)
+                self._flush_replies()  # refusals made while reading go out now, not at the next wake
+            self._flush_replies()
+        finally:
+            wake_rx.close(linger=0)
+            for sock in self._routers.values():
+                sock.close(linger=0)
+
+    def _flush_replies(self) -> None:
+        while True:
+            try:
+                where, frames = self._replies.get_nowait()
+            except queue.Empty:
+                return
+            sock = self._routers.get(where)
+            if sock is None:
+                continue
+            try:
+                sock.send_multipart(frames, zmq.NOBLOCK, copy=len(frames[-1]) < 65536)
+            except zmq.ZMQError:  # the client went away or does not read: nothing to do
+                log.debug("dropped a reply to a client that is gone")
+
+    def _read(self, sock: zmq.Socket[bytes], where: str) -> None:
+        for _ in range(256):  # bounded, so replies are flushed between bursts of requests
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            except zmq.ZMQError as exc:
+                log.warning("API socket read failed: %s", exc.strerror)
+                return
+            self._on_request(where, [f.bytes if len(f) < 65536 else f.buffer for f in frames])
+
+    def _reply(self, where: str, identity: bytes, header: dict[str, Any], bulk: bytes | None = None) -> None:
+        frames = [identity, encode_header(header)]
+        if bulk is not None:
+            frames.append(bulk)
+        self._replies.put((where, frames))
+
+    def _refuse(self, where: str, identity: bytes, request_id: Any, exc: ZeroCommError) -> None:
+        self.stats["refused"] += 1
+        event(log, logging.INFO, "refused an API request", error=type(exc).__name__, reason=str(exc)[:300])
+        self._replies.put((where, [identity, encode_header(error_header(request_id, exc))]))
+
+    def _on_request(self, where: str, frames: list[Any]) -> None:
+        identity = bytes(frames[0])
+        body = frames[1:]
+        request_id: Any = None
+        try:
+            if not body:
+                raise BadRequestError("an empty request; send [json header][optional arrow ipc]")
+            size = sum(len(f) for f in body)
+            head_frame = bytes(body[0]) if len(body[0]) <= 1 << 20 else None
+            header = decode_header(head_frame) if head_frame is not None else None
+            if isinstance(header, dict):
+                rid = header.get("id")
+                if isinstance(rid, (str, int)) and not isinstance(rid, bool) and len(str(rid)) <= _ID_LIMIT:
+                    request_id = rid
+            if size > self.max_request_bytes:
+                raise RequestTooLargeError(f"the request is {size} bytes; this agent takes at most "
+                                           f"{self.max_request_bytes} (api.max_request_bytes)")
+            if header is None:
+                raise BadRequestError("the JSON header is larger than 1 MiB")
+            if len(body) > 2:
+                raise BadRequestError(f"a request has 1 or 2 frames ([json header][arrow ipc]), not {len(body)}")
+            if request_id is None:
+                raise BadRequestError(f"the header's 'id' must be a string or integer of at most {_ID_LIMIT} "
+                                      "characters (it pairs the reply with the request)")
+            bulk = body[1] if len(body) == 2 else None
+            call, args, timeout = self.registry.parse(header, bulk)
+            want_progress = header.get("progress") is True
+        except ZeroCommError as exc:
+            self._refuse(where, identity, request_id, exc)
+            return
+        with self._count_lock:
+            if self._in_flight >= self._pool._max_workers + self.max_pending:  # noqa: SLF001
+                busy = True
+            else:
+                busy = False
+                self._in_flight += 1
+        if busy:
+            self._refuse(where, identity, request_id, AgentBusyError(
+                f"{self._in_flight} calls are in progress; {call.name} was not started"))
+            return
+        request = Request(id=str(request_id), call=call.name, args=args, bulk=bulk, timeout=timeout, client=where)
+        if want_progress:
+            request._progress = self._progress_sender(where, identity, request_id)
+        try:
+            self._pool.submit(self._run, where, identity, request_id, call, request)
+        except RuntimeError:  # shutting down
+            with self._count_lock:
+                self._in_flight -= 1
+
+    def _progress_sender(self, where: str, identity: bytes, request_id: Any) -> Callable[[dict[str, Any]], None]:
+        last = [0.0]
+
+        def send(info: dict[str, Any]) -> None:
+            now = time.monotonic()
+            if now - last[0] < _PROGRESS_INTERVAL and not info.get("final"):
+                return
+            last[0] = now
+            self._reply(where, identity, {"v": PROTOCOL_VERSION, "id": request_id, "progress": info})
+            self._wake()
+
+        return send
+
+    def _run(self, where: str, identity: bytes, request_id: Any, call: Call, request: Request) -> None:
+        ok = False
+        try:
+            result = call.handler(request, **request.args)
+            bulk = None
+            if isinstance(result, tuple) and len(result) == 2 and isinstance(result[1], (bytes, bytearray, memoryview)):
+                result, bulk = result
+            self._reply(where, identity, {"v": PROTOCOL_VERSION, "id": request_id, "ok": True, "result": result},
+                        bulk)
+            ok = True
+        except ZeroCommError as exc:
+            event(log, logging.INFO, "API call failed", call=call.name, error=type(exc).__name__)
+            self._reply(where, identity, error_header(request_id, exc))
+        except Exception as exc:  # noqa: BLE001 - a handler bug must not stop the server
+            log.error("API call %s crashed", call.name, exc_info=exc)
+            self._reply(where, identity, error_header(request_id, exc))
+        finally:
+            with self._count_lock:
+                self._in_flight -= 1
+            self.stats["calls"] += 1
+            if not ok:
+                self.stats["errors"] += 1
+            if self._on_call is not None:
+                try:
+                    self._on_call(call.name, ok, time.monotonic() - request.started)
+                except Exception:  # noqa: BLE001
+                    pass
+            self._wake()

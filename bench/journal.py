@@ -1,0 +1,199 @@
+"""Journal throughput against the disk's limit: the same bytes written to and read from a plain file.
+
+The question this answers: how much of what the disk (page cache included) can take does the journal
+deliver, once it dedups, encrypts (one XChaCha20-Poly1305 call per record), checksums, frames and
+indexes every append, and decrypts every read? For each case, prebuilt Arrow batches (8 publishers
+taking turns, UUID message ids) are appended with the default ``fsync="interval"`` policy, then read
+back with ``read_batches`` (the Spark source's path). The baseline writes the *same bytes* - each
+append's Arrow IPC serialisation, i.e. the plaintext the journal stores - to a plain file, one
+``write`` per append and no fsync, then reads it back in the same chunks. MB/s are of those bytes for
+both, so ``ratio`` = journal rate / plain rate; the target is >= 0.5.
+
+``aead`` is the rate of the cipher alone over the same bytes in one thread: a floor on the journal's
+cost that no implementation of this format can go under. Journal and baseline run in alternating
+rounds and the best round of each is kept, so machine noise (a shared VM) hits both alike.
+Prints one JSON document to stdout.
+
+Run: .venv/bin/python bench/journal.py [--rounds 3] [--dir /tmp]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import nacl.utils  # noqa: E402
+import numpy as np  # noqa: E402
+import pyarrow as pa  # noqa: E402
+
+from zerocomm_spark.journal import APPEND_SCHEMA, Journal  # noqa: E402
+from zerocomm_spark.journal import crypto  # noqa: E402
+
+TARGET = 0.5
+PUBLISHERS = 8
+T0 = 1_700_000_000_000_000
+CASES = (  # payload bytes, rows per append, appends
+    (100, 1000, 300),
+    (10_000, 100, 250),
+)
+
+
+def make_batches(payload_bytes: int, rows: int, appends: int, seed: int = 1) -> list[pa.RecordBatch]:
+    rng = np.random.default_rng(seed)
+    blob = pa.py_buffer(rng.bytes(payload_bytes * rows))
+    value_offsets = pa.py_buffer(np.arange(0, (rows + 1) * payload_bytes, payload_bytes, dtype=np.int32).tobytes())
+    payload = pa.Array.from_buffers(pa.binary(), rows, [None, value_offsets, blob])
+    seq = [0] * PUBLISHERS
+    batches = []
+    for a in range(appends):
+        p = a % PUBLISHERS
+        seqs = np.arange(seq[p] + 1, seq[p] + 1 + rows, dtype=np.int64)
+        seq[p] += rows
+        now = pa.array(np.full(rows, T0 + a * 1000, dtype=np.int64), pa.timestamp("us", tz="UTC"))
+        batches.append(pa.RecordBatch.from_arrays([
+            pa.array(["group-alpha"] * rows),
+            pa.array([str(uuid.uuid4()) for _ in range(rows)]),
+            pa.array([f"did:peer:2.Ez6LSbench-publisher-{p:02d}-Vz6MkqRYqQiSgvZQdnBytw86Qbs2ZWUkGv22od935YF4s8M7V"] * rows),
+            pa.array(seqs), pa.array(seqs), now, now,
+            pa.nulls(rows, pa.map_(pa.string(), pa.string())), payload,
+        ], schema=APPEND_SCHEMA))
+    return batches
+
+
+def journal_round(batches: list[pa.RecordBatch], workdir: Path, key: bytes) -> tuple[float, float, int, int]:
+    """Seconds to append all, seconds to read all back, rows read, bytes on disk."""
+    directory = Path(tempfile.mkdtemp(prefix="journal-", dir=workdir))
+    try:
+        journal = Journal.open(directory, key=key)  # defaults: fsync="interval", 64 MiB segments
+        try:
+            start = time.perf_counter()
+            for batch in batches:
+                journal.append(batch)
+            append_s = time.perf_counter() - start
+            start = time.perf_counter()
+            rows = 0
+            for batch in journal.read_batches(0):
+                rows += batch.num_rows
+            read_s = time.perf_counter() - start
+        finally:
+            journal.close()
+        disk = sum(p.stat().st_size for p in directory.glob("*.zcj"))
+        return append_s, read_s, rows, disk
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+def plain_round(chunks: list[pa.Buffer], workdir: Path) -> tuple[float, float]:
+    """Seconds to write the chunks to a plain file (one write each), and to read them back."""
+    fd_, path = tempfile.mkstemp(prefix="plain-", dir=workdir)
+    os.close(fd_)
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_TRUNC)
+        start = time.perf_counter()
+        for chunk in chunks:
+            os.write(fd, chunk)
+        write_s = time.perf_counter() - start
+        os.close(fd)
+        fd = os.open(path, os.O_RDONLY)
+        start = time.perf_counter()
+        for chunk in chunks:
+            buf = pa.allocate_buffer(chunk.size)
+            os.readv(fd, [buf])
+        read_s = time.perf_counter() - start
+        os.close(fd)
+        return write_s, read_s
+    finally:
+        os.unlink(path)
+
+
+def aead_rates(chunks: list[pa.Buffer], key: bytes) -> tuple[float, float]:
+    """Best-of-3 seconds to encrypt, and to decrypt, every chunk once (one thread, no I/O)."""
+    aad, nonce = b"\0" * 40, crypto.new_nonce()
+    sealed = [crypto.encrypt(c, aad, nonce, key) for c in chunks]
+    enc = dec = float("inf")
+    for _ in range(3):
+        start = time.perf_counter()
+        for c in chunks:
+            crypto.encrypt(c, aad, nonce, key)
+        enc = min(enc, time.perf_counter() - start)
+        copies = [pa.py_buffer(bytearray(s.to_pybytes())) for s in sealed]
+        start = time.perf_counter()
+        for s in copies:
+            crypto.decrypt_in_place(s, aad, nonce, key)
+        dec = min(dec, time.perf_counter() - start)
+    return enc, dec
+
+
+def rate(rows: int, nbytes: int, seconds: float) -> dict[str, float]:
+    return {"rows_per_s": round(rows / seconds), "mb_per_s": round(nbytes / seconds / 1e6, 1)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--dir", default=tempfile.gettempdir(), help="where the files go (same disk for both)")
+    args = parser.parse_args()
+    workdir = Path(args.dir)
+    key = nacl.utils.random(32)
+    began = time.perf_counter()
+    cases = []
+    for payload_bytes, rows_per_append, appends in CASES:
+        batches = make_batches(payload_bytes, rows_per_append, appends)
+        chunks = [b.serialize() for b in batches]
+        nbytes = sum(c.size for c in chunks)
+        rows = rows_per_append * appends
+        best = {"append": float("inf"), "read": float("inf"), "plain_write": float("inf"), "plain_read": float("inf")}
+        disk = 0
+        for _ in range(args.rounds):
+            append_s, read_s, got, disk = journal_round(batches, workdir, key)
+            assert got == rows, (got, rows)
+            write_s, plain_read_s = plain_round(chunks, workdir)
+            best["append"] = min(best["append"], append_s)
+            best["read"] = min(best["read"], read_s)
+            best["plain_write"] = min(best["plain_write"], write_s)
+            best["plain_read"] = min(best["plain_read"], plain_read_s)
+        enc_s, dec_s = aead_rates(chunks, key)
+        append_ratio = best["plain_write"] / best["append"]
+        read_ratio = best["plain_read"] / best["read"]
+        cases.append({
+            "payload_bytes": payload_bytes,
+            "rows_per_append": rows_per_append,
+            "rows": rows,
+            "mb": round(nbytes / 1e6, 1),
+            "journal_disk_mb": round(disk / 1e6, 1),
+            "append": rate(rows, nbytes, best["append"]),
+            "plain_write": rate(rows, nbytes, best["plain_write"]),
+            "append_ratio": round(append_ratio, 3),
+            "read": rate(rows, nbytes, best["read"]),
+            "plain_read": rate(rows, nbytes, best["plain_read"]),
+            "read_ratio": round(read_ratio, 3),
+            "aead": {"encrypt_mb_per_s": round(nbytes / enc_s / 1e6, 1),
+                     "decrypt_mb_per_s": round(nbytes / dec_s / 1e6, 1),
+                     "append_ratio_if_only_aead": round(best["plain_write"] / enc_s if enc_s else 0, 3),
+                     "read_ratio_if_only_aead": round(best["plain_read"] / dec_s if dec_s else 0, 3)},
+            "target": TARGET,
+            "within_target": {"append": append_ratio >= TARGET, "read": read_ratio >= TARGET},
+        })
+    print(json.dumps({
+        "benchmark": "journal",
+        "fsync": "interval",
+        "rounds": args.rounds,
+        "cases": cases,
+        "machine": {"python": platform.python_version(), "pyarrow": pa.__version__, "cpus": os.cpu_count(),
+                    "platform": platform.platform(), "libsodium_direct": crypto.FAST},
+        "seconds": round(time.perf_counter() - began, 1),
+    }, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,354 @@
+"""The connector's only door to ZeroComm: the member agent on this host, through its client.
+
+Why one small module: the source and the sink ask the member a handful of questions (which
+publishers, up to which seq, give me seqs a..b, publish and wait for the group's acks, prune below
+here). Keeping them here keeps the Spark classes free of wire details, and means the connector
+never talks to another member's sockets: every process (driver or executor) uses the member on its
+own host, found by the same rules as the ``zerocomm`` command (``agent`` option, else
+$ZEROCOMM_CONFIG / ~/.zerocomm), started on demand.
+
+Instances hold a ZeroMQ socket, so they are made inside the process that uses them (the driver's
+planner, or a Python worker on an executor) and never pickled: partitions carry
+:class:`~zerocomm_spark.connector.options.AgentOptions`, which is plain data.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from zerocomm_spark.errors import (
+    AgentNotRunningError,
+    ApiError,
+    ApiTimeoutError,
+    BackpressureError,
+    ClientClosedError,
+    GroupNotFoundError,
+    PublishNotAcknowledgedError,
+    ZeroCommError,
+)
+
+from zerocomm_spark.connector.offsets import PublisherKey, SeqRange, ZeroCommOffset
+from zerocomm_spark.connector.options import AgentOptions
+
+__all__ = ["MemberLink"]
+
+log = logging.getLogger("zerocomm_spark.connector")
+
+# Rows per read call; the agent caps a read at api.max_read_rows (100 000 by default) anyway.
+READ_PAGE = 50_000
+
+
+class MemberLink:
+    """A connected client of this host's member, with the questions the connector asks it."""
+
+    def __init__(self, client: Any, agent: AgentOptions) -> None:
+        self._client = client
+        self.agent = agent
+
+    @classmethod
+    def connect(cls, agent: AgentOptions) -> "MemberLink":
+        """Connect (starting the agent when asked to); errors say which agent and how to fix it."""
+        return cls(cls._connect_client(agent), agent)
+
+    @staticmethod
+    def _connect_client(agent: AgentOptions) -> Any:
+        from zerocomm_spark.client import Client
+
+        try:
+            return Client.connect(agent.where, spawn=agent.spawn, timeout=agent.timeout_s,
+                                  call_timeout=agent.timeout_s)
+        except AgentNotRunningError as exc:
+            where = agent.where or "the configured location ($ZEROCOMM_CONFIG, ~/.zerocomm)"
+            raise AgentNotRunningError(
+                f"format(\"zerocomm\") found no member agent at {where} on host {os.uname().nodename}: "
+                f"{str(exc).split('. ')[0]}",
+                hint="Start it (`zerocomm agent start --detach`), set spawnAgent=true, or point the agent option "
+                     "at its socket directory or zerocomm.toml") from None
+
+    def _call(self, name: str, *args: Any, retry_timeouts: bool = True, **kwargs: Any) -> Any:
+        """One client call; if the agent went away (crashed, restarted), reconnect once and retry.
+
+        Every call the connector makes is idempotent (reads, positions, commit points, and publishes
+        by message id), so one retry after a reconnect cannot duplicate anything. Reconnecting
+        starts the agent again when spawnAgent is on, which is what lets a query ride over an agent
+        restart.
+        """
+        retryable: tuple[type[BaseException], ...] = (AgentNotRunningError, ClientClosedError)
+        if retry_timeouts:
+            retryable += (ApiTimeoutError,)
+        try:
+            return getattr(self._client, name)(*args, **kwargs)
+        except retryable as exc:
+            log.warning("zerocomm connector: the agent did not answer %s (%s); reconnecting", name, describe(exc))
+            self.close()
+            self._client = self._connect_client(self.agent)
+            return getattr(self._client, name)(*args, **kwargs)
+
+    def close(self) -> None:
+        try:
+            self._client.close()
+        except Exception:  # noqa: BLE001 - closing must not mask the real error
+            pass
+
+    def __enter__(self) -> "MemberLink":
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def __getstate__(self) -> None:
+        raise TypeError("a MemberLink holds a ZeroMQ socket and is never pickled; ship AgentOptions instead")
+
+    # --- identity and groups --------------------------------------------------------------------
+
+    @property
+    def label(self) -> str | None:
+        agent = getattr(self._client, "agent", None) or {}
+        value = agent.get("label")
+        return value if isinstance(value, str) else None
+
+    def check_groups(self, groups: Iterable[str]) -> None:
+        """Fail early and clearly when this member is not in a group the query names."""
+        mine = self.group_names()
+        missing = [g for g in groups if g not in mine]
+        if missing:
+            listed = ", ".join(sorted(mine)) or "none"
+            raise GroupNotFoundError(
+                f"the member {self.label or ''} on host {os.uname().nodename} is not in group(s) "
+                f"{', '.join(repr(g) for g in missing)} (its groups: {listed})",
+                hint="Check the group option's spelling, or create/join the group on this member first "
+                     "(`zerocomm group join GROUP --via PEER`)")
+
+    def group_names(self) -> set[str]:
+        names: set[str] = set()
+        for entry in self._call("groups"):
+            name = entry.get("group", entry.get("name")) if isinstance(entry, Mapping) else entry
+            if isinstance(name, str):
+                names.add(name)
+        return names
+
+    def labels(self, groups: Iterable[str]) -> dict[PublisherKey, str]:
+        """Publisher DID -> label as this member's view of each group knows them."""
+        out: dict[PublisherKey, str] = {}
+        for group in groups:
+            for member in self._call("members", group):
+                if not isinstance(member, Mapping):
+                    continue
+                did, label = member.get("did"), member.get("label")
+                if isinstance(did, str) and isinstance(label, str) and label:
+                    out[(group, did)] = label
+        return out
+
+    # --- positions --------------------------------------------------------------------------------
+
+    def last_seqs(self, groups: Iterable[str]) -> dict[PublisherKey, int]:
+        """Per (group, publisher): the last seq this member has journaled."""
+        wanted = set(groups)
+        out: dict[PublisherKey, int] = {}
+        for group in sorted(wanted):
+            result = self._call("latest", group)
+            for key, seq in _publisher_seqs(result, group).items():
+                if key[0] in wanted:
+                    out[key] = seq
+        return out
+
+    def first_row(self, group: str, publisher: str, at_least: int, last: int) -> pa.Table | None:
+        """The publisher's first retained row with ``at_least <= seq <= last`` (None: there is none).
+
+        Reads windows of growing size: the agent decrypts every record a seq range covers, so
+        asking for ``[at_least, last]`` at once would cost the whole retained range for one row.
+        """
+        at, width = at_least, 1
+        while at <= last:
+            top = min(last, at + width - 1)
+            table = self._call("read", group=group, publisher=publisher, first_seq=at, last_seq=top, max_rows=1)
+            if table.num_rows:
+                return table
+            at, width = top + 1, width * 8
+        return None
+
+    def first_seq(self, group: str, publisher: str, at_least: int, last: int) -> int | None:
+        """The first seq >= ``at_least`` this member still holds for the publisher (None: nothing)."""
+        row = self.first_row(group, publisher, at_least, last)
+        return None if row is None else int(row.column("seq")[0].as_py())
+
+    def ranges(self, groups: Iterable[str], known_first: Mapping[PublisherKey, int] | None = None
+               ) -> dict[PublisherKey, SeqRange]:
+        """Per publisher: first retained and last journaled seq. ``known_first`` skips lookups for
+        publishers whose start the caller already has (only new publishers cost a read)."""
+        out: dict[PublisherKey, SeqRange] = {}
+        for key, last in self.last_seqs(groups).items():
+            if known_first is not None and key in known_first:
+                out[key] = SeqRange(known_first[key], last)
+                continue
+            first = self.first_seq(key[0], key[1], 1, last)
+            out[key] = SeqRange(first if first is not None else last + 1, last)
+        return out
+
+    def first_sent_at_or_after(self, key: PublisherKey, timestamp_ms: int, span: SeqRange) -> int:
+        """The first seq the publisher sent at or after ``timestamp_ms`` (binary search over seqs).
+
+        Assumes a publisher's ``sent_at`` grows with its seq (one clock per publisher); the journal
+        API has no timestamp index per publisher, so this costs O(log n) one-row reads.
+        """
+        target = timestamp_ms * 1000
+        lo, hi = span.first, span.last + 1  # answer in [lo, hi]
+        while lo < hi:
+            mid = (lo + hi) // 2
+            table = self._call("read", group=key[0], publisher=key[1], first_seq=mid, last_seq=span.last, max_rows=1)
+            if table.num_rows == 0:
+                hi = mid
+                continue
+            seq = int(table.column("seq")[0].as_py())
+            sent = table.column("sent_at").cast(pa.int64())[0].as_py()
+            if sent >= target:
+                hi = mid
+            else:
+                lo = seq + 1
+        return lo
+
+    # --- reading ----------------------------------------------------------------------------------
+
+    def read_seqs(self, group: str, publisher: str, first: int, last: int) -> Iterator[pa.Table]:
+        """Journal rows of one publisher with ``first <= seq <= last``, page by page, in seq order.
+
+        Stops at the first page that comes back empty: the caller decides whether the rest is late
+        or gone.
+        """
+        at = first
+        while at <= last:
+            top = min(last, at + READ_PAGE - 1)
+            table = self._call("read", group=group, publisher=publisher, first_seq=at, last_seq=top,
+                                      max_rows=READ_PAGE)
+            if table.num_rows == 0:
+                return
+            yield table
+            highest = int(pc.max(table.column("seq")).as_py())
+            if highest < top and table.num_rows < READ_PAGE:
+                # the page ended early: later seqs of it are missing (gone or not yet here)
+                return
+            at = highest + 1
+
+    # --- commit point -----------------------------------------------------------------------------
+
+    def commit(self, end: ZeroCommOffset, groups: Sequence[str]) -> int | None:
+        """Tell the member that everything the query checkpointed may be pruned; never more.
+
+        The journal has one commit point (a journal offset) for all its groups, so the point is the
+        lowest of: each subscribed publisher's first row not yet checkpointed, and, for every other
+        group, its first row at or after the current commit point (this query never declares
+        another group's messages consumed). Returns the commit point now asked for, or None.
+        """
+        result = self._call("latest", None)
+        next_offset = _int_field(result, ("next_offset",))
+        committed = _int_field(result, ("committed_offset", "committed")) or 0
+        if next_offset is None:
+            return None
+        point = next_offset
+        subscribed = set(groups)
+        for entry in _publisher_entries(result):
+            group, did, last, last_offset = entry
+            if last_offset is not None and last_offset < committed:
+                continue  # all of it is below the commit point already
+            if group in subscribed:
+                position = end.get((group, did), 1)  # a publisher the query has not started on: keep all
+                if position > last:
+                    continue
+                row = self.first_row(group, did, position, last)
+            else:
+                row = self._first_row_at_or_after(group, did, last, committed)
+            if row is not None:
+                point = min(point, int(row.column("offset")[0].as_py()))
+        if point <= committed:
+            return None
+        self._call("commit", point)
+        return point
+
+    def _first_row_at_or_after(self, group: str, did: str, last: int, offset: int) -> pa.Table | None:
+        """The publisher's first row whose journal offset is >= ``offset`` (binary search over seqs)."""
+        lo, hi, found = 1, last, None
+        while lo <= hi:
+            mid = (lo + hi) // 2
+            row = self.first_row(group, did, mid, hi)
+            if row is None:
+                hi = mid - 1
+                continue
+            if int(row.column("offset")[0].as_py()) >= offset:
+                found, hi = row, mid - 1
+            else:
+                lo = int(row.column("seq")[0].as_py()) + 1
+        return found
+
+    # --- publishing -------------------------------------------------------------------------------
+
+    def publish(self, group: str, table: pa.Table, timeout: float) -> Any:
+        """Publish one batch; returns once the group acknowledged it, else PublishNotAcknowledgedError."""
+        try:
+            return self._call("publish", group, table, timeout=timeout, retry_timeouts=False)
+        except (ApiTimeoutError, BackpressureError) as exc:
+            raise PublishNotAcknowledgedError(
+                f"the group {group!r} did not acknowledge {table.num_rows} message(s) within {timeout:g}s "
+                f"({type(exc).__name__}: {str(exc).split('. ')[0]})") from None
+        except GroupNotFoundError:
+            raise
+        except ApiError as exc:
+            raise PublishNotAcknowledgedError(
+                f"publishing {table.num_rows} message(s) to group {group!r} failed: {exc}") from None
+
+    def metrics(self) -> dict[str, Any]:
+        result: dict[str, Any] = self._call("metrics")
+        return result
+
+
+def _int_field(result: Any, names: Sequence[str]) -> int | None:
+    if not isinstance(result, Mapping):
+        return None
+    for name in names:
+        value = result.get(name)
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    return None
+
+
+def _publisher_entries(result: Any) -> list[tuple[str, str, int, int | None]]:
+    """(group, publisher DID, last seq, last journal offset) from the agent's ``latest`` answer."""
+    out: list[tuple[str, str, int, int | None]] = []
+    publishers = result.get("publishers") if isinstance(result, Mapping) else None
+    for entry in publishers if isinstance(publishers, list) else []:
+        if not isinstance(entry, Mapping):
+            continue
+        group, did = entry.get("group"), entry.get("publisher_did")
+        seq, offset = entry.get("last_seq"), entry.get("last_offset")
+        if isinstance(group, str) and isinstance(did, str) and isinstance(seq, int):
+            out.append((group, did, seq, offset if isinstance(offset, int) else None))
+    return out
+
+
+def _publisher_seqs(result: Any, group: str | None) -> dict[PublisherKey, int]:
+    """(group, publisher) -> last journaled seq, optionally for one group only."""
+    return {(g, did): seq for g, did, seq, _ in _publisher_entries(result) if group is None or g == group}
+
+
+def wait_until(predicate: Any, timeout: float, interval: float = 0.05) -> bool:
+    """Poll ``predicate`` until true or ``timeout`` seconds pass (used where the API has no long poll)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        if predicate():
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(interval)
+
+
+def describe(exc: BaseException) -> str:
+    """A one-line reason for logs and errors (never a payload)."""
+    if isinstance(exc, ZeroCommError):
+        return f"{type(exc).__name__}: {str(exc).split('. ')[0]}"
+    return f"{type(exc).__name__}: {exc}"

@@ -1,0 +1,170 @@
+"""The streaming source: offsets, admission control, availableNow, partition planning, commit.
+
+Mirrors Spark's KafkaMicroBatchStream. It runs in the driver's long-lived planner process and
+talks to the member on the driver's host; the reading itself happens on executors
+(:mod:`~zerocomm_spark.connector.partition_reader`).
+
+* Offsets are per (group, publisher) next seqs (:mod:`~zerocomm_spark.connector.offsets`), so a
+  query restarted from its checkpoint replays exactly the same ranges.
+* ``maxMessagesPerTrigger`` is Spark admission control (``getDefaultReadLimit`` -> ``ReadMaxRows``);
+  when the engine passes ``ReadAllAvailable`` (e.g. ``Trigger.Once``) the option is not applied.
+* ``trigger(availableNow=True)`` records the newest positions once, at start, and never goes past them.
+* A publisher that appears mid-stream is introduced at its first retained seq in one batch's end
+  offset and read from the next batch on: every planned range is ``[checkpointed, end)``.
+* ``commit(end)`` tells the member the checkpointed positions, so its journal prunes only what every
+  checkpoint has passed, never on a guess.
+* ``reportLatestOffset`` puts the newest positions in each progress report; :mod:`.lag` turns
+  ``latestOffset - endOffset`` into lag per publisher.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator, Sequence
+
+import pyarrow as pa
+from pyspark.sql.datasource import DataSourceStreamReader, InputPartition
+from pyspark.sql.streaming.datasource import ReadAllAvailable, ReadLimit, ReadMaxRows, SupportsTriggerAvailableNow
+from pyspark.sql.types import StructType
+
+from zerocomm_spark.errors import ZeroCommError
+
+from zerocomm_spark.connector.agent_link import MemberLink, describe
+from zerocomm_spark.connector.offsets import PublisherKey, SeqRange, ZeroCommOffset, limit_rows, split_ranges
+from zerocomm_spark.connector.options import SourceOptions
+from zerocomm_spark.connector.partition_reader import ZeroCommInputPartition, read_partition
+
+__all__ = ["ZeroCommMicroBatchStream", "plan_partitions"]
+
+log = logging.getLogger("zerocomm_spark.connector")
+
+
+def plan_partitions(options: SourceOptions, start: ZeroCommOffset, end: ZeroCommOffset,
+                    labels: dict[PublisherKey, str]) -> list[ZeroCommInputPartition]:
+    """Partitions for ``[start, end)``: per publisher, big ranges split, each carrying what read() needs."""
+    slices = split_ranges(start, end, max_per_slice=options.max_messages_per_partition,
+                          min_slices=options.min_partitions)
+    return [ZeroCommInputPartition(group=s.group, publisher=s.publisher, first=s.first, end=s.end,
+                                   label=labels.get((s.group, s.publisher)), agent=options.agent,
+                                   include_headers=options.include_headers,
+                                   fail_on_data_loss=options.fail_on_data_loss,
+                                   read_timeout_s=options.read_timeout_s)
+            for s in slices]
+
+
+class ZeroCommMicroBatchStream(DataSourceStreamReader, SupportsTriggerAvailableNow):
+    """spark.readStream.format("zerocomm"): one instance per query run, on the driver."""
+
+    def __init__(self, options: SourceOptions, schema: StructType) -> None:
+        self.options = options
+        self.schema = schema
+        self._link: MemberLink | None = None
+        self._target: ZeroCommOffset | None = None  # availableNow: never read past this
+        self._latest: ZeroCommOffset | None = None  # newest positions seen, for progress reports
+        self._labels: dict[PublisherKey, str] = {}
+
+    # Pickled into the read UDF for executors: only the options travel.
+    def __getstate__(self) -> dict[str, object]:
+        return {"options": self.options, "schema": self.schema}
+
+    def __setstate__(self, state: dict[str, object]) -> None:
+        self.__init__(state["options"], state["schema"])  # type: ignore[misc, arg-type]
+
+    # --- the member -------------------------------------------------------------------------------
+
+    def _member(self) -> MemberLink:
+        if self._link is None:
+            link = MemberLink.connect(self.options.agent)
+            try:
+                link.check_groups(self.options.groups)
+            except BaseException:
+                link.close()
+                raise
+            self._link = link
+        return self._link
+
+    def _ranges(self, known_first: dict[PublisherKey, int] | None = None) -> dict[PublisherKey, SeqRange]:
+        return self._member().ranges(self.options.groups, known_first)
+
+    # --- offsets ----------------------------------------------------------------------------------
+
+    def initialOffset(self) -> dict:
+        """Where a new query starts (a restarted one resumes from its checkpoint instead)."""
+        ranges = self._ranges()
+        link = self._member()
+        offset = self.options.starting.resolve(
+            ranges, lambda key, ts: link.first_sent_at_or_after(key, ts, ranges[key]))
+        log.info("zerocomm source starts at %s", offset.to_json())
+        return offset.to_dict()
+
+    def getDefaultReadLimit(self) -> ReadLimit:
+        n = self.options.max_messages_per_trigger
+        return ReadMaxRows(n) if n else ReadAllAvailable()
+
+    def prepareForTriggerAvailableNow(self) -> None:
+        """Fix the end of an availableNow run: the newest positions now, including publishers known now."""
+        self._target = ZeroCommOffset({key: span.next for key, span in self._ranges().items()})
+        log.info("zerocomm source (availableNow) ends at %s", self._target.to_json())
+
+    def latestOffset(self, start: dict, limit: ReadLimit) -> dict:
+        """The end of the next batch: newest positions, capped by the read limit and availableNow."""
+        begin = ZeroCommOffset.from_dict(start)
+        ranges = self._ranges(known_first=dict(begin.items()))
+        self._latest = ZeroCommOffset({key: span.next for key, span in ranges.items()})
+        newest: dict[PublisherKey, int] = {}
+        introduced: dict[PublisherKey, int] = {}
+        for key, span in ranges.items():
+            position = span.next
+            if self._target is not None:
+                if key not in self._target:
+                    continue  # appeared after the availableNow run began: not part of it
+                position = min(position, self._target[key])
+            if key in begin:
+                newest[key] = max(position, begin[key])
+            else:
+                introduced[key] = span.first
+        if isinstance(limit, ReadMaxRows):
+            end = limit_rows(begin, ZeroCommOffset(newest), limit.max_rows)
+        elif isinstance(limit, ReadAllAvailable) or limit is None:
+            end = begin.updated(newest)
+        else:
+            raise ZeroCommError(f"format(\"zerocomm\") got a read limit it does not implement: {limit!r}")
+        if introduced:
+            end = end.updated(introduced)
+        return end.to_dict()
+
+    def reportLatestOffset(self) -> dict | None:
+        return self._latest.to_dict() if self._latest is not None else None
+
+    # --- planning and reading ---------------------------------------------------------------------
+
+    def partitions(self, start: dict, end: dict) -> Sequence[InputPartition]:
+        begin, stop = ZeroCommOffset.from_dict(start), ZeroCommOffset.from_dict(end)
+        if any(key not in self._labels for key in stop):
+            try:
+                self._labels.update(self._member().labels(self.options.groups))
+            except ZeroCommError as exc:  # labels are a courtesy; reading must not fail for them
+                log.warning("zerocomm source: cannot fetch publisher labels (%s)", describe(exc))
+        return plan_partitions(self.options, begin, stop, self._labels)
+
+    def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
+        assert isinstance(partition, ZeroCommInputPartition)
+        return read_partition(partition)
+
+    # --- after a batch ----------------------------------------------------------------------------
+
+    def commit(self, end: dict) -> None:
+        """Spark checkpointed ``end``: the member may prune what lies below it (and nothing else)."""
+        if not self.options.commit_to_agent:
+            return
+        try:
+            point = self._member().commit(ZeroCommOffset.from_dict(end), self.options.groups)
+            if point is not None:
+                log.debug("zerocomm source committed journal offset %d", point)
+        except ZeroCommError as exc:  # pruning later is harmless; failing the query is not
+            log.warning("zerocomm source: could not tell the agent the commit point (%s)", describe(exc))
+
+    def stop(self) -> None:
+        if self._link is not None:
+            self._link.close()
+            self._link = None

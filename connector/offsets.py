@@ -1,0 +1,421 @@
+"""Source offsets: per (group, publisher) sequence numbers, as a small immutable value.
+
+Why sequence numbers and not journal offsets: a journal offset is local to one member (each member
+journals what it received, in its own order), while a publisher's ``seq`` is the same on every
+member. A checkpoint made of seqs therefore means the same thing on the driver's member and on each
+executor's member, survives an agent restart, and says exactly where a restarted query resumes.
+
+A position is the *next* seq to read (Kafka's convention): everything below it was handed to Spark.
+The JSON form carries a version so that a checkpoint written by a newer connector is refused with
+a clear message instead of being misread::
+
+    {"version": 1, "groups": {"sensors": {"did:peer:2.Ez...": 42}}}
+
+Everything here is pure (no Spark, no agent), so the rules are unit-tested on their own.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from zerocomm_spark.errors import ConnectorOptionError, OffsetFormatError
+
+__all__ = [
+    "EARLIEST",
+    "LATEST",
+    "OFFSET_VERSION",
+    "EndingOffsets",
+    "PublisherKey",
+    "SeqRange",
+    "SeqSlice",
+    "StartingOffsets",
+    "ZeroCommOffset",
+    "lag",
+    "limit_rows",
+    "split_ranges",
+]
+
+#: Version of the offset JSON this connector writes; it reads this version and older.
+OFFSET_VERSION = 1
+#: In per-publisher JSON: start at the first retained message / at the next new message (Kafka's -2 / -1).
+EARLIEST = -2
+LATEST = -1
+
+PublisherKey = tuple[str, str]  # (group, publisher DID)
+
+
+def _check_seq(value: Any, where: str, *, allow_special: bool) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise OffsetFormatError(f"{where}: a position is an integer seq, not {type(value).__name__} {value!r}")
+    if value >= 1 or (allow_special and value in (EARLIEST, LATEST)):
+        return value
+    allowed = "a seq >= 1, -2 (earliest) or -1 (latest)" if allow_special else "a seq >= 1"
+    raise OffsetFormatError(f"{where}: {value} is not {allowed}")
+
+
+@dataclass(frozen=True)
+class ZeroCommOffset:
+    """Where a query stands: for each (group, publisher DID), the next seq it will read."""
+
+    positions: Mapping[PublisherKey, int] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        # Sorted once, so the JSON (which Spark compares as text) is canonical.
+        ordered = {k: self.positions[k] for k in sorted(self.positions)}
+        for (group, did), seq in ordered.items():
+            if not isinstance(group, str) or not isinstance(did, str) or not group or not did:
+                raise OffsetFormatError(f"an offset key is (group, publisher DID), got {(group, did)!r}")
+            _check_seq(seq, f"offset of {did} in group {group!r}", allow_special=False)
+        object.__setattr__(self, "positions", ordered)
+
+    # --- serialization --------------------------------------------------------------------------
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON-ready dict Spark checkpoints (keys sorted, so equal offsets give equal text)."""
+        groups: dict[str, dict[str, int]] = {}
+        for (group, did), seq in self.positions.items():
+            groups.setdefault(group, {})[did] = seq
+        return {"version": OFFSET_VERSION, "groups": groups}
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), separators=(",", ":"))
+
+    @classmethod
+    def from_dict(cls, data: Any) -> "ZeroCommOffset":
+        """Parse a checkpointed offset; refuse unknown versions instead of guessing."""
+        if not isinstance(data, Mapping):
+            raise OffsetFormatError(f"an offset is a JSON object, not {type(data).__name__}")
+        version = data.get("version")
+        if isinstance(version, bool) or not isinstance(version, int):
+            raise OffsetFormatError("the offset has no integer 'version' field (not written by this connector?)")
+        if version > OFFSET_VERSION:
+            raise OffsetFormatError(
+                f"the offset has version {version}; this connector reads up to version {OFFSET_VERSION}",
+                hint="Run the query with the zerocomm-spark version that wrote the checkpoint, or a newer one")
+        if version < 1:
+            raise OffsetFormatError(f"offset version {version} is not valid")
+        groups = data.get("groups")
+        if not isinstance(groups, Mapping):
+            raise OffsetFormatError("the offset has no 'groups' object")
+        positions: dict[PublisherKey, int] = {}
+        for group, publishers in groups.items():
+            if not isinstance(publishers, Mapping):
+                raise OffsetFormatError(f"group {group!r} in the offset maps to {type(publishers).__name__}, "
+                                        "not an object of publisher DID -> seq")
+            for did, seq in publishers.items():
+                positions[(str(group), str(did))] = _check_seq(seq, f"offset of {did} in group {group!r}",
+                                                               allow_special=False)
+        return cls(positions)
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> "ZeroCommOffset":
+        try:
+            data = json.loads(text)
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise OffsetFormatError(f"the offset is not JSON: {exc}") from None
+        return cls.from_dict(data)
+
+    # --- reading ------------------------------------------------------------------------------
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.positions
+
+    def __getitem__(self, key: PublisherKey) -> int:
+        return self.positions[key]
+
+    def __iter__(self) -> Iterator[PublisherKey]:
+        return iter(self.positions)
+
+    def __len__(self) -> int:
+        return len(self.positions)
+
+    def get(self, key: PublisherKey, default: int | None = None) -> int | None:
+        return self.positions.get(key, default)
+
+    def items(self) -> Iterable[tuple[PublisherKey, int]]:
+        return self.positions.items()
+
+    def groups(self) -> set[str]:
+        return {g for g, _ in self.positions}
+
+    def updated(self, changes: Mapping[PublisherKey, int]) -> "ZeroCommOffset":
+        merged = dict(self.positions)
+        merged.update(changes)
+        return ZeroCommOffset(merged)
+
+    def rows_until(self, end: "ZeroCommOffset") -> int:
+        """How many seqs lie between this offset and ``end`` (publishers missing here count nothing)."""
+        return sum(max(0, seq - self.positions.get(key, seq)) for key, seq in end.items())
+
+    def __repr__(self) -> str:
+        return f"ZeroCommOffset({self.to_json()})"
+
+
+@dataclass(frozen=True)
+class SeqRange:
+    """What a member's journal holds for one publisher: seqs ``first..last`` (inclusive).
+
+    ``first`` is the first *retained* seq (retention deletes the oldest; a member that joined late
+    starts after the seqs it was never owed). ``last < first`` means nothing is retained.
+    """
+
+    first: int
+    last: int
+
+    @property
+    def next(self) -> int:
+        """The position just after the newest message: what "latest" means."""
+        return max(self.last + 1, self.first)
+
+
+@dataclass(frozen=True)
+class StartingOffsets:
+    """The ``startingOffsets`` / ``startingTimestamp`` option, parsed but not yet resolved.
+
+    ``default`` applies to every publisher the JSON does not name (and to publishers that appear
+    after the query started, which always start at their earliest retained seq, like new Kafka
+    partitions).
+    """
+
+    kind: Literal["earliest", "latest", "json", "timestamp"]
+    default: int = EARLIEST  # EARLIEST or LATEST for publishers not named
+    per_group: Mapping[str, int] = field(default_factory=dict)  # group -> EARLIEST/LATEST shorthand
+    per_publisher: Mapping[PublisherKey, int] = field(default_factory=dict)  # seq, EARLIEST or LATEST
+    timestamp_ms: int | None = None
+
+    @classmethod
+    def parse(cls, text: str | None, groups: Iterable[str], *, default: str, option: str = "startingOffsets",
+              timestamp: str | None = None) -> "StartingOffsets":
+        """Parse the option value; errors name the option and show the accepted forms."""
+        group_set = set(groups)
+        if timestamp is not None:
+            if text is not None:
+                raise ConnectorOptionError(
+                    f"both {option} and startingTimestamp are set",
+                    hint="Give one of them: startingTimestamp (ms since the epoch) picks, per publisher, the first "
+                         f"message sent at or after it; {option} names positions")
+            return cls("timestamp", timestamp_ms=parse_timestamp_ms(timestamp, "startingTimestamp"))
+        if text is None:
+            text = default
+        value = text.strip()
+        if value.lower() == "earliest":
+            return cls("earliest", default=EARLIEST)
+        if value.lower() == "latest":
+            return cls("latest", default=LATEST)
+        return cls("json", **_parse_json_positions(value, group_set, option, allow_latest=True))
+
+    def resolve(self, known: Mapping[PublisherKey, SeqRange],
+                first_sent_at_or_after: Callable[[PublisherKey, int], int] | None = None) -> ZeroCommOffset:
+        """Concrete positions for the publishers a member knows now (``known``) plus named ones.
+
+        ``first_sent_at_or_after(key, timestamp_ms)`` finds a publisher's first seq sent at or after
+        the timestamp (only needed for ``startingTimestamp``).
+        """
+        positions: dict[PublisherKey, int] = {}
+        for key, span in known.items():
+            if self.kind == "timestamp":
+                if first_sent_at_or_after is None or self.timestamp_ms is None:
+                    raise ConnectorOptionError("startingTimestamp needs a timestamp lookup")
+                positions[key] = max(first_sent_at_or_after(key, self.timestamp_ms), span.first)
+                continue
+            choice = self.per_publisher.get(key, self.per_group.get(key[0], self.default))
+            positions[key] = _concrete(choice, span)
+        for key, choice in self.per_publisher.items():
+            if key not in positions:  # named but not (yet) known on this member
+                positions[key] = choice if choice >= 1 else 1
+        return ZeroCommOffset(positions)
+
+
+@dataclass(frozen=True)
+class EndingOffsets:
+    """``endingOffsets`` of a batch read: ``latest`` or per-publisher JSON (exclusive, -1 = latest)."""
+
+    kind: Literal["latest", "json"]
+    per_group: Mapping[str, int] = field(default_factory=dict)
+    per_publisher: Mapping[PublisherKey, int] = field(default_factory=dict)
+
+    @classmethod
+    def parse(cls, text: str | None, groups: Iterable[str], option: str = "endingOffsets") -> "EndingOffsets":
+        if text is None or text.strip().lower() == "latest":
+            return cls("latest")
+        value = text.strip()
+        if value.lower() == "earliest":
+            raise ConnectorOptionError(f"{option}=earliest would read nothing",
+                                       hint=f"Use {option}=latest (the default) or per-publisher JSON")
+        parsed = _parse_json_positions(value, set(groups), option, allow_latest=True)
+        if any(v == EARLIEST for v in parsed["per_publisher"].values()) or \
+                any(v == EARLIEST for v in parsed["per_group"].values()):
+            raise ConnectorOptionError(f"{option} cannot use -2 (earliest)",
+                                       hint="An ending position is a seq (exclusive) or -1 for latest")
+        return cls("json", per_group=parsed["per_group"], per_publisher=parsed["per_publisher"])
+
+    def resolve(self, known: Mapping[PublisherKey, SeqRange]) -> ZeroCommOffset:
+        positions: dict[PublisherKey, int] = {}
+        for key, span in known.items():
+            choice = self.per_publisher.get(key, self.per_group.get(key[0], LATEST))
+            positions[key] = span.next if choice == LATEST else choice
+        return ZeroCommOffset(positions)
+
+
+def _concrete(choice: int, span: SeqRange) -> int:
+    if choice == EARLIEST:
+        return span.first
+    if choice == LATEST:
+        return span.next
+    return choice
+
+
+def _parse_json_positions(value: str, groups: set[str], option: str, *, allow_latest: bool) -> dict[str, Any]:
+    example = '{"sensors": {"did:peer:2.Ez...": 17, "did:peer:2.Ab...": -2}} or {"sensors": "latest"}'
+    try:
+        data = json.loads(value)
+    except ValueError:
+        raise ConnectorOptionError(
+            f"{option} is {value[:80]!r}: not earliest, latest or JSON",
+            hint=f"Use earliest, latest, or per-publisher JSON such as {example} (-2 earliest, -1 latest)") from None
+    if not isinstance(data, dict):
+        raise ConnectorOptionError(f"{option} JSON must be an object of group -> positions",
+                                   hint=f"For example {example}")
+    if "version" in data and "groups" in data:  # an offset copied from a checkpoint or progress report
+        data = data["groups"]
+        if not isinstance(data, dict):
+            raise ConnectorOptionError(f"{option}: 'groups' must be an object", hint=f"For example {example}")
+    per_group: dict[str, int] = {}
+    per_publisher: dict[PublisherKey, int] = {}
+    for group, positions in data.items():
+        if group not in groups:
+            raise ConnectorOptionError(
+                f"{option} names group {group!r}, which the group option does not subscribe to "
+                f"({', '.join(sorted(groups)) or 'none'})",
+                hint="Add the group to the group option or remove it from " + option)
+        if isinstance(positions, str):
+            word = positions.strip().lower()
+            if word not in ("earliest", "latest"):
+                raise ConnectorOptionError(f"{option}: group {group!r} maps to {positions!r}",
+                                           hint="A group maps to \"earliest\", \"latest\" or {publisher DID: seq}")
+            per_group[group] = EARLIEST if word == "earliest" else LATEST
+            continue
+        if not isinstance(positions, dict):
+            raise ConnectorOptionError(f"{option}: group {group!r} maps to {type(positions).__name__}",
+                                       hint=f"A group maps to an object of publisher DID -> seq, e.g. {example}")
+        for did, seq in positions.items():
+            try:
+                per_publisher[(group, did)] = _check_seq(seq, f"{option} for {did} in {group!r}",
+                                                         allow_special=allow_latest)
+            except OffsetFormatError as exc:
+                raise ConnectorOptionError(str(exc).split(". ")[0],
+                                           hint="Positions are seqs >= 1, -2 (earliest) or -1 (latest)") from None
+    return {"per_group": per_group, "per_publisher": per_publisher}
+
+
+def parse_timestamp_ms(text: str, option: str) -> int:
+    try:
+        value = int(text.strip())
+    except ValueError:
+        raise ConnectorOptionError(f"{option} is {text!r}, not an integer",
+                                   hint=f"Give milliseconds since the Unix epoch (UTC), e.g. {option}=1767225600000") from None
+    if value < 0:
+        raise ConnectorOptionError(f"{option} is negative ({value})", hint="Give milliseconds since the Unix epoch")
+    if value < 10**11:  # before 1973 in ms: almost surely seconds
+        raise ConnectorOptionError(f"{option}={value} looks like seconds, not milliseconds",
+                                   hint=f"Multiply by 1000: {option}={value * 1000}")
+    return value
+
+
+# --- planning helpers (pure) --------------------------------------------------------------------
+
+
+def limit_rows(start: ZeroCommOffset, latest: ZeroCommOffset, max_rows: int) -> ZeroCommOffset:
+    """The furthest end within ``max_rows`` messages, shared max-min fairly between publishers.
+
+    Why max-min fair rather than proportional (Kafka's choice): every publisher with a backlog
+    moves forward in every batch, so the publishers' Lamport clocks advance together and the
+    causal order across publishers shows up early in Delta instead of one publisher hogging the
+    budget. The result never moves a position backwards.
+    """
+    if max_rows < 1:
+        raise ValueError("max_rows must be >= 1")
+    backlog: dict[PublisherKey, int] = {}
+    for key, target in latest.items():
+        begin = start.get(key)
+        if begin is not None and target > begin:
+            backlog[key] = target - begin
+    grant = {key: 0 for key in backlog}
+    budget = max_rows
+    pending = sorted(backlog)
+    while budget > 0 and pending:
+        share = budget // len(pending)
+        if share == 0:  # fewer messages left than publishers: one each, in key order
+            for key in pending[:budget]:
+                grant[key] += 1
+            break
+        still = []
+        for key in pending:
+            take = min(share, backlog[key] - grant[key])
+            grant[key] += take
+            budget -= take
+            if grant[key] < backlog[key]:
+                still.append(key)
+        pending = still
+    merged = dict(start.positions)
+    for key, target in latest.items():
+        if key not in merged:  # a publisher the caller introduces: taken as given
+            merged[key] = target
+    for key, n in grant.items():
+        merged[key] += n
+    return ZeroCommOffset(merged)
+
+
+@dataclass(frozen=True)
+class SeqSlice:
+    """One partition's share: seqs ``first`` to ``end - 1`` of one publisher in one group."""
+
+    group: str
+    publisher: str
+    first: int
+    end: int
+
+    @property
+    def count(self) -> int:
+        return self.end - self.first
+
+
+def split_ranges(start: ZeroCommOffset, end: ZeroCommOffset, *, max_per_slice: int,
+                 min_slices: int = 1) -> list[SeqSlice]:
+    """Cut ``[start, end)`` into slices: one per publisher at least, none bigger than ``max_per_slice``,
+    and at least ``min_slices`` when there are enough messages.
+
+    Publishers missing from ``start`` get no slice: the stream introduces a new publisher at its
+    first retained seq in one batch's end offset, so every range it plans is ``[start, end)`` from
+    checkpointed positions and a replayed batch reads exactly the same messages.
+    """
+    if max_per_slice < 1 or min_slices < 1:
+        raise ValueError("max_per_slice and min_slices must be >= 1")
+    spans = []
+    for key, stop in end.items():
+        first = start.get(key)
+        if first is not None and stop > first:  # a publisher absent from start has no range yet
+            spans.append((key, first, stop))
+    if not spans:
+        return []
+    total = sum(stop - first for _, first, stop in spans)
+    target = max(1, min(max_per_slice, -(-total // min_slices)))
+    slices: list[SeqSlice] = []
+    for (group, did), first, stop in spans:
+        count = stop - first
+        pieces = max(1, -(-count // target))
+        size = -(-count // pieces)
+        at = first
+        while at < stop:
+            nxt = min(stop, at + size)
+            slices.append(SeqSlice(group, did, at, nxt))
+            at = nxt
+    return slices
+
+
+def lag(end: ZeroCommOffset, latest: ZeroCommOffset) -> dict[PublisherKey, int]:
+    """Messages behind the newest, per publisher: what a dashboard shows as consumer lag."""
+    return {key: max(0, seq - end.get(key, 1)) for key, seq in latest.items()}

@@ -1,0 +1,127 @@
+"""Reading one partition (one publisher's seq range) on an executor, as Arrow batches.
+
+Why a partition carries everything: Spark pickles the partition (and the reader) to a Python worker
+on an executor, where nothing from the driver exists. So the partition holds plain values (group,
+publisher, range, label, agent options, flags) and the worker connects to the member on its own
+host, reads, and closes; ZeroMQ contexts and sockets are made there and never pickled.
+
+Why it may wait: an executor's member receives the group's messages on its own; when the driver's
+member is ahead, the executor's one will have the same seqs moments later (seqs are per publisher,
+identical on every member), so the reader waits up to ``readTimeoutMs`` before giving up. Seqs the
+member has passed but does not hold are gone (retention, or a range the publisher no longer had):
+that is data loss, handled as ``failOnDataLoss`` says.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import pyarrow as pa
+import pyarrow.compute as pc
+from pyspark.sql.datasource import InputPartition
+
+from zerocomm_spark.errors import IncompleteReadError, StreamDataLossError
+
+from zerocomm_spark.connector.agent_link import MemberLink
+from zerocomm_spark.connector.options import AgentOptions
+from zerocomm_spark.connector.schema import arrow_schema, source_schema, to_source_batches
+
+__all__ = ["ZeroCommInputPartition", "read_partition"]
+
+log = logging.getLogger("zerocomm_spark.connector")
+
+MAX_BATCH_ROWS = 10_000
+
+
+@dataclass
+class ZeroCommInputPartition(InputPartition):
+    """Seqs ``first`` to ``end - 1`` of one publisher in one group, and what reading them needs."""
+
+    group: str
+    publisher: str
+    first: int
+    end: int
+    label: str | None
+    agent: AgentOptions
+    include_headers: bool
+    fail_on_data_loss: bool
+    read_timeout_s: float
+
+    def __post_init__(self) -> None:
+        InputPartition.__init__(self, None)
+
+    def __repr__(self) -> str:
+        return (f"ZeroCommInputPartition({self.group!r}, {self.label or self.publisher[:24]!r}, "
+                f"seqs {self.first}..{self.end - 1})")
+
+
+def _lost(partition: ZeroCommInputPartition, first: int, last: int, why: str) -> None:
+    who = partition.label or partition.publisher
+    message = (f"messages {first}..{last} of publisher {who} in group {partition.group!r} are not in the journal of "
+               f"the member on host {os.uname().nodename} ({why})")
+    if partition.fail_on_data_loss:
+        raise StreamDataLossError(message)
+    log.warning("%s; skipping them because failOnDataLoss=false", message)
+
+
+def read_partition(partition: ZeroCommInputPartition) -> Iterator[pa.RecordBatch]:
+    """Yield the partition's messages in seq order, as batches of the source schema."""
+    target = arrow_schema(source_schema(partition.include_headers))
+    labels = {partition.publisher: partition.label} if partition.label else {}
+    last = partition.end - 1
+    expected = partition.first
+    deadline = time.monotonic() + partition.read_timeout_s
+    key = (partition.group, partition.publisher)
+    pause = 0.02
+    with MemberLink.connect(partition.agent) as link:
+        while expected <= last:
+            progressed = False
+            for table in link.read_seqs(partition.group, partition.publisher, expected, last):
+                seqs = table.column("seq")
+                if table.num_rows > 1 and not pc.all(pc.greater(seqs[1:], seqs[:-1])).as_py():
+                    table = table.sort_by("seq")
+                    seqs = table.column("seq")
+                lowest = int(seqs[0].as_py())
+                if lowest > expected:  # later seqs are here, so these will never come
+                    _lost(partition, expected, lowest - 1, "deleted by retention or never delivered to it")
+                holes = int(seqs[-1].as_py()) - lowest + 1 - table.num_rows
+                if holes > 0:
+                    _report_holes(partition, table)
+                yield from to_source_batches(table, labels, target, MAX_BATCH_ROWS)
+                expected = int(seqs[-1].as_py()) + 1
+                progressed = True
+            if expected > last:
+                break
+            if progressed:
+                continue
+            journaled = link.last_seqs([partition.group]).get(key, 0)
+            if journaled >= expected:
+                # Delivery is FIFO per publisher: what the member lacks below its newest seq is gone.
+                upto = min(journaled, last)
+                found = link.first_seq(partition.group, partition.publisher, expected, upto)
+                if found is None:
+                    _lost(partition, expected, upto, f"it has journaled up to seq {journaled} without them")
+                    expected = upto + 1
+                else:
+                    if found > expected:
+                        _lost(partition, expected, found - 1, "deleted by retention or never delivered to it")
+                    expected = found
+                continue
+            if time.monotonic() >= deadline:
+                raise IncompleteReadError(
+                    f"the member on host {os.uname().nodename} has messages of publisher "
+                    f"{partition.label or partition.publisher} in group {partition.group!r} only up to seq "
+                    f"{journaled}; this partition needs {expected}..{last} (waited {partition.read_timeout_s:g}s)")
+            time.sleep(pause)
+            pause = min(pause * 2, 0.5)
+
+
+def _report_holes(partition: ZeroCommInputPartition, table: pa.Table) -> None:
+    seqs = table.column("seq").to_pylist()
+    for a, b in zip(seqs, seqs[1:]):
+        if b > a + 1:
+            _lost(partition, a + 1, b - 1, "a gap: the publisher no longer had them when this member asked")

@@ -1,0 +1,207 @@
+"""The sink: df.writeStream / df.write .format("zerocomm") publishes rows to a group.
+
+Why it is exactly-once: each row gets a message id derived from where it sits in the query (query
+id, batch id, partition, row index) unless it brings its own. A retried task or a micro-batch re-run
+after a crash publishes the same ids again, and the member (and every receiver, and every journal)
+drops ids it has seen, so nothing is delivered twice. A task returns only once the group acknowledged
+all its messages, so a batch commits only when they are all delivered; otherwise the task fails
+with :class:`~zerocomm_spark.errors.PublishNotAcknowledgedError` and Spark retries or fails the query.
+
+Each task publishes through the member on its own host (started on demand), in row order, so a
+reader sees one task's rows in the order they had in the partition.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import pyarrow as pa
+import pyarrow.compute as pc
+from pyspark.sql.datasource import (
+    DataSourceArrowWriter,
+    DataSourceStreamArrowWriter,
+    WriterCommitMessage,
+)
+
+from zerocomm_spark.errors import PublishNotAcknowledgedError
+
+from zerocomm_spark.connector.agent_link import MemberLink
+from zerocomm_spark.connector.options import SinkOptions
+from zerocomm_spark.connector.schema import SinkColumns
+
+__all__ = ["ZeroCommBatchWriter", "ZeroCommCommitMessage", "ZeroCommStreamWriter", "message_id_prefix",
+           "publish_partition"]
+
+log = logging.getLogger("zerocomm_spark.connector")
+
+QUERY_ID_PROPERTY = "sql.streaming.queryId"  # set by Spark on every task of a streaming query
+BATCH_ID_PROPERTY = "streaming.sql.batchId"
+_HEADERS = pa.map_(pa.string(), pa.string())
+
+
+@dataclass
+class ZeroCommCommitMessage(WriterCommitMessage):
+    """What one task published; every message in it was acknowledged by the group."""
+
+    partition: int
+    messages: int
+    duplicates: int
+    first_seq: int | None
+    last_seq: int | None
+    publisher_label: str | None
+
+
+def message_id_prefix(query_id: str, batch_id: int | str | None, partition: int) -> str:
+    """The id prefix of a task's rows; row ``i`` gets ``<prefix>.<i>``. Same task, same ids."""
+    return f"{query_id}.{batch_id}.{partition}" if batch_id is not None else f"{query_id}.{partition}"
+
+
+def _chunks(batches: Iterator[pa.RecordBatch], rows: int, size: int) -> Iterator[pa.Table]:
+    """Re-cut the input into publish calls of at most ``rows`` messages and about ``size`` payload bytes
+    (a single bigger message still goes alone), keeping row order."""
+    pending: list[pa.RecordBatch] = []
+    count = weight = 0
+    for batch in batches:
+        if batch.num_rows == 0:
+            continue
+        per_row = max(1, batch.column("payload").nbytes // batch.num_rows)
+        at = 0
+        while at < batch.num_rows:
+            room = max(1, (size - weight) // per_row)
+            take = min(rows - count, batch.num_rows - at, room)
+            pending.append(batch.slice(at, take))
+            count += take
+            weight += take * per_row
+            at += take
+            if count >= rows or weight + per_row > size:
+                yield pa.Table.from_batches(pending)
+                pending, count, weight = [], 0, 0
+    if pending:
+        yield pa.Table.from_batches(pending)
+
+
+def publish_partition(batches: Iterator[pa.RecordBatch], options: SinkOptions, columns: SinkColumns,
+                      prefix: str, partition: int) -> ZeroCommCommitMessage:
+    """Publish a task's rows in order through this host's member; return once the group has them all."""
+    published = duplicates = 0
+    first_seq: int | None = None
+    last_seq: int | None = None
+    row = 0
+    link: MemberLink | None = None
+    try:
+        for chunk in _chunks(batches, options.publish_batch_size, options.publish_batch_bytes):
+            if chunk.num_rows == 0:
+                continue
+            if link is None:
+                link = MemberLink.connect(options.agent)
+            payload = chunk.column("payload")
+            if columns.payload_is_string:
+                payload = payload.cast(pa.binary())
+            if payload.null_count:
+                raise PublishNotAcknowledgedError(
+                    f"row {row + _first_null(payload)} of partition {partition} has a null payload; nothing from "
+                    "this row on was published",
+                    hint="Filter out null payloads (df.where('payload IS NOT NULL')) or give them a value")
+            generated = pa.array([f"{prefix}.{i}" for i in range(row, row + chunk.num_rows)], type=pa.string())
+            if columns.has_message_id:
+                given = chunk.column("message_id").combine_chunks()
+                ids = pc.if_else(pc.is_null(given), generated, given) if given.null_count else given
+            else:
+                ids = generated
+            data = {"payload": payload, "message_id": ids}
+            if columns.has_headers:
+                data["headers"] = chunk.column("headers").cast(_HEADERS)
+            result = link.publish(options.group, pa.table(data), options.publish_timeout_s)
+            if len(result.message_ids) != chunk.num_rows:
+                raise PublishNotAcknowledgedError(
+                    f"the agent acknowledged {len(result.message_ids)} of {chunk.num_rows} messages")
+            published += chunk.num_rows
+            duplicates += int(getattr(result, "duplicates", 0) or 0)
+            seqs = [s for s in result.seqs if isinstance(s, int)]
+            if seqs:
+                first_seq = min(seqs) if first_seq is None else min(first_seq, min(seqs))
+                last_seq = max(seqs) if last_seq is None else max(last_seq, max(seqs))
+            row += chunk.num_rows
+        label = link.label if link is not None else None
+    finally:
+        if link is not None:
+            link.close()
+    return ZeroCommCommitMessage(partition=partition, messages=published, duplicates=duplicates,
+                                 first_seq=first_seq, last_seq=last_seq, publisher_label=label)
+
+
+def _first_null(column: pa.ChunkedArray | pa.Array) -> int:
+    return int(pc.index(pc.is_null(column), True).as_py())
+
+
+def _check_commit(messages: list[WriterCommitMessage | None], what: str) -> tuple[int, int]:
+    missing = sum(1 for m in messages if not isinstance(m, ZeroCommCommitMessage))
+    if missing:
+        raise PublishNotAcknowledgedError(f"{missing} task(s) of {what} reported no acknowledged messages; "
+                                          "the batch is not committed")
+    total = sum(m.messages for m in messages if isinstance(m, ZeroCommCommitMessage))
+    dups = sum(m.duplicates for m in messages if isinstance(m, ZeroCommCommitMessage))
+    return total, dups
+
+
+class ZeroCommStreamWriter(DataSourceStreamArrowWriter):
+    """Micro-batch sink. Ids come from the query id and batch id Spark sets on every task."""
+
+    def __init__(self, options: SinkOptions, columns: SinkColumns) -> None:
+        self.options = options
+        self.columns = columns
+        # Only a fallback: Spark always sets the query id on streaming tasks.
+        self.fallback_id = uuid.uuid4().hex
+
+    def write(self, iterator: Iterator[pa.RecordBatch]) -> ZeroCommCommitMessage:
+        from pyspark import TaskContext
+
+        context = TaskContext.get()
+        partition = context.partitionId() if context else 0
+        query_id = context.getLocalProperty(QUERY_ID_PROPERTY) if context else None
+        batch_id = context.getLocalProperty(BATCH_ID_PROPERTY) if context else None
+        if not query_id:
+            log.warning("zerocomm sink: no streaming query id on the task; ids are unique to this writer only")
+            query_id = self.fallback_id
+        prefix = message_id_prefix(query_id, batch_id, partition)
+        return publish_partition(iterator, self.options, self.columns, prefix, partition)
+
+    def commit(self, messages: list[WriterCommitMessage | None], batchId: int) -> None:  # noqa: N803 - Spark's name
+        total, dups = _check_commit(messages, f"batch {batchId}")
+        log.info("zerocomm sink: batch %d delivered %d message(s) to %r (%d already delivered before)",
+                 batchId, total, self.options.group, dups)
+
+    def abort(self, messages: list[WriterCommitMessage | None], batchId: int) -> None:  # noqa: N803
+        done = sum(m.messages for m in messages if isinstance(m, ZeroCommCommitMessage))
+        log.warning("zerocomm sink: batch %d aborted after %d acknowledged message(s); re-running it publishes the "
+                    "same ids, so none is delivered twice", batchId, done)
+
+
+class ZeroCommBatchWriter(DataSourceArrowWriter):
+    """df.write sink. One write id per save(), made on the driver and shipped to every task, so a
+    retried task republishes the ids of the attempt it replaces."""
+
+    def __init__(self, options: SinkOptions, columns: SinkColumns) -> None:
+        self.options = options
+        self.columns = columns
+        self.write_id = uuid.uuid4().hex
+
+    def write(self, iterator: Iterator[pa.RecordBatch]) -> ZeroCommCommitMessage:
+        from pyspark import TaskContext
+
+        context = TaskContext.get()
+        partition = context.partitionId() if context else 0
+        prefix = message_id_prefix(self.write_id, None, partition)
+        return publish_partition(iterator, self.options, self.columns, prefix, partition)
+
+    def commit(self, messages: list[WriterCommitMessage | None]) -> None:
+        total, dups = _check_commit(messages, "the write")
+        log.info("zerocomm sink: delivered %d message(s) to %r (%d already delivered before)",
+                 total, self.options.group, dups)
+
+    def abort(self, messages: list[WriterCommitMessage | None]) -> None:
+        done = sum(m.messages for m in messages if isinstance(m, ZeroCommCommitMessage))
+        log.warning("zerocomm sink: write aborted after %d acknowledged message(s)", done)

@@ -1,0 +1,278 @@
+"""The agent as a real process: pid and health files, one agent per identity, graceful stops on
+SIGTERM and SIGINT, what a kill -9 leaves behind, spawning on demand from a client, and bad input
+(including a client without permission on the socket) that gets clear errors while the agent keeps
+serving."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import stat
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pyarrow as pa
+import pytest
+import zmq
+
+from test_cli_support import ZEROCOMM, Member, wait_for
+from zerocomm_spark.client import Client, table_to_ipc
+from zerocomm_spark.errors import (
+    AgentNotRunningError,
+    BadRequestError,
+    GroupNotFoundError,
+    OffsetOutOfRangeError,
+    RequestTooLargeError,
+)
+
+pytestmark = [pytest.mark.timeout(120), pytest.mark.slow]
+
+
+def test_lifecycle_pid_and_health_files_and_one_agent_per_identity(tmp_path: Path) -> None:
+    solo = Member(tmp_path, "solo", "agent.heartbeat_interval=0.2")
+    solo.init()
+    health = solo.start()
+    try:
+        pid = health["pid"]
+        assert solo.pid() == pid
+        assert health["endpoints"]["api"] == f"ipc://{solo.run_dir / 'api.sock'}"
+        assert health["endpoints"]["peer"].startswith("tcp://127.0.0.1:")
+        assert health["endpoints"]["group"].startswith("tcp://127.0.0.1:")
+        assert health["label"] == "solo" and health["did"].startswith("did:")
+        assert stat.S_IMODE(solo.run_dir.stat().st_mode) == 0o700
+        on_disk = json.loads((solo.run_dir / "health.json").read_text())
+        assert on_disk["pid"] == pid and on_disk["state"] == "running" and on_disk["groups"] == []
+        assert stat.S_IMODE((solo.run_dir / "health.json").stat().st_mode) == 0o600
+        first_beat = on_disk["heartbeat_at"]
+        wait_for(lambda: json.loads((solo.run_dir / "health.json").read_text())["heartbeat_at"] > first_beat,
+                 5, "the heartbeat to advance")
+
+        # A second agent on the same identity is refused, detached or not, with a clear message.
+        again = solo.run("agent", "start", "--detach", json_out=False)
+        assert again.code == 5 and "already running" in again.stderr and "zerocomm agent stop" in again.stderr
+        other_socket = solo.run("--socket-dir", str(tmp_path / "elsewhere"), "agent", "start", json_out=False,
+                                timeout=30)
+        assert other_socket.code == 5, other_socket.stderr
+        assert f"already running for the identity directory {solo.identity} (pid {pid}" in other_socket.stderr
+        assert "what to do:" in other_socket.stderr
+
+        status = solo.ok("agent", "status")
+        assert status["responding"] is True and status["pid"] == pid and status["uptime_s"] > 0
+        stopped = solo.ok("agent", "stop")
+        assert stopped["pid"] == pid and stopped["forced"] is False
+        assert not (solo.run_dir / "agent.pid").exists() and not (solo.run_dir / "health.json").exists()
+        assert solo.run("agent", "status").code == 3
+    finally:
+        solo.stop()
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_foreground_agent_stops_gracefully_on_signals(tmp_path: Path, sig: signal.Signals) -> None:
+    fg = Member(tmp_path, "fg")
+    fg.init()
+    proc = subprocess.Popen([*ZEROCOMM, "--config", str(fg.config), "--json", "agent", "start"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        ready = json.loads(proc.stdout.readline())  # printed once the agent serves
+        assert ready["pid"] == proc.pid and fg.pid() == proc.pid
+        with Client.connect(fg.run_dir, timeout=5) as client:
+            assert client.status()["label"] == "fg"
+        proc.send_signal(sig)
+        assert proc.wait(15) == 0
+        _, err = proc.communicate(timeout=5)
+        events = [json.loads(line) for line in err.splitlines() if line.startswith("{")]
+        assert any(e["msg"] == "agent stopping" and e.get("reason") == sig.name for e in events)
+        assert events[-1]["msg"] == "agent stopped"
+        assert not (fg.run_dir / "agent.pid").exists()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def test_kill_9_leaves_nothing_that_blocks_a_restart(tmp_path: Path) -> None:
+    m = Member(tmp_path, "crashy")
+    m.init()
+    pid = m.start()["pid"]
+    try:
+        os.kill(pid, signal.SIGKILL)
+        m.wait_gone(pid)
+        assert (m.run_dir / "api.sock").exists() and (m.run_dir / "health.json").exists()  # stale
+        status = m.run("agent", "status", json_out=False)
+        assert status.code == 3 and "crashed or was killed" in status.stderr
+        started = time.monotonic()
+        with pytest.raises(AgentNotRunningError, match="stale socket"):
+            Client.connect(m.run_dir, timeout=5)
+        assert time.monotonic() - started < 2  # told at once, not after the timeout
+        restarted = m.start()
+        assert restarted["pid"] != pid
+        assert m.ok("agent", "status")["responding"] is True
+    finally:
+        m.stop()
+
+
+def test_clients_spawn_one_agent_on_demand(tmp_path: Path) -> None:
+    m = Member(tmp_path, "ondemand")
+    m.init()
+    assert m.pid() is None
+    clients: list[Client] = []
+    errors: list[BaseException] = []
+
+    def connect() -> None:
+        try:
+            clients.append(Client.connect(m.config, spawn=True, timeout=60))
+        except BaseException as exc:  # noqa: BLE001 - asserted below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=connect) for _ in range(2)]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(90)
+        assert not errors, errors
+        pids = {c.status()["pid"] for c in clients}
+        assert pids == {m.pid()}  # two racing spawners, one agent
+        # a Client survives pickling (a Spark closure) and reconnects in its new home
+        copy = __import__("pickle").loads(__import__("pickle").dumps(clients[0]))
+        assert copy.status()["label"] == "ondemand"
+    finally:
+        for c in clients:
+            c.close()
+        m.stop()
+
+
+def test_bad_input_gets_clear_errors_and_the_agent_keeps_serving(tmp_path: Path) -> None:
+    m = Member(tmp_path, "target", "api.max_request_bytes=200000")
+    m.init()
+    m.start()
+    try:
+        sock = zmq.Context.instance().socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.RCVTIMEO, 10_000)
+        sock.connect(f"ipc://{m.run_dir / 'api.sock'}")
+
+        def ask(*frames: bytes) -> dict:
+            sock.send_multipart(list(frames))
+            return json.loads(sock.recv_multipart()[0])
+
+        def header(**fields: object) -> bytes:
+            return json.dumps({"id": "r", **fields}).encode()
+
+        bad_batch = table_to_ipc(pa.Table.from_arrays([pa.array([1, 2])], names=["value"]))
+        cases = [
+            ((header(call="launch_missiles"),), "UnknownCallError", "unknown call 'launch_missiles'"),
+            ((header(call="send", args={"peer": 7, "message": "x"}),), "BadRequestError",
+             "'peer' must be a string, not an integer"),
+            ((header(call="read", args={"start": "zero"}),), "BadRequestError", "'start' must be an integer"),
+            ((header(call="read", args={"start": -1}),), "BadRequestError", "'start' must be >= 0"),
+            ((header(call="publish", args={"group": "g"}), b"\x00" * 300_000), "RequestTooLargeError",
+             "at most 200000"),
+            ((b"{not json",), "BadRequestError", "not a JSON object"),
+            ((header(call="publish", args={"group": "g"}), b"not arrow"), "BadRequestError", "not an Arrow IPC"),
+            ((header(call="publish", args={"group": "g"}), bad_batch), "BadRequestError", "unknown column(s) value"),
+            ((header(call="members", args={"group": "nope"}),), "GroupNotFoundError", "no group named 'nope'"),
+            ((header(call="commit", args={"offset": 10**9}),), "OffsetOutOfRangeError", "cannot commit offset"),
+        ]
+        for frames, error, text in cases:
+            reply = ask(*frames)
+            assert reply["ok"] is False and reply["error"]["type"] == error, reply
+            assert text in reply["error"]["message"], reply
+            assert reply["error"]["hint"]
+        assert ask(header(call="status"))["result"]["label"] == "target"
+        sock.close()
+
+        with Client.connect(m.config, timeout=10) as client:
+            with pytest.raises(RequestTooLargeError):
+                client.publish("g", [b"x" * 300_000])  # refused before it is sent
+            with pytest.raises(GroupNotFoundError):
+                client.publish("g", [b"x"])
+            with pytest.raises(OffsetOutOfRangeError):
+                client.read(start=10**6)
+            with pytest.raises(BadRequestError, match="seq range needs both"):
+                client.read(first_seq=1)
+            metrics = client.metrics()
+            assert metrics["api_calls"]["publish"]["errors"] >= 1
+        log = m.log()
+        assert "refused an API request" in log and "launch_missiles" in log
+        assert "x" * 100 not in log  # payloads never reach the log
+        assert m.ok("agent", "status")["responding"] is True
+    finally:
+        m.stop()
+
+
+def test_a_client_without_permission_on_the_socket_fails_clearly(tmp_path: Path) -> None:
+    m = Member(tmp_path, "private")
+    m.init()
+    m.start()
+    try:
+        assert stat.S_IMODE(m.run_dir.stat().st_mode) == 0o700
+        assert stat.S_IMODE((m.run_dir / "api.sock").stat().st_mode) == 0o600
+        if os.getuid() == 0:
+            # Another user (nobody), in a forked child (this interpreter is not reachable by nobody):
+            # the directories on the way are root's and mode 700.
+            read_end, write_end = os.pipe()
+            child = os.fork()
+            if child == 0:  # pragma: no cover - the child reports through the pipe
+                try:
+                    os.close(read_end)
+                    os.setgroups([])
+                    os.setgid(65534)
+                    os.setuid(65534)
+                    try:
+                        Client.connect(m.run_dir, timeout=5)
+                        answer = "connected"
+                    except Exception as exc:  # noqa: BLE001
+                        answer = f"{type(exc).__name__} {exc}"
+                    os.write(write_end, answer.encode())
+                finally:
+                    os._exit(0)
+            os.close(write_end)
+            with os.fdopen(read_end, "rb") as pipe:
+                answer = pipe.read().decode()
+            os.waitpid(child, 0)
+        else:
+            os.chmod(m.run_dir, 0o000)
+            try:
+                with pytest.raises(Exception) as caught:
+                    Client.connect(m.run_dir, timeout=5)
+                answer = f"{type(caught.value).__name__} {caught.value}"
+            finally:
+                os.chmod(m.run_dir, 0o700)
+        assert answer.startswith("ApiPermissionError"), answer
+        assert "cannot open the agent's socket directory" in answer or "may not open" in answer
+        assert "run the client as that user" in answer  # and says what to do
+        assert m.ok("agent", "status")["responding"] is True  # the agent did not notice
+    finally:
+        m.stop()
+
+
+def test_remote_clients_over_tcp_with_curve(tmp_path: Path) -> None:
+    from test_cli_support import zerocomm
+
+    client_keys = zerocomm("--json", "keygen").json
+    other_keys = zerocomm("--json", "keygen").json
+    m = Member(tmp_path, "remote", "api.tcp_endpoint=tcp://127.0.0.1:*",
+               f"api.allowed_clients={client_keys['public_key']}")
+    m.init()
+    health = m.start()
+    try:
+        endpoint, server_key = health["endpoints"]["api_tcp"], health["endpoints"]["api_public_key"]
+        assert endpoint.startswith("tcp://127.0.0.1:") and len(server_key) == 40
+        with Client.connect(endpoint, timeout=10, server_key=server_key, public_key=client_keys["public_key"],
+                            secret_key=client_keys["secret_key"]) as client:
+            assert client.status()["label"] == "remote"
+        from zerocomm_spark.errors import ApiPermissionError
+
+        with pytest.raises(ApiPermissionError, match="refused this client's CURVE key"):
+            Client.connect(endpoint, timeout=5, server_key=server_key, public_key=other_keys["public_key"],
+                           secret_key=other_keys["secret_key"])
+        assert client_keys["secret_key"] not in m.log()
+        # the agent's API key is sealed in its keystore: the same after a restart
+        m.stop()
+        assert m.start()["endpoints"]["api_public_key"] == server_key
+    finally:
+        m.stop()

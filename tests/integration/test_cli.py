@@ -1,0 +1,141 @@
+"""A three-member group created, joined, messaged and left entirely from the command line: three
+agent processes on 127.0.0.1, each with its own config file and identity directory, driven only by
+`zerocomm` commands (with --json where the test reads the answer, and once without to see tables)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from test_cli_support import ZEROCOMM, Member, start_all, wait_for, zerocomm
+
+pytestmark = [pytest.mark.timeout(180), pytest.mark.slow]
+
+
+@pytest.fixture()
+def trio(tmp_path: Path) -> Iterator[list[Member]]:
+    members = [Member(tmp_path, name) for name in ("alice", "bob", "carol")]
+    try:
+        start_all(members)
+        yield members
+    finally:
+        for m in members:
+            m.stop()
+
+
+def test_three_members_from_the_command_line(trio: list[Member]) -> None:
+    alice, bob, carol = trio
+    assert alice.ok("agent", "status")["responding"] is True
+
+    # alice creates the group; bob connects to alice, carol to bob, and each joins through its contact.
+    created = alice.ok("group", "create", "g", "--mode", "shared")
+    assert created["group"] == "g" and created["mode"] == "shared"
+    bob.ok("connect", alice.ok("invite")["url"])
+    bob.ok("group", "join", "g", "--via", "alice")
+    carol.ok("connect", bob.ok("invite")["url"])
+    joined = carol.ok("group", "join", "g", "--via", "bob")
+    assert sorted(m["label"] for m in joined["members"]) == ["alice", "bob", "carol"]
+    for m in trio:
+        wait_for(lambda m=m: sorted(x["label"] for x in m.ok("group", "members", "g")
+                                    if x["status"] == "active") == ["alice", "bob", "carol"],
+                 20, f"{m.name} to see three active members")
+
+    # Each one sends; `send` returns only once every member acknowledged, so history is complete.
+    sent = {}
+    for m in trio:
+        result = m.ok("send", "g", f"hello from {m.name}")
+        assert result["seqs"] == [1] and len(result["message_ids"]) == 1
+        sent[m.name] = result["message_ids"][0]
+    bulk = alice.ok("send", "g", "-", input="line one\nline two\nline three\n")
+    assert bulk["seqs"] == [2, 3, 4]
+    for m in trio:
+        rows = m.run("history", "g").json_lines
+        assert sorted(r["message_id"] for r in rows) == sorted([*sent.values(), *bulk["message_ids"]]), m.name
+        by_label = {r["message_id"]: (r["publisher_label"], r["payload"]) for r in rows}
+        for name, mid in sent.items():
+            assert by_label[mid] == (name, f"hello from {name}")
+        alice_rows = [r for r in rows if r["publisher_label"] == "alice"]
+        assert [r["seq"] for r in alice_rows] == [1, 2, 3, 4]  # publisher order
+        assert [r["offset"] for r in rows] == list(range(len(rows)))
+    # Re-sending a message id publishes nothing new.
+    again = bob.ok("send", "g", "hello from bob", "--id", sent["bob"])
+    assert again["duplicates"] == 1 and again["seqs"] == [1]
+    assert len(carol.run("history", "g").json_lines) == 6
+
+    # tail: the last lines at once, then it follows new messages like tail -f.
+    tail = subprocess.Popen([*ZEROCOMM, "--config", str(carol.config), "--json", "tail", "g", "-n", "2"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        first = [json.loads(tail.stdout.readline()) for _ in range(2)]
+        assert [r["payload"] for r in first] == ["line two", "line three"]
+        bob.ok("send", "g", "live one")
+        live = json.loads(tail.stdout.readline())
+        assert live["payload"] == "live one" and live["publisher_label"] == "bob"
+    finally:
+        tail.terminate()
+        tail.wait(10)
+
+    # Human output: aligned tables with headers.
+    table = alice.run("group", "members", "g", json_out=False)
+    assert table.code == 0
+    header, *lines = table.stdout.splitlines()
+    assert header.split()[:3] == ["LABEL", "ROLE", "STATUS"] and len(lines) == 3
+    assert all(line.index("read_write") == header.index("ROLE") for line in lines)
+    history = alice.run("history", "g", json_out=False)
+    assert "hello from carol" in history.stdout and history.stdout.splitlines()[0].startswith("OFFSET")
+
+    metrics = alice.ok("metrics")
+    assert metrics["messages_in"] >= 3 and metrics["api_calls"]["publish"]["count"] >= 2
+    assert set(metrics["peers_alive"].values()) == {True}
+
+    # carol leaves; the others drop her, and she no longer has the group.
+    assert carol.ok("group", "leave", "g")["left"] is True
+    for m in (alice, bob):
+        wait_for(lambda m=m: sorted(x["label"] for x in m.ok("group", "members", "g")) == ["alice", "bob"],
+                 20, f"{m.name} to drop carol")
+    gone = carol.run("group", "info", "g")
+    assert gone.code == 6 and gone.json["error"]["type"] == "GroupNotFoundError"
+    assert alice.ok("send", "g", "after carol left")["seqs"] == [5]
+
+
+def test_exit_codes_and_errors_that_say_what_to_do(tmp_path: Path) -> None:
+    lonely = Member(tmp_path, "lonely")
+    lonely.init()
+    # no agent running: exit 3 with the command that fixes it
+    result = lonely.run("group", "list", json_out=False)
+    assert result.code == 3
+    assert "no agent is running" in result.stderr and "zerocomm agent start --detach" in result.stderr
+    assert lonely.run("agent", "status").code == 3
+    assert lonely.run("agent", "stop").code == 3
+    # usage: argparse (2), and a malformed setting names itself (2)
+    assert lonely.run("group", "join", "g").code == 2
+    bad = lonely.run("--set", "journal.fsync=sometimes", "agent", "status")
+    assert bad.code == 2 and "journal.fsync" in bad.json["error"]["message"]
+    unknown = zerocomm("--set", "jornal.fsync=always", "config")
+    assert unknown.code == 2 and "did you mean 'journal'" in unknown.stderr
+    # --help documents the exit codes
+    helptext = zerocomm("--help").stdout
+    for line in ("3    no agent is running", "4    a deadline passed", "5    an agent already runs"):
+        assert line in helptext
+    # the config command shows where each setting comes from
+    shown = lonely.run("--log-level", "debug", "config").json
+    assert shown["values"]["log"]["level"] == "debug" and shown["source"]["log.level"] == "flag"
+    assert shown["source"]["identity.dir"] == str(lonely.config)
+    # --spawn starts the agent on demand
+    spawned = lonely.run("--spawn", "group", "list")
+    try:
+        assert spawned.code == 0 and spawned.json == []
+        assert lonely.ok("agent", "status")["label"] == "lonely"
+        missing = lonely.run("group", "members", "nope")
+        assert missing.code == 6 and "GroupNotFoundError" == missing.json["error"]["type"]
+        assert missing.json["error"]["hint"]
+    finally:
+        lonely.stop()
+    started = time.monotonic()
+    assert lonely.run("agent", "status").code == 3
+    assert time.monotonic() - started < 10

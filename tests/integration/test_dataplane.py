@@ -1,0 +1,550 @@
+"""Group data planes over real ZeroMQ on loopback, with real CURVE, envelopes and keystores.
+
+Each test wires 2-8 DataPlanes in this process by hand, the way membership will: every pair gets
+relationship key pairs in their keystores, every member a group key, and each side adds the other
+as a RemoteMember. Raw ZeroMQ sockets play the eavesdropper and the rogue publisher.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+import zmq
+
+from zerocomm_spark import envelope
+from zerocomm_spark.errors import (
+    BackpressureError,
+    GroupError,
+    GroupNotOpenError,
+    NotAMemberError,
+    PeerTimeoutError,
+    ReadOnlyMemberError,
+)
+from zerocomm_spark.group import DataPlane, DataPlaneConfig, Delivered, RemoteMember
+from zerocomm_spark.group import datamessage as dm
+from zerocomm_spark.group import topics
+from zerocomm_spark.keys.keypair import KeyPair
+from zerocomm_spark.keys.keystore import Keystore
+from zerocomm_spark.transport.peer import PeerTransport
+
+pytestmark = pytest.mark.timeout(120)
+
+FAST = DataPlaneConfig(nack_after_ms=30, nack_retry_ms=100, resend_after_ms=300, ack_interval_ms=20,
+                       keepalive_ms=500, dead_after_ms=3000)
+
+
+@dataclass
+class Node:
+    """One member: keystore, transport, data plane, and what it received."""
+
+    did: str
+    directory: Path
+    config: DataPlaneConfig
+    ks: Keystore = field(init=False)
+    tr: PeerTransport = field(init=False)
+    curve: tuple[bytes, bytes] = field(init=False)
+    dp: DataPlane = field(init=False)
+    got: list[Delivered] = field(default_factory=list)
+    states: list[tuple[str, bytes]] = field(default_factory=list)
+    group_keys: dict[str, KeyPair] = field(default_factory=dict)
+    rel: dict[str, KeyPair] = field(default_factory=dict)  # peer DID -> our relationship key with it
+    hook: Callable[[Delivered], None] | None = None
+    cond: threading.Condition = field(default_factory=threading.Condition)
+
+    def __post_init__(self) -> None:
+        self.ks = Keystore.open(self.directory)
+        self.curve = zmq.curve_keypair()
+        self.start()
+
+    def start(self) -> None:
+        self.tr = PeerTransport().start()
+        self.got = []
+        self.dp = DataPlane(member_did=self.did, keystore=self.ks, transport=self.tr, curve_keypair=self.curve,
+                            on_deliver=self._deliver, on_state=self._state, config=self.config).start()
+
+    def _deliver(self, d: Delivered) -> None:
+        if self.hook is not None:
+            self.hook(d)
+        with self.cond:
+            self.got.append(d)
+            self.cond.notify_all()
+
+    def _state(self, group: str, blob: bytes) -> None:
+        with self.cond:
+            self.states.append((group, blob))
+            self.cond.notify_all()
+
+    def stop(self) -> None:
+        self.dp.close(2)
+        self.tr.close(2)
+
+    def from_(self, publisher: Node, group: str = "g") -> list[Delivered]:
+        with self.cond:
+            return [d for d in self.got if d.publisher_did == publisher.did and d.group == group]
+
+    def wait(self, pred: Callable[[], bool], timeout: float = 20.0) -> bool:
+        deadline = time.monotonic() + timeout
+        with self.cond:
+            while not pred():
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return False
+                self.cond.wait(min(remaining, 0.1))
+        return True
+
+
+def remote(of: Node, at: Node, group: str, role: str = "read_write") -> RemoteMember:
+    """``of`` as ``at`` knows it after DID exchange and subscribe."""
+    if of.did not in at.rel:
+        at.rel[of.did] = at.ks.create_key("relationship", ref=of.did)
+    if at.did not in of.rel:
+        of.rel[at.did] = of.ks.create_key("relationship", ref=at.did)
+    return RemoteMember(did=of.did, group_verkey=of.group_keys[group].verkey,
+                        relationship_verkey=of.rel[at.did].verkey, my_relationship_verkey=at.rel[of.did].verkey,
+                        publish_endpoint=of.dp.publish_endpoint, transport_key=of.curve[0].decode(),
+                        peer_endpoint=of.tr.endpoint, role=role)
+
+
+def form_group(nodes: list[Node], group: str = "g", mode: str = "shared", *, ordered: bool = True,
+               probe: bool = True) -> None:
+    for n in nodes:
+        if group not in n.group_keys:
+            n.group_keys[group] = n.ks.create_key("group", ref=group)
+        n.dp.open_group(group, mode=mode, ordered=ordered, group_key=n.group_keys[group], role="read_write")  # type: ignore[arg-type]
+    for a in nodes:
+        for b in nodes:
+            if a is not b:
+                a.dp.add_member(group, remote(b, a, group))
+    if probe:
+        for a in nodes:
+            for b in nodes:
+                if a is not b:
+                    assert a.dp.probe(group, b.did, timeout=10) < 10
+
+
+@pytest.fixture
+def make(tmp_path: Path) -> Iterator[Callable[..., Node]]:
+    made: list[Node] = []
+
+    def factory(name: str, config: DataPlaneConfig = FAST) -> Node:
+        node = Node(f"did:example:{name}", tmp_path / name, config)
+        made.append(node)
+        return node
+
+    yield factory
+    for n in made:
+        n.dp.close(2)
+    # Transports linger up to a second on frames to peers that already left: close them together.
+    closers = [threading.Thread(target=n.tr.close, args=(2,)) for n in made]
+    for c in closers:
+        c.start()
+    for c in closers:
+        c.join(5)
+    for n in made:
+        n.ks.close()
+
+
+def payloads(publisher: str, n: int, start: int = 0) -> list[bytes]:
+    return [f"{publisher}:{i}".encode() for i in range(start, start + n)]
+
+
+# --- delivery in every mode ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("mode", "size"), [("single", 4), ("multi", 4), ("shared", 8)])
+def test_burst_is_delivered_in_publisher_order_to_every_member(make, mode: str, size: int) -> None:  # type: ignore[no-untyped-def]
+    nodes = [make(f"m{i}") for i in range(size)]
+    form_group(nodes, mode=mode)
+    alice, bob = nodes[0], nodes[1]
+    receipts = []
+
+    def burst_one_by_one() -> None:
+        receipts.extend(alice.dp.publish("g", [p]) for p in payloads("alice", 1000))
+
+    t = threading.Thread(target=burst_one_by_one)
+    t.start()
+    receipts.append(bob.dp.publish("g", payloads("bob", 1000), headers={"kind": "burst"}))  # one call
+    t.join(30)
+    for r in receipts:
+        r.wait(20)
+        assert r.done()
+    for n in nodes:
+        for pub in (alice, bob):
+            if n is pub:
+                continue
+            assert n.wait(lambda: len(n.from_(pub)) >= 1000), (n.did, pub.did, len(n.from_(pub)))
+            got = n.from_(pub)
+            assert [d.seq for d in got] == list(range(1, 1001))
+            assert [d.payload for d in got] == payloads("alice" if pub is alice else "bob", 1000)
+            assert len({d.message_id for d in got}) == 1000
+    assert all(d.headers == {"kind": "burst"} for d in nodes[2].from_(bob))
+    assert all(d.headers is None for d in nodes[2].from_(alice))
+    # Lamport stamps grow with seq per publisher; every member ends up past every stamp it saw.
+    for n in nodes[2:]:
+        stamps = [d.lamport_ts for d in n.from_(alice)]
+        assert stamps == sorted(stamps) and len(set(stamps)) == 1000
+        assert n.dp.lamport_time >= max(stamps)
+    s = nodes[-1].dp.stats()
+    assert s["messages_in"] == 2000 and s["duplicates_dropped"] == 0 and s["lost"] == 0
+    if mode == "single":
+        assert s["not_for_me"] > 0  # others' envelopes were skipped, by kid, without decrypting
+    elif mode == "multi":
+        assert s["not_for_me"] == 0  # pair topics: only our own envelopes ever arrive
+    else:  # shared: data envelopes are for everyone; only hellos probing the others are skipped
+        assert s["not_for_me"] <= sum(n.dp.stats()["probes_sent"] for n in nodes[:-1])
+    assert alice.dp.stats()["envelopes_out"] < 1000 * (size - 1) / 4  # batched: crypto per batch
+
+
+def test_unordered_group_delivers_everything_once(make) -> None:  # type: ignore[no-untyped-def]
+    nodes = [make(f"u{i}") for i in range(3)]
+    form_group(nodes, mode="shared", ordered=False)
+    r = nodes[0].dp.publish("g", payloads("u0", 500))
+    r.wait(20)
+    for n in nodes[1:]:
+        assert n.wait(lambda: len(n.from_(nodes[0])) >= 500)
+        assert sorted(d.seq for d in n.from_(nodes[0])) == list(range(1, 501))
+
+
+def test_state_blobs_reach_the_others_opaque(make) -> None:  # type: ignore[no-untyped-def]
+    nodes = [make(f"s{i}") for i in range(3)]
+    form_group(nodes, mode="multi")
+    blob = bytes(range(256)) * 3
+    nodes[0].dp.publish_state("g", blob)
+    for n in nodes[1:]:
+        assert n.wait(lambda: ("g", blob) in n.states)
+    assert nodes[0].states == []
+
+
+# --- topics, eavesdroppers, strangers -------------------------------------------------------------
+
+
+def test_exact_topics_keep_bob_and_bob2_and_g_and_g2_apart(make) -> None:  # type: ignore[no-untyped-def]
+    alice, bob, bob2 = make("alice"), make("bob"), make("bob2")
+    form_group([alice, bob, bob2], "g", mode="multi")
+    form_group([alice, bob2], "g2", mode="multi")
+    alice.dp.publish("g", [b"g-1", b"g-2"]).wait(10)
+    alice.dp.publish("g2", [b"g2-secret"]).wait(10)
+    assert bob2.wait(lambda: len(bob2.from_(alice, "g2")) == 1 and len(bob2.from_(alice, "g")) == 2)
+    assert bob.wait(lambda: len(bob.from_(alice, "g")) == 2)
+    time.sleep(0.2)
+    assert [d.payload for d in bob.got] == [b"g-1", b"g-2"]  # nothing of g2, nothing of bob2's queue
+    s = bob.dp.stats()
+    assert s["not_for_me"] == 0 and s["wrong_topic"] == 0 and s["rejected_non_member"] == 0
+    # bob's own, admitted CURVE key cannot subscribe to g2 (not his group) nor to bob2's pair topic.
+    ctx = zmq.Context()
+    spy = ctx.socket(zmq.SUB)
+    try:
+        spy.curve_serverkey = alice.curve[0]
+        spy.curve_publickey, spy.curve_secretkey = bob.curve
+        spy.connect(alice.dp.publish_endpoint)
+        for t in (topics.data_topic("g2"), topics.state_topic("g2"), topics.pair_topic("g", alice.did, bob2.did),
+                  topics.pair_topic("g2", alice.did, bob2.did), b"", b"urn:didcomm-queue:g"):
+            spy.setsockopt(zmq.SUBSCRIBE, t)
+        before = alice.dp.stats()["subscriptions_refused"]
+        deadline = time.monotonic() + 5
+        while alice.dp.stats()["subscriptions_refused"] < before + 6 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert alice.dp.stats()["subscriptions_refused"] >= before + 6
+        for i in range(3):
+            alice.dp.publish("g2", [b"more-g2-%d" % i])
+            alice.dp.publish("g", [b"more-g-%d" % i])
+            alice.dp.publish_state("g2", b"state")
+        spy.setsockopt(zmq.RCVTIMEO, 500)
+        with pytest.raises(zmq.Again):
+            spy.recv_multipart()
+    finally:
+        spy.close(0)
+        ctx.term()
+
+
+def test_eavesdropper_with_unknown_curve_key_receives_nothing(make) -> None:  # type: ignore[no-untyped-def]
+    alice, bob = make("alice"), make("bob")
+    form_group([alice, bob], mode="shared")
+    ctx = zmq.Context()
+    spy = ctx.socket(zmq.SUB)
+    try:
+        spy.curve_serverkey = alice.curve[0]
+        spy.curve_publickey, spy.curve_secretkey = zmq.curve_keypair()
+        spy.connect(alice.dp.publish_endpoint)
+        spy.setsockopt(zmq.SUBSCRIBE, b"")
+        spy.setsockopt(zmq.SUBSCRIBE, topics.data_topic("g"))
+        time.sleep(0.3)
+        alice.dp.publish("g", payloads("alice", 50)).wait(10)
+        alice.dp.publish_state("g", b"status")
+        spy.setsockopt(zmq.RCVTIMEO, 700)
+        with pytest.raises(zmq.Again):
+            spy.recv_multipart()
+        assert bob.wait(lambda: len(bob.from_(alice)) == 50)
+    finally:
+        spy.close(0)
+        ctx.term()
+
+
+def test_non_member_publisher_is_ignored(make) -> None:  # type: ignore[no-untyped-def]
+    alice, bob, mallory = make("alice"), make("bob"), make("mallory")
+    form_group([alice, bob], mode="shared")
+    # mallory adds bob on her side only: bob never admitted her, so nothing of hers reaches him.
+    mallory.group_keys["g"] = mallory.ks.create_key("group")
+    mallory.dp.open_group("g", mode="shared", ordered=True, group_key=mallory.group_keys["g"], role="read_write")
+    mallory.dp.add_member("g", remote(bob, mallory, "g"))
+    with pytest.raises(PeerTimeoutError):
+        mallory.dp.probe("g", bob.did, timeout=1.0)
+    mallory.dp.publish("g", [b"forged"] * 5)
+    alice.dp.publish("g", [b"real"]).wait(10)
+    assert bob.wait(lambda: len(bob.from_(alice)) == 1)
+    time.sleep(0.3)
+    assert [d.payload for d in bob.got] == [b"real"]
+
+
+def test_forged_envelopes_on_a_members_queue_are_dropped_and_counted(make) -> None:  # type: ignore[no-untyped-def]
+    """A raw XPUB holding carol's CURVE key (as if her transport were compromised) cannot make bob
+    deliver anything that is not authcrypted by carol's group key and about carol's own stream."""
+    alice, bob = make("alice"), make("bob")
+    form_group([alice, bob], mode="shared")
+    carol_curve = zmq.curve_keypair()
+    carol_group = KeyPair.generate()
+    carol_rel = KeyPair.generate()
+    ctx = zmq.Context()
+    rogue = ctx.socket(zmq.XPUB)
+    try:
+        rogue.curve_server = True
+        rogue.curve_publickey, rogue.curve_secretkey = carol_curve
+        rogue.bind("tcp://127.0.0.1:*")
+        endpoint = rogue.getsockopt_string(zmq.LAST_ENDPOINT)
+        bob.rel["did:example:carol"] = bob.ks.create_key("relationship")
+        bob.dp.add_member("g", RemoteMember(
+            did="did:example:carol", group_verkey=carol_group.verkey, relationship_verkey=carol_rel.verkey,
+            my_relationship_verkey=bob.rel["did:example:carol"].verkey, publish_endpoint=endpoint,
+            transport_key=carol_curve[0].decode(), peer_endpoint="tcp://127.0.0.1:1"))
+        rogue.setsockopt(zmq.RCVTIMEO, 5000)
+        assert rogue.recv()[0] == 1  # bob's SUB subscribed
+        msg = dm.DataMessage("x", 1, 1, time.time(), b"forged")
+        stranger = KeyPair.generate()
+        forged_sender = envelope.pack(dm.encode(dm.DataBatch("g", "did:example:carol", (msg,), base=0)),
+                                      [bob.group_keys["g"].verkey], sender=stranger)
+        forged_publisher = envelope.pack(dm.encode(dm.DataBatch("g", alice.did, (msg,), base=0)),
+                                         [bob.group_keys["g"].verkey], sender=carol_group)
+        forged_group = envelope.pack(dm.encode(dm.DataBatch("g2", "did:example:carol", (msg,), base=0)),
+                                     [bob.group_keys["g"].verkey], sender=carol_group)
+        before = bob.dp.stats()["rejected_non_member"]
+        for _ in range(20):
+            for env in (forged_sender, forged_publisher, forged_group):
+                rogue.send_multipart([topics.data_topic("g"), env])
+            rogue.send_multipart([topics.data_topic("g") + b"x", forged_sender])  # not our exact topic
+            time.sleep(0.02)
+        deadline = time.monotonic() + 5
+        while bob.dp.stats()["rejected_non_member"] < before + 3 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert bob.dp.stats()["rejected_non_member"] >= before + 3
+        assert bob.got == []
+        assert bob.dp.positions("g").get("did:example:carol", 0) == 0
+    finally:
+        rogue.close(0)
+        ctx.term()
+
+
+# --- roles -----------------------------------------------------------------------------------------
+
+
+def test_read_only_publisher_is_rejected(make) -> None:  # type: ignore[no-untyped-def]
+    alice, bob, carol = make("alice"), make("bob"), make("carol")
+    form_group([alice, bob, carol], mode="shared")
+    bob.dp.set_role("g", carol.did, "read_only")  # bob's view: carol may only read
+    carol.dp.publish("g", [b"from carol"] * 3)
+    assert alice.wait(lambda: len(alice.from_(carol)) == 3)
+    deadline = time.monotonic() + 5
+    while bob.dp.stats()["rejected_read_only"] < 3 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert bob.dp.stats()["rejected_read_only"] >= 3
+    assert bob.from_(carol) == []
+    carol.dp.set_role("g", carol.did, "read_only")
+    with pytest.raises(ReadOnlyMemberError):
+        carol.dp.publish("g", [b"again"])
+    assert [m.role for m in bob.dp.members("g") if m.did == carol.did] == ["read_only"]
+
+
+def test_api_errors_are_specific(make) -> None:  # type: ignore[no-untyped-def]
+    alice = make("alice")
+    with pytest.raises(GroupNotOpenError):
+        alice.dp.publish("nope", [b"x"])
+    alice.group_keys["g"] = alice.ks.create_key("group")
+    alice.dp.open_group("g", mode="single", ordered=True, group_key=alice.group_keys["g"], role="read_write")
+    with pytest.raises(TypeError):
+        alice.dp.publish("g", b"not a list")  # type: ignore[arg-type]
+    with pytest.raises(NotAMemberError):
+        alice.dp.remove_member("g", "did:example:nobody")
+    with pytest.raises(NotAMemberError):
+        alice.dp.probe("g", "did:example:nobody", timeout=0.2)
+    assert alice.dp.publish("g", []).done()
+
+
+# --- reliability ---------------------------------------------------------------------------------
+
+
+def test_killed_subscriber_socket_recovers_by_nack(make) -> None:  # type: ignore[no-untyped-def]
+    alice, bob, carol = make("alice"), make("bob"), make("carol")
+    form_group([alice, bob, carol], mode="single")
+    for i in range(10):
+        alice.dp.publish("g", payloads("alice", 100, start=100 * i))
+        if i == 3:
+            bob.dp._kill_subscription("g", alice.did, down_for=0.3)  # noqa: SLF001 - test hook
+        time.sleep(0.05)
+    assert bob.wait(lambda: len(bob.from_(alice)) >= 1000, timeout=30), len(bob.from_(alice))
+    got = bob.from_(alice)
+    assert [d.seq for d in got] == list(range(1, 1001))
+    assert [d.payload for d in got] == payloads("alice", 1000)
+    assert bob.dp.stats()["nacks_sent"] >= 1
+    assert alice.dp.stats()["retransmits"] >= 1
+    assert carol.wait(lambda: len(carol.from_(alice)) == 1000)
+    assert carol.dp.stats()["nacks_sent"] == 0
+
+
+def test_tail_loss_is_recovered_by_heartbeat(make) -> None:  # type: ignore[no-untyped-def]
+    alice, bob = make("alice"), make("bob")
+    form_group([alice, bob], mode="shared")
+    bob.dp._kill_subscription("g", alice.did, down_for=1.0)  # noqa: SLF001 - the burst falls in the gap
+    r = alice.dp.publish("g", payloads("alice", 200))
+    r.wait(15)  # nothing more is published: only the publisher's heartbeat reveals the lost tail
+    assert [d.seq for d in bob.from_(alice)] == list(range(1, 201))
+    assert alice.dp.stats()["pushes"] >= 1
+
+
+def test_slow_subscriber_is_backpressure_not_loss(make) -> None:  # type: ignore[no-untyped-def]
+    tight = DataPlaneConfig(window=200, retention_max=400, sndhwm=4, rcvhwm=4, recv_queue_max=2, batch_max=50,
+                            ack_interval_ms=20, nack_after_ms=200, resend_after_ms=2000)
+    alice, bob = make("alice", tight), make("bob", tight)
+    form_group([alice, bob], mode="shared")
+    gate = threading.Event()
+    bob.hook = lambda d: gate.wait(10)
+    alice.dp.publish("g", payloads("alice", 200), timeout=5)  # fills the window
+    t = time.monotonic()
+    with pytest.raises(BackpressureError) as err:
+        alice.dp.publish("g", [b"one too many"], timeout=0.3)
+    assert time.monotonic() - t >= 0.29
+    assert bob.did in str(err.value)
+    gate.set()
+    bob.hook = lambda d: time.sleep(0.001)  # still slower than the publisher
+    for i in range(1, 8):
+        alice.dp.publish("g", payloads("alice", 200, start=200 * i), timeout=20)
+    assert bob.wait(lambda: len(bob.from_(alice)) >= 1600, timeout=40)
+    assert [d.payload for d in bob.from_(alice)] == payloads("alice", 1600)
+    a, b = alice.dp.stats(), bob.dp.stats()
+    assert a["backpressure_waits"] >= 1
+    assert a["retransmits"] == 0 and b["nacks_sent"] == 0 and b["duplicates_dropped"] == 0 and b["lost"] == 0
+
+
+def test_lamport_order_respects_causality(make) -> None:  # type: ignore[no-untyped-def]
+    """alice asks, bob answers each question once delivered, alice asks again once she has the
+    answer: a causal chain q0 -> re0 -> q1 -> ... that carol, who also talks, sees stamped in order."""
+    alice, bob, carol = make("alice"), make("bob"), make("carol")
+    form_group([alice, bob, carol], mode="multi")
+
+    def bob_replies(d: Delivered) -> None:
+        if d.publisher_did == alice.did:
+            bob.dp.publish("g", [b"re:" + d.payload])  # from the delivery callback itself
+
+    bob.hook = bob_replies
+    chain: list[bytes] = []
+    for i in range(25):
+        alice.dp.publish("g", [b"q%d" % i])
+        carol.dp.publish("g", [b"noise%d" % i])  # concurrent, causally unrelated to the chain
+        assert alice.wait(lambda: len(alice.from_(bob)) == i + 1)  # alice has the answer before asking again
+        chain += [b"q%d" % i, b"re:q%d" % i]
+    assert carol.wait(lambda: len(carol.from_(alice)) == 25 and len(carol.from_(bob)) == 25)
+    stamp = {d.payload: d.lamport_ts for d in carol.got}
+    assert [stamp[p] for p in chain] == sorted(stamp[p] for p in chain)
+    assert len({stamp[p] for p in chain}) == len(chain)  # strictly increasing along the chain
+    order = [d.payload for d in sorted(carol.got, key=lambda d: (d.lamport_ts, d.publisher_did))]
+    assert [p for p in order if not p.startswith(b"noise")] == chain  # the total order keeps causality
+    # every member's clock is past everything it delivered
+    assert alice.dp.lamport_time >= max(d.lamport_ts for d in alice.got)
+
+
+# --- membership changes and restarts -------------------------------------------------------------
+
+
+def test_removed_member_is_cut_off_and_the_others_lose_nothing(make) -> None:  # type: ignore[no-untyped-def]
+    alice, bob, carol = make("alice"), make("bob"), make("carol")
+    form_group([alice, bob, carol], mode="shared")
+    alice.dp.publish("g", payloads("alice", 100)).wait(10)
+    alice.dp.remove_member("g", bob.did)  # re-binds alice's XPUB: carol reconnects, bob cannot
+    r = alice.dp.publish("g", payloads("alice", 300, start=100))
+    r.wait(20)
+    assert [d.seq for d in carol.from_(alice)] == list(range(1, 401))
+    time.sleep(0.3)
+    assert len(bob.from_(alice)) == 100
+    assert bob.did not in alice.dp.stats()["unacked"]["g"]
+
+
+def test_restart_restores_positions_and_fetches_what_was_missed(make, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    alice, bob = make("alice"), make("bob")
+    form_group([alice, bob], mode="multi")
+    alice.dp.publish("g", payloads("alice", 500)).wait(10)
+    assert bob.wait(lambda: len(bob.from_(alice)) == 500)
+    saved = bob.dp.positions("g")
+    assert saved == {alice.did: 500}
+    bob.stop()  # bob's process goes away; alice keeps publishing
+    receipt = alice.dp.publish("g", payloads("alice", 300, start=500))
+    with pytest.raises(PeerTimeoutError) as err:
+        receipt.wait(0.3)
+    assert bob.did in str(err.value)
+    bob.start()  # new transport, new publish endpoint, same keys
+    bob.dp.open_group("g", mode="multi", ordered=True, group_key=bob.group_keys["g"], role="read_write")
+    bob.dp.restore_positions("g", saved)  # before alice is re-added: remembered and asked later
+    bob.dp.add_member("g", remote(alice, bob, "g"))
+    alice.dp.add_member("g", remote(bob, alice, "g"))  # same DID: new endpoints, progress kept
+    receipt.wait(20)
+    got = bob.from_(alice)
+    assert [d.seq for d in got] == list(range(501, 801))
+    assert [d.payload for d in got] == payloads("alice", 300, start=500)
+    assert bob.dp.positions("g") == {alice.did: 800}
+
+
+def test_silent_member_is_marked_inactive_and_stops_holding_the_window(make) -> None:  # type: ignore[no-untyped-def]
+    quick = DataPlaneConfig(window=50, retention_max=1000, keepalive_ms=100, dead_after_ms=600, ack_interval_ms=20,
+                            resend_after_ms=300, nack_after_ms=30)
+    alice, bob, carol = make("alice", quick), make("bob", quick), make("carol", quick)
+    form_group([alice, bob, carol], mode="shared")
+    assert alice.dp.stats()["peers_alive"] == {bob.did: True, carol.did: True}
+    carol.stop()  # carol's process dies: no acks, no pongs
+    deadline = time.monotonic() + 10
+    while alice.dp.stats()["peers_alive"][carol.did] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert alice.dp.stats()["peers_alive"] == {bob.did: True, carol.did: False}
+    receipts = [alice.dp.publish("g", payloads("alice", 40, start=40 * i), timeout=5) for i in range(5)]
+    assert bob.wait(lambda: len(bob.from_(alice)) == 200)  # 4x the window: carol does not hold it
+    with pytest.raises(PeerTimeoutError) as err:
+        receipts[-1].wait(0.2)
+    assert carol.did in str(err.value) and bob.did not in str(err.value)
+    assert alice.dp.stats()["unacked"]["g"][carol.did] == 200  # kept for her, within retention
+
+
+def test_close_group_fails_pending_receipts_and_stops_delivery(make) -> None:  # type: ignore[no-untyped-def]
+    alice, bob = make("alice"), make("bob")
+    form_group([alice, bob], mode="multi")
+    bob.dp.close_group("g")
+    r = alice.dp.publish("g", [b"after bob left"])
+    alice.dp.close_group("g")
+    with pytest.raises(GroupError):
+        r.wait(1)
+    with pytest.raises(GroupNotOpenError):
+        alice.dp.publish("g", [b"x"])
+    assert bob.got == []
+
+
+def test_retrying_a_publish_with_the_same_ids_delivers_once(make) -> None:  # type: ignore[no-untyped-def]
+    alice, bob = make("alice"), make("bob")
+    form_group([alice, bob], mode="shared")
+    ids = [f"order-{i}" for i in range(5)]
+    alice.dp.publish("g", payloads("alice", 5), message_ids=ids).wait(10)
+    alice.dp.publish("g", payloads("alice", 5), message_ids=ids).wait(10)  # e.g. after a crash
+    alice.dp.publish("g", [b"next"]).wait(10)
+    assert bob.wait(lambda: len(bob.from_(alice)) == 6)
+    assert [d.message_id for d in bob.from_(alice)][:5] == ids
+    assert bob.dp.stats()["duplicates_dropped"] == 5
+    assert bob.dp.positions("g") == {alice.did: 11}  # the seqs of the retry were consumed, not delivered

@@ -1,0 +1,116 @@
+"""Group membership details with three agents in this process (real sockets, real crypto):
+invitation-based admission, discover-features, view repair of a missed status, the delivery API."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from zerocomm_spark import Agent
+from zerocomm_spark.errors import GroupExistsError, GroupNotFoundError, JoinRefusedError, ReceiveTimeoutError
+from zerocomm_spark.group.dataplane import Delivered
+from zerocomm_spark.group.manager import GroupConfig
+from zerocomm_spark.group.policy import InvitationPolicy
+
+pytestmark = [pytest.mark.timeout(120), pytest.mark.slow]
+
+CONFIG = GroupConfig(digest_interval_s=0.3)
+
+
+def _eventually(check: Callable[[], Any], timeout: float = 10.0, what: str = "condition") -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = check()
+        if value:
+            return value
+        time.sleep(0.1)
+    raise AssertionError(f"{what} not reached within {timeout}s")
+
+
+@pytest.fixture()
+def agents(tmp_path: Path) -> Iterator[tuple[Agent, Agent, Agent]]:
+    opened = [Agent.open(tmp_path / n, label=n, group_config=CONFIG) for n in ("alice", "bob", "carol")]
+    yield opened[0], opened[1], opened[2]
+    for agent in opened:
+        agent.close()
+
+
+def test_invitation_policy_admits_only_invited_joiners(agents: tuple[Agent, Agent, Agent]) -> None:
+    alice, bob, carol = agents
+    alice.groups.create("club", policy=InvitationPolicy())
+    plain = carol.accept(alice.invite())  # a connection, but no invitation issued for the group
+    with pytest.raises(JoinRefusedError, match="invitation issued for group 'club'"):
+        carol.groups.join("club", via=plain)
+    assert carol.groups.groups() == []
+    invited = bob.accept(alice.groups.invite("club"))
+    info = bob.groups.join("club", via=invited, policy=InvitationPolicy())
+    assert {m.label for m in info.members} == {"alice", "bob"}
+    # carol now gets an invitation from bob; alice admits her on bob's ticket
+    info = carol.groups.join("club", via=carol.accept(bob.groups.invite("club")))
+    assert {m.label for m in info.members} == {"alice", "bob", "carol"}
+    assert info.policy == {"kind": "open"}  # carol's own default
+    pids = {p.pid for p in alice.discover("bob")}
+    assert "https://didcomm.org/zerocomm-group/1.0" in pids
+
+
+def test_a_missed_status_is_repaired_by_digests(agents: tuple[Agent, Agent, Agent]) -> None:
+    alice, bob, carol = agents
+    alice.groups.create("g")
+    bob.groups.join("g", via=bob.accept(alice.invite()))
+    carol.groups.join("g", via=carol.accept(alice.invite()))
+    everyone = (alice, bob, carol)
+    _eventually(lambda: all(len([m for m in a.groups.members("g") if m.status == "active"]) == 3 for a in everyone),
+                what="three active members everywhere")
+    carol.groups.switch_role("g", "read_only")
+    # bob misses carol's update: put his view back to carol's old entry, as if the status never came
+    bob_group = bob.groups._groups["g"]  # noqa: SLF001 - simulating a lost message
+    new = bob_group.view.get(carol.groups.did)
+    old = alice.groups._groups["g"].view.get(carol.groups.did)  # noqa: SLF001
+    assert new is not None and old is not None and new.role == "read_only"
+    stale = type(new)(**{**new.to_dict(), "role": "read_write", "version": new.version - 1, "signature": ""})
+    bob_group.view._entries[carol.groups.did] = stale  # noqa: SLF001 - unsigned on purpose: local tampering
+    assert {m.label: m.role for m in bob.groups.members("g")}["carol"] == "read_write"
+    _eventually(lambda: {m.label: m.role for m in bob.groups.members("g")}["carol"] == "read_only",
+                what="bob repairing carol's role")
+    assert bob.groups.info("g").checksum == alice.groups.info("g").checksum == carol.groups.info("g").checksum
+
+
+def test_delivery_api_history_callback_and_receive(agents: tuple[Agent, Agent, Agent]) -> None:
+    alice, bob, _ = agents
+    info = alice.groups.create("news", mode="multi", ordered=True, consistent_join=False, role="read_write")
+    assert (info.mode, info.ordered, info.consistent_join, info.status) == ("multi", True, False, "active")
+    with pytest.raises(GroupExistsError):
+        alice.groups.create("news")
+    with pytest.raises(GroupNotFoundError):
+        alice.groups.info("nope")
+    bob.groups.join("news", via=bob.accept(alice.invite()), role="read_only")
+    seen: list[Delivered] = []
+    done = threading.Event()
+
+    def on_message(message: Delivered) -> None:
+        seen.append(message)
+        if len(seen) == 30:
+            done.set()
+
+    remove = bob.groups.on_message(on_message)
+    receipt = alice.groups.publish("news", [f"n{i}" for i in range(30)], headers={"kind": "test"})
+    receipt.wait(10)
+    assert done.wait(10)
+    assert [m.payload for m in seen] == [f"n{i}".encode() for i in range(30)]
+    assert all(m.headers == {"kind": "test"} and m.publisher_did == alice.groups.did for m in seen)
+    assert [m.lamport_ts for m in seen] == sorted(m.lamport_ts for m in seen)
+    assert [bob.groups.receive("news", 5).payload for _ in range(30)] == [m.payload for m in seen]
+    assert [m.message_id for m in bob.groups.messages("news")] == list(receipt.message_ids)
+    with pytest.raises(ReceiveTimeoutError):
+        bob.groups.receive("news", timeout=0.2)
+    remove()
+    alice.groups.publish("news", ["after"]).wait(10)
+    assert bob.groups.receive(timeout=5).payload == b"after"
+    assert len(seen) == 30
+    # what bob just got is what a restart would continue after
+    assert bob.groups.dataplane.positions("news")[alice.groups.did] == receipt.seqs[-1] + 1

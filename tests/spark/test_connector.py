@@ -1,0 +1,537 @@
+"""format("zerocomm") end to end: real member agents (processes), real Spark (local mode and a
+standalone cluster on loopback), real Delta. Nothing is mocked; every assertion can fail.
+
+The members (alice, bob, carol) live for the module; each test forms its own group so counts are
+its own. alice is the driver's member unless a test says otherwise.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from datetime import timezone
+from pathlib import Path
+
+import pytest
+
+from zerocomm_spark.connector import LagListener, progress_lag
+from zerocomm_spark.connector.local_members import LocalMember, form_group, start_members
+from zerocomm_spark.errors import BackpressureError, PeerTimeoutError, ZeroCommError
+
+pytestmark = [pytest.mark.spark, pytest.mark.slow, pytest.mark.timeout(300)]
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def wait_for(predicate: Callable[[], bool], timeout: float, what: str, interval: float = 0.2) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+@pytest.fixture(scope="module")
+def members(tmp_path_factory):
+    base = tmp_path_factory.mktemp("members")
+    started = start_members(base, ["alice", "bob", "carol"])
+    yield {m.label: m for m in started}
+    for member in started:
+        member.remove()
+
+
+@pytest.fixture
+def group(members):
+    name = f"g{uuid.uuid4().hex[:8]}"
+    form_group([members["alice"], members["bob"], members["carol"]], name)
+    return name
+
+
+def publish(member: LocalMember, group: str, payloads: list[str], **kwargs) -> list[int]:
+    return member.client().publish(group, [p.encode() for p in payloads], **kwargs).seqs
+
+
+def source(spark, group: str, member: LocalMember, **options: str):
+    reader = spark.readStream.format("zerocomm").option("group", group).option("agent", str(member.config))
+    for key, value in options.items():
+        reader = reader.option(key, value)
+    return reader.load()
+
+
+def delta(spark, path) -> object:
+    return spark.read.format("delta").load(str(path))
+
+
+# --- source ------------------------------------------------------------------------------------
+
+
+def test_members_publish_and_a_stream_lands_in_delta_in_causal_order(spark, members, group, tmp_path):
+    alice, bob, carol = members["alice"], members["bob"], members["carol"]
+    publish(bob, group, [f"bob-{i}" for i in range(300)])
+    # carol publishes after bob's publish returned, i.e. after she delivered all of bob's messages:
+    # her messages are causally after his, and their Lamport timestamps must say so.
+    publish(carol, group, [f"carol-{i}" for i in range(200)])
+
+    listener = LagListener()
+    spark.streams.addListener(listener)
+    out, ck = tmp_path / "delta", tmp_path / "ck"
+    query = (source(spark, group, alice, startingOffsets="earliest", includeHeaders="true")
+             .writeStream.format("delta").option("checkpointLocation", str(ck))
+             .trigger(processingTime="500 milliseconds").start(str(out)))
+    try:
+        wait_for(lambda: query.lastProgress is not None and delta(spark, out).count() == 500 if out.exists()
+                 else False, 120, "the first 500 messages in Delta")
+        # live: messages published while the query runs arrive too, with their headers
+        publish(bob, group, [f"bob-{i}" for i in range(300, 400)], headers=[{"k": f"v{i}"} for i in range(100)])
+        wait_for(lambda: delta(spark, out).count() == 600, 120, "the live messages in Delta")
+        query.processAllAvailable()
+        progress = query.lastProgress
+    finally:
+        query.stop()
+        spark.streams.removeListener(listener)
+    assert query.exception() is None
+
+    rows = delta(spark, out).collect()
+    assert len(rows) == 600 and len({r.message_id for r in rows}) == 600
+    assert {r.group for r in rows} == {group}
+    by_label: dict[str, list] = {}
+    for r in rows:
+        by_label.setdefault(r.publisher_label, []).append(r)
+    assert sorted(by_label) == ["bob", "carol"]
+    for label, count in (("bob", 400), ("carol", 200)):
+        mine = sorted(by_label[label], key=lambda r: r.seq)
+        assert [r.seq for r in mine] == list(range(1, count + 1))  # contiguous, from 1
+        assert [r.payload.decode() for r in mine] == [f"{label}-{i}" for i in range(count)]  # publisher order
+        assert all(r.sent_at <= r.received_at for r in mine)
+        lamports = [r.lamport_ts for r in mine]
+        assert lamports == sorted(lamports) and len(set(lamports)) == count
+    assert {r.publisher_did for r in by_label["bob"]} == {bob.did(group)}
+    headers = {r.payload.decode(): r.headers for r in by_label["bob"]}
+    assert headers["bob-0"] is None and headers["bob-399"] == {"k": "v99"}
+    # causality: every carol message sorts after the 300 bob messages it followed
+    first_carol = min(r.lamport_ts for r in by_label["carol"])
+    assert first_carol > max(r.lamport_ts for r in by_label["bob"] if r.seq <= 300)
+    ordered = sorted(rows, key=lambda r: (r.lamport_ts, r.publisher_did))
+    assert [r.payload.decode() for r in ordered][:300] == [f"bob-{i}" for i in range(300)]
+
+    # lag: reported per publisher in the progress and by the listener; caught up at the end
+    lag = progress_lag(progress)
+    assert lag == {group: {bob.did(group): 0, carol.did(group): 0}}
+    assert listener.lag(query.id) == lag and listener.max_lag() == 0
+    source_progress = progress["sources"][0]
+    assert json.loads(source_progress["latestOffset"])["version"] == 1
+
+    # the journal may now prune below what the checkpoint passed: alice was told a commit point
+    assert alice.client().latest(None)["committed_offset"] > 0
+
+
+def test_batch_read_and_offsets_options(spark, members, group):
+    alice, bob = members["alice"], members["bob"]
+    publish(bob, group, [f"m{i}" for i in range(30)])
+    time.sleep(0.3)
+    publish(bob, group, [f"m{i}" for i in range(30, 50)])
+    did = bob.did(group)
+    base = (spark.read.format("zerocomm").option("group", group).option("agent", str(alice.config)))
+    assert base.load().count() == 50
+    window = json.dumps({group: {did: 11}})
+    ending = json.dumps({group: {did: 21}})
+    got = base.option("startingOffsets", window).option("endingOffsets", ending).load().collect()
+    assert sorted(r.seq for r in got) == list(range(11, 21))
+    # startingTimestamp: each publisher's first message sent at or after it (ms since the epoch)
+    second = base.load().where("seq = 31").collect()[0].sent_at.replace(tzinfo=timezone.utc)
+    ms = int(second.timestamp() * 1000)
+    later = base.option("startingTimestamp", str(ms)).load().collect()
+    assert sorted(r.seq for r in later) == list(range(31, 51))
+
+
+def test_max_messages_per_trigger_bounds_every_micro_batch(spark, members, group, tmp_path):
+    alice, bob, carol = members["alice"], members["bob"], members["carol"]
+    publish(bob, group, [f"b{i}" for i in range(700)])
+    publish(carol, group, [f"c{i}" for i in range(300)])
+    out = tmp_path / "delta"
+    query = (source(spark, group, alice, startingOffsets="earliest", maxMessagesPerTrigger="150")
+             .writeStream.format("delta").option("checkpointLocation", str(tmp_path / "ck"))
+             .trigger(availableNow=True).start(str(out)))
+    query.awaitTermination(240)
+    assert query.exception() is None
+    sizes = [p["numInputRows"] for p in query.recentProgress if p["numInputRows"]]
+    assert sum(sizes) == 1000 and max(sizes) <= 150 and len(sizes) >= 7, sizes
+    history = spark.sql(f"DESCRIBE HISTORY delta.`{out}`").collect()
+    written = [int(h.operationMetrics["numOutputRows"]) for h in history if h.operation == "STREAMING UPDATE"]
+    assert sum(written) == 1000 and max(written) <= 150
+    assert delta(spark, out).select("message_id").distinct().count() == 1000
+
+
+# --- sink --------------------------------------------------------------------------------------
+
+
+def test_a_query_writes_to_a_group_and_another_member_reads_it_back_in_order(spark, members, group, tmp_path):
+    alice, bob, carol = members["alice"], members["bob"], members["carol"]
+    # batch write through bob, in 3 partitions; some rows bring their own ids
+    frame = spark.range(0, 900, 1, 3).selectExpr(
+        "CAST(id AS STRING) AS payload",
+        "CASE WHEN id % 100 = 0 THEN concat('own-', CAST(id AS STRING)) END AS message_id",
+        "map('row', CAST(id AS STRING)) AS headers")
+    frame.write.format("zerocomm").option("group", group).option("agent", str(bob.config)).mode("append").save()
+    # a streaming write through carol from a file source, exactly once per micro-batch
+    src = tmp_path / "src"
+    spark.range(1000, 1300, 1, 2).selectExpr("CAST(id AS STRING) AS payload").write.parquet(str(src))
+    sink_ck = tmp_path / "sink-ck"
+
+    def write_stream():
+        q = (spark.readStream.schema("payload STRING").option("maxFilesPerTrigger", 1).parquet(str(src))
+             .writeStream.format("zerocomm").option("group", group).option("agent", str(carol.config))
+             .option("checkpointLocation", str(sink_ck)).trigger(availableNow=True).start())
+        q.awaitTermination(120)
+        assert q.exception() is None
+        return q
+
+    query = write_stream()
+    assert sum(p["numInputRows"] for p in query.recentProgress) == 300
+
+    # another member (alice) reads the group back
+    def read_back():
+        return (spark.read.format("zerocomm").option("group", group).option("agent", str(alice.config))
+                .option("includeHeaders", "true").load().collect())
+
+    wait_for(lambda: len(read_back()) >= 1200, 60, "alice to have all 1200 messages")
+    rows = read_back()
+    assert len(rows) == 1200 and len({r.message_id for r in rows}) == 1200
+    mine = {label: sorted((r for r in rows if r.publisher_label == label), key=lambda r: r.seq)
+            for label in ("bob", "carol")}
+    assert len(mine["bob"]) == 900 and len(mine["carol"]) == 300
+    # ids: deterministic per (write, partition, row) unless the row brought one
+    own = {r.message_id for r in mine["bob"] if r.message_id.startswith("own-")}
+    assert own == {f"own-{i}" for i in range(0, 900, 100)}
+    for label in ("bob", "carol"):
+        tasks: dict[str, list[int]] = {}
+        for r in mine[label]:
+            if r.message_id.startswith("own-"):
+                continue
+            prefix, index = r.message_id.rsplit(".", 1)
+            tasks.setdefault(prefix, []).append(int(index))
+            assert int(r.payload) >= 0
+        # in order per publisher: within each task, seq order is row order
+        for indexes in tasks.values():
+            assert indexes == sorted(indexes)
+    bob_payloads = [int(r.payload) for r in mine["bob"]]
+    for part in range(3):
+        chunk = [p for p in bob_payloads if part * 300 <= p < (part + 1) * 300]
+        assert chunk == sorted(chunk) and len(chunk) == 300
+    assert all(r.headers == {"row": r.payload.decode()} for r in mine["bob"])
+    stream_ids = {r.message_id for r in mine["carol"]}
+    assert all(i.startswith(str(query.id)) for i in stream_ids)  # <query id>.<batch>.<partition>.<row>
+
+    # a re-run micro-batch publishes the same ids: nothing is delivered twice
+    commits = sorted((sink_ck / "commits").iterdir(), key=lambda p: p.name)
+    last = [p for p in commits if p.name.isdigit()][-1]
+    last.unlink()
+    (sink_ck / "commits" / f".{last.name}.crc").unlink(missing_ok=True)
+    rerun = write_stream()
+    assert sum(p["numInputRows"] for p in rerun.recentProgress) > 0  # the batch really ran again
+    # and a retried batch write with the same ids adds nothing either
+    frame.where("message_id IS NOT NULL").write.format("zerocomm").option("group", group) \
+        .option("agent", str(bob.config)).mode("append").save()
+    time.sleep(1.0)
+    again = read_back()
+    assert len(again) == 1200 and len({r.message_id for r in again}) == 1200
+
+
+# --- failures and restarts ---------------------------------------------------------------------
+
+_DRIVER = textwrap.dedent("""
+    import sys, time
+    from zerocomm_spark.connector.session import local_spark
+    group, agent, out, ck = sys.argv[1:5]
+    spark = local_spark("zerocomm-killed-driver", master="local[2]")
+    q = (spark.readStream.format("zerocomm").option("group", group).option("agent", agent)
+         .option("startingOffsets", "earliest").option("maxMessagesPerTrigger", "150").load()
+         .writeStream.format("delta").option("checkpointLocation", ck)
+         .trigger(processingTime="200 milliseconds").start(out))
+    print("started", flush=True)
+    q.awaitTermination()
+""")
+
+
+class Publisher(threading.Thread):
+    """Publishes ``total`` messages in small batches, retrying (same ids) while a member is down."""
+
+    def __init__(self, member: LocalMember, group: str, total: int, batch: int = 50, pause: float = 0.05):
+        super().__init__(daemon=True)
+        self.member, self.group, self.total, self.batch, self.pause = member, group, total, batch, pause
+        self.done = 0
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            while self.done < self.total:
+                n = min(self.batch, self.total - self.done)
+                ids = [f"{self.group}-{self.member.label}-{self.done + i}" for i in range(n)]
+                payloads = [f"{self.member.label}-{self.done + i}".encode() for i in range(n)]
+                for attempt in range(60):
+                    try:
+                        self.member.client().publish(self.group, payloads, message_ids=ids, timeout=10)
+                        break
+                    except (BackpressureError, PeerTimeoutError, TimeoutError, ZeroCommError):
+                        if attempt == 59:
+                            raise
+                        time.sleep(0.5)
+                self.done += n
+                time.sleep(self.pause)
+        except BaseException as exc:  # noqa: BLE001 - reported by the test
+            self.error = exc
+
+
+def _exactly_once(spark, out, expected_ids: set[str]) -> None:
+    frame = delta(spark, out)
+    rows = frame.select("message_id").collect()
+    ids = [r.message_id for r in rows]
+    assert len(ids) == len(set(ids)), f"{len(ids) - len(set(ids))} duplicates"
+    assert set(ids) == expected_ids, f"missing {len(expected_ids - set(ids))}, unexpected {len(set(ids) - expected_ids)}"
+
+
+def test_killed_query_restarts_from_its_checkpoint_exactly_once(spark, members, group, tmp_path):
+    alice, bob = members["alice"], members["bob"]
+    out, ck = tmp_path / "delta", tmp_path / "ck"
+    script = tmp_path / "driver.py"
+    script.write_text(_DRIVER)
+    publisher = Publisher(bob, group, total=2000)
+    publisher.start()
+    driver = subprocess.Popen([sys.executable, str(script), group, str(alice.config), str(out), str(ck)],
+                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=str(ROOT),
+                              start_new_session=True)
+    try:
+        wait_for(lambda: (out / "_delta_log").exists() and delta(spark, out).count() >= 300, 150,
+                 "the killed driver's query to write some batches")
+        os.killpg(driver.pid, signal.SIGKILL)  # the driver and its Python workers, mid-stream
+        driver.wait(30)
+    finally:
+        if driver.poll() is None:
+            os.killpg(driver.pid, signal.SIGKILL)
+    before = delta(spark, out).count()
+    publisher.join(120)
+    assert publisher.error is None and publisher.done == 2000
+    assert before < 2000  # it really was killed in the middle
+
+    query = (source(spark, group, alice, startingOffsets="earliest", maxMessagesPerTrigger="150")
+             .writeStream.format("delta").option("checkpointLocation", str(ck))
+             .trigger(availableNow=True).start(str(out)))
+    query.awaitTermination(240)
+    assert query.exception() is None
+    _exactly_once(spark, out, {f"{group}-bob-{i}" for i in range(2000)})
+
+
+def test_killed_agent_mid_stream_then_restart_exactly_once(spark, members, group, tmp_path):
+    bob, carol = members["bob"], members["carol"]
+    out, ck = tmp_path / "delta", tmp_path / "ck"
+    publisher = Publisher(bob, group, total=1500, pause=0.1)
+    publisher.start()
+
+    def start_query():
+        return (source(spark, group, carol, startingOffsets="earliest", agentTimeoutMs="10000",
+                       readTimeoutMs="60000")
+                .writeStream.format("delta").option("checkpointLocation", str(ck))
+                .trigger(processingTime="300 milliseconds").start(str(out)))
+
+    query = start_query()
+    try:
+        wait_for(lambda: (out / "_delta_log").exists() and delta(spark, out).count() >= 200, 120,
+                 "the query to deliver some messages")
+        carol.kill()  # kill -9 the reading member's agent, mid-stream
+        publisher.join(180)
+        assert publisher.error is None and publisher.done == 1500
+        # The connector starts the agent again on demand (spawnAgent defaults to true), so the
+        # query may ride over the crash; if it failed instead, it must have failed, not hung.
+        if query.isActive:
+            wait_for(lambda: not query.isActive or delta(spark, out).count() >= 1500, 180,
+                     "the query to catch up or fail")
+    finally:
+        query.stop()
+    if carol.pid() is None:
+        carol.start()
+    wait_for(lambda: carol.client().latest(group)["publishers"] and
+             max(p["last_seq"] for p in carol.client().latest(group)["publishers"]) >= 1500, 120,
+             "the restarted member to catch up with the group")
+    drain = (source(spark, group, carol, startingOffsets="earliest")
+             .writeStream.format("delta").option("checkpointLocation", str(ck))
+             .trigger(availableNow=True).start(str(out)))
+    drain.awaitTermination(180)
+    assert drain.exception() is None
+    _exactly_once(spark, out, {f"{group}-bob-{i}" for i in range(1500)})
+
+
+# --- clear errors, no hangs --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("options, words", [
+    ({"maxMessagePerTrigger": "5"}, "Did you mean 'maxMessagesPerTrigger'"),
+    ({"group": None}, "option group is missing"),
+    ({"startingOffsets": "yesterday"}, "startingOffsets is 'yesterday'"),
+    ({"failOnDataLoss": "perhaps"}, "failOnDataLoss is 'perhaps', not a boolean"),
+    ({"publishTimeoutMs": "10"}, "applies to writes only"),
+])
+def test_bad_options_fail_at_load_naming_the_option(spark, options, words):
+    reader = spark.readStream.format("zerocomm")
+    settings = {"group": "sensors", **options}
+    for key, value in settings.items():
+        if value is not None:
+            reader = reader.option(key, value)
+    started = time.monotonic()
+    with pytest.raises(Exception, match=words):
+        reader.load()
+    assert time.monotonic() - started < 60
+
+
+def _fails_fast(spark, frame, words: list[str], tmp_path, timeout: float = 90) -> None:
+    started = time.monotonic()
+    query = frame.writeStream.format("noop").option("checkpointLocation", str(tmp_path / uuid.uuid4().hex)).start()
+    try:
+        with pytest.raises(Exception) as info:
+            query.awaitTermination(timeout)
+            raise AssertionError("the query did not fail")
+    finally:
+        query.stop()
+    text = str(info.value)
+    for word in words:
+        assert word in text, text[:2000]
+    assert time.monotonic() - started < timeout
+
+
+def test_unknown_group_and_unreachable_agent_fail_at_start(spark, members, tmp_path):
+    alice = members["alice"]
+    unknown = source(spark, "no-such-group", alice)
+    _fails_fast(spark, unknown, ["GroupNotFoundError", "no-such-group"], tmp_path)
+
+    nowhere = tmp_path / "nowhere"
+    nowhere.mkdir()
+    dead = (spark.readStream.format("zerocomm").option("group", "g").option("agent", str(nowhere))
+            .option("spawnAgent", "false").option("agentTimeoutMs", "2000").load())
+    _fails_fast(spark, dead, ["AgentNotRunningError", str(nowhere)], tmp_path)
+    started = time.monotonic()
+    with pytest.raises(Exception, match="AgentNotRunningError"):
+        (spark.read.format("zerocomm").option("group", "g").option("agent", str(nowhere))
+         .option("spawnAgent", "false").option("agentTimeoutMs", "2000").load().collect())
+    assert time.monotonic() - started < 60
+
+
+def test_sink_refuses_bad_input_at_start(spark, members, tmp_path):
+    bob = members["bob"]
+    frame = spark.readStream.format("rate").load()
+    writer = frame.writeStream.format("zerocomm").option("group", "g").option("agent", str(bob.config))
+    query = writer.option("checkpointLocation", str(tmp_path / "ck")).start()
+    with pytest.raises(Exception, match="no payload column \\(found 'value': rename it to payload\\)"):
+        query.awaitTermination(90)
+    query.stop()
+    with pytest.raises(Exception, match="cannot overwrite"):
+        (spark.range(3).selectExpr("CAST(id AS STRING) AS payload").write.format("zerocomm")
+         .option("group", "g").mode("overwrite").save())
+
+
+# --- several executor processes, each with its own member ---------------------------------------
+
+_CLUSTER_APP = textwrap.dedent("""
+    import json, sys
+    from pyspark.sql import SparkSession
+    from zerocomm_spark.connector.session import delta_jars
+    master, group, out, ck = sys.argv[1:5]
+    spark = (SparkSession.builder.master(master).appName("zerocomm-two-executors")
+             .config("spark.jars", ",".join(delta_jars()))
+             .config("spark.sql.extensions", "io.delta.sql.DeltaSparkSessionExtension")
+             .config("spark.sql.catalog.spark_catalog", "org.apache.spark.sql.delta.catalog.DeltaCatalog")
+             .config("spark.pyspark.python", sys.executable).config("spark.driver.host", "127.0.0.1")
+             .config("spark.driver.bindAddress", "127.0.0.1").config("spark.ui.enabled", "false")
+             .config("spark.executor.cores", "1").config("spark.cores.max", "2")
+             .config("spark.executor.memory", "600m").config("spark.sql.shuffle.partitions", "2")
+             .getOrCreate())
+    import time
+    deadline = time.time() + 120
+    while spark.sparkContext._jsc.sc().getExecutorMemoryStatus().size() < 3 and time.time() < deadline:
+        time.sleep(0.2)
+    # no register() call: format("zerocomm") comes from Spark's own lookup of pyspark_* modules
+    (spark.range(0, 400, 1, 4).selectExpr("CAST(id AS STRING) AS payload")
+     .write.format("zerocomm").option("group", group).mode("append").save())
+    time.sleep(1.0)
+    rows = (spark.read.format("zerocomm").option("group", group).option("minPartitions", "4").load()
+            .select("publisher_label", "seq", "payload").collect())
+    q = (spark.readStream.format("zerocomm").option("group", group).option("startingOffsets", "earliest")
+         .option("minPartitions", "4").load()
+         .writeStream.format("delta").option("checkpointLocation", ck).trigger(availableNow=True).start(out))
+    q.awaitTermination(120)
+    print(json.dumps({"labels": sorted({r.publisher_label for r in rows}), "count": len(rows),
+                      "delta": spark.read.format("delta").load(out).count(),
+                      "executors": spark.sparkContext._jsc.sc().getExecutorMemoryStatus().size() - 1}))
+    spark.stop()
+""")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_two_executor_processes_each_use_their_own_member(members, tmp_path):
+    import pyspark
+
+    alice, bob = members["alice"], members["bob"]
+    workers = start_members(tmp_path / "workers", ["exec1", "exec2"])
+    group = f"g{uuid.uuid4().hex[:8]}"
+    form_group([alice, bob, *workers], group)
+    spark_class = str(Path(pyspark.__file__).parent / "bin" / "spark-class")
+    port = _free_port()
+    base_env = {**os.environ, "SPARK_LOCAL_IP": "127.0.0.1", "PYSPARK_PYTHON": sys.executable,
+                "SPARK_HOME": str(Path(pyspark.__file__).parent)}
+    procs = [subprocess.Popen([spark_class, "org.apache.spark.deploy.master.Master", "--host", "127.0.0.1",
+                               "--port", str(port), "--webui-port", str(_free_port())],
+                              env=base_env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                              start_new_session=True)]
+    try:
+        for worker in workers:
+            # each worker (a "host") has its own member: its executors inherit ZEROCOMM_CONFIG
+            procs.append(subprocess.Popen(
+                [spark_class, "org.apache.spark.deploy.worker.Worker", "--host", "127.0.0.1", "--cores", "1",
+                 "--memory", "1g", "--webui-port", str(_free_port()), "--work-dir", str(tmp_path / worker.label),
+                 f"spark://127.0.0.1:{port}"],
+                env={**base_env, **worker.env}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                start_new_session=True))
+        before = {w.label: w.client().metrics()["api_calls"].get("read", {}).get("count", 0) for w in workers}
+        # Spark finds format("zerocomm") by itself when pyspark_zerocomm is importable (an installed wheel)
+        shim = tmp_path / "site"
+        shim.mkdir()
+        (shim / "pyspark_zerocomm").symlink_to(ROOT / "connector" / "pyspark_zerocomm")
+        app = tmp_path / "app.py"
+        app.write_text(_CLUSTER_APP)
+        env = {**base_env, **alice.env, "PYTHONPATH": str(shim)}
+        done = subprocess.run([sys.executable, str(app), f"spark://127.0.0.1:{port}", group,
+                               str(tmp_path / "delta"), str(tmp_path / "ck")],
+                              env=env, capture_output=True, text=True, timeout=280, cwd=str(ROOT))
+        assert done.returncode == 0, done.stderr[-3000:]
+        result = json.loads(done.stdout.strip().splitlines()[-1])
+    finally:
+        for proc in reversed(procs):
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(30)
+        for worker in workers:
+            try:
+                worker.client().leave(group, timeout=10)
+            except ZeroCommError:
+                pass
+    after = {w.label: w.client().metrics()["api_calls"].get("read", {}).get("count", 0) for w in workers}
+    for worker in workers:
+        worker.remove()
+    assert result["executors"] == 2
+    # every executor published through the member of its own host: two publishers, no driver's
+    assert result["labels"] == ["exec1", "exec2"]
+    assert result["count"] == 400 and result["delta"] == 400
+    # and reads ran on both executors, each against its own member
+    assert all(after[label] > before[label] for label in before), (before, after)

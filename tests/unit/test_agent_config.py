@@ -1,0 +1,115 @@
+"""The agent's configuration: the shipped file equals the defaults, and file < env < flags."""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from zerocomm_spark.agent import config as cfgmod
+from zerocomm_spark.client import resolve_socket_dir
+from zerocomm_spark.errors import ConfigurationError
+
+CONF = Path(__file__).resolve().parents[2] / "conf" / "zerocomm.toml"
+
+
+def test_shipped_file_is_exactly_the_defaults() -> None:
+    shipped = tomllib.loads(CONF.read_text())
+    assert shipped == cfgmod.DEFAULTS
+
+
+def test_defaults_work_without_any_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HOME", str(tmp_path))
+    cfg = cfgmod.load(None, env={})
+    assert cfg.file is None
+    assert cfg.identity_dir == tmp_path / ".zerocomm" / "member"
+    assert cfg.socket_dir == cfg.identity_dir / "run"
+    assert cfg.journal_dir == cfg.identity_dir / "journal"
+    assert cfg.retention_ms == 7 * 86400 * 1000
+    assert all(source == "default" for source in cfg.source.values())
+
+
+def test_file_then_env_then_flags(tmp_path: Path) -> None:
+    path = tmp_path / "z.toml"
+    path.write_text('[log]\nlevel = "warning"\nformat = "kv"\n[journal]\nfsync = "never"\n'
+                    '[api]\nallowed_clients = ["a"]\nworkers = 3\n')
+    env = {"ZEROCOMM_LOG_LEVEL": "debug", "ZEROCOMM_API_WORKERS": "5", "ZEROCOMM_API_ALLOWED_CLIENTS": "x, y"}
+    cfg = cfgmod.load(path, env=env, flags=["api.workers=7"])
+    assert cfg.get("log", "format") == "kv"  # file
+    assert cfg.get("journal", "fsync") == "never"  # file
+    assert cfg.get("log", "level") == "debug"  # env beats file
+    assert cfg.get("api", "allowed_clients") == ["x", "y"]  # env list, comma-separated
+    assert cfg.get("api", "workers") == 7  # flag beats env
+    assert cfg.source["api.workers"] == "flag"
+    assert cfg.source["log.level"] == "env ZEROCOMM_LOG_LEVEL"
+    assert cfg.source["journal.fsync"] == str(path)
+    assert cfg.overrides() == ["api.workers=7"]
+
+
+def test_zerocomm_config_env_names_the_file(tmp_path: Path) -> None:
+    path = tmp_path / "z.toml"
+    path.write_text('[identity]\ndir = "/tmp/somewhere"\n')
+    cfg = cfgmod.load(None, env={"ZEROCOMM_CONFIG": str(path)})
+    assert cfg.identity_dir == Path("/tmp/somewhere")
+    with pytest.raises(ConfigurationError, match="ZEROCOMM_CONFIG"):
+        cfgmod.load(None, env={"ZEROCOMM_CONFIG": str(tmp_path / "missing.toml")})
+
+
+@pytest.mark.parametrize(("text", "match"), [
+    ('[journal]\nfsynk = "always"\n', "did you mean 'fsync'"),
+    ('[jornal]\nfsync = "always"\n', "did you mean 'journal'"),
+    ('[journal]\nfsync = "sometimes"\n', "journal.fsync .* must be one of always, interval, never"),
+    ('[api]\nworkers = "many"\n', "api.workers .* must be an integer"),
+    ('[api]\nworkers = 0\n', "must be positive"),
+    ('[journal]\nretention_age = "a week"\n', "duration"),
+    ("[api\n", "not valid TOML"),
+])
+def test_bad_files_are_refused_naming_the_setting(tmp_path: Path, text: str, match: str) -> None:
+    path = tmp_path / "z.toml"
+    path.write_text(text)
+    with pytest.raises(ConfigurationError, match=match):
+        cfgmod.load(path, env={})
+
+
+def test_bad_env_and_flags_name_their_source() -> None:
+    with pytest.raises(ConfigurationError, match="ZEROCOMM_AGENT_HEARTBEAT_INTERVAL"):
+        cfgmod.load(None, env={"ZEROCOMM_AGENT_HEARTBEAT_INTERVAL": "soon"})
+    with pytest.raises(ConfigurationError, match="section.key=value"):
+        cfgmod.load(None, env={}, flags=["loglevel"])
+    with pytest.raises(ConfigurationError, match="unknown log setting 'levle'"):
+        cfgmod.load(None, env={}, flags=["log.levle=debug"])
+    cfg = cfgmod.load(None, env={"ZEROCOMM_NOPE_THING": "1"})
+    assert any("ZEROCOMM_NOPE_THING" in w for w in cfg.warnings)
+
+
+def test_booleans_and_durations() -> None:
+    assert cfgmod.parse_duration("250ms") == 0.25
+    assert cfgmod.parse_duration("2w") == 14 * 86400
+    assert cfgmod.parse_duration("") is None and cfgmod.parse_duration("0") is None
+    cfg = cfgmod.load(None, env={"ZEROCOMM_JOURNAL_RETENTION_AGE": "0"})
+    assert cfg.retention_ms is None
+
+
+def test_client_finds_the_socket_dir_the_agent_uses(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HOME", str(tmp_path))
+    path = tmp_path / "z.toml"
+    path.write_text(f'[identity]\ndir = "{tmp_path / "id"}"\n')
+    cases = [
+        (None, {}),
+        (path, {}),
+        (path, {"ZEROCOMM_IDENTITY_DIR": str(tmp_path / "other")}),
+        (path, {"ZEROCOMM_API_SOCKET_DIR": str(tmp_path / "sock")}),
+        (None, {"ZEROCOMM_CONFIG": str(path)}),
+    ]
+    for config, env in cases:
+        assert resolve_socket_dir(config, env) == cfgmod.load(config, env=env).socket_dir, (config, env)
+
+
+def test_render_toml_round_trips(tmp_path: Path) -> None:
+    values = {s: dict(v) for s, v in cfgmod.DEFAULTS.items()}
+    values["identity"]["label"] = 'quote " and \\ backslash'
+    values["api"]["allowed_clients"] = ["k1", "k2"]
+    path = tmp_path / "out.toml"
+    path.write_text(cfgmod.render_toml(values))
+    assert cfgmod.load(path, env={}).values == values

@@ -1,0 +1,221 @@
+"""The local API server on real sockets (in this process, with a small call registry): bad input of
+every kind gets a clear error reply and the server keeps serving; the socket directory is private;
+TCP admits only listed CURVE keys."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pytest
+import zmq
+
+from zerocomm_spark.agent.server import ApiServer, CallRegistry, Param, Request, positive
+from zerocomm_spark.client import Client, ipc_to_table, table_to_ipc
+from zerocomm_spark.errors import (
+    AgentBusyError,
+    ApiPermissionError,
+    ApiTimeoutError,
+    BadRequestError,
+    GroupNotFoundError,
+    RequestTooLargeError,
+    UnknownCallError,
+)
+
+LIMIT = 64 * 1024
+
+
+def _registry(gate: threading.Event) -> CallRegistry:
+    r = CallRegistry()
+
+    def echo(req: Request, text: str, times: int) -> dict[str, Any]:
+        return {"echo": text * times}
+
+    def rows(req: Request) -> tuple[dict[str, Any], bytes]:
+        assert req.bulk is not None
+        table = ipc_to_table(req.bulk)
+        return {"rows": table.num_rows}, table_to_ipc(table)
+
+    def fail(req: Request) -> None:
+        raise GroupNotFoundError("this member is in no group named 'x'")
+
+    def crash(req: Request) -> None:
+        raise RuntimeError("a bug with a secret inside")
+
+    def slow(req: Request) -> dict[str, Any]:
+        for i in range(3):
+            req.progress(phase="working", done=i, total=3, final=True)
+        gate.wait(10)
+        return {"done": True}
+
+    r.add("echo", echo, {"text": Param(str, required=True), "times": Param(int, default=1, check=positive)})
+    r.add("rows", rows, bulk="required")
+    r.add("fail", fail)
+    r.add("crash", crash)
+    r.add("slow", slow)
+    r.add("status", lambda req: {"label": "test", "max_request_bytes": LIMIT})
+    return r
+
+
+@pytest.fixture()
+def served(tmp_path: Path):
+    gate = threading.Event()
+    server = ApiServer(_registry(gate), tmp_path / "run", max_request_bytes=LIMIT, workers=2, max_pending=1).start()
+    yield server, gate
+    gate.set()
+    server.close()
+
+
+def _raw(server: ApiServer) -> zmq.Socket:
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.RCVTIMEO, 5000)
+    sock.connect(server.ipc_endpoint)
+    return sock
+
+
+def _ask(sock: zmq.Socket, *frames: bytes) -> dict[str, Any]:
+    sock.send_multipart(list(frames))
+    return json.loads(sock.recv_multipart()[0])
+
+
+def test_socket_dir_is_private(served: tuple[ApiServer, threading.Event]) -> None:
+    server, _ = served
+    assert stat.S_IMODE(server.socket_dir.stat().st_mode) == 0o700
+    assert stat.S_IMODE((server.socket_dir / "api.sock").stat().st_mode) == 0o600
+
+
+def test_bad_input_gets_clear_errors_and_the_server_keeps_serving(served: tuple[ApiServer, threading.Event]) -> None:
+    server, _ = served
+    sock = _raw(server)
+    cases = [
+        ([b"not json"], "BadRequestError", "not a JSON object"),
+        ([b"[1, 2]"], "BadRequestError", "not an object"),
+        ([json.dumps({"call": "echo", "args": {"text": "a"}}).encode()], "BadRequestError", "'id'"),
+        ([json.dumps({"id": 1, "call": "nope"}).encode()], "UnknownCallError", "unknown call 'nope'"),
+        ([json.dumps({"id": 2, "call": "echo", "args": {"text": 5}}).encode()], "BadRequestError",
+         "'text' must be a string, not an integer"),
+        ([json.dumps({"id": 3, "call": "echo", "args": {"text": "a", "times": 0}}).encode()], "BadRequestError",
+         "'times' must be > 0"),
+        ([json.dumps({"id": 4, "call": "echo", "args": {}}).encode()], "BadRequestError", "'text' is required"),
+        ([json.dumps({"id": 5, "call": "echo", "args": {"text": "a", "colour": 1}}).encode()], "BadRequestError",
+         "unknown argument(s) 'colour'"),
+        ([json.dumps({"id": 6, "call": "echo", "args": [1]}).encode()], "BadRequestError", "'args' must be an object"),
+        ([json.dumps({"id": 7, "call": "rows"}).encode()], "BadRequestError", "needs an Arrow IPC frame"),
+        ([json.dumps({"id": 8, "call": "rows"}).encode(), b"garbage"], "BadRequestError", "not an Arrow IPC stream"),
+        ([json.dumps({"id": 9, "call": "echo", "args": {"text": "a"}}).encode(), b"x"], "BadRequestError",
+         "takes no bulk frame"),
+        ([json.dumps({"id": 10, "call": "echo", "args": {"text": "a"}}).encode(), b"", b""], "BadRequestError",
+         "1 or 2 frames"),
+        ([json.dumps({"id": 11, "call": "echo", "args": {"text": "a"}, "timeout": -1}).encode()], "BadRequestError",
+         "'timeout'"),
+        ([json.dumps({"id": 12, "call": "echo", "v": 99, "args": {"text": "a"}}).encode()], "BadRequestError",
+         "protocol version 99"),
+        ([json.dumps({"id": 13, "call": "echo", "args": {"text": "a"}}).encode(), b"\0" * (LIMIT + 1)],
+         "RequestTooLargeError", f"at most {LIMIT}"),
+        ([json.dumps({"id": 14, "call": "fail"}).encode()], "GroupNotFoundError", "no group named 'x'"),
+        ([json.dumps({"id": 15, "call": "crash"}).encode()], "ApiError", "failed while handling"),
+    ]
+    for frames, error, text in cases:
+        reply = _ask(sock, *frames)
+        assert reply["ok"] is False, frames
+        assert reply["error"]["type"] == error, (frames, reply)
+        assert text in reply["error"]["message"], (text, reply)
+        assert reply["error"]["hint"], reply  # every error says what to do
+        assert "secret" not in json.dumps(reply)
+    # A frame far past the hard limit is dropped unread; the server still answers afterwards.
+    sock.send_multipart([json.dumps({"id": 16, "call": "status"}).encode(), b"\0" * (LIMIT * 8)])
+    reply = _ask(sock, json.dumps({"id": 17, "call": "echo", "args": {"text": "ok", "times": 2}}).encode())
+    if reply["id"] == 16:  # the big one was small enough to be refused with a reply: read on
+        reply = json.loads(sock.recv_multipart()[0])
+    assert reply == {"v": 1, "id": 17, "ok": True, "result": {"echo": "okok"}}
+    assert server.stats["refused"] >= 15
+    sock.close()
+
+
+def test_client_maps_errors_and_checks_sizes_before_sending(served: tuple[ApiServer, threading.Event]) -> None:
+    server, _ = served
+    client = Client.connect(server.socket_dir, timeout=5)
+    assert client.max_request_bytes == LIMIT
+    assert client.call("echo", text="ab", times=3) == {"echo": "ababab"}
+    with pytest.raises(UnknownCallError, match="this agent serves: crash, echo, fail, rows, slow, status"):
+        client.call("publish")
+    with pytest.raises(BadRequestError, match="must be a string"):
+        client.call("echo", text=["x"])
+    with pytest.raises(GroupNotFoundError) as info:
+        client.call("fail")
+    assert info.value.hint == GroupNotFoundError.hint
+    with pytest.raises(RequestTooLargeError, match="at most"):
+        client.call("rows", bulk=b"\0" * (LIMIT + 10))
+    table = pa.table({"payload": [b"a", b"b"]})
+    result, back = client.call("rows", bulk=table_to_ipc(table))
+    assert result == {"rows": 2} and back.equals(table)
+    client.close()
+
+
+def test_progress_busy_and_deadlines(served: tuple[ApiServer, threading.Event]) -> None:
+    server, gate = served
+    client = Client.connect(server.socket_dir, timeout=5)
+    seen: list[dict[str, Any]] = []
+    # Two workers and one pending slot: the fourth concurrent slow call is refused as busy.
+    others = [Client.connect(server.socket_dir, timeout=5) for _ in range(3)]
+    results: list[Any] = []
+    threads = [threading.Thread(target=lambda c=c: results.append(c.call("slow", timeout=10))) for c in others]
+    for t in threads:
+        t.start()
+    time.sleep(0.5)
+    with pytest.raises(AgentBusyError):
+        client.call("slow", timeout=5)
+    gate.set()
+    for t in threads:
+        t.join(10)
+    assert results == [{"done": True}] * 3
+    assert client.call("slow", timeout=5, progress=seen.append) == {"done": True}
+    assert seen and seen[0]["phase"] == "working"
+    gate.clear()
+    with pytest.raises(ApiTimeoutError, match="did not answer slow within 0.5s"):
+        client.call("slow", timeout=0.5)
+    gate.set()
+    assert client.call("echo", text="after") == {"echo": "after"}  # the late reply is not mistaken for this one
+    for c in others:
+        c.close()
+    client.close()
+
+
+def test_tcp_with_curve_admits_only_listed_keys(tmp_path: Path) -> None:
+    gate = threading.Event()
+    server_public, server_secret = zmq.curve_keypair()
+    good_public, good_secret = zmq.curve_keypair()
+    bad_public, bad_secret = zmq.curve_keypair()
+    server = ApiServer(_registry(gate), tmp_path / "run", tcp_endpoint="tcp://127.0.0.1:*", curve_secret=server_secret,
+                       allowed_clients=[good_public.decode()]).start()
+    try:
+        assert server.public_key == server_public.decode()
+        good = Client.connect(server.tcp_endpoint, timeout=5, server_key=server.public_key, public_key=good_public,
+                              secret_key=good_secret)
+        assert good.call("echo", text="tcp") == {"echo": "tcp"}
+        good.close()
+        with pytest.raises(ApiPermissionError, match="refused this client's CURVE key"):
+            Client.connect(server.tcp_endpoint, timeout=3, server_key=server.public_key, public_key=bad_public,
+                           secret_key=bad_secret)
+    finally:
+        server.close()
+
+
+def test_a_directory_the_client_cannot_enter_fails_clearly(served: tuple[ApiServer, threading.Event],
+                                                          tmp_path: Path) -> None:
+    server, _ = served
+    if os.getuid() == 0:
+        pytest.skip("root enters any directory; the integration test runs the client as another user")
+    os.chmod(server.socket_dir, 0o000)
+    try:
+        with pytest.raises(ApiPermissionError, match="may not open the agent's socket directory"):
+            Client.connect(server.socket_dir, timeout=2)
+    finally:
+        os.chmod(server.socket_dir, 0o700)

@@ -1,0 +1,93 @@
+"""The client's pieces that need no agent: batches for publish, error mapping, pickling, finding the agent."""
+
+from __future__ import annotations
+
+import pickle
+import socket
+from pathlib import Path
+
+import pyarrow as pa
+import pytest
+
+from zerocomm_spark import errors
+from zerocomm_spark.client import (
+    Client,
+    check_socket_dir,
+    error_header,
+    ipc_to_table,
+    ipc_endpoint,
+    publish_table,
+    raise_for_error,
+    table_to_ipc,
+)
+
+
+def test_publish_table_from_lists_and_tables() -> None:
+    table = publish_table([b"a", "b\u00e9"], message_ids=["1", None], headers=[{"k": "v"}, None])
+    assert table.column("payload").to_pylist() == [b"a", "b\u00e9".encode()]
+    assert table.column("message_id").to_pylist() == ["1", None]
+    assert table.column("headers").to_pylist() == [[("k", "v")], None]
+    given = pa.table({"payload": pa.array(["x"], pa.string())})
+    assert publish_table(given) is given
+    assert publish_table(given.to_batches()[0]).num_rows == 1
+    with pytest.raises(TypeError, match="wrap a single one"):
+        publish_table(b"single")
+    with pytest.raises(TypeError, match="message 1 is a int"):
+        publish_table([b"a", 3])
+    with pytest.raises(ValueError, match="needs a 'payload' column"):
+        publish_table(pa.table({"value": [b"a"]}))
+    with pytest.raises(ValueError, match="2 message ids for 1 messages"):
+        publish_table([b"a"], message_ids=["1", "2"])
+
+
+def test_arrow_round_trip_and_garbage() -> None:
+    table = pa.table({"payload": [b"\x00" * 10, b"z"], "n": [1, 2]})
+    assert ipc_to_table(table_to_ipc(table)).equals(table)
+    with pytest.raises(errors.BadRequestError, match="not an Arrow IPC stream"):
+        ipc_to_table(b"\xff" * 20)
+
+
+def test_errors_travel_by_class_with_their_hint() -> None:
+    for exc in (errors.GroupNotFoundError("no group 'x'"), errors.BackpressureError("slow"),
+                errors.OffsetOutOfRangeError("beyond"), errors.ConnectionNotFoundError("nobody")):
+        header = error_header("r1", exc)
+        assert header["error"]["hint"] == exc.hint
+        with pytest.raises(type(exc)) as info:
+            raise_for_error(header["error"])
+        assert str(info.value) == str(exc)
+    header = error_header("r2", RuntimeError("internal detail"))
+    assert "internal detail" not in str(header)
+    with pytest.raises(errors.ApiError):
+        raise_for_error(header["error"])
+    with pytest.raises(errors.ApiError):
+        raise_for_error({"type": "SystemExit", "message": "not ours"})  # only ZeroComm errors are raised by name
+
+
+def test_client_pickles_without_its_socket(tmp_path: Path) -> None:
+    client = Client(ipc_endpoint(tmp_path), socket_dir=tmp_path, timeout=3)
+    client._socket()  # noqa: SLF001 - a live socket must not travel
+    copy = pickle.loads(pickle.dumps(client))
+    assert copy.endpoint == client.endpoint and copy._sock is None  # noqa: SLF001
+    with pytest.raises(errors.ApiTimeoutError):  # it reconnects lazily (nobody there: a clear timeout)
+        copy.call("status", timeout=0.2)
+    client.close()
+    with pytest.raises(errors.ClientClosedError):
+        client.call("status")
+
+
+def test_finding_no_agent_is_a_clear_error(tmp_path: Path) -> None:
+    with pytest.raises(errors.AgentNotRunningError, match="no agent socket directory"):
+        check_socket_dir(tmp_path / "missing")
+    with pytest.raises(errors.AgentNotRunningError, match="no agent socket at"):
+        check_socket_dir(tmp_path)
+    stale = socket.socket(socket.AF_UNIX)
+    stale.bind(str(tmp_path / "api.sock"))
+    stale.close()  # the file stays, nobody listens: what a kill -9 leaves
+    with pytest.raises(errors.AgentNotRunningError, match="stale socket"):
+        check_socket_dir(tmp_path)
+    with pytest.raises(errors.AgentNotRunningError):
+        Client.connect(tmp_path, timeout=1)
+    with pytest.raises(errors.ConfigurationError, match="shorter directory"):
+        ipc_endpoint(tmp_path / ("x" * 120))
+    with pytest.raises(errors.ConfigurationError, match="CURVE keys"):
+        Client("tcp://127.0.0.1:1")

@@ -1,0 +1,182 @@
+"""Source offsets, starting/ending positions, admission control and partition planning (pure)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from zerocomm_spark.connector.offsets import (
+    EARLIEST,
+    LATEST,
+    OFFSET_VERSION,
+    EndingOffsets,
+    SeqRange,
+    StartingOffsets,
+    ZeroCommOffset,
+    lag,
+    limit_rows,
+    split_ranges,
+)
+from zerocomm_spark.errors import ConnectorOptionError, OffsetFormatError
+
+A = ("g", "did:peer:2.alice")
+B = ("g", "did:peer:2.bob")
+C = ("h", "did:peer:2.carol")
+
+
+def test_offset_json_round_trip_is_canonical_and_versioned():
+    one = ZeroCommOffset({B: 5, A: 3, C: 1})
+    two = ZeroCommOffset({C: 1, A: 3, B: 5})
+    assert one.to_json() == two.to_json()  # Spark compares offsets as text
+    data = json.loads(one.to_json())
+    assert data["version"] == OFFSET_VERSION
+    assert data["groups"] == {"g": {"did:peer:2.alice": 3, "did:peer:2.bob": 5}, "h": {"did:peer:2.carol": 1}}
+    assert list(data["groups"]["g"]) == sorted(data["groups"]["g"])
+    back = ZeroCommOffset.from_json(one.to_json())
+    assert back == one and back[A] == 3 and len(back) == 3
+    assert ZeroCommOffset.from_dict(one.to_dict()).to_dict() == one.to_dict()
+
+
+@pytest.mark.parametrize("bad, words", [
+    ({"groups": {}}, "version"),
+    ({"version": 99, "groups": {}}, "version 99"),
+    ({"version": 0, "groups": {}}, "not valid"),
+    ({"version": 1}, "groups"),
+    ({"version": 1, "groups": {"g": 5}}, "publisher DID"),
+    ({"version": 1, "groups": {"g": {"d": 0}}}, "seq >= 1"),
+    ({"version": 1, "groups": {"g": {"d": "7"}}}, "integer"),
+    ({"version": 1, "groups": {"g": {"d": True}}}, "integer"),
+    ([1, 2], "JSON object"),
+])
+def test_malformed_offsets_are_refused_with_a_reason(bad, words):
+    with pytest.raises(OffsetFormatError, match=words):
+        ZeroCommOffset.from_dict(bad)
+
+
+def test_offset_from_newer_connector_says_what_to_do():
+    with pytest.raises(OffsetFormatError) as info:
+        ZeroCommOffset.from_json('{"version": 2, "groups": {}}')
+    assert "zerocomm-spark version that wrote the checkpoint" in str(info.value)
+    with pytest.raises(OffsetFormatError, match="not JSON"):
+        ZeroCommOffset.from_json("{nope")
+
+
+KNOWN = {A: SeqRange(1, 10), B: SeqRange(4, 9), C: SeqRange(1, 0)}
+
+
+def test_starting_earliest_and_latest_resolve_per_publisher():
+    earliest = StartingOffsets.parse("earliest", ["g", "h"], default="latest").resolve(KNOWN)
+    assert earliest.positions == {A: 1, B: 4, C: 1}
+    latest = StartingOffsets.parse(None, ["g", "h"], default="latest").resolve(KNOWN)
+    assert latest.positions == {A: 11, B: 10, C: 1}
+    assert StartingOffsets.parse(" LATEST ", ["g"], default="earliest").kind == "latest"
+
+
+def test_starting_json_per_publisher_and_group_shorthand():
+    text = json.dumps({"g": {A[1]: 7, B[1]: LATEST, "did:peer:2.new": 3}, "h": "latest"})
+    spec = StartingOffsets.parse(text, ["g", "h"], default="latest")
+    got = spec.resolve(KNOWN)
+    assert got[A] == 7 and got[B] == 10 and got[C] == 1
+    assert got[("g", "did:peer:2.new")] == 3  # named but not yet known: kept
+    # publishers the JSON does not name start at earliest (like new Kafka partitions)
+    partial = StartingOffsets.parse(json.dumps({"g": {A[1]: EARLIEST}}), ["g", "h"], default="latest")
+    assert partial.resolve(KNOWN).positions == {A: 1, B: 4, C: 1}
+
+
+def test_starting_json_accepts_an_offset_copied_from_a_checkpoint():
+    offset = ZeroCommOffset({A: 6, B: 8})
+    got = StartingOffsets.parse(offset.to_json(), ["g"], default="latest").resolve({A: KNOWN[A], B: KNOWN[B]})
+    assert got == offset
+
+
+@pytest.mark.parametrize("text, words", [
+    ("newest", "not earliest, latest or JSON"),
+    ('{"other": {"d": 1}}', "does not subscribe"),
+    ('{"g": 5}', "maps to int"),
+    ('{"g": "middle"}', "maps to 'middle'"),
+    ('{"g": {"d": 0}}', "seq >= 1"),
+    ('{"g": {"d": -3}}', "-2 \\(earliest\\)"),
+    ("[1]", "must be an object"),
+])
+def test_bad_starting_offsets_name_the_option(text, words):
+    with pytest.raises(ConnectorOptionError, match=words) as info:
+        StartingOffsets.parse(text, ["g"], default="latest")
+    assert "startingOffsets" in str(info.value)
+
+
+def test_starting_timestamp():
+    spec = StartingOffsets.parse(None, ["g"], default="latest", timestamp="1767225600000")
+    assert spec.kind == "timestamp" and spec.timestamp_ms == 1767225600000
+    seen = []
+
+    def lookup(key, ts):
+        seen.append((key, ts))
+        return 6 if key == A else 2  # B's retained range starts at 4: clamp
+
+    got = spec.resolve({A: KNOWN[A], B: KNOWN[B]}, lookup)
+    assert got.positions == {A: 6, B: 4}
+    assert sorted(seen) == [(A, 1767225600000), (B, 1767225600000)]
+    with pytest.raises(ConnectorOptionError, match="both startingOffsets and startingTimestamp"):
+        StartingOffsets.parse("earliest", ["g"], default="latest", timestamp="1767225600000")
+    with pytest.raises(ConnectorOptionError, match="looks like seconds") as info:
+        StartingOffsets.parse(None, ["g"], default="latest", timestamp="1767225600")
+    assert "1767225600000" in str(info.value)
+    with pytest.raises(ConnectorOptionError, match="not an integer"):
+        StartingOffsets.parse(None, ["g"], default="latest", timestamp="yesterday")
+
+
+def test_ending_offsets():
+    assert EndingOffsets.parse(None, ["g"]).resolve(KNOWN).positions == {A: 11, B: 10, C: 1}
+    spec = EndingOffsets.parse(json.dumps({"g": {A[1]: 5}}), ["g", "h"])
+    assert spec.resolve(KNOWN).positions == {A: 5, B: 10, C: 1}
+    with pytest.raises(ConnectorOptionError, match="-2"):
+        EndingOffsets.parse(json.dumps({"g": {A[1]: -2}}), ["g"])
+    with pytest.raises(ConnectorOptionError, match="read nothing"):
+        EndingOffsets.parse("earliest", ["g"])
+
+
+def test_limit_rows_is_fair_bounded_and_monotonic():
+    start = ZeroCommOffset({A: 1, B: 1, C: 1})
+    latest = ZeroCommOffset({A: 101, B: 3, C: 51})
+    for n in (1, 2, 3, 7, 50, 99, 150, 1000):
+        end = limit_rows(start, latest, n)
+        taken = start.rows_until(end)
+        assert taken == min(n, 152), n
+        assert all(end[k] >= start[k] and end[k] <= latest[k] for k in start), n
+    end = limit_rows(start, latest, 30)
+    # B has only 2: the rest is shared between A and C equally.
+    assert (end[A] - 1, end[B] - 1, end[C] - 1) == (14, 2, 14)
+    # a position never moves backwards when the member reports less than the start
+    end = limit_rows(ZeroCommOffset({A: 50}), ZeroCommOffset({A: 20}), 10)
+    assert end[A] == 50
+    with pytest.raises(ValueError):
+        limit_rows(start, latest, 0)
+
+
+def test_limit_rows_keeps_introduced_publishers_as_given():
+    end = limit_rows(ZeroCommOffset({A: 1}), ZeroCommOffset({A: 10, B: 4}), 5)
+    assert end[A] == 6 and end[B] == 4
+
+
+def test_split_ranges():
+    start = ZeroCommOffset({A: 1, B: 5, C: 1})
+    end = ZeroCommOffset({A: 101, B: 5, C: 11, ("g", "did:peer:2.new"): 7})
+    slices = split_ranges(start, end, max_per_slice=30)
+    # B has nothing, the new publisher is not in start: no slices for them
+    assert {(s.group, s.publisher) for s in slices} == {A, C}
+    a = [s for s in slices if (s.group, s.publisher) == A]
+    assert [(s.first, s.end) for s in a] == [(1, 26), (26, 51), (51, 76), (76, 101)]
+    assert all(s.count <= 30 for s in slices)
+    assert sum(s.count for s in slices) == 110
+    many = split_ranges(start, end, max_per_slice=1000, min_slices=8)
+    assert len(many) >= 8 and sum(s.count for s in many) == 110
+    # contiguous and non-overlapping per publisher
+    for key in (A, C):
+        parts = sorted((s.first, s.end) for s in many if (s.group, s.publisher) == key)
+        assert all(parts[i][1] == parts[i + 1][0] for i in range(len(parts) - 1))
+    assert split_ranges(start, start, max_per_slice=10) == []
+
+
+def test_lag():
+    assert lag(ZeroCommOffset({A: 5, B: 9}), ZeroCommOffset({A: 10, B: 9, C: 4})) == {A: 5, B: 0, C: 3}

@@ -1,0 +1,82 @@
+"""Options of format("zerocomm"): parsed into typed values, or refused naming the option and the fix."""
+
+from __future__ import annotations
+
+import pickle
+
+import pytest
+
+from zerocomm_spark.connector.options import SINK_OPTIONS, SOURCE_OPTIONS, AgentOptions, SinkOptions, SourceOptions
+from zerocomm_spark.errors import ConfigurationError, ConnectorOptionError
+
+
+def test_source_defaults():
+    opts = SourceOptions.parse({"group": "sensors"}, mode="stream")
+    assert opts.groups == ("sensors",)
+    assert opts.starting.kind == "latest"
+    assert opts.max_messages_per_trigger is None
+    assert opts.fail_on_data_loss is True and opts.include_headers is False
+    assert opts.agent == AgentOptions(where=None, spawn=True, timeout_s=30.0)
+    assert SourceOptions.parse({"group": "sensors"}, mode="batch").starting.kind == "earliest"
+    # values are plain data: the options travel to executors inside partitions
+    assert pickle.loads(pickle.dumps(opts)) == opts
+
+
+def test_source_options_are_case_insensitive_and_typed():
+    opts = SourceOptions.parse({"GROUP": "a, b,a", "maxmessagespertrigger": "25", "FailOnDataLoss": "false",
+                                "includeHeaders": "TRUE", "agent": " /run/zc ", "agentTimeoutMs": "1500",
+                                "minPartitions": "4", "readTimeoutMs": "250", "startingOffsets": "earliest",
+                                "checkpointLocation": "/tmp/x", "path": "ignored"}, mode="stream")
+    assert opts.groups == ("a", "b")
+    assert opts.max_messages_per_trigger == 25
+    assert opts.fail_on_data_loss is False and opts.include_headers is True
+    assert opts.agent.where == "/run/zc" and opts.agent.timeout_s == 1.5
+    assert opts.min_partitions == 4 and opts.read_timeout_s == 0.25
+    assert SourceOptions.parse({"group": '["x,y", "z"]'}).groups == ("x,y", "z")
+
+
+@pytest.mark.parametrize("options, words", [
+    ({}, "option group is missing"),
+    ({"group": " "}, "option group is missing"),
+    ({"group": "a:b"}, "option group"),
+    ({"group": "[1]"}, "JSON list"),
+    ({"group": "g", "maxMessagePerTrigger": "5"}, "Did you mean 'maxMessagesPerTrigger'"),
+    ({"group": "g", "colour": "blue"}, "unknown option 'colour'"),
+    ({"group": "g", "maxMessagesPerTrigger": "0"}, "maxMessagesPerTrigger is 0; it must be >= 1"),
+    ({"group": "g", "maxMessagesPerTrigger": "lots"}, "maxMessagesPerTrigger is 'lots', not an integer"),
+    ({"group": "g", "failOnDataLoss": "maybe"}, "failOnDataLoss is 'maybe', not a boolean"),
+    ({"group": "g", "publishTimeoutMs": "5"}, "applies to writes only"),
+    ({"group": "g", "startingOffsets": "soon"}, "startingOffsets is 'soon'"),
+    ({"group": "g", "agent": ""}, "option agent is empty"),
+])
+def test_bad_source_options_name_the_option(options, words):
+    with pytest.raises(ConnectorOptionError, match=words) as info:
+        SourceOptions.parse(options)
+    assert isinstance(info.value, ConfigurationError) and isinstance(info.value, ValueError)
+    assert info.value.hint  # every refusal says what to do
+
+
+def test_mode_specific_source_checks():
+    with pytest.raises(ConnectorOptionError, match="endingOffsets applies to batch reads"):
+        SourceOptions.parse({"group": "g", "endingOffsets": "latest"}, mode="stream")
+    with pytest.raises(ConnectorOptionError, match="maxMessagesPerTrigger applies to streams"):
+        SourceOptions.parse({"group": "g", "maxMessagesPerTrigger": "5"}, mode="batch")
+    assert SourceOptions.parse({"group": "g", "endingOffsets": "latest"}, mode="batch").ending.kind == "latest"
+
+
+def test_sink_options():
+    opts = SinkOptions.parse({"group": "out", "publishTimeoutMs": "2000", "checkpointLocation": "/c"})
+    assert opts.group == "out" and opts.publish_timeout_s == 2.0 and opts.publish_batch_size == 2000
+    with pytest.raises(ConnectorOptionError, match="a write goes to exactly one"):
+        SinkOptions.parse({"group": "a,b"})
+    with pytest.raises(ConnectorOptionError, match="applies to reads only"):
+        SinkOptions.parse({"group": "a", "startingOffsets": "earliest"})
+    with pytest.raises(ConnectorOptionError, match="publishBatchSize"):
+        SinkOptions.parse({"group": "a", "publishBatchSize": "-1"})
+
+
+def test_option_tables_document_every_option():
+    for table in (SOURCE_OPTIONS, SINK_OPTIONS):
+        assert all(isinstance(v, str) and v for v in table.values())
+    assert {"group", "startingOffsets", "startingTimestamp", "maxMessagesPerTrigger", "failOnDataLoss",
+            "includeHeaders"} <= set(SOURCE_OPTIONS)

@@ -1,0 +1,156 @@
+"""The data-plane codec: batches and control messages round-trip exactly; anything malformed is
+refused with an error naming the field, never echoing its value."""
+
+from __future__ import annotations
+
+import base64
+import json
+
+import pytest
+
+from zerocomm_spark.errors import MalformedDataMessageError
+from zerocomm_spark.group import datamessage as dm
+
+
+def _batch(n: int = 3, **extra: object) -> dm.DataBatch:
+    msgs = tuple(
+        dm.DataMessage(f"id-{i}", i, 100 + i, 1_700_000_000.25 + i, bytes([i % 256]) * i,
+                       {"content-type": "text/plain", "note": "caf\u00e9"} if i % 2 else None)
+        for i in range(1, n + 1)
+    )
+    return dm.DataBatch("g", "did:example:alice", msgs, **extra)  # type: ignore[arg-type]
+
+
+def _json(batch: dm.DataBatch) -> dict:
+    return json.loads(dm.encode(batch))
+
+
+def test_batch_round_trip_is_exact() -> None:
+    batch = _batch(5)
+    raw = dm.encode(batch)
+    assert raw.isascii()  # non-ASCII header text is escaped
+    obj = json.loads(raw)
+    assert obj["@type"] == "https://didcomm.org/zerocomm-group/1.0/data-batch"
+    assert obj["group"] == "g" and obj["publisher"] == "did:example:alice"
+    assert [m["seq"] for m in obj["messages"]] == [1, 2, 3, 4, 5]
+    assert obj["messages"][2]["payload"] == base64.b64encode(b"\x03" * 3).decode()
+    assert "headers" not in obj["messages"][1] and obj["messages"][0]["headers"]["note"] == "caf\u00e9"
+    assert dm.decode(raw) == batch
+    assert dm.decode_batch(raw.decode()) == batch
+
+
+def test_resend_fields_round_trip() -> None:
+    batch = _batch(2, base=7, last=99, gone=(3, 6))
+    assert dm.decode(dm.encode(batch)) == batch
+    empty = dm.DataBatch("g", "did:example:alice", (), base=0, last=5)
+    assert dm.decode(dm.encode(empty)) == empty
+
+
+def test_binary_payloads_of_every_byte_survive() -> None:
+    payload = bytes(range(256)) * 4
+    batch = dm.DataBatch("g", "p", (dm.DataMessage("x", 1, 1, 0.0, payload),))
+    assert dm.decode(dm.encode(batch)).messages[0].payload == payload
+
+
+def test_encoded_messages_are_reusable_across_envelopes() -> None:
+    batch = _batch(4)
+    array = dm.encode_messages(batch.messages)
+    assert dm.decode(dm.encode(dm.DataBatch("g", "did:example:alice", ()), encoded_messages=array)) == batch
+
+
+@pytest.mark.parametrize("msg", [
+    dm.Hello("g", "did:a", "did:b", "n0nce", 10, 42),
+    dm.Ack("g", "did:a", "did:b", 17),
+    dm.Ack("g", "did:a", "did:b", 0, nonce="abc"),
+    dm.ResendRequest("g", "did:a", "did:b", 5, 9),
+    dm.ResendRequest("g", "did:a", "did:b", 1, None),
+])
+def test_control_messages_round_trip(msg: dm.ControlMessage) -> None:
+    assert dm.decode(dm.encode(msg)) == msg
+
+
+def test_message_repr_hides_the_payload() -> None:
+    m = dm.DataMessage("id", 1, 1, 0.0, b"secret-payload")
+    assert "secret" not in repr(m)
+
+
+SECRET = "c2VjcmV0LXZhbHVl"
+
+
+@pytest.mark.parametrize(("field", "value", "named"), [
+    ("id", "", "'id'"),
+    ("id", 5, "'id'"),
+    ("id", "x" * 257, "'id'"),
+    ("seq", 0, "'seq'"),
+    ("seq", "1", "'seq'"),
+    ("seq", True, "'seq'"),
+    ("seq", 2**63, "'seq'"),
+    ("lamport", -1, "'lamport'"),
+    ("lamport", 1.5, "'lamport'"),
+    ("sent_at", "now", "'sent_at'"),
+    ("sent_at", -1.0, "'sent_at'"),
+    ("payload", 7, "'payload'"),
+    ("payload", SECRET + "!", "'payload'"),
+    ("headers", {"k": 1}, "'headers'"),
+    ("headers", ["k"], "'headers'"),
+])
+def test_invalid_message_fields_are_named(field: str, value: object, named: str) -> None:
+    obj = _json(_batch(3))
+    obj["messages"][1][field] = value
+    with pytest.raises(MalformedDataMessageError) as err:
+        dm.decode(json.dumps(obj))
+    text = str(err.value)
+    assert named in text and "messages[1]" in text
+    assert SECRET not in text  # values never appear in errors
+
+
+def test_missing_field_is_named() -> None:
+    obj = _json(_batch(2))
+    del obj["messages"][0]["lamport"]
+    with pytest.raises(MalformedDataMessageError, match="lamport"):
+        dm.decode(json.dumps(obj))
+
+
+def test_seqs_must_ascend_strictly() -> None:
+    obj = _json(_batch(3))
+    obj["messages"][2]["seq"] = 2
+    with pytest.raises(MalformedDataMessageError, match="ascending"):
+        dm.decode(json.dumps(obj))
+
+
+@pytest.mark.parametrize("mutate", [
+    lambda o: o.update(group=""),
+    lambda o: o.pop("publisher"),
+    lambda o: o.update(messages={"not": "a list"}),
+    lambda o: o.update(base=-1),
+    lambda o: o.update(last="9"),
+    lambda o: o.update(gone=[5, 3]),
+    lambda o: o.update(gone=[0, 3]),
+    lambda o: o.update(gone=[1]),
+    lambda o: o.update({"@type": "https://didcomm.org/basicmessage/1.0/message"}),
+])
+def test_invalid_batches_are_refused(mutate) -> None:  # type: ignore[no-untyped-def]
+    obj = _json(_batch(2))
+    mutate(obj)
+    with pytest.raises(MalformedDataMessageError):
+        dm.decode(json.dumps(obj))
+
+
+@pytest.mark.parametrize("raw", [b"", b"not json", b"[1, 2]", b'{"@type": 5}', b"\xff\xfe"])
+def test_garbage_is_refused(raw: bytes) -> None:
+    with pytest.raises(MalformedDataMessageError):
+        dm.decode(raw)
+
+
+def test_invalid_control_messages_are_refused() -> None:
+    with pytest.raises(MalformedDataMessageError, match="'to'"):
+        dm.decode(json.dumps({"@type": dm.RESEND, "group": "g", "publisher": "p", "member": "m", "from": 9, "to": 3}))
+    with pytest.raises(MalformedDataMessageError, match="'seq'"):
+        dm.decode(json.dumps({"@type": dm.ACK, "group": "g", "publisher": "p", "member": "m", "seq": -2}))
+    with pytest.raises(MalformedDataMessageError, match="'nonce'"):
+        dm.decode(json.dumps({"@type": dm.HELLO, "group": "g", "publisher": "p", "subscriber": "s", "base": 0, "last": 0}))
+
+
+def test_decode_batch_refuses_other_types() -> None:
+    with pytest.raises(MalformedDataMessageError, match="data-batch"):
+        dm.decode_batch(dm.encode(dm.Ack("g", "a", "b", 1)))

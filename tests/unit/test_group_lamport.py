@@ -1,0 +1,63 @@
+"""Lamport clock: ticks are unique and increasing, observing never moves the clock back."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from zerocomm_spark.group.lamport import LamportClock
+
+
+def test_tick_increments_and_reserves_blocks() -> None:
+    c = LamportClock()
+    assert c.tick() == 1
+    assert c.tick() == 2
+    assert c.tick(5) == 3  # reserves 3..7
+    assert c.time == 7
+    assert c.tick() == 8
+
+
+def test_observe_moves_forward_only() -> None:
+    c = LamportClock(start=10)
+    assert c.observe(4) == 10
+    assert c.observe(42) == 42
+    assert c.tick() == 43  # a send after a receive is stamped after it
+
+
+def test_send_after_receive_is_later_than_what_was_received() -> None:
+    sender, receiver = LamportClock(), LamportClock()
+    for _ in range(100):
+        sender.tick()
+    received = sender.tick()
+    receiver.observe(received)
+    assert receiver.tick() > received
+
+
+def test_ticks_from_many_threads_are_unique() -> None:
+    c = LamportClock()
+    seen: list[int] = []
+    lock = threading.Lock()
+
+    def worker() -> None:
+        mine = [c.tick() for _ in range(2000)]
+        with lock:
+            seen.extend(mine)
+
+    threads = [threading.Thread(target=worker) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(seen) == list(range(1, 16001))
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, True])
+def test_rejects_bad_start(bad: object) -> None:
+    with pytest.raises(ValueError):
+        LamportClock(bad)  # type: ignore[arg-type]
+
+
+def test_tick_needs_a_positive_count() -> None:
+    with pytest.raises(ValueError):
+        LamportClock().tick(0)

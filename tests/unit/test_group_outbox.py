@@ -1,0 +1,198 @@
+"""Publisher retransmission buffer: seqs, receipts, the window, retention, stalls."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from zerocomm_spark.errors import BackpressureError, GroupError, PeerTimeoutError
+from zerocomm_spark.group.lamport import LamportClock
+from zerocomm_spark.group.outbox import Outbox
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def publish(box: Outbox, n: int, clock: LamportClock | None = None, timeout: float = 1.0):  # type: ignore[no-untyped-def]
+    clock = clock or LamportClock()
+    return box.append([b"p%d" % i for i in range(n)], [f"id{box.last_seq + i + 1}" for i in range(n)], None,
+                      clock.tick, timeout)
+
+
+def test_seqs_and_timestamps_are_assigned_in_order() -> None:
+    box = Outbox("g", window=100, retention_max=1000)
+    lc = LamportClock(start=41)
+    r1 = publish(box, 3, lc)
+    r2 = publish(box, 2, lc)
+    assert r1.seqs == (1, 2, 3) and r2.seqs == (4, 5)
+    assert r1.lamport_ts == (42, 43, 44) and r2.lamport_ts == (45, 46)
+    assert r1.message_ids == ("id1", "id2", "id3")
+    assert r1.done() and r2.done()  # no members: nobody to wait for
+
+
+def test_first_seq_continues_a_previous_run() -> None:
+    box = Outbox("g", window=10, retention_max=10, first_seq=501)
+    assert publish(box, 2).seqs == (501, 502)
+
+
+def test_receipt_resolves_when_every_current_member_acked() -> None:
+    box = Outbox("g", window=100, retention_max=1000)
+    box.add_member("bob")
+    box.add_member("carol")
+    r = publish(box, 3)
+    assert not r.done()
+    box.ack("bob", 3)
+    assert not r.done()
+    with pytest.raises(PeerTimeoutError) as err:
+        r.wait(0.05)
+    assert "carol" in str(err.value) and "bob" not in str(err.value)
+    box.ack("carol", 2)
+    assert not r.done()
+    box.ack("carol", 3)
+    r.wait(0)
+    assert r.done()
+
+
+def test_removing_the_laggard_resolves_and_late_joiners_are_not_owed_earlier_messages() -> None:
+    box = Outbox("g", window=100, retention_max=1000)
+    box.add_member("bob")
+    r = publish(box, 2)
+    assert box.add_member("dave") == 2  # dave's stream starts after seq 2
+    box.remove_member("bob")
+    assert r.done()
+    r2 = publish(box, 1)
+    assert not r2.done()
+    box.ack("dave", 3)
+    assert r2.done()
+
+
+def test_re_adding_a_member_keeps_its_progress() -> None:
+    box = Outbox("g", window=100, retention_max=1000)
+    box.add_member("bob")
+    publish(box, 5)
+    box.ack("bob", 2)
+    assert box.add_member("bob") == 2
+    assert box.base_of("bob") == 2
+
+
+def test_window_blocks_then_raises_backpressure_naming_the_slowest() -> None:
+    box = Outbox("g", window=10, retention_max=100)
+    box.add_member("fast")
+    box.add_member("slow")
+    publish(box, 8)
+    box.ack("fast", 8)
+    t = time.monotonic()
+    with pytest.raises(BackpressureError) as err:
+        publish(box, 5, timeout=0.2)
+    assert time.monotonic() - t >= 0.19
+    assert "slow" in str(err.value) and "fast" not in str(err.value)
+    assert box.last_seq == 8  # nothing was appended
+    assert box.backpressure_waits == 1
+
+
+def test_window_opens_when_acks_arrive() -> None:
+    box = Outbox("g", window=10, retention_max=100)
+    box.add_member("bob")
+    publish(box, 10)
+    threading.Timer(0.1, box.ack, args=("bob", 6)).start()
+    t = time.monotonic()
+    r = publish(box, 5, timeout=5)
+    assert 0.05 < time.monotonic() - t < 4
+    assert r.seqs == (11, 12, 13, 14, 15)
+
+
+def test_a_call_bigger_than_the_window_goes_through_when_nothing_is_in_flight() -> None:
+    box = Outbox("g", window=4, retention_max=10)
+    box.add_member("bob")
+    assert publish(box, 7).seqs[-1] == 7
+
+
+def test_inactive_members_do_not_hold_the_window_but_keep_their_messages() -> None:
+    box = Outbox("g", window=5, retention_max=20)
+    box.add_member("live")
+    box.add_member("dead")
+    publish(box, 5)
+    box.ack("live", 5)
+    box.set_active("dead", False)
+    publish(box, 5, timeout=0.5)  # would block if "dead" held the window
+    box.take_unsent(100)
+    msgs, gone = box.get_range(1, None, 100)
+    assert [m.seq for m in msgs] == list(range(1, 11)) and gone is None
+
+
+def test_retention_limit_drops_only_what_inactive_members_lack() -> None:
+    box = Outbox("g", window=5, retention_max=6)
+    box.add_member("live")
+    box.add_member("dead")
+    box.set_active("dead", False)
+    for _ in range(4):
+        publish(box, 3)
+        box.take_unsent(100)
+        box.ack("live", box.last_seq)
+    assert box.held() == 6
+    assert box.retention_dropped == 6
+    msgs, gone = box.get_range(1, None, 100)
+    assert gone == (1, 6) and [m.seq for m in msgs] == list(range(7, 13))
+
+
+def test_acked_messages_are_freed() -> None:
+    box = Outbox("g", window=100, retention_max=100)
+    box.add_member("bob")
+    publish(box, 10)
+    box.take_unsent(100)
+    box.ack("bob", 7)
+    assert box.held() == 3
+    msgs, gone = box.get_range(5, 9, 100)
+    assert gone == (5, 7) and [m.seq for m in msgs] == [8, 9]
+
+
+def test_take_unsent_respects_counts_and_bytes_and_never_resends_unsent() -> None:
+    box = Outbox("g", window=100, retention_max=100)
+    box.add_member("bob")
+    box.append([b"x" * 10] * 10, [f"i{i}" for i in range(10)], None, LamportClock().tick, 1)
+    assert box.get_range(1, None, 100) == ([], None)  # nothing on the wire yet
+    assert [m.seq for m in box.take_unsent(3)] == [1, 2, 3]
+    assert [m.seq for m in box.take_unsent(100, max_bytes=25)] == [4, 5]
+    assert box.unsent_count() == 5
+    assert [m.seq for m in box.get_range(1, None, 100)[0]] == [1, 2, 3, 4, 5]
+    assert [m.seq for m in box.get_range(2, None, 2)[0]] == [2, 3]
+
+
+def test_stalled_members_are_reported_once_per_interval() -> None:
+    clock = FakeClock()
+    box = Outbox("g", window=100, retention_max=100, clock=clock)
+    box.add_member("bob")
+    box.add_member("carol")
+    publish(box, 4)
+    box.take_unsent(100)
+    box.ack("carol", 4)
+    assert box.stalled(1.0) == []
+    clock.now += 1.5
+    assert box.stalled(1.0) == [("bob", 0)]
+    assert box.stalled(1.0) == []
+    box.set_active("bob", False)
+    clock.now += 5
+    assert box.stalled(1.0) == []  # inactive: keepalives, not heartbeats, decide
+
+
+def test_close_fails_pending_receipts_and_publishers() -> None:
+    box = Outbox("g", window=100, retention_max=100)
+    box.add_member("bob")
+    r = publish(box, 1)
+    box.close()
+    with pytest.raises(GroupError):
+        r.wait(1)
+    with pytest.raises(GroupError):
+        publish(box, 1)
+
+
+def test_rejects_a_retention_smaller_than_the_window() -> None:
+    with pytest.raises(ValueError):
+        Outbox("g", window=10, retention_max=5)

@@ -1,0 +1,188 @@
+"""Per-publisher receive state: FIFO delivery, hold-back, duplicates, gaps, baselines, skipped ranges."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from zerocomm_spark.group.sequencing import Offer, PublisherStream
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def stream(**kw: object) -> tuple[PublisherStream[str], FakeClock]:
+    clock = FakeClock()
+    kw.setdefault("next_seq", 1)
+    return PublisherStream(clock=clock, **kw), clock  # type: ignore[arg-type]
+
+
+def test_in_order_messages_are_delivered_at_once() -> None:
+    s, _ = stream()
+    assert s.offer(1, "m1") == (Offer.DELIVER, ["m1"])
+    assert s.offer(2, "m2") == (Offer.DELIVER, ["m2"])
+    assert s.delivered == 2 and s.gap_since is None
+
+
+def test_early_messages_are_held_until_the_hole_is_filled() -> None:
+    s, _ = stream()
+    assert s.offer(3, "m3") == (Offer.HELD, [])
+    assert s.offer(2, "m2") == (Offer.HELD, [])
+    assert s.delivered == 0 and s.held_count == 2
+    assert s.missing() == [(1, 1)]
+    assert s.offer(1, "m1") == (Offer.DELIVER, ["m1", "m2", "m3"])
+    assert s.delivered == 3 and s.held_count == 0
+
+
+def test_duplicates_are_dropped_whether_delivered_or_held() -> None:
+    s, _ = stream()
+    s.offer(1, "a")
+    s.offer(3, "c")
+    assert s.offer(1, "a") == (Offer.DUPLICATE, [])
+    assert s.offer(3, "c") == (Offer.DUPLICATE, [])
+    assert s.duplicates == 2
+
+
+def test_missing_ranges_and_announced_tail() -> None:
+    s, _ = stream()
+    for seq in (1, 2, 5, 6, 9):
+        s.offer(seq, f"m{seq}")
+    assert s.missing() == [(3, 4), (7, 8)]
+    s.note_announced(12)  # the publisher says it sent up to 12: the tail is missing too
+    assert s.missing() == [(3, 4), (7, 8), (10, 12)]
+    assert s.missing(limit=4) == [(3, 4)]
+    assert s.lag() == 12 - 2
+
+
+def test_nacks_wait_for_the_gap_to_age_and_are_not_repeated_too_soon() -> None:
+    s, clock = stream()
+    s.offer(1, "a")
+    s.offer(3, "c")
+    assert s.due_nacks(0.1, 0.5) == []  # too young: reordering, not loss, is likely
+    clock.now += 0.15
+    assert s.due_nacks(0.1, 0.5) == [(2, 2)]
+    clock.now += 0.1
+    assert s.due_nacks(0.1, 0.5) == []  # asked already
+    s.nack_answered()  # an answer came but did not fill it: ask again at once
+    assert s.due_nacks(0.1, 0.5) == [(2, 2)]
+    s.offer(2, "b")
+    assert s.gap_since is None and s.due_nacks(0.0, 0.0) == []
+
+
+def test_unknown_baseline_sets_messages_aside() -> None:
+    s, _ = stream(next_seq=None)
+    assert s.offer(11, "m11") == (Offer.NO_BASELINE, [])
+    assert s.offer(12, "m12") == (Offer.NO_BASELINE, [])
+    assert s.offer(12, "m12") == (Offer.DUPLICATE, [])
+    assert s.waiting_count == 2 and not s.has_baseline
+    assert s.set_baseline(10) == ["m11", "m12"]
+    assert s.delivered == 12
+    assert s.set_baseline(0) == []  # only the first baseline counts
+
+
+def test_baseline_drops_what_was_before_membership_and_keeps_holes() -> None:
+    s, _ = stream(next_seq=None)
+    for seq in (3, 4, 6, 7):
+        s.offer(seq, f"m{seq}")
+    assert s.set_baseline(3) == ["m4"]  # 3 predates us, 5 is missing
+    assert s.missing() == [(5, 5)]
+    assert s.offer(5, "m5") == (Offer.DELIVER, ["m5", "m6", "m7"])
+
+
+def test_gone_range_is_skipped_and_counted() -> None:
+    s, _ = stream()
+    s.offer(1, "a")
+    s.offer(6, "f")
+    s.offer(7, "g")
+    assert s.skip(2, 4) == []  # 5 still missing: nothing released yet
+    assert s.delivered == 4 and s.lost == 3
+    assert s.offer(5, "e") == (Offer.DELIVER, ["e", "f", "g"])
+
+
+def test_gone_range_releases_held_messages_and_ignores_ranges_ahead() -> None:
+    s, _ = stream()
+    s.offer(3, "c")
+    s.offer(5, "e")
+    assert s.skip(4, 9) == []  # does not cover the next expected seq (1): recover 1-2 first
+    assert s.skip(1, 4) == ["c", "e"]
+    assert s.lost == 3 and s.delivered == 5
+    assert s.skip(1, 2, count_lost=False) == []
+
+
+def test_skip_without_counting_for_already_delivered_seqs() -> None:
+    s, _ = stream()
+    assert s.skip(1, 10, count_lost=False) == []
+    assert s.delivered == 10 and s.lost == 0
+
+
+def test_unordered_stream_delivers_on_arrival_and_acks_contiguously() -> None:
+    s, _ = stream(ordered=False)
+    assert s.offer(3, "c") == (Offer.DELIVER, ["c"])
+    assert s.delivered == 0  # the ack position stays contiguous
+    assert s.offer(3, "c") == (Offer.DUPLICATE, [])
+    assert s.offer(1, "a") == (Offer.DELIVER, ["a"])
+    assert s.missing() == [(2, 2)]
+    assert s.offer(2, "b") == (Offer.DELIVER, ["b"])
+    assert s.delivered == 3
+
+
+def test_hold_back_is_bounded() -> None:
+    s, _ = stream(hold_max=3)
+    for seq in (5, 6, 7):
+        assert s.offer(seq, "x")[0] is Offer.HELD
+    assert s.offer(8, "x") == (Offer.OVERFLOW, [])
+    assert s.overflows == 1
+    assert s.offer(1, "a")[0] is Offer.DELIVER  # the next expected is always accepted
+
+
+def test_offer_all_matches_offer_one_by_one() -> None:
+    a, _ = stream()
+    seqs = [1, 2, 3, 5, 4, 4, 9, 6, 7, 8, 2]
+    items = [(s, f"m{s}") for s in seqs]
+    one: list[str] = []
+    dups = 0
+    for seq, item in items:
+        status, got = a.offer(seq, item)
+        one.extend(got)
+        dups += status is Offer.DUPLICATE
+    c, _ = stream()
+    got_all, dups_all = c.offer_all(items, lambda it: it[0])
+    assert [it[1] for it in got_all] == one == [f"m{i}" for i in range(1, 10)]
+    assert dups_all == dups == 2
+
+
+@pytest.mark.parametrize("ordered", [True, False])
+def test_any_arrival_order_with_duplicates_delivers_each_once(ordered: bool) -> None:
+    rng = random.Random(7)
+    for _ in range(50):
+        n = rng.randint(1, 60)
+        arrivals = list(range(1, n + 1)) + [rng.randint(1, n) for _ in range(n // 3)]
+        rng.shuffle(arrivals)
+        s, _ = stream(ordered=ordered)
+        out: list[int] = []
+        for seq in arrivals:
+            out.extend(s.offer(seq, seq)[1])
+        if ordered:
+            assert out == list(range(1, n + 1))
+        else:
+            assert sorted(out) == list(range(1, n + 1))
+        assert s.delivered == n and s.missing() == []
+
+
+def test_an_announced_tail_waits_longer_than_a_hole() -> None:
+    s, clock = stream()
+    s.offer(1, "a")
+    s.note_announced(4)  # 2..4 announced but maybe still in flight
+    clock.now += 0.2
+    assert s.due_nacks(0.1, 0.0, tail_after=1.0) == []
+    s.offer(3, "c")  # now 2 is a hole: something above it arrived
+    clock.now += 0.15
+    assert s.due_nacks(0.1, 0.0, tail_after=1.0) == [(2, 2)]  # the hole only, not the tail
+    clock.now += 1.0
+    assert s.due_nacks(0.1, 0.0, tail_after=1.0) == [(2, 2), (4, 4)]

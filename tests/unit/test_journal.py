@@ -1,0 +1,463 @@
+"""The journal's API on real files with real crypto: appends, idempotence, reads, retention, commits."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import threading
+from dataclasses import dataclass
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+
+import nacl.utils
+import pyarrow as pa
+import pytest
+
+from zerocomm_spark.errors import (
+    ConfigurationError,
+    DataLossError,
+    InvalidJournalRowError,
+    JournalClosedError,
+    JournalKeyError,
+    JournalLockedError,
+    OffsetOutOfRangeError,
+)
+from zerocomm_spark.journal import APPEND_SCHEMA, JOURNAL_SCHEMA, AppendResult, Journal, journal_key
+from zerocomm_spark.keys.keystore import Keystore
+
+pytestmark = pytest.mark.timeout(120)
+
+T0 = 1_700_000_000_000_000  # microseconds since the epoch
+GROUP = "group-alpha"
+ALICE = "did:peer:2.Ez6LSalice"
+BOB = "did:peer:2.Ez6LSbob"
+
+
+def row(seq: int, publisher: str = ALICE, group: str = GROUP, *, size: int = 20, received_at: int | None = None,
+        message_id: str | None = None, headers: dict[str, str] | None = None) -> dict:
+    return {
+        "group": group,
+        "message_id": message_id or f"{group}/{publisher}/{seq}",
+        "publisher_did": publisher,
+        "seq": seq,
+        "lamport_ts": seq * 10,
+        "sent_at": T0 + seq,
+        "received_at": T0 + 1_000 * seq if received_at is None else received_at,
+        "headers": headers,
+        "payload": f"payload {publisher} {seq} ".encode().ljust(size, b"."),
+    }
+
+
+def rows(first: int, last: int, publisher: str = ALICE, **kw) -> list[dict]:
+    return [row(s, publisher, **kw) for s in range(first, last + 1)]
+
+
+@pytest.fixture
+def key() -> bytes:
+    return nacl.utils.random(32)
+
+
+@pytest.fixture
+def jdir(tmp_path: Path) -> Path:
+    return tmp_path / "journal"
+
+
+def offsets(table: pa.Table) -> list[int]:
+    return table.column("offset").to_pylist()
+
+
+def seqs(table: pa.Table) -> list[int]:
+    return table.column("seq").to_pylist()
+
+
+# --- appending and reading ---------------------------------------------------------------------
+
+
+def test_append_assigns_contiguous_offsets_and_reads_back_every_field(jdir: Path, key: bytes) -> None:
+    with Journal.open(jdir, key=key) as j:
+        assert j.append(rows(1, 3)) == AppendResult(0, 2, 3, 0)
+        assert j.append([row(4, headers={"content-type": "text/plain"})]) == AppendResult(3, 3, 1, 0)
+        table = j.read(0)
+    assert table.schema == JOURNAL_SCHEMA
+    assert offsets(table) == [0, 1, 2, 3]
+    first = table.slice(3, 1).to_pylist()[0]
+    assert first["group"] == GROUP and first["publisher_did"] == ALICE and first["seq"] == 4
+    assert first["message_id"] == f"{GROUP}/{ALICE}/4" and first["lamport_ts"] == 40
+    assert first["sent_at"] == datetime(2023, 11, 14, 22, 13, 20, 4, tzinfo=timezone.utc)
+    assert first["received_at"] == first["sent_at"] - timedelta(microseconds=4) + timedelta(microseconds=4000)
+    assert first["headers"] == [("content-type", "text/plain")]
+    assert first["payload"] == row(4)["payload"]
+    assert table.column("headers").null_count == 3
+
+
+def test_reads_are_exact_across_batch_and_segment_boundaries(jdir: Path, key: bytes) -> None:
+    # Small segments: 60 appends of 7 rows spread over many segments and many records.
+    with Journal.open(jdir, key=key, segment_bytes=4096) as j:
+        for a in range(60):
+            j.append(rows(a * 7 + 1, a * 7 + 7, size=50))
+        assert len(list(jdir.glob("*.zcj"))) > 5
+        total = 420
+        assert j.next_offset == total
+        for start, end in [(0, total), (0, 1), (6, 8), (7, 14), (13, 300), (250, 251), (419, 420), (100, 100)]:
+            table = j.read(start, end)
+            assert offsets(table) == list(range(start, end)), (start, end)
+            assert seqs(table) == list(range(start + 1, end + 1))
+        batches = list(j.read_batches(5, 40))
+        assert sum(b.num_rows for b in batches) == 35
+        assert [o for b in batches for o in b.column("offset").to_pylist()] == list(range(5, 40))
+        assert offsets(j.read(30, max_rows=11)) == list(range(30, 41))
+        assert offsets(j.read(415, max_rows=100)) == list(range(415, 420))
+        assert j.read(420).num_rows == 0
+    with Journal.open(jdir, key=key, segment_bytes=4096) as j:  # and the same after reopening
+        assert offsets(j.read(0)) == list(range(420))
+        assert seqs(j.read(133, 170)) == list(range(134, 171))
+
+
+def test_read_range_errors(jdir: Path, key: bytes) -> None:
+    with Journal.open(jdir, key=key) as j:
+        j.append(rows(1, 5))
+        with pytest.raises(OffsetOutOfRangeError):
+            j.read(-1)
+        with pytest.raises(OffsetOutOfRangeError, match="beyond"):
+            j.read(0, 6)
+        with pytest.raises(OffsetOutOfRangeError):
+            j.read(6)
+        with pytest.raises(OffsetOutOfRangeError):
+            j.read(3, 2)
+        with pytest.raises(OffsetOutOfRangeError):
+            j.read_batches(0, 10)
+        assert j.read(5).num_rows == 0
+
+
+def test_append_accepts_arrow_batches_tables_and_message_objects(jdir: Path, key: bytes) -> None:
+    @dataclass
+    class Delivered:
+        group: str
+        message_id: str
+        publisher_did: str
+        seq: int
+        lamport_ts: int
+        sent_at: datetime
+        payload: bytes
+
+    with Journal.open(jdir, key=key) as j:
+        batch = pa.RecordBatch.from_pylist(rows(1, 3), schema=APPEND_SCHEMA)
+        assert j.append(batch).appended == 3
+        # A table with columns in another order, no received_at/headers, castable types.
+        table = pa.table({
+            "payload": pa.array([b"x", b"y"], pa.large_binary()),
+            "seq": pa.array([4, 5], pa.int32()),
+            "publisher_did": [ALICE, ALICE],
+            "group": [GROUP, GROUP],
+            "message_id": ["m4", "m5"],
+            "lamport_ts": [1, 2],
+            "sent_at": pa.array([T0 // 1000, T0 // 1000], pa.timestamp("ms", tz="UTC")),
+        })
+        before = datetime.now(timezone.utc)
+        assert j.append(table) == AppendResult(3, 4, 2, 0)
+        sent = datetime(2024, 1, 2, 3, 4, 5, 6, tzinfo=timezone(timedelta(hours=2)))
+        assert j.append([Delivered(GROUP, "m6", ALICE, 6, 3, sent, b"z")]).appended == 1
+        out = j.read(3).to_pylist()
+    assert [r["payload"] for r in out] == [b"x", b"y", b"z"]
+    assert out[0]["sent_at"] == datetime.fromtimestamp(T0 // 1_000_000, timezone.utc)
+    assert before - timedelta(seconds=1) <= out[0]["received_at"] <= datetime.now(timezone.utc)
+    assert out[2]["sent_at"] == sent
+    assert out[2]["headers"] is None
+
+
+@pytest.mark.parametrize("bad, match", [
+    ({"sent_at": 1.5}, "sent_at must be int microseconds"),
+    ({"sent_at": datetime(2024, 1, 1)}, "naive datetime"),
+    ({"seq": "7"}, "seq must be an int"),
+    ({"seq": -1}, "seq must be >= 0"),
+    ({"payload": "text"}, "payload must be bytes"),
+    ({"group": None}, "'group' has 1 null"),
+    ({"headers": {"k": 1}}, "headers"),
+])
+def test_invalid_rows_are_refused_before_anything_is_written(jdir: Path, key: bytes, bad: dict, match: str) -> None:
+    with Journal.open(jdir, key=key) as j:
+        with pytest.raises(InvalidJournalRowError, match=match):
+            j.append([row(1), {**row(2), **bad}])
+        missing = row(3)
+        del missing["lamport_ts"]
+        with pytest.raises(InvalidJournalRowError, match="lamport_ts"):
+            j.append([missing])
+        with pytest.raises(InvalidJournalRowError, match="list of rows"):
+            j.append(row(1))
+        assert j.next_offset == 0
+        assert j.append([]) == AppendResult(0, -1, 0, 0)
+
+
+# --- idempotence -------------------------------------------------------------------------------
+
+
+def test_duplicates_by_seq_and_by_message_id_are_skipped_and_counted(jdir: Path, key: bytes) -> None:
+    with Journal.open(jdir, key=key) as j:
+        assert j.append(rows(1, 5)) == AppendResult(0, 4, 5, 0)
+        # Overlap: 1..5 again are duplicates by seq; 6..8 are new.
+        assert j.append(rows(1, 8)) == AppendResult(5, 7, 3, 5)
+        # A new seq but an id already journaled: duplicate by message id.
+        assert j.append([row(9, message_id=f"{GROUP}/{ALICE}/3")]) == AppendResult(8, 7, 0, 1)
+        # Inside one append: the same id twice, a seq going backwards, two publishers interleaved.
+        mixed = [row(10), row(1, BOB), row(10), row(2, BOB), row(9), row(11, message_id=f"{GROUP}/{BOB}/2")]
+        assert j.append(mixed) == AppendResult(8, 10, 3, 3)
+        table = j.read(0)
+        assert list(zip(table.column("publisher_did").to_pylist(), seqs(table))) == (
+            [(ALICE, s) for s in range(1, 9)] + [(ALICE, 10), (BOB, 1), (BOB, 2)])
+        # The same seq in another group is another publisher stream.
+        assert j.append([row(1, group="group-beta")]).appended == 1
+        latest = j.latest()
+    assert latest.next_offset == 12
+    assert {k: (p.last_seq, p.last_offset) for k, p in latest.publishers.items()} == {
+        (GROUP, ALICE): (10, 8), (GROUP, BOB): (2, 10), ("group-beta", ALICE): (1, 11)}
+
+
+def test_last_seqs_and_recent_ids_survive_a_restart(jdir: Path, key: bytes) -> None:
+    with Journal.open(jdir, key=key, segment_bytes=2048) as j:
+        for a in range(10):
+            j.append(rows(a * 5 + 1, a * 5 + 5, size=40))
+        j.append(rows(1, 3, BOB))
+    with Journal.open(jdir, key=key, segment_bytes=2048) as j:
+        assert j.append(rows(1, 50) + rows(1, 3, BOB)) == AppendResult(53, 52, 0, 53)
+        assert j.append([row(99, message_id=f"{GROUP}/{ALICE}/50")]).duplicates == 1
+        assert j.append(rows(51, 52) + rows(4, 4, BOB)) == AppendResult(53, 55, 3, 0)
+        assert j.latest().publishers[(GROUP, BOB)].last_seq == 4
+
+
+def test_restart_after_a_kill_recovers_state_without_side_files(jdir: Path, key: bytes, tmp_path: Path) -> None:
+    # Copying the files of an open journal is what kill -9 leaves: every returned append is in them.
+    j = Journal.open(jdir, key=key, segment_bytes=4096)
+    try:
+        for a in range(20):
+            j.append(rows(a * 4 + 1, a * 4 + 4, size=60))
+        crashed = tmp_path / "crashed"
+        shutil.copytree(jdir, crashed)
+    finally:
+        j.close()
+    for side in crashed.glob("*.idx"):  # also lose every side index
+        side.unlink()
+    with Journal.open(crashed, key=key, segment_bytes=4096) as j2:
+        assert j2.next_offset == 80
+        assert j2.append(rows(1, 82)) == AppendResult(80, 81, 2, 80)
+        assert seqs(j2.read_by_seq(GROUP, ALICE, 10, 12)) == [10, 11, 12]
+    assert len(list(crashed.glob("*.idx"))) == len(list(crashed.glob("*.zcj")))  # rebuilt
+
+
+def test_concurrent_appenders_are_group_committed_without_loss_or_duplication(jdir: Path, key: bytes) -> None:
+    publishers = [f"did:peer:2.Ez6LSpub{i}" for i in range(8)]
+    errors: list[BaseException] = []
+
+    def produce(publisher: str) -> None:
+        try:
+            for a in range(25):
+                result = j.append(rows(a * 4 + 1, a * 4 + 4, publisher, size=30))
+                assert result.appended == 4 and result.last_offset - result.first_offset == 3
+                j.append(rows(a * 4 + 1, a * 4 + 2, publisher))  # re-send: all duplicates
+        except BaseException as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    with Journal.open(jdir, key=key, segment_bytes=16384, fsync="always") as j:
+        threads = [threading.Thread(target=produce, args=(p,)) for p in publishers]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert not errors
+        table = j.read(0)
+        stats = j.stats()
+    assert stats.appends == 400 and stats.rows_appended == 800 and stats.duplicates == 400
+    assert stats.writes < stats.appends  # appenders shared writes: group commit
+    assert stats.fsyncs >= stats.writes  # "always": every write synced before its appends returned
+    assert offsets(table) == list(range(800))
+    for p in publishers:
+        mine = table.filter(pa.compute.equal(table.column("publisher_did"), p))
+        assert seqs(mine) == list(range(1, 101))  # per-publisher FIFO kept
+
+
+def test_readers_see_exact_ranges_while_appends_and_rolls_go_on(jdir: Path, key: bytes) -> None:
+    done = threading.Event()
+    problems: list[str] = []
+
+    def read_along() -> None:
+        while not done.is_set():
+            end = j.next_offset
+            start = max(0, end - 37)
+            table = j.read(start, end)
+            if offsets(table) != list(range(start, end)) or seqs(table) != list(range(start + 1, end + 1)):
+                problems.append(f"bad read of [{start}, {end})")
+            latest = j.latest()
+            if latest.next_offset < end:
+                problems.append("latest went backwards")
+
+    with Journal.open(jdir, key=key, segment_bytes=4096) as j:
+        readers = [threading.Thread(target=read_along) for _ in range(3)]
+        for t in readers:
+            t.start()
+        try:
+            for a in range(100):
+                j.append(rows(a * 3 + 1, a * 3 + 3, size=50))
+        finally:
+            done.set()
+            for t in readers:
+                t.join(30)
+        assert not problems, problems[:3]
+        assert offsets(j.read(0)) == list(range(300))
+
+
+# --- read_by_seq, latest, timestamps -----------------------------------------------------------
+
+
+def test_read_by_seq_reads_only_that_publishers_range(jdir: Path, key: bytes) -> None:
+    with Journal.open(jdir, key=key, segment_bytes=4096) as j:
+        for a in range(30):
+            j.append(rows(a * 3 + 1, a * 3 + 3, ALICE, size=40) + rows(a * 2 + 1, a * 2 + 2, BOB, size=40))
+        got = j.read_by_seq(GROUP, ALICE, 20, 47)
+        assert seqs(got) == list(range(20, 48))
+        assert set(got.column("publisher_did").to_pylist()) == {ALICE}
+        assert offsets(got) == sorted(offsets(got))
+        assert seqs(j.read_by_seq(GROUP, BOB, 59, 100)) == [59, 60]
+        assert j.read_by_seq(GROUP, BOB, 61, 100).num_rows == 0
+        assert j.read_by_seq("other", BOB, 1, 100).num_rows == 0
+        assert j.read_by_seq(GROUP, ALICE, 5, 4).num_rows == 0
+
+
+def test_offset_for_timestamp(jdir: Path, key: bytes) -> None:
+    with Journal.open(jdir, key=key, segment_bytes=2048) as j:
+        for a in range(20):
+            j.append(rows(a * 5 + 1, a * 5 + 5, size=40))  # received_at = T0 + 1000 * seq
+        assert j.offset_for_timestamp(0) == 0
+        assert j.offset_for_timestamp(T0 + 1000) == 0
+        assert j.offset_for_timestamp(T0 + 1001) == 1
+        assert j.offset_for_timestamp(T0 + 57_000) == 56
+        assert j.offset_for_timestamp(T0 + 100_000) == 99
+        assert j.offset_for_timestamp(T0 + 100_001) == 100  # nothing that recent: the end
+        when = datetime.fromtimestamp(0, timezone.utc) + timedelta(microseconds=T0 + 33_000)
+        assert j.offset_for_timestamp(when) == 32
+        with pytest.raises(InvalidJournalRowError):
+            j.offset_for_timestamp(1.5)  # type: ignore[arg-type]
+
+
+# --- commit point and retention ----------------------------------------------------------------
+
+
+def _fill(j: Journal, appends: int, first_seq: int = 1, **kw) -> None:
+    for a in range(appends):
+        s = first_seq + a * 10
+        j.append(rows(s, s + 9, size=200, **kw))
+
+
+def test_commit_is_durable_and_monotonic(jdir: Path, key: bytes) -> None:
+    with Journal.open(jdir, key=key) as j:
+        _fill(j, 3)
+        assert j.committed_offset == 0
+        assert j.commit(12) == 12
+        assert j.commit(5) == 12  # never backwards
+        with pytest.raises(OffsetOutOfRangeError):
+            j.commit(31)
+    with Journal.open(jdir, key=key) as j:
+        assert j.committed_offset == 12
+
+
+def test_size_retention_deletes_only_segments_below_the_commit_point(jdir: Path, key: bytes) -> None:
+    with Journal.open(jdir, key=key, segment_bytes=4096, retention_bytes=8192) as j:
+        _fill(j, 30)  # ~70 KB: far over the retention budget
+        assert j.earliest_offset() == 0  # nothing committed: nothing deleted
+        assert j.read(0, 5).num_rows == 5
+        j.commit(120)
+        earliest = j.earliest_offset()
+        assert 0 < earliest <= 120  # only whole segments below the commit point went
+        remaining = sorted(jdir.glob("*.zcj"))
+        assert int(remaining[0].name[:20]) == earliest
+        assert len(list(jdir.glob("*.idx"))) <= len(remaining)
+        with pytest.raises(DataLossError, match="deleted by retention"):
+            j.read(earliest - 1)
+        with pytest.raises(DataLossError):
+            list(j.read_batches(0, earliest + 1))
+        assert offsets(j.read(earliest, 200)) == list(range(earliest, 200))
+        assert j.read_by_seq(GROUP, ALICE, 1, 300).column("seq")[0].as_py() == earliest + 1
+        j.commit(300)
+        assert sum(p.stat().st_size for p in jdir.glob("*.zcj")) <= 8192 + 4096
+        # Retention forgets rows, not publishers: a late re-send is still a duplicate.
+        assert j.append(rows(1, 10, size=200)).duplicates == 10
+        assert j.latest().publishers[(GROUP, ALICE)].last_seq == 300
+    with Journal.open(jdir, key=key, segment_bytes=4096, retention_bytes=8192) as j:
+        assert j.earliest_offset() > 120
+        assert j.append(rows(1, 300, size=200)).appended == 0
+
+
+def test_age_retention(jdir: Path, key: bytes) -> None:
+    now = int(datetime.now(timezone.utc).timestamp() * 1e6)
+    with Journal.open(jdir, key=key, segment_bytes=4096, retention_ms=60_000) as j:
+        _fill(j, 10, received_at=now - 3_600_000_000)  # an hour old
+        _fill(j, 10, first_seq=101, received_at=now)  # fresh
+        assert j.enforce_retention() == 0  # not committed yet
+        j.commit(j.next_offset)
+        assert j.earliest_offset() > 0
+        table = j.read(j.earliest_offset())
+        old = pa.compute.less(table.column("received_at"), pa.scalar(now - 60_000_000, pa.timestamp("us", "UTC")))
+        # Only segments wholly older than the limit went; fresh rows are all kept.
+        assert seqs(table)[-100:] == list(range(101, 201))
+        assert j.read(j.earliest_offset()).num_rows < 200
+        assert pa.compute.sum(old).as_py() < 100
+
+
+# --- lifecycle, keys, configuration ------------------------------------------------------------
+
+
+def test_one_journal_per_directory_and_closed_journal_refuses_use(jdir: Path, key: bytes) -> None:
+    j = Journal.open(jdir, key=key)
+    with pytest.raises(JournalLockedError):
+        Journal.open(jdir, key=key)
+    j.append(rows(1, 2))
+    j.close()
+    j.close()  # idempotent
+    for call in (lambda: j.append(rows(3, 3)), lambda: j.read(0), lambda: j.latest(), lambda: j.commit(1)):
+        with pytest.raises(JournalClosedError):
+            call()
+    with Journal.open(jdir, key=key) as again:
+        assert again.next_offset == 2
+
+
+def test_wrong_or_malformed_key(jdir: Path, key: bytes) -> None:
+    with Journal.open(jdir, key=key) as j:
+        j.append(rows(1, 1))
+    with pytest.raises(JournalKeyError) as caught:
+        Journal.open(jdir, key=nacl.utils.random(32))
+    assert key.hex() not in str(caught.value)
+    with pytest.raises(JournalKeyError, match="32 bytes"):
+        Journal.open(jdir, key=b"short")
+    with Journal.open(jdir, key=key) as j:  # the lock was released by the failed opens
+        assert j.next_offset == 1
+        assert key.hex() not in repr(j) and str(key) not in repr(j)
+        with pytest.raises(TypeError):
+            import pickle
+
+            pickle.dumps(j)
+
+
+@pytest.mark.parametrize("kwargs", [{"fsync": "sometimes"}, {"segment_bytes": 10}, {"retention_ms": -1},
+                                    {"timeout": 0}, {"read_threads": 0}])
+def test_bad_configuration(jdir: Path, key: bytes, kwargs: dict) -> None:
+    with pytest.raises(ConfigurationError):
+        Journal.open(jdir, key=key, **kwargs)
+
+
+@pytest.mark.parametrize("policy", ["always", "interval", "never"])
+def test_every_fsync_policy_round_trips_and_leaks_no_descriptor(jdir: Path, key: bytes, policy: str) -> None:
+    before = len(os.listdir("/proc/self/fd"))
+    with Journal.open(jdir, key=key, fsync=policy, fsync_interval_ms=5, segment_bytes=2048) as j:
+        _fill(j, 30)  # a roll per append or so
+        j.sync()
+        assert len(list(jdir.glob("*.zcj"))) >= 10
+        assert len(os.listdir("/proc/self/fd")) < before + 8
+    assert len(os.listdir("/proc/self/fd")) == before
+    with Journal.open(jdir, key=key, fsync=policy) as j:
+        assert seqs(j.read(0)) == list(range(1, 301))
+
+
+def test_the_key_lives_in_the_keystore(tmp_path: Path, jdir: Path) -> None:
+    with Keystore.open(tmp_path / "identity") as ks:
+        key = journal_key(ks)
+        assert len(key) == 32 and journal_key(ks) == key
+    with Keystore.open(tmp_path / "identity") as ks, Journal.open(jdir, key=journal_key(ks)) as j:
+        j.append(rows(1, 1))

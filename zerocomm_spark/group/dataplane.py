@@ -1,0 +1,1770 @@
+"""The ZeroMQ data plane of one member: encrypted, reliable, ordered group messages.
+
+Membership code (``manager.py``) drives this API; applications see ``publish`` and ``on_deliver``.
+
+Why it is built this way (docs/groups.md, "Data plane"):
+
+* **One IO thread owns every socket** (pyzmq sockets are not thread-safe): the XPUB, one SUB per
+  (group, remote member) and an inproc wake-up PAIR. Other threads hand it work through deques and
+  poke it through the PAIR; nothing from the network can reach those deques except through the
+  sockets the IO thread reads.
+* **CURVE everywhere.** The XPUB is a CURVE server; a ZAP authenticator on this plane's own context
+  admits only current members' transport keys, and XPUB_MANUAL lets the IO thread accept each
+  subscription only for topics that key may read (its groups' topics, its own multi-mode pair
+  topic), so a member of one group cannot even see another group's ciphertext. SUBs are CURVE
+  clients pinned to the member's server key: what arrives on a SUB comes from that member.
+* **End-to-end encryption per batch.** A sender thread packs what is queued per group into one
+  ``data-batch`` and pays the envelope crypto once per batch: ``shared`` one envelope wrapped for
+  every member's group key; ``single`` one envelope per member on the common topic (receivers read
+  the recipient kid from the protected header and skip others' envelopes without decrypting);
+  ``multi`` one envelope per member on its own pair topic.
+* **Reliability without silent loss.** XPUB_NODROP turns a full queue into backpressure. The
+  publisher keeps messages until every member acked them (acks by DirectSend on
+  ``ProtocolId.GROUP_DATA``), bounds unacked messages with a window (``publish`` waits, with a
+  deadline, then raises :class:`BackpressureError`), answers NACKs (RPC "resend seq a..b") with an
+  envelope for that member only, and pushes unacked tails to members whose acks stall. Receivers
+  deliver per-publisher FIFO (hold-back, gap NACKs) and drop duplicates by message id.
+* **Causality.** One Lamport clock per member: ticked on publish, observed before every delivery.
+* **Liveness.** Keepalive pings over the peer transport mark members alive/inactive; inactive
+  members do not hold the publish window.
+
+Threads: IO, sender (batch + pack), receiver (decrypt, sequence, deliver, ack, NACK), maintenance
+(keepalives, pushes), ZAP authenticator; transport workers run the GROUP_DATA handlers.
+``on_deliver`` and ``on_state`` run on the receiver thread, one at a time, in order: a slow callback
+is backpressure on the publishers, never loss.
+"""
+
+from __future__ import annotations
+
+import binascii
+import itertools
+import json
+import logging
+import operator
+import os
+import secrets
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeoutError
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any, Literal, Protocol
+
+import zmq
+from zmq.auth.thread import ThreadAuthenticator
+from zmq.utils.monitor import parse_monitor_message
+
+from zerocomm_spark import envelope
+from zerocomm_spark.errors import (
+    BackpressureError,
+    ConfigurationError,
+    DataPlaneClosedError,
+    FrameTooLargeError,
+    GroupAlreadyOpenError,
+    GroupError,
+    GroupNotOpenError,
+    MalformedDataMessageError,
+    NotAMemberError,
+    PeerTimeoutError,
+    ReadOnlyMemberError,
+    TransportError,
+    ZeroCommError,
+)
+from zerocomm_spark.group import datamessage as dm
+from zerocomm_spark.group import topics
+from zerocomm_spark.group.dedup import TTLCache
+from zerocomm_spark.group.lamport import LamportClock
+from zerocomm_spark.group.outbox import Outbox, PublishReceipt
+from zerocomm_spark.group.sequencing import PublisherStream
+from zerocomm_spark.keys.keypair import KeyPair
+from zerocomm_spark.transport.frames import ProtocolId
+
+if TYPE_CHECKING:
+    from zerocomm_spark.transport.peer import PeerInfo, PeerTransport
+
+__all__ = [
+    "MODES",
+    "READ_ONLY",
+    "READ_WRITE",
+    "ROLES",
+    "DataPlane",
+    "DataPlaneConfig",
+    "Delivered",
+    "PublishReceipt",
+    "RemoteMember",
+]
+
+log = logging.getLogger(__name__)
+
+READ_WRITE = "read_write"
+READ_ONLY = "read_only"
+ROLES = (READ_WRITE, READ_ONLY)
+MODES = ("single", "multi", "shared")
+Mode = Literal["single", "multi", "shared"]
+Role = Literal["read_write", "read_only"]
+
+_DATA, _STATE = "data", "state"
+_SUB_MAX_MSG = 64 * 1024 * 1024  # a SUB refuses bigger frames: bounds memory per message
+_LINGER_MS = 500
+_START_TIMEOUT = 10.0
+_CMD_TIMEOUT = 10.0
+_READ_BATCH = 128  # frames read per socket per IO turn, so one busy publisher starves nobody
+_MONITOR_EVENTS = (zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+                   | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
+
+
+class _KeySource(Protocol):
+    def get(self, verkey: str) -> KeyPair: ...
+
+
+# --- public value types ----------------------------------------------------------------------
+
+
+@dataclass
+class RemoteMember:
+    """Another member of a group, as the membership flows learned it (join/subscribe).
+
+    ``relationship_verkey`` is their key in our pairwise DIDComm relationship and
+    ``my_relationship_verkey`` ours (held in our keystore); ``transport_key`` is their CURVE public
+    key (Z85), which pins our SUB to their XPUB and admits their SUB to ours.
+    """
+
+    did: str
+    group_verkey: str = field(repr=False)
+    relationship_verkey: str = field(repr=False)
+    my_relationship_verkey: str = field(repr=False)
+    publish_endpoint: str
+    transport_key: str = field(repr=False)
+    peer_endpoint: str
+    role: str = READ_WRITE
+
+
+@dataclass(frozen=True)
+class Delivered:
+    """One message delivered to the application, in its publisher's order.
+
+    ``(lamport_ts, publisher_did)`` orders messages of all publishers consistently with causality.
+    """
+
+    group: str
+    message_id: str
+    publisher_did: str
+    seq: int
+    lamport_ts: int
+    sent_at: float
+    received_at: float
+    payload: bytes = field(repr=False)
+    headers: dict[str, str] | None = field(default=None, hash=False)
+
+
+_new = object.__new__
+_SEQ_OF = operator.itemgetter(1)  # DataMessage.seq (a NamedTuple field)
+
+
+def _delivered(group: str, message_id: str, publisher_did: str, seq: int, lamport_ts: int, sent_at: float,
+               received_at: float, payload: bytes, headers: dict[str, str] | None) -> Delivered:
+    """Build a Delivered without the frozen-dataclass __init__ (one setattr per field): this runs
+    once per delivered message and is several times cheaper; the result is an ordinary Delivered."""
+    d = _new(Delivered)
+    d.__dict__.update(group=group, message_id=message_id, publisher_did=publisher_did, seq=seq,
+                      lamport_ts=lamport_ts, sent_at=sent_at, received_at=received_at, payload=payload,
+                      headers=headers)
+    return d
+
+
+@dataclass(frozen=True)
+class DataPlaneConfig:
+    """Tuning of a data plane; the defaults favour throughput with bounded memory.
+
+    Windows and buffers count messages; HWMs count envelopes (batches).
+    """
+
+    batch_max: int = 512  # messages per envelope
+    batch_max_bytes: int = 1024 * 1024  # payload bytes per envelope (before base64)
+    linger_ms: float = 1.0  # how long the sender waits for a batch to fill
+    window: int = 16_384  # unacked messages per group before publish() waits
+    retention_max: int = 200_000  # messages kept for inactive members
+    max_message_bytes: int = 4 * 1024 * 1024
+    sndhwm: int = 2_000
+    rcvhwm: int = 2_000
+    recv_queue_max: int = 64  # envelopes decoded-but-undelivered before SUBs stop being read
+    ack_interval_ms: float = 50.0
+    ack_every: int = 2_048
+    nack_after_ms: float = 100.0
+    nack_retry_ms: float = 300.0
+    resend_after_ms: float = 1_000.0  # heartbeat to a member whose acks stalled (tail loss, lost acks)
+    resend_max: int = 2_048  # messages per resend envelope
+    request_timeout_s: float = 5.0
+    keepalive_ms: float = 2_000.0
+    dead_after_ms: float = 10_000.0
+    probe_interval_ms: float = 50.0
+    hold_max: int = 100_000  # held-back messages per publisher
+    dedup_ttl_s: float = 600.0
+    dedup_max: int = 200_000
+
+    def __post_init__(self) -> None:
+        for name in ("batch_max", "batch_max_bytes", "window", "retention_max", "max_message_bytes", "sndhwm",
+                     "rcvhwm", "recv_queue_max", "ack_every", "resend_max", "hold_max", "dedup_max"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigurationError(f"DataPlaneConfig.{name} must be a positive integer, got {value!r}")
+        for name in ("ack_interval_ms", "nack_after_ms", "nack_retry_ms", "resend_after_ms", "request_timeout_s",
+                     "keepalive_ms", "dead_after_ms", "probe_interval_ms", "dedup_ttl_s"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not value > 0:
+                raise ConfigurationError(f"DataPlaneConfig.{name} must be a positive number, got {value!r}")
+        if not isinstance(self.linger_ms, (int, float)) or self.linger_ms < 0:
+            raise ConfigurationError(f"DataPlaneConfig.linger_ms must be >= 0, got {self.linger_ms!r}")
+        if self.retention_max < self.window:
+            raise ConfigurationError("DataPlaneConfig.retention_max must be at least the window")
+
+
+# --- internal state --------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class _Member:
+    info: RemoteMember
+    my_key: KeyPair  # our relationship key pair with this member
+    base: int  # our stream to it starts after this seq
+    pair_topic: bytes | None  # multi mode: our pair topic to it
+
+
+@dataclass(slots=True)
+class _Sub:
+    group: str
+    did: str
+    endpoint: str
+    server_key: bytes
+    topics: dict[bytes, str]
+    sock: Any = None
+    monitor: Any = None  # handshake events: a refused CURVE handshake is never retried by libzmq
+    got_any: bool = False
+    next_resub: float = 0.0
+    resub_ivl: float = 0.2
+    reconnect_at: float | None = None
+    reconnect_ivl: float = 0.1
+    down_until: float = 0.0  # test hook: closed until then
+
+
+class _Group:
+    """Everything a data plane keeps for one open group."""
+
+    def __init__(self, name: str, mode: str, ordered: bool, group_key: KeyPair, role: str,
+                 outbox: Outbox) -> None:
+        self.name = name
+        self.mode = mode
+        self.ordered = ordered
+        self.group_key = group_key
+        self.role = role
+        self.outbox = outbox
+        self.members: dict[str, _Member] = {}
+        self.data_topic = topics.data_topic(name)
+        self.state_topic = topics.state_topic(name)
+        # receive side: owned by the receiver thread, read by others under DataPlane._rx_lock
+        self.streams: dict[str, PublisherStream[dm.DataMessage]] = {}
+        self.positions: dict[str, int] = {}
+        self.acks_sent: dict[str, tuple[int, float]] = {}
+        self.ack_needed: set[str] = set()
+        self.sync_at: dict[str, float] = {}
+        self.pending_restore: dict[str, int] = {}
+        self.wire_seq = outbox.last_seq  # highest seq handed to ZeroMQ (set by the IO thread)
+        self.pack_lock = threading.Lock()
+        self.closed = False
+
+
+class _Stats:
+    """Counters; the hot paths add once per batch, so one lock is cheap enough."""
+
+    NAMES = (
+        "messages_out", "bytes_out", "envelopes_out", "messages_in", "bytes_in", "envelopes_in",
+        "retransmits", "pushes", "nacks_sent", "nacks_served", "nack_failures", "duplicates_dropped",
+        "rejected_non_member", "rejected_read_only", "rejected_malformed", "not_for_me", "wrong_topic",
+        "lost", "subscriptions_accepted", "subscriptions_refused", "callback_errors", "probes_sent",
+        "backpressure_stalls",
+    )
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.values = dict.fromkeys(self.NAMES, 0)
+
+    def add(self, **delta: int) -> None:
+        with self.lock:
+            values = self.values
+            for name, value in delta.items():
+                values[name] += value
+
+
+class _QuietZapLog:
+    """The ZAP authenticator logs client keys at debug level; we log no keys at all."""
+
+    def debug(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    info = debug
+
+    def warning(self, *args: Any, **kwargs: Any) -> None:
+        log.warning("ZAP authenticator: refused a malformed authentication request")
+
+    error = warning
+    exception = warning
+
+
+class _CurveAllowList:
+    """ZAP credentials provider: admits exactly the transport keys of current members."""
+
+    def __init__(self) -> None:
+        self.keys: frozenset[bytes] = frozenset()
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        return key in self.keys
+
+
+# --- helpers ---------------------------------------------------------------------------------
+
+_PROTECTED_PREFIX = b'{"protected":"'
+_URL_TO_STD = bytes.maketrans(b"-_", b"+/")
+
+
+def _recipient_kids(env: bytes) -> list[str] | None:
+    """The recipient verkeys of an RFC 0019 envelope, read from its protected header only.
+
+    This is what lets a single-mode receiver skip envelopes for other members without any
+    decryption. None if the envelope is malformed.
+    """
+    try:
+        if env.startswith(_PROTECTED_PREFIX):  # our own layout: no need to parse the ciphertext
+            end = env.index(b'"', len(_PROTECTED_PREFIX))
+            protected = env[len(_PROTECTED_PREFIX):end]
+        else:
+            outer = json.loads(env)
+            protected = outer["protected"].encode("ascii")
+        raw = protected.rstrip(b"=").translate(_URL_TO_STD)
+        header = json.loads(binascii.a2b_base64(raw + b"=" * (-len(raw) % 4)))
+        return [r["header"]["kid"] for r in header["recipients"]]
+    except (ValueError, KeyError, TypeError, AttributeError, binascii.Error, UnicodeError):
+        return None
+
+
+def _check_role(role: str) -> str:
+    if role not in ROLES:
+        raise ConfigurationError(f"a role is 'read_write' or 'read_only', got {role!r}")
+    return role
+
+
+def _z85_key(key: bytes | str, what: str) -> bytes:
+    raw = key.encode("ascii") if isinstance(key, str) else bytes(key)
+    if len(raw) != 40:
+        raise ConfigurationError(f"{what} must be a 40-character Z85 CURVE key")
+    return raw
+
+
+# --- the data plane --------------------------------------------------------------------------
+
+
+class DataPlane:
+    """The group data plane of one member: one XPUB, SUBs to the other members, reliability.
+
+    Create, ``start()``, ``open_group``, ``add_member`` for each other member (both sides add each
+    other), ``probe`` each new member before relying on its first message, then ``publish``.
+    One data plane per PeerTransport: it registers the ``GROUP_DATA`` handlers.
+    """
+
+    def __init__(
+        self,
+        *,
+        member_did: str,
+        keystore: _KeySource,
+        transport: PeerTransport,
+        curve_keypair: tuple[bytes, bytes],
+        publish_bind: str = "tcp://127.0.0.1:*",
+        on_deliver: Callable[[Delivered], None],
+        on_state: Callable[[str, bytes], None] | None = None,
+        config: DataPlaneConfig = DataPlaneConfig(),  # noqa: B008 - frozen, shared safely
+    ) -> None:
+        self.member_did = topics.check_did(member_did)
+        if not callable(on_deliver):
+            raise ConfigurationError("on_deliver must be a callable taking a Delivered")
+        if on_state is not None and not callable(on_state):
+            raise ConfigurationError("on_state must be a callable taking (group, blob) or None")
+        if not isinstance(config, DataPlaneConfig):
+            raise ConfigurationError("config must be a DataPlaneConfig")
+        self._keystore = keystore
+        self._transport = transport
+        self._curve_public = _z85_key(curve_keypair[0], "the CURVE public key")
+        self._curve_secret = _z85_key(curve_keypair[1], "the CURVE secret key")
+        self._bind = publish_bind
+        self._on_deliver = on_deliver
+        self._on_state = on_state
+        self.config = config
+
+        self._lock = threading.RLock()  # groups, members, key maps, ACL
+        self._groups: dict[str, _Group] = {}
+        self._rel_keys: dict[str, KeyPair] = {}  # our relationship verkey -> key pair
+        self._clock = LamportClock()
+        # Message ids: a random per-plane prefix and a counter, unique without a uuid per message.
+        self._id_prefix = secrets.token_hex(8) + "-"
+        self._id_counter = itertools.count(1)
+        self._dedup = TTLCache(config.dedup_ttl_s, config.dedup_max)
+        self._stats = _Stats()
+        self._allow = _CurveAllowList()
+        self._acl: dict[str, frozenset[bytes]] = {}  # z85 user id -> topics it may subscribe to
+
+        self._started = False
+        self._closed = False
+        self._stopping = threading.Event()
+        self._ctx: zmq.Context[Any] | None = None
+        self._auth: ThreadAuthenticator | None = None
+        self._endpoint: str | None = None
+        self._ready = threading.Event()
+        self._start_error: BaseException | None = None
+        self._threads: list[threading.Thread] = []
+
+        # IO thread mailboxes
+        self._io_lock = threading.Lock()
+        self._wake_addr = f"inproc://zerocomm-dataplane-{os.getpid()}-{secrets.token_hex(6)}"
+        self._wake_tx: zmq.Socket[Any] | None = None
+        self._wake_pending = False
+        self._cmds: deque[tuple[Any, ...]] = deque()
+        self._out_ctrl: deque[tuple[list[bytes], Future[None] | None]] = deque()
+        self._out_data: deque[tuple[list[bytes], _Group | None, int]] = deque()  # frames, group, its last seq
+        self._io_thread: threading.Thread | None = None
+
+        # sender
+        self._send_event = threading.Event()
+        # receiver
+        self._rx: deque[tuple[Any, ...]] = deque()
+        self._rx_cond = threading.Condition(threading.Lock())
+        self._rx_lock = threading.RLock()
+        # liveness and probes
+        self._last_heard: dict[str, float] = {}
+        self._alive: dict[str, bool] = {}
+        self._ping_sent: dict[str, float] = {}
+        self._pinging: set[str] = set()
+        self._pinger: ThreadPoolExecutor | None = None
+        self._probes: dict[str, tuple[str, str, threading.Event]] = {}
+
+    # --- lifecycle ---------------------------------------------------------------------------
+
+    def start(self) -> DataPlane:
+        """Bind the XPUB, start the threads and serve GROUP_DATA on the transport; returns self."""
+        with self._lock:
+            if self._closed:
+                raise DataPlaneClosedError("this data plane was closed")
+            if self._started:
+                raise GroupError("start() was called twice", hint="Start a data plane once.")
+            self._started = True
+        self._ctx = zmq.Context()
+        self._auth = ThreadAuthenticator(self._ctx, log=_QuietZapLog())
+        self._auth.start()
+        self._auth.configure_curve_callback("*", credentials_provider=self._allow)
+        self._io_thread = threading.Thread(target=self._io_main, name="zerocomm-group-io", daemon=True)
+        self._io_thread.start()
+        if not self._ready.wait(_START_TIMEOUT) or self._start_error is not None:
+            err = self._start_error
+            self._stopping.set()
+            self._closed = True
+            self._io_thread.join(_START_TIMEOUT)
+            self._auth.stop()
+            self._ctx.term()
+            raise ConfigurationError(f"cannot bind the group publish socket to {self._bind!r}: {err}") from err
+        wake = self._ctx.socket(zmq.PAIR)
+        wake.setsockopt(zmq.LINGER, 0)
+        wake.connect(self._wake_addr)
+        self._wake_tx = wake
+        self._pinger = ThreadPoolExecutor(max_workers=4, thread_name_prefix="zerocomm-group-ping")
+        for target, name in ((self._sender_main, "zerocomm-group-send"), (self._receiver_main, "zerocomm-group-recv"),
+                             (self._maintenance_main, "zerocomm-group-maint")):
+            t = threading.Thread(target=target, name=name, daemon=True)
+            t.start()
+            self._threads.append(t)
+        self._transport.register(ProtocolId.GROUP_DATA, rpc=self._on_rpc, direct=self._on_direct)
+        log.info("group data plane of %s publishing on %s", self.member_did, self._endpoint)
+        return self
+
+    @property
+    def publish_endpoint(self) -> str:
+        """Where other members connect their SUB (announce it in subscribe messages)."""
+        if self._endpoint is None:
+            raise DataPlaneClosedError("the data plane has no publish endpoint before start()")
+        return self._endpoint
+
+    @property
+    def curve_public_key(self) -> str:
+        """This plane's CURVE public key (Z85), the ``transport_key`` others need."""
+        return self._curve_public.decode("ascii")
+
+    @property
+    def lamport_time(self) -> int:
+        return self._clock.time
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Flush what is queued (bounded by ``timeout``), stop every thread, fail pending receipts."""
+        deadline = time.monotonic() + max(timeout, 0.0)
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            groups = list(self._groups.values())
+        if not self._started:
+            return
+        # Let the sender hand over what was published, then stop.
+        while time.monotonic() < deadline and any(g.outbox.unsent_count() for g in groups):
+            self._send_event.set()
+            time.sleep(0.005)
+        self._stopping.set()
+        self._send_event.set()
+        with self._rx_cond:
+            self._rx_cond.notify_all()
+        for t in self._threads:
+            t.join(max(deadline - time.monotonic(), 0.05))
+        self._wake()
+        if self._io_thread is not None:
+            self._io_thread.join(max(deadline - time.monotonic(), 0.1))
+        if self._pinger is not None:
+            self._pinger.shutdown(wait=False, cancel_futures=True)
+        closed = DataPlaneClosedError("the data plane was closed before the messages were acked")
+        for g in groups:
+            g.outbox.close(closed)
+        for _, _, event in list(self._probes.values()):
+            event.set()
+        with self._io_lock:
+            if self._wake_tx is not None:
+                self._wake_tx.close(linger=0)
+                self._wake_tx = None
+        stuck = [t.name for t in [*self._threads, self._io_thread] if t is not None and t.is_alive()]
+        if self._auth is not None:
+            self._auth.stop()
+        if stuck:
+            log.warning("group data plane closed with threads still running: %s", ", ".join(stuck))
+        elif self._ctx is not None:
+            self._ctx.term()
+        log.info("group data plane of %s closed", self.member_did)
+
+    def __enter__(self) -> DataPlane:
+        if not self._started:
+            self.start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    # --- groups and members ------------------------------------------------------------------
+
+    def open_group(self, group: str, *, mode: Mode, ordered: bool, group_key: KeyPair, role: Role,
+                   first_seq: int = 1) -> None:
+        """Start publishing and receiving for ``group``.
+
+        ``group_key`` is this member's group key (shared-mode envelopes are authcrypted with it);
+        ``ordered`` selects per-publisher FIFO delivery (hold-back) over delivery on arrival;
+        ``first_seq`` lets a restarted member continue its own sequence (persist it: store.py).
+        """
+        topics.check_group(group)
+        if mode not in MODES:
+            raise ConfigurationError(f"a group mode is one of {', '.join(MODES)}, got {mode!r}")
+        if not isinstance(group_key, KeyPair):
+            raise ConfigurationError("group_key must be a KeyPair (the member's group key from the keystore)")
+        _check_role(role)
+        if not isinstance(first_seq, int) or first_seq < 1:
+            raise ConfigurationError(f"first_seq must be a positive integer, got {first_seq!r}")
+        self._check_running()
+        with self._lock:
+            if group in self._groups:
+                raise GroupAlreadyOpenError(f"group {group!r} is already open on this data plane")
+            outbox = Outbox(group, window=self.config.window, retention_max=self.config.retention_max,
+                            first_seq=first_seq)
+            self._groups[group] = _Group(group, mode, bool(ordered), group_key, role, outbox)
+            self._update_access_locked()
+        log.info("opened group %r (%s mode, %s) as %s", group, mode, "ordered" if ordered else "unordered", role)
+
+    def close_group(self, group: str) -> None:
+        """Stop the group's SUBs, forget its members and fail its pending receipts."""
+        self._check_running()
+        with self._lock:
+            g = self._groups.pop(group, None)
+            if g is None:
+                raise GroupNotOpenError(f"group {group!r} is not open on this data plane")
+            g.closed = True
+            dids = list(g.members)
+            self._update_access_locked()
+        for did in dids:
+            self._io_call("sub_remove", group, did)
+        g.outbox.close(GroupError(f"group {group!r} was closed before its messages were acked",
+                                  hint="Nothing more will be acked for it; reopen the group to publish again."))
+        log.info("closed group %r", group)
+
+    def add_member(self, group: str, member: RemoteMember) -> None:
+        """Admit ``member``: authorise its CURVE key, connect a SUB to it, owe it our next messages.
+
+        Adding a DID that is already a member updates its endpoints, keys and role in place and keeps
+        its progress (a restarted member announces new endpoints this way and still gets what it
+        missed). Call ``probe`` afterwards before relying on the member receiving the first message.
+        """
+        self._check_running()
+        if not isinstance(member, RemoteMember):
+            raise ConfigurationError("add_member takes a RemoteMember")
+        topics.check_did(member.did)
+        if member.did == self.member_did:
+            raise ConfigurationError("a member does not add itself; its own role is set by open_group/set_role")
+        _check_role(member.role)
+        server_key = _z85_key(member.transport_key, "the member's transport_key")
+        for ep in (member.publish_endpoint, member.peer_endpoint):
+            if not isinstance(ep, str) or "://" not in ep:
+                raise ConfigurationError(f"a member endpoint looks like tcp://host:port, got {ep!r}")
+        my_key = self._keystore.get(member.my_relationship_verkey)
+        info = replace(member, transport_key=server_key.decode("ascii"))
+        with self._lock:
+            g = self._group(group)
+            old = g.members.get(member.did)
+            base = g.outbox.add_member(member.did)
+            pair = topics.pair_topic(group, self.member_did, member.did) if g.mode == "multi" else None
+            g.members[member.did] = _Member(info, my_key, base if old is None else old.base, pair)
+            self._rel_keys[my_key.verkey] = my_key
+            self._update_access_locked()
+            self._last_heard.setdefault(member.did, time.monotonic())
+            self._alive.setdefault(member.did, True)
+            resubscribe = old is None or (old.info.publish_endpoint, old.info.transport_key) != (
+                info.publish_endpoint, info.transport_key)
+        if resubscribe:
+            sub_topics = {g.state_topic: _STATE}
+            if g.mode == "multi":
+                sub_topics[topics.pair_topic(group, member.did, self.member_did)] = _DATA
+            else:
+                sub_topics[g.data_topic] = _DATA
+            if old is not None:
+                self._io_call("sub_remove", group, member.did)
+            self._io_call("sub_add", _Sub(group, member.did, member.publish_endpoint, server_key, sub_topics))
+        restore = None
+        with self._rx_lock:
+            if member.did in g.pending_restore:
+                restore = g.pending_restore.pop(member.did)
+        if restore is not None:
+            self._request_resend(g, g.members[member.did], restore + 1, None)
+        log.info("group %r: %s member %s", group, "updated" if old else "added", member.did)
+
+    def remove_member(self, group: str, did: str) -> None:
+        """Forget ``did``: close our SUB to it, drop its CURVE key and acks, cut its subscriptions.
+
+        Its existing connection to our XPUB is cut by re-binding the XPUB on the same endpoint (ZAP
+        only runs at connect): the other members reconnect by themselves and anything they miss
+        meanwhile is recovered by NACK.
+        """
+        self._check_running()
+        with self._lock:
+            g = self._group(group)
+            m = g.members.pop(did, None)
+            if m is None:
+                raise NotAMemberError(f"{did} is not a member of group {group!r} here")
+            g.outbox.remove_member(did)
+            self._update_access_locked()
+            still_member = any(did in other.members for other in self._groups.values())
+            if not still_member:
+                self._last_heard.pop(did, None)
+                self._alive.pop(did, None)
+            if not any(x.my_key.verkey == m.my_key.verkey for o in self._groups.values() for x in o.members.values()):
+                self._rel_keys.pop(m.my_key.verkey, None)
+        with self._rx_lock:
+            g.streams.pop(did, None)
+            g.positions.pop(did, None)
+            g.acks_sent.pop(did, None)
+            g.ack_needed.discard(did)
+            g.sync_at.pop(did, None)
+        self._io_call("sub_remove", group, did)
+        self._io_call("rebind")
+        log.info("group %r: removed member %s", group, did)
+
+    def set_role(self, group: str, did: str, role: Role) -> None:
+        """Switch a member's role (or this member's own, with ``did`` = our DID).
+
+        Read-only members cannot publish; data from a publisher we see as read-only is dropped.
+        """
+        _check_role(role)
+        with self._lock:
+            g = self._group(group)
+            if did == self.member_did:
+                g.role = role
+                return
+            m = g.members.get(did)
+            if m is None:
+                raise NotAMemberError(f"{did} is not a member of group {group!r} here")
+            m.info = replace(m.info, role=role)
+
+    def members(self, group: str) -> list[RemoteMember]:
+        """Copies of the group's other members as this data plane knows them."""
+        with self._lock:
+            return [replace(m.info) for m in self._group(group).members.values()]
+
+    def role(self, group: str) -> str:
+        """This member's own role in ``group``."""
+        return self._group(group).role
+
+    # --- publishing ----------------------------------------------------------------------------
+
+    def publish(
+        self,
+        group: str,
+        payloads: Sequence[bytes],
+        *,
+        message_ids: Sequence[str] | None = None,
+        headers: Mapping[str, str] | None = None,
+        timeout: float = 30.0,
+    ) -> PublishReceipt:
+        """Queue ``payloads`` for every member, in order; returns once they are buffered.
+
+        Seqs and Lamport timestamps are assigned now (see the receipt). If the group's window of
+        unacked messages is full this waits up to ``timeout`` and then raises BackpressureError,
+        having sent nothing. Passing ``message_ids`` makes a retry after a crash idempotent:
+        receivers drop ids they already delivered. ``headers`` apply to every message of the call.
+        """
+        self._check_running()
+        g = self._group(group)
+        if g.role != READ_WRITE:
+            raise ReadOnlyMemberError(f"this member is read-only in group {group!r}")
+        if isinstance(payloads, (bytes, bytearray, memoryview, str)):
+            raise TypeError("publish() takes a sequence of payloads: wrap a single payload in a list")
+        payloads = [p if type(p) is bytes else self._as_bytes(p) for p in payloads]
+        limit = self.config.max_message_bytes
+        for p in payloads:
+            if len(p) > limit:
+                raise FrameTooLargeError(f"a {len(p)}-byte payload exceeds max_message_bytes={limit}",
+                                         hint="Split the payload or raise DataPlaneConfig.max_message_bytes")
+        if message_ids is None:
+            ids = [f"{self._id_prefix}{next(self._id_counter):x}" for _ in payloads]
+        else:
+            ids = list(message_ids)
+            if len(ids) != len(payloads):
+                raise ConfigurationError("message_ids must have one id per payload")
+            for mid in ids:
+                if not isinstance(mid, str) or not mid or len(mid) > dm.MAX_ID_LENGTH:
+                    raise ConfigurationError(f"a message id is a non-empty string of at most {dm.MAX_ID_LENGTH} chars")
+            if len(set(ids)) != len(ids):
+                raise ConfigurationError("message_ids must be unique within one publish() call")
+        hdrs = self._check_headers(headers)
+        if not payloads:
+            return g.outbox.empty_receipt()
+        try:
+            receipt = g.outbox.append(payloads, ids, hdrs, self._clock.tick, timeout)
+        except BackpressureError:
+            self._stats.add(backpressure_stalls=1)
+            raise
+        # Caller runs: a publisher that fills whole batches packs them itself (if no one else is),
+        # instead of handing them to the sender thread and fighting it for the GIL.
+        batch_max = self.config.batch_max
+        while g.outbox.unsent_count() >= batch_max and self._pack_next(g, blocking=False):
+            pass
+        if not self._send_event.is_set():
+            self._send_event.set()
+        return receipt
+
+    @staticmethod
+    def _as_bytes(p: Any) -> bytes:
+        if isinstance(p, (bytearray, memoryview)):
+            return bytes(p)
+        raise TypeError(f"payloads are bytes, got {type(p).__name__}")
+
+    @staticmethod
+    def _check_headers(headers: Mapping[str, str] | None) -> dict[str, str] | None:
+        if headers is None:
+            return None
+        if not isinstance(headers, Mapping) or len(headers) > dm.MAX_HEADERS:
+            raise ConfigurationError(f"headers must be a mapping of at most {dm.MAX_HEADERS} entries")
+        out = {}
+        for k, v in headers.items():
+            if not isinstance(k, str) or not isinstance(v, str) or not k:
+                raise ConfigurationError("headers map non-empty strings to strings")
+            if len(k) > dm.MAX_HEADER_LENGTH or len(v) > dm.MAX_HEADER_LENGTH:
+                raise ConfigurationError(f"a header name or value is at most {dm.MAX_HEADER_LENGTH} characters")
+            out[k] = v
+        return out or None
+
+    def publish_state(self, group: str, blob: bytes, *, timeout: float = 10.0) -> None:
+        """Publish an opaque state blob on the group's state topic; others get ``on_state(group, blob)``.
+
+        Returns once ZeroMQ accepted it; BackpressureError if the XPUB stayed full until ``timeout``
+        (the blob is then withdrawn, not sent later). Best effort beyond that: membership repairs
+        missed status by digests.
+        """
+        self._check_running()
+        g = self._group(group)
+        if not isinstance(blob, (bytes, bytearray, memoryview)):
+            raise TypeError("a state blob is bytes")
+        fut: Future[None] = Future()
+        self._io_send_ctrl([g.state_topic, bytes(blob)], fut)
+        try:
+            fut.result(timeout)
+        except FutureTimeoutError:
+            fut.cancel()
+            raise BackpressureError(f"the state message for group {group!r} was not accepted within {timeout:g}s") from None
+
+    def probe(self, group: str, did: str, timeout: float = 10.0) -> float:
+        """Send hellos through the data path until ``did`` acks one; returns the seconds it took.
+
+        A member's SUB connects asynchronously, so messages published right after ``add_member`` may
+        reach it before it is subscribed; once a probe succeeds its SUB is proven connected and
+        subscribed, and the hello told it where our stream starts. Raises PeerTimeoutError.
+        """
+        self._check_running()
+        start = time.monotonic()
+        deadline = start + timeout
+        nonce = secrets.token_hex(12)
+        event = threading.Event()
+        self._probes[nonce] = (group, did, event)
+        interval = self.config.probe_interval_ms / 1000
+        try:
+            while True:
+                with self._lock:
+                    g = self._group(group)
+                    m = g.members.get(did)
+                    if m is None:
+                        raise NotAMemberError(f"{did} is not a member of group {group!r} here")
+                hello = dm.Hello(group, self.member_did, did, nonce, g.outbox.base_of(did) or 0, g.wire_seq)
+                topic, env = self._pack_for(g, m, dm.encode(hello))
+                self._io_send_ctrl([topic, env], None)
+                self._stats.add(probes_sent=1)
+                remaining = deadline - time.monotonic()
+                if event.wait(min(interval, max(remaining, 0))):
+                    if self._closed:
+                        raise DataPlaneClosedError("the data plane closed during a probe")
+                    return time.monotonic() - start
+                if time.monotonic() >= deadline:
+                    raise PeerTimeoutError(f"{did} did not answer the probe of group {group!r} within {timeout:g}s",
+                                           hint="Check that it added this member (subscribe) and is running")
+                interval = min(interval * 1.5, 0.5)
+        finally:
+            self._probes.pop(nonce, None)
+
+    def _pack_for(self, g: _Group, m: _Member, plaintext: bytes) -> tuple[bytes, bytes]:
+        """Topic and envelope of a message for one member, in the group's mode."""
+        if g.mode == "shared":
+            return g.data_topic, envelope.pack(plaintext, [m.info.group_verkey], sender=g.group_key)
+        env = envelope.pack(plaintext, [m.info.relationship_verkey], sender=m.my_key)
+        return (m.pair_topic if g.mode == "multi" else g.data_topic), env  # type: ignore[return-value]
+
+    # --- positions and stats -------------------------------------------------------------------
+
+    def positions(self, group: str) -> dict[str, int]:
+        """Last seq delivered (and returned from ``on_deliver``) per publisher: persist it to restart."""
+        g = self._group(group)
+        with self._rx_lock:
+            return dict(g.positions)
+
+    def publish_position(self, group: str) -> int:
+        """Highest seq this member published in ``group``: reopen with ``first_seq`` = it + 1."""
+        return self._group(group).outbox.last_seq
+
+    def restore_positions(self, group: str, positions: Mapping[str, int], timeout: float = 10.0) -> None:
+        """After a restart: continue each publisher's stream after the given seq, fetching what was missed.
+
+        Publishers not yet added are remembered and asked once ``add_member`` adds them.
+        """
+        self._check_running()
+        g = self._group(group)
+        clean = {}
+        for did, pos in positions.items():
+            if not isinstance(pos, int) or isinstance(pos, bool) or pos < 0:
+                raise ConfigurationError(f"a position is a non-negative seq, got {pos!r}")
+            clean[did] = pos
+        done = threading.Event()
+        self._rx_put(("restore", g.name, clean, done))
+        if not done.wait(timeout):
+            raise PeerTimeoutError(f"restoring positions of group {group!r} did not finish within {timeout:g}s")
+
+    def stats(self) -> dict[str, Any]:
+        """Counters for metrics: traffic, retransmissions, drops by reason, lag, liveness."""
+        with self._stats.lock:
+            out: dict[str, Any] = dict(self._stats.values)
+        with self._lock:
+            groups = list(self._groups.values())
+            out["peers_alive"] = dict(self._alive)
+        lag: dict[str, dict[str, int]] = {}
+        with self._rx_lock:
+            for g in groups:
+                lag[g.name] = {did: s.lag() for did, s in g.streams.items()}
+                out["lost"] += sum(s.lost for s in g.streams.values())
+        out["lag"] = lag
+        out["unacked"] = {g.name: g.outbox.lag() for g in groups}
+        out["backpressure_waits"] = sum(g.outbox.backpressure_waits for g in groups)
+        out["retention_dropped"] = sum(g.outbox.retention_dropped for g in groups)
+        out["held"] = {g.name: g.outbox.held() for g in groups}
+        return out
+
+    # --- internals: access -----------------------------------------------------------------------
+
+    def _check_running(self) -> None:
+        if self._closed:
+            raise DataPlaneClosedError("the data plane is closed")
+        if not self._started:
+            raise DataPlaneClosedError("the data plane is not started", hint="Call start() first.")
+
+    def _group(self, group: str) -> _Group:
+        g = self._groups.get(group)
+        if g is None:
+            raise GroupNotOpenError(f"group {group!r} is not open on this data plane")
+        return g
+
+    def _update_access_locked(self) -> None:
+        """Recompute the ZAP allow-list and the per-key topic ACL from the current groups."""
+        acl: dict[str, set[bytes]] = {}
+        for g in self._groups.values():
+            for m in g.members.values():
+                allowed = acl.setdefault(m.info.transport_key, set())
+                allowed.add(g.state_topic)
+                if g.mode == "multi":
+                    assert m.pair_topic is not None
+                    allowed.add(m.pair_topic)
+                else:
+                    allowed.add(g.data_topic)
+        self._acl = {k: frozenset(v) for k, v in acl.items()}
+        self._allow.keys = frozenset(k.encode("ascii") for k in acl)
+
+    # --- internals: IO thread ------------------------------------------------------------------
+
+    def _wake(self) -> None:
+        with self._io_lock:
+            if self._wake_pending or self._wake_tx is None:
+                return
+            self._wake_pending = True
+            try:
+                self._wake_tx.send(b"", zmq.NOBLOCK)
+            except zmq.ZMQError:
+                self._wake_pending = False
+
+    def _io_send_ctrl(self, frames: list[bytes], fut: Future[None] | None) -> None:
+        self._out_ctrl.append((frames, fut))
+        self._wake()
+
+    def _io_send_data(self, entries: list[tuple[list[bytes], _Group | None, int]]) -> None:
+        self._out_data.extend(entries)
+        self._wake()
+
+    def _io_call(self, *cmd: Any) -> None:
+        """Run a socket command on the IO thread and wait for it (bounded)."""
+        if self._closed or self._io_thread is None or not self._io_thread.is_alive():
+            return
+        fut: Future[None] = Future()
+        self._cmds.append((fut, *cmd))
+        self._wake()
+        try:
+            fut.result(_CMD_TIMEOUT)
+        except FutureTimeoutError:
+            raise GroupError(f"the data plane's IO thread did not run {cmd[0]} within {_CMD_TIMEOUT:g}s") from None
+
+    def _make_xpub(self) -> zmq.Socket[Any]:
+        assert self._ctx is not None
+        xpub = self._ctx.socket(zmq.XPUB)
+        xpub.setsockopt(zmq.LINGER, _LINGER_MS)
+        xpub.setsockopt(zmq.SNDHWM, self.config.sndhwm)
+        xpub.setsockopt(zmq.XPUB_NODROP, 1)
+        xpub.setsockopt(zmq.XPUB_MANUAL, 1)
+        xpub.setsockopt(zmq.MAXMSGSIZE, 4096)  # inbound traffic on an XPUB is subscriptions only
+        xpub.curve_server = True
+        xpub.curve_secretkey = self._curve_secret
+        xpub.curve_publickey = self._curve_public
+        xpub.setsockopt(zmq.HEARTBEAT_IVL, 5000)
+        xpub.setsockopt(zmq.HEARTBEAT_TIMEOUT, 15000)
+        return xpub
+
+    def _open_sub(self, sub: _Sub) -> None:
+        assert self._ctx is not None
+        sock = self._ctx.socket(zmq.SUB)
+        try:
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.RCVHWM, self.config.rcvhwm)
+            sock.setsockopt(zmq.MAXMSGSIZE, _SUB_MAX_MSG)
+            sock.setsockopt(zmq.RECONNECT_IVL, 100)
+            sock.setsockopt(zmq.RECONNECT_IVL_MAX, 2000)
+            sock.setsockopt(zmq.HEARTBEAT_IVL, 5000)
+            sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 15000)
+            sock.curve_serverkey = sub.server_key
+            sock.curve_publickey = self._curve_public
+            sock.curve_secretkey = self._curve_secret
+            sock.connect(sub.endpoint)
+            for t in sub.topics:
+                sock.setsockopt(zmq.SUBSCRIBE, t)
+        except zmq.ZMQError:
+            sock.close(linger=0)
+            raise
+        sub.sock = sock
+        sub.monitor = sock.get_monitor_socket(_MONITOR_EVENTS)
+        sub.got_any = False
+        sub.resub_ivl = 0.2
+        sub.next_resub = time.monotonic() + sub.resub_ivl
+        sub.reconnect_at = None
+
+    @staticmethod
+    def _close_sub(sub: _Sub) -> None:
+        if sub.sock is None:
+            return
+        try:
+            sub.sock.disable_monitor()
+        except zmq.ZMQError:
+            pass
+        if sub.monitor is not None:
+            sub.monitor.close(linger=0)
+        sub.sock.close(linger=0)
+        sub.sock = sub.monitor = None
+
+    def _on_monitor(self, sub: _Sub) -> None:
+        """A refused handshake (the publisher has not admitted us yet) ends the connection for good
+        in libzmq; reconnect with backoff until it admits us."""
+        while True:
+            try:
+                event = parse_monitor_message(sub.monitor.recv_multipart(zmq.NOBLOCK))["event"]
+            except zmq.Again:
+                return
+            except (zmq.ZMQError, ValueError, KeyError):
+                continue
+            if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                sub.reconnect_ivl = 0.1
+            elif sub.reconnect_at is None:
+                sub.reconnect_at = time.monotonic() + sub.reconnect_ivl
+                sub.reconnect_ivl = min(sub.reconnect_ivl * 2, 2.0)
+
+    def _io_main(self) -> None:
+        try:
+            xpub = self._make_xpub()
+            try:
+                xpub.bind(self._bind)
+            except zmq.ZMQError:
+                xpub.close(linger=0)
+                raise
+            self._endpoint = xpub.getsockopt_string(zmq.LAST_ENDPOINT)
+            assert self._ctx is not None
+            wake_rx = self._ctx.socket(zmq.PAIR)
+            wake_rx.setsockopt(zmq.LINGER, 0)
+            wake_rx.bind(self._wake_addr)
+        except Exception as exc:  # noqa: BLE001 - reported to start()
+            self._start_error = exc
+            self._ready.set()
+            return
+        self._ready.set()
+        subs: dict[tuple[str, str], _Sub] = {}
+        by_sock: dict[Any, _Sub] = {}
+        by_monitor: dict[Any, _Sub] = {}
+        state = {"xpub": xpub, "dirty": True, "blocked_since": None}
+        full = zmq.Poller()
+        base = zmq.Poller()
+        try:
+            while not self._stopping.is_set():
+                if state["dirty"]:
+                    full, base = zmq.Poller(), zmq.Poller()
+                    for p in (full, base):
+                        p.register(wake_rx, zmq.POLLIN)
+                        p.register(state["xpub"], zmq.POLLIN)
+                    for s in by_sock:
+                        full.register(s, zmq.POLLIN)
+                    for p in (full, base):
+                        for mon in by_monitor:
+                            p.register(mon, zmq.POLLIN)
+                    state["dirty"] = False
+                throttled = len(self._rx) >= self.config.recv_queue_max
+                blocked = state["blocked_since"] is not None
+                timeout = 2 if blocked else (5 if throttled else 100)
+                events = dict((base if throttled else full).poll(timeout))
+                if wake_rx in events:
+                    with self._io_lock:
+                        self._wake_pending = False
+                    while True:
+                        try:
+                            wake_rx.recv(zmq.NOBLOCK)
+                        except zmq.Again:
+                            break
+                for sock in events:
+                    sub = by_monitor.get(sock)
+                    if sub is not None and sub.monitor is sock:
+                        self._on_monitor(sub)
+                while self._cmds:
+                    self._run_cmd(self._cmds.popleft(), subs, by_sock, by_monitor, state)
+                xp = state["xpub"]
+                if xp in events:
+                    self._read_subscriptions(xp)
+                if not throttled:
+                    items: list[tuple[Any, ...]] = []
+                    for sock in events:
+                        sub = by_sock.get(sock)
+                        if sub is not None:
+                            self._read_sub(sub, items)
+                    if items:
+                        with self._rx_cond:
+                            self._rx.extend(items)
+                            self._rx_cond.notify()
+                self._flush(state)
+                self._io_timers(subs, by_sock, by_monitor, state)
+            self._flush(state)  # what close() let the sender hand over
+        except Exception:  # noqa: BLE001 - a dead IO thread must be loud
+            log.exception("group data plane IO thread failed")
+        finally:
+            for sub in subs.values():
+                self._close_sub(sub)
+            state["xpub"].close(linger=_LINGER_MS)
+            wake_rx.close(linger=0)
+            for frames, fut in list(self._out_ctrl):
+                if fut is not None and not fut.done():
+                    fut.cancel()
+
+    def _run_cmd(self, cmd: tuple[Any, ...], subs: dict[tuple[str, str], _Sub], by_sock: dict[Any, _Sub],
+                 by_monitor: dict[Any, _Sub], state: dict[str, Any]) -> None:
+        fut, op, *args = cmd
+
+        def drop(sub: _Sub) -> None:
+            by_sock.pop(sub.sock, None)
+            by_monitor.pop(sub.monitor, None)
+            self._close_sub(sub)
+            state["dirty"] = True
+
+        try:
+            if op == "sub_add":
+                sub: _Sub = args[0]
+                old = subs.pop((sub.group, sub.did), None)
+                if old is not None:
+                    drop(old)
+                self._open_sub(sub)
+                subs[(sub.group, sub.did)] = sub
+                by_sock[sub.sock] = sub
+                by_monitor[sub.monitor] = sub
+                state["dirty"] = True
+            elif op == "sub_remove":
+                old = subs.pop((args[0], args[1]), None)
+                if old is not None:
+                    drop(old)
+            elif op == "sub_kill":  # test hook: the SUB dies and comes back after a pause
+                sub = subs.get((args[0], args[1]))
+                if sub is not None and sub.sock is not None:
+                    drop(sub)
+                    sub.down_until = time.monotonic() + args[2]
+            elif op == "rebind":
+                self._rebind(state)
+            fut.set_result(None)
+        except Exception as exc:  # noqa: BLE001 - reported to the caller
+            fut.set_exception(exc)
+
+    def _rebind(self, state: dict[str, Any]) -> None:
+        """Close and re-bind the XPUB on the same endpoint: every connection re-authenticates."""
+        assert self._endpoint is not None
+        state["xpub"].close(linger=0)
+        deadline = time.monotonic() + 5.0
+        while True:
+            xpub = self._make_xpub()
+            try:
+                xpub.bind(self._endpoint)
+                break
+            except zmq.ZMQError:
+                xpub.close(linger=0)
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.01)
+        state["xpub"] = xpub
+        state["dirty"] = True
+
+    def _read_subscriptions(self, xpub: zmq.Socket[Any]) -> None:
+        accepted = refused = 0
+        for _ in range(_READ_BATCH):
+            try:
+                frame = xpub.recv(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                break
+            data = frame.bytes
+            if not data or data[0] != 1:
+                continue  # unsubscriptions: libzmq drops a closed pipe's subscriptions itself
+            try:
+                user = frame.get("User-Id")
+            except (zmq.ZMQError, KeyError, TypeError):
+                user = None
+            topic = data[1:]
+            if user is not None and topic in self._acl.get(user, ()):
+                xpub.setsockopt(zmq.SUBSCRIBE, topic)  # applies to the pipe this came from
+                accepted += 1
+            else:
+                refused += 1
+        if accepted or refused:
+            self._stats.add(subscriptions_accepted=accepted, subscriptions_refused=refused)
+
+    def _read_sub(self, sub: _Sub, items: list[tuple[Any, ...]]) -> None:
+        sock = sub.sock
+        wrong = 0
+        for _ in range(_READ_BATCH):
+            try:
+                parts = sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            sub.got_any = True
+            kind = sub.topics.get(parts[0]) if len(parts) == 2 else None  # the whole first frame
+            if kind is None:
+                wrong += 1
+                continue
+            items.append(("sub", sub.group, sub.did, kind, parts[1]))
+        if wrong:
+            self._stats.add(wrong_topic=wrong)
+
+    def _flush(self, state: dict[str, Any]) -> None:
+        xpub = state["xpub"]
+        ctrl, data = self._out_ctrl, self._out_data
+        try:
+            while ctrl:
+                frames, fut = ctrl[0]
+                if fut is not None and fut.done():
+                    ctrl.popleft()
+                    continue
+                xpub.send_multipart(frames, zmq.NOBLOCK)
+                ctrl.popleft()
+                if fut is not None and fut.set_running_or_notify_cancel():
+                    fut.set_result(None)
+            while data:
+                frames, g, last = data[0]
+                xpub.send_multipart(frames, zmq.NOBLOCK)
+                data.popleft()
+                if g is not None and last > g.wire_seq:
+                    g.wire_seq = last  # what we may announce: handed to ZeroMQ, not just queued
+        except zmq.Again:  # XPUB_NODROP: a member's queue is full; wait, never drop
+            if state["blocked_since"] is None:
+                state["blocked_since"] = time.monotonic()
+            return
+        state["blocked_since"] = None
+
+    def _io_timers(self, subs: dict[tuple[str, str], _Sub], by_sock: dict[Any, _Sub],
+                   by_monitor: dict[Any, _Sub], state: dict[str, Any]) -> None:
+        now = time.monotonic()
+        for sub in subs.values():
+            if sub.sock is None:
+                if now >= sub.down_until:
+                    self._open_sub(sub)
+                    by_sock[sub.sock] = sub
+                    by_monitor[sub.monitor] = sub
+                    state["dirty"] = True
+                continue
+            if sub.reconnect_at is not None and now >= sub.reconnect_at:
+                sub.reconnect_at = None
+                try:
+                    sub.sock.disconnect(sub.endpoint)
+                except zmq.ZMQError:
+                    pass  # the refused connection is already gone
+                sub.sock.connect(sub.endpoint)
+            if not sub.got_any and now >= sub.next_resub:
+                # A publisher accepts a subscription only for groups it admitted us to; until we hear
+                # from it, repeat the subscription so an admission after our connect takes effect.
+                for t in sub.topics:
+                    sub.sock.setsockopt(zmq.SUBSCRIBE, t)
+                sub.resub_ivl = min(sub.resub_ivl * 2, 5.0)
+                sub.next_resub = now + sub.resub_ivl
+
+    # --- internals: sender -----------------------------------------------------------------------
+
+    def _sender_main(self) -> None:
+        cfg = self.config
+        linger = cfg.linger_ms / 1000
+        while True:
+            self._send_event.wait(0.1)
+            self._send_event.clear()
+            groups = list(self._groups.values())
+            if linger and not self._stopping.is_set():
+                pending = sum(g.outbox.unsent_count() for g in groups)
+                if 0 < pending < cfg.batch_max:
+                    time.sleep(linger)  # let the batch fill: crypto is paid per batch
+            progress = True
+            while progress:
+                progress = False
+                for g in groups:
+                    if not g.closed and self._pack_next(g, blocking=True):
+                        progress = True
+            if self._stopping.is_set():
+                return
+
+    def _pack_next(self, g: _Group, *, blocking: bool) -> bool:
+        """Take the next batch of ``g`` and hand its envelopes to the IO thread; False if none.
+
+        The group's pack lock keeps batches on the wire in seq order whichever thread packs them.
+        """
+        if not g.pack_lock.acquire(blocking=blocking):
+            return False
+        try:
+            msgs = g.outbox.take_unsent(self.config.batch_max, self.config.batch_max_bytes)
+            if not msgs:
+                return False
+            try:
+                self._send_batch(g, msgs)
+            except Exception:  # noqa: BLE001 - the messages stay buffered; NACK/heartbeats recover
+                log.exception("packing a batch of group %r failed", g.name)
+            return True
+        finally:
+            g.pack_lock.release()
+
+    def _send_batch(self, g: _Group, msgs: list[dm.DataMessage]) -> None:
+        last = msgs[-1].seq
+        with self._lock:
+            members = [m for m in g.members.values() if m.base < last]
+        if not members:
+            return
+        plaintext = dm.encode(dm.DataBatch(g.name, self.member_did, ()), encoded_messages=dm.encode_messages(msgs))
+        if g.mode == "shared":
+            env = envelope.pack(plaintext, [m.info.group_verkey for m in members], sender=g.group_key)
+            frames = [[g.data_topic, env]]
+        elif g.mode == "single":
+            frames = [[g.data_topic, envelope.pack(plaintext, [m.info.relationship_verkey], sender=m.my_key)]
+                      for m in members]
+        else:
+            frames = [[m.pair_topic, envelope.pack(plaintext, [m.info.relationship_verkey], sender=m.my_key)]
+                      for m in members]
+        entries: list[tuple[list[bytes], _Group | None, int]] = [(f, None, 0) for f in frames]  # type: ignore[misc]
+        entries[-1] = (entries[-1][0], g, last)
+        self._io_send_data(entries)
+        self._stats.add(messages_out=len(msgs), bytes_out=sum(len(m.payload) for m in msgs),
+                        envelopes_out=len(frames))
+
+    # --- internals: receiver ---------------------------------------------------------------------
+
+    def _rx_put(self, item: tuple[Any, ...]) -> None:
+        with self._rx_cond:
+            self._rx.append(item)
+            self._rx_cond.notify()
+
+    def _receiver_main(self) -> None:
+        cfg = self.config
+        tick = min(cfg.ack_interval_ms, cfg.nack_after_ms) / 2000
+        next_tick = time.monotonic() + tick
+        rx = self._rx
+        while not self._stopping.is_set():
+            with self._rx_cond:
+                if not rx:
+                    self._rx_cond.wait(max(next_tick - time.monotonic(), 0.001))
+                item = rx.popleft() if rx else None
+            if item is not None:  # one envelope at a time, so acks and NACKs are never starved
+                try:
+                    self._handle_rx(item)
+                except Exception:  # noqa: BLE001 - one bad item must not stop delivery
+                    log.exception("group receive path failed on one item; continuing")
+            now = time.monotonic()
+            if now >= next_tick:
+                next_tick = now + tick
+                try:
+                    self._rx_tick()
+                except Exception:  # noqa: BLE001
+                    log.exception("group receive timers failed; continuing")
+
+    def _handle_rx(self, item: tuple[Any, ...]) -> None:
+        kind = item[0]
+        if kind == "sub":
+            _, group, did, topic_kind, body = item
+            g = self._groups.get(group)
+            m = g.members.get(did) if g is not None else None
+            if m is None:
+                return  # removed meanwhile
+            self._heard(did)
+            if topic_kind == _STATE:
+                if self._on_state is not None:
+                    try:
+                        self._on_state(group, body)
+                    except Exception:  # noqa: BLE001
+                        self._stats.add(callback_errors=1)
+                        log.exception("on_state raised for group %r", group)
+                return
+            self._on_data_envelope(g, m, body)
+        elif kind == "batch":
+            _, group, did, batch = item
+            g = self._groups.get(group)
+            m = g.members.get(did) if g is not None else None
+            if m is not None:
+                self._accept_batch(g, m, batch)
+        elif kind == "answer":
+            self._on_resend_answer(*item[1:])
+        elif kind == "restore":
+            _, group, positions, done = item
+            try:
+                g = self._groups.get(group)
+                if g is not None:
+                    self._apply_restore(g, positions)
+            finally:
+                done.set()
+
+    def _on_data_envelope(self, g: _Group, m: _Member, body: bytes) -> None:
+        kids = _recipient_kids(body)
+        if kids is None:
+            self._stats.add(rejected_malformed=1)
+            return
+        key = g.group_key if g.mode == "shared" else m.my_key
+        if key.verkey not in kids:
+            self._stats.add(not_for_me=1)  # single mode: another member's envelope, never decrypted
+            return
+        try:
+            opened = envelope.unpack(body, lambda kid: key if kid == key.verkey else None)
+        except ZeroCommError:  # malformed, tampered or undecodable: dropped and counted
+            self._stats.add(rejected_malformed=1)
+            return
+        expected = m.info.group_verkey if g.mode == "shared" else m.info.relationship_verkey
+        if opened.sender_verkey != expected:
+            self._stats.add(rejected_non_member=1)
+            return
+        try:
+            msg = dm.decode(opened.message)
+        except MalformedDataMessageError:
+            self._stats.add(rejected_malformed=1)
+            return
+        self._stats.add(envelopes_in=1)
+        if isinstance(msg, dm.DataBatch):
+            if msg.group != g.name or msg.publisher != m.info.did:
+                self._stats.add(rejected_non_member=1)
+                return
+            self._accept_batch(g, m, msg)
+        elif isinstance(msg, dm.Hello):
+            if msg.group != g.name or msg.publisher != m.info.did or msg.subscriber != self.member_did:
+                self._stats.add(rejected_non_member=1)
+                return
+            self._on_hello(g, m, msg)
+        else:
+            self._stats.add(rejected_malformed=1)
+
+    def _stream(self, g: _Group, did: str) -> PublisherStream[dm.DataMessage]:
+        stream = g.streams.get(did)
+        if stream is None:
+            stream = PublisherStream(ordered=g.ordered, hold_max=self.config.hold_max, clock=time.monotonic)
+            g.streams[did] = stream
+        return stream
+
+    def _accept_batch(self, g: _Group, m: _Member, batch: dm.DataBatch) -> None:
+        did = m.info.did
+        if m.info.role != READ_WRITE:
+            if batch.messages:
+                self._stats.add(rejected_read_only=len(batch.messages))
+            return
+        out: list[dm.DataMessage] = []
+        dups = 0
+        with self._rx_lock:
+            stream = self._stream(g, did)
+            if batch.base is not None:
+                if not stream.has_baseline:
+                    out.extend(stream.set_baseline(batch.base))
+                elif batch.base > stream.delivered:
+                    # We restarted from an older position than we had acked: those were delivered.
+                    out.extend(stream.skip(stream.delivered + 1, batch.base, count_lost=False))
+            if batch.last is not None:
+                stream.note_announced(batch.last)
+            if batch.gone is not None:
+                before = stream.lost
+                out.extend(stream.skip(*batch.gone))
+                if stream.lost > before:
+                    log.warning("group %r: %d message(s) of %s are no longer held by it and were skipped",
+                                g.name, stream.lost - before, did)
+            delivered, dups = stream.offer_all(batch.messages, _SEQ_OF)
+            out.extend(delivered)
+            if not batch.messages:  # a publisher's heartbeat: it is waiting for our ack
+                g.ack_needed.add(did)
+            if dups:
+                g.ack_needed.add(did)
+        self._deliver(g, did, out)
+        if dups:
+            self._stats.add(duplicates_dropped=dups)
+
+    def _deliver(self, g: _Group, did: str, msgs: list[dm.DataMessage]) -> None:
+        if msgs:
+            now = time.time()
+            dup_flags = self._dedup.check_and_add_many([(did, m.id) for m in msgs])
+            callback = self._on_deliver
+            group = g.name
+            dup_ids = errors = nbytes = 0
+            # Observing the batch's highest timestamp before the first callback keeps the Lamport
+            # property (anything published from a callback is stamped after what it saw).
+            self._clock.observe(max(m.lamport for m in msgs))
+            for msg, dup in zip(msgs, dup_flags):
+                if dup:
+                    dup_ids += 1
+                    continue
+                nbytes += len(msg.payload)
+                headers = msg.headers
+                try:
+                    callback(_delivered(group, msg.id, did, msg.seq, msg.lamport, msg.sent_at, now, msg.payload,
+                                        dict(headers) if headers else None))
+                except Exception:  # noqa: BLE001 - the application's bug must not stop the stream
+                    errors += 1
+                    log.exception("on_deliver raised for seq %d of %s in group %r", msg.seq, did, group)
+            self._stats.add(messages_in=len(msgs) - dup_ids, bytes_in=nbytes, duplicates_dropped=dup_ids,
+                            callback_errors=errors)
+        with self._rx_lock:
+            stream = g.streams.get(did)
+            if stream is None or not stream.has_baseline:
+                return
+            g.positions[did] = stream.delivered
+            sent, _ = g.acks_sent.get(did, (0, 0.0))
+            due = stream.delivered - sent >= self.config.ack_every
+        if due:
+            self._send_ack(g, did)
+
+    def _on_hello(self, g: _Group, m: _Member, hello: dm.Hello) -> None:
+        did = m.info.did
+        with self._rx_lock:
+            stream = self._stream(g, did)
+            out = stream.set_baseline(hello.base)
+            stream.note_announced(hello.last)
+        self._deliver(g, did, out)
+        self._send_ack(g, did, nonce=hello.nonce)
+
+    def _send_ack(self, g: _Group, did: str, nonce: str | None = None) -> None:
+        with self._rx_lock:
+            stream = g.streams.get(did)
+            seq = stream.delivered if stream is not None else 0
+            g.acks_sent[did] = (seq, time.monotonic())
+            g.ack_needed.discard(did)
+        m = g.members.get(did)
+        if m is None:
+            return
+        body = dm.encode(dm.Ack(g.name, did, self.member_did, seq, nonce))
+        env = envelope.pack(body, [m.info.relationship_verkey], sender=m.my_key)
+        try:
+            self._transport.send(m.info.peer_endpoint, ProtocolId.GROUP_DATA, env, priority=200)
+        except TransportError as exc:
+            log.debug("ack to %s not sent: %s", did, type(exc).__name__)
+
+    def _rx_tick(self) -> None:
+        cfg = self.config
+        now = time.monotonic()
+        ack_ivl = cfg.ack_interval_ms / 1000
+        nack_after = cfg.nack_after_ms / 1000
+        retry = cfg.nack_retry_ms / 1000
+        # An announced tail is usually still in flight on the data path: wait longer before asking.
+        tail = max(nack_after, cfg.resend_after_ms / 1000)
+        acks: list[tuple[_Group, str]] = []
+        nacks: list[tuple[_Group, str, int, int | None]] = []
+        for g in list(self._groups.values()):
+            with self._rx_lock:
+                for did, stream in g.streams.items():
+                    m = g.members.get(did)
+                    if m is None or m.info.role != READ_WRITE:
+                        continue
+                    if stream.has_baseline:
+                        sent, at = g.acks_sent.get(did, (0, float("-inf")))
+                        if (stream.delivered > sent or did in g.ack_needed) and now - at >= ack_ivl:
+                            acks.append((g, did))
+                        for first, last in stream.due_nacks(nack_after, retry, cfg.resend_max, tail_after=tail)[:8]:
+                            nacks.append((g, did, first, last))
+                    elif stream.waiting_count and now - g.sync_at.get(did, float("-inf")) >= retry:
+                        g.sync_at[did] = now  # data but no baseline: ask where our stream starts
+                        nacks.append((g, did, 1, None))
+        for g, did in acks:
+            self._send_ack(g, did)
+        for g, did, first, last in nacks:
+            m = g.members.get(did)
+            if m is not None:
+                self._request_resend(g, m, first, last)
+
+    def _request_resend(self, g: _Group, m: _Member, first: int, last: int | None) -> None:
+        body = dm.encode(dm.ResendRequest(g.name, m.info.did, self.member_did, first, last))
+        env = envelope.pack(body, [m.info.relationship_verkey], sender=m.my_key)
+        try:
+            fut = self._transport.request_async(m.info.peer_endpoint, ProtocolId.GROUP_DATA, env,
+                                                timeout=self.config.request_timeout_s)
+        except TransportError as exc:
+            self._stats.add(nack_failures=1)
+            log.debug("resend request to %s not sent: %s", m.info.did, type(exc).__name__)
+            return
+        self._stats.add(nacks_sent=1)
+        group, did = g.name, m.info.did
+        fut.add_done_callback(lambda f: self._rx_put(("answer", group, did, f)))
+
+    def _on_resend_answer(self, group: str, did: str, fut: Future[bytes]) -> None:
+        try:
+            data = fut.result(0)
+        except Exception as exc:  # noqa: BLE001 - a failed NACK is retried by the timers
+            self._stats.add(nack_failures=1)
+            log.debug("resend request to %s failed: %s", did, type(exc).__name__)
+            return
+        g = self._groups.get(group)
+        m = g.members.get(did) if g is not None else None
+        if m is None or not data:
+            return  # not (yet) a member on its side: the timers ask again
+        key = m.my_key
+        try:
+            opened = envelope.unpack(data, lambda kid: key if kid == key.verkey else None)
+            if opened.sender_verkey != m.info.relationship_verkey:
+                self._stats.add(rejected_non_member=1)
+                return
+            batch = dm.decode(opened.message)
+        except ZeroCommError:
+            self._stats.add(rejected_malformed=1)
+            return
+        if not isinstance(batch, dm.DataBatch) or batch.group != group or batch.publisher != did:
+            self._stats.add(rejected_malformed=1)
+            return
+        with self._rx_lock:
+            stream = g.streams.get(did)
+            if stream is not None:
+                stream.nack_answered()
+        self._accept_batch(g, m, batch)
+
+    def _apply_restore(self, g: _Group, positions: Mapping[str, int]) -> None:
+        for did, pos in positions.items():
+            out: list[dm.DataMessage] = []
+            with self._rx_lock:
+                stream = self._stream(g, did)
+                if not stream.has_baseline:
+                    out = stream.set_baseline(pos)
+                elif stream.delivered < pos:
+                    out = stream.skip(stream.delivered + 1, pos, count_lost=False)
+                g.positions[did] = stream.delivered
+                m = g.members.get(did)
+                if m is None:
+                    g.pending_restore[did] = pos
+            self._deliver(g, did, out)
+            if m is not None:
+                self._request_resend(g, m, pos + 1, None)
+
+    # --- internals: GROUP_DATA handlers (transport worker threads) -------------------------------
+
+    def _open_peer_message(self, payload: bytes) -> tuple[_Group, _Member, dm.ControlMessage] | None:
+        """Decrypt a GROUP_DATA envelope and check it comes from the member it names."""
+        kids = _recipient_kids(payload)
+        if kids is None:
+            self._stats.add(rejected_malformed=1)
+            return None
+        keys = self._rel_keys
+        try:
+            opened = envelope.unpack(payload, keys.get)
+            msg = dm.decode(opened.message)
+        except ZeroCommError:  # EnvelopeError, MalformedDataMessageError, a bad sender key
+            self._stats.add(rejected_malformed=1)
+            return None
+        if isinstance(msg, (dm.Ack, dm.ResendRequest)):
+            did, me = msg.member, msg.publisher
+        elif isinstance(msg, dm.DataBatch):
+            did, me = msg.publisher, self.member_did
+        else:
+            self._stats.add(rejected_malformed=1)
+            return None
+        g = self._groups.get(msg.group)
+        m = g.members.get(did) if g is not None else None
+        if (m is None or me != self.member_did or opened.sender_verkey != m.info.relationship_verkey
+                or opened.recipient_verkey != m.my_key.verkey):
+            self._stats.add(rejected_non_member=1)
+            return None
+        return g, m, msg
+
+    def _on_direct(self, payload: bytes, peer: PeerInfo) -> None:
+        if self._closed:
+            return
+        opened = self._open_peer_message(payload)
+        if opened is None:
+            return
+        g, m, msg = opened
+        self._heard(m.info.did)
+        if isinstance(msg, dm.Ack):
+            g.outbox.ack(m.info.did, msg.seq)
+            if msg.nonce is not None:
+                probe = self._probes.get(msg.nonce)
+                if probe is not None and probe[0] == g.name and probe[1] == m.info.did:
+                    probe[2].set()
+        elif isinstance(msg, dm.DataBatch):  # a publisher pushing what we did not ack
+            self._rx_put(("batch", g.name, m.info.did, msg))
+        else:
+            self._stats.add(rejected_malformed=1)
+
+    def _on_rpc(self, payload: bytes, peer: PeerInfo) -> bytes:
+        if self._closed:
+            return b""
+        opened = self._open_peer_message(payload)
+        if opened is None:
+            return b""
+        g, m, msg = opened
+        if not isinstance(msg, dm.ResendRequest):
+            self._stats.add(rejected_malformed=1)
+            return b""
+        self._heard(m.info.did)
+        env = self._resend_envelope(g, m, msg.first, msg.last)
+        self._stats.add(nacks_served=1)
+        return env or b""
+
+    def _resend_envelope(self, g: _Group, m: _Member, first: int, last: int | None) -> bytes | None:
+        """A data-batch for one member with what it asks for (bounded), its base and what is gone."""
+        base = g.outbox.base_of(m.info.did)
+        if base is None:
+            return None
+        first = max(first, base + 1)
+        cfg = self.config
+        msgs, gone = g.outbox.get_range(first, last, cfg.resend_max, cfg.batch_max_bytes * 4)
+        batch = dm.DataBatch(g.name, self.member_did, tuple(msgs), base=base, last=g.wire_seq, gone=gone)
+        self._stats.add(retransmits=len(msgs))
+        return envelope.pack(dm.encode(batch), [m.info.relationship_verkey], sender=m.my_key)
+
+    # --- internals: maintenance ------------------------------------------------------------------
+
+    def _heard(self, did: str) -> None:
+        self._last_heard[did] = time.monotonic()
+        if self._alive.get(did) is False:
+            self._set_alive(did, True)
+
+    def _set_alive(self, did: str, alive: bool) -> None:
+        with self._lock:
+            if did not in self._alive or self._alive[did] == alive:
+                return
+            self._alive[did] = alive
+            groups = [g for g in self._groups.values() if did in g.members]
+        for g in groups:
+            g.outbox.set_active(did, alive)
+        log.info("member %s is %s", did, "active again" if alive else "inactive (no keepalive answer)")
+
+    def _maintenance_main(self) -> None:
+        cfg = self.config
+        tick = min(cfg.keepalive_ms, cfg.resend_after_ms, 250.0) / 4000
+        while not self._stopping.wait(tick):
+            try:
+                self._keepalives()
+                self._push_stalled()
+            except Exception:  # noqa: BLE001
+                log.exception("group maintenance failed; continuing")
+
+    def _keepalives(self) -> None:
+        cfg = self.config
+        now = time.monotonic()
+        with self._lock:
+            targets = {did: m.info.peer_endpoint for g in self._groups.values() for did, m in g.members.items()}
+        for did, endpoint in targets.items():
+            if did not in self._pinging and now - self._ping_sent.get(did, float("-inf")) >= cfg.keepalive_ms / 1000:
+                self._ping_sent[did] = now
+                self._pinging.add(did)
+                assert self._pinger is not None
+                try:
+                    self._pinger.submit(self._ping, did, endpoint)
+                except RuntimeError:  # shutting down
+                    self._pinging.discard(did)
+        dead_after = cfg.dead_after_ms / 1000
+        for did in targets:
+            heard = self._last_heard.get(did)
+            if heard is not None and self._alive.get(did, True) and now - heard >= dead_after:
+                self._set_alive(did, False)
+
+    def _ping(self, did: str, endpoint: str) -> None:
+        try:
+            self._transport.ping(endpoint, timeout=min(self.config.dead_after_ms / 2000, 5.0))
+            self._heard(did)
+        except ZeroCommError:
+            pass
+        finally:
+            self._pinging.discard(did)
+
+    def _push_stalled(self) -> None:
+        after = self.config.resend_after_ms / 1000
+        for g in list(self._groups.values()):
+            for did, _acked in g.outbox.stalled(after):
+                m = g.members.get(did)
+                if m is None:
+                    continue
+                # A heartbeat, not the data: it tells the member our last seq, so a lost tail
+                # becomes a gap it NACKs precisely, and makes it ack again if only its ack was lost.
+                base = g.outbox.base_of(did)
+                if base is None:
+                    continue
+                beat = dm.DataBatch(g.name, self.member_did, (), base=base, last=g.wire_seq)
+                env = envelope.pack(dm.encode(beat), [m.info.relationship_verkey], sender=m.my_key)
+                try:
+                    self._transport.send(m.info.peer_endpoint, ProtocolId.GROUP_DATA, env)
+                    self._stats.add(pushes=1)
+                except TransportError as exc:
+                    log.debug("push to %s not sent: %s", did, type(exc).__name__)
+
+    # --- test hooks ----------------------------------------------------------------------------
+
+    def _kill_subscription(self, group: str, did: str, down_for: float) -> None:
+        """Close our SUB to ``did`` as a crash would and reopen it after ``down_for`` seconds (tests)."""
+        self._io_call("sub_kill", group, did, down_for)
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else "running" if self._started else "new"
+        return f"DataPlane({self.member_did!r}, {self._endpoint or self._bind!r}, {state})"

@@ -1,0 +1,387 @@
+"""Publisher side of reliability: the retransmission buffer, per-member acks, receipts, the window.
+
+The publisher keeps every message until every current member has acked it, so any member can ask
+for what it missed (NACK) and a member that went quiet can be pushed what it lacks. Two bounds keep
+memory finite:
+
+* the *window*: at most ``window`` messages may be unacked by the slowest *active* member; beyond
+  it ``publish`` waits, with a deadline, and fails with :class:`BackpressureError`. Members marked
+  inactive (keepalives failed) do not hold the window, so one dead member cannot stall a group;
+* the *retention* limit: messages owed only to inactive members are dropped past
+  ``retention_max``; such a member learns the range is gone when it asks for it.
+
+Receipts resolve when every *current* member has acked their last message; members added later do
+not count (they were never owed earlier messages) and removed members stop counting.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+from zerocomm_spark.errors import BackpressureError, GroupError, PeerTimeoutError
+from zerocomm_spark.group.datamessage import DataMessage
+
+__all__ = ["MemberAckState", "Outbox", "PublishReceipt"]
+
+
+@dataclass(slots=True)
+class MemberAckState:
+    """What the publisher knows about one member's progress on its stream."""
+
+    acked: int  # highest seq the member delivered contiguously (or its base: not owed before)
+    active: bool = True
+    last_progress: float = 0.0  # when ``acked`` last advanced (or the member was added)
+    last_push: float = float("-inf")  # when we last pushed unacked messages to it
+
+
+class PublishReceipt:
+    """The promise of a ``publish`` call: resolves when every current member acked its messages."""
+
+    __slots__ = ("_done", "_error", "_last", "_outbox", "lamport_ts", "message_ids", "seqs")
+
+    def __init__(self, outbox: Outbox, message_ids: tuple[str, ...], seqs: tuple[int, ...],
+                 lamport_ts: tuple[int, ...]) -> None:
+        self._outbox = outbox
+        self.message_ids = message_ids
+        self.seqs = seqs
+        self.lamport_ts = lamport_ts
+        self._last = seqs[-1] if seqs else 0
+        self._done = False  # guarded by the outbox's condition: no Event per publish
+        self._error: BaseException | None = None
+
+    def done(self) -> bool:
+        """Whether the receipt resolved (acked by all, or failed because the group closed)."""
+        return self._done
+
+    def wait(self, timeout: float = 30.0) -> None:
+        """Return once every current member acked; PeerTimeoutError naming the laggards otherwise.
+
+        Always bounded: a member that never acks (gone, or partitioned) must not hang the caller.
+        """
+        if not isinstance(timeout, (int, float)) or isinstance(timeout, bool):
+            raise TypeError("wait() takes a timeout in seconds; every wait has a deadline")
+        deadline = time.monotonic() + max(timeout, 0.0)
+        cond = self._outbox._cond  # noqa: SLF001
+        with cond:
+            while not self._done:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    break
+                cond.wait(min(remaining, 1.0))
+        if not self._done:
+            missing = self._outbox.laggards(self._last)
+            if not missing:  # resolved between the wait and the check
+                return
+            shown = ", ".join(sorted(missing)[:8]) + (" ..." if len(missing) > 8 else "")
+            raise PeerTimeoutError(
+                f"{len(missing)} member(s) did not ack seq {self._last} of group {self._outbox.group!r} "
+                f"within {timeout:g}s: {shown}",
+                hint="They may be down or slow; see stats()['peers_alive'] and stats()['lag'], "
+                     "or wait again: the messages stay buffered for them")
+        if self._error is not None:
+            raise self._error
+
+    def _resolve(self, error: BaseException | None = None) -> None:
+        """Mark resolved; the caller holds the outbox's condition and notifies it."""
+        self._error = error
+        self._done = True
+
+    def __repr__(self) -> str:
+        state = "done" if self._done else "pending"
+        return f"PublishReceipt({len(self.seqs)} message(s), seqs {self.seqs[:1]}..{self.seqs[-1:]}, {state})"
+
+
+class Outbox:
+    """Retransmission buffer of one (group, publisher); thread-safe."""
+
+    def __init__(self, group: str, *, window: int, retention_max: int, first_seq: int = 1,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        if window < 1:
+            raise ValueError("window must be at least 1")
+        if retention_max < window:
+            raise ValueError("retention_max must be at least the window")
+        self.group = group
+        self.window = window
+        self.retention_max = retention_max
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
+        self._messages: deque[DataMessage] = deque()  # contiguous seqs from _first_seq
+        self._first_seq = first_seq  # seq of _messages[0] (or the next to publish when empty)
+        self._last_seq = first_seq - 1  # highest seq published
+        self._unsent_seq = first_seq  # first seq not yet handed to the sender
+        self._members: dict[str, MemberAckState] = {}
+        self._receipts: deque[PublishReceipt] = deque()
+        self._closed: BaseException | None = None
+        self._active_floor: int | None = None  # min ack over active members (None: no active member)
+        self.retention_dropped = 0
+        self.backpressure_waits = 0
+
+    # --- members -----------------------------------------------------------------------------
+
+    def add_member(self, did: str, base: int | None = None) -> int:
+        """Owe ``did`` every message after ``base`` (default: from the next one). Returns the base.
+
+        Re-adding a member keeps its progress: a restarted member still gets what it missed.
+        """
+        with self._lock:
+            state = self._members.get(did)
+            if state is not None:
+                return state.acked
+            if base is None:
+                base = self._last_seq
+            base = min(base, self._last_seq)
+            if base < self._first_seq - 1:
+                base = self._first_seq - 1  # older messages are gone already
+            self._members[did] = MemberAckState(base, True, self._clock())
+            self._recompute_floor_locked()
+            return base
+
+    def remove_member(self, did: str) -> None:
+        with self._lock:
+            if self._members.pop(did, None) is not None:
+                self._progress_locked()
+
+    def set_active(self, did: str, active: bool) -> None:
+        """Inactive members stop holding the window (and may lose retention beyond its limit)."""
+        with self._lock:
+            state = self._members.get(did)
+            if state is not None and state.active != active:
+                state.active = active
+                if active:
+                    state.last_progress = self._clock()
+                self._progress_locked()
+
+    def members(self) -> dict[str, MemberAckState]:
+        with self._lock:
+            return {did: MemberAckState(s.acked, s.active, s.last_progress, s.last_push)
+                    for did, s in self._members.items()}
+
+    def base_of(self, did: str) -> int | None:
+        """The member's acked position (its stream starts after it), or None if not a member."""
+        with self._lock:
+            state = self._members.get(did)
+            return None if state is None else state.acked
+
+    # --- publishing --------------------------------------------------------------------------
+
+    @property
+    def last_seq(self) -> int:
+        return self._last_seq
+
+    @property
+    def sent_seq(self) -> int:
+        """Highest seq handed to the sender (the wire), as far as the outbox knows."""
+        return self._unsent_seq - 1
+
+    def in_flight(self) -> int:
+        with self._lock:
+            return self._in_flight_locked()
+
+    def _in_flight_locked(self) -> int:
+        floor = self._active_floor
+        return 0 if floor is None else self._last_seq - floor
+
+    def _recompute_floor_locked(self) -> None:
+        """The slowest active member's ack, cached: publish() reads it on every call."""
+        self._active_floor = min((s.acked for s in self._members.values() if s.active), default=None)
+
+    def append(
+        self,
+        payloads: Sequence[bytes],
+        message_ids: Sequence[str],
+        headers: Mapping[str, str] | None,
+        stamp: Callable[[int], int],
+        timeout: float,
+    ) -> PublishReceipt:
+        """Assign seqs and timestamps to ``payloads`` once the window allows, buffer them, return a receipt.
+
+        ``stamp(n)`` reserves n Lamport timestamps and returns the first; it is called under the
+        outbox lock so seq order and timestamp order agree.
+        """
+        n = len(payloads)
+        deadline: float | None = None
+        with self._cond:
+            waited = False
+            while True:
+                if self._closed is not None:
+                    raise self._closed
+                inflight = self._in_flight_locked()
+                if inflight == 0 or inflight + n <= self.window:
+                    break
+                if deadline is None:
+                    deadline = self._clock() + max(timeout, 0.0)
+                remaining = deadline - self._clock()
+                if remaining <= 0:
+                    floor = min((s.acked for s in self._members.values() if s.active), default=self._last_seq)
+                    slow = sorted(d for d, s in self._members.items() if s.active and s.acked <= floor)
+                    shown = ", ".join(slow[:8]) + (" ..." if len(slow) > 8 else "")
+                    raise BackpressureError(
+                        f"publishing {n} message(s) to group {self.group!r} waited {timeout:g}s: {inflight} "
+                        f"are unacked (window {self.window}); slowest: {shown}")
+                if not waited:
+                    waited = True
+                    self.backpressure_waits += 1
+                self._cond.wait(min(remaining, 0.5))
+            first_ts = stamp(n)
+            now = time.time()
+            first = self._last_seq + 1
+            msgs = [
+                DataMessage(message_ids[i], first + i, first_ts + i, now, payloads[i], headers)
+                for i in range(n)
+            ]
+            self._messages.extend(msgs)
+            self._last_seq += n
+            receipt = PublishReceipt(self, tuple(message_ids), tuple(range(first, first + n)),
+                                     tuple(range(first_ts, first_ts + n)))
+            if self._members and n:
+                self._receipts.append(receipt)
+            else:
+                receipt._done = True  # noqa: SLF001 - nobody to wait for
+            if not self._members or len(self._messages) > self.retention_max:
+                self._trim_locked()
+            return receipt
+
+    def empty_receipt(self) -> PublishReceipt:
+        """A resolved receipt for a publish of nothing."""
+        receipt = PublishReceipt(self, (), (), ())
+        receipt._done = True  # noqa: SLF001
+        return receipt
+
+    def take_unsent(self, max_messages: int, max_bytes: int | None = None) -> list[DataMessage]:
+        """The next messages to put on the wire, oldest first (each is taken once)."""
+        with self._lock:
+            start = self._unsent_seq - self._first_seq
+            if start < 0:  # dropped before being sent (cannot happen with retention >= window)
+                self._unsent_seq = self._first_seq
+                start = 0
+            end = min(len(self._messages), start + max_messages)
+            out: list[DataMessage] = []
+            size = 0
+            for i in range(start, end):
+                m = self._messages[i]
+                size += len(m.payload)
+                if out and max_bytes is not None and size > max_bytes:
+                    break
+                out.append(m)
+            self._unsent_seq += len(out)
+            return out
+
+    def unsent_count(self) -> int:
+        with self._lock:
+            return self._last_seq - self._unsent_seq + 1
+
+    # --- acks and retransmission ---------------------------------------------------------------
+
+    def ack(self, did: str, seq: int) -> bool:
+        """Record that ``did`` delivered up to ``seq``; returns whether it was progress."""
+        with self._lock:
+            state = self._members.get(did)
+            if state is None:
+                return False
+            seq = min(seq, self._last_seq)
+            if seq <= state.acked:
+                return False
+            state.acked = seq
+            state.last_progress = self._clock()
+            self._progress_locked()
+            return True
+
+    def get_range(self, first: int, last: int | None, max_messages: int,
+                  max_bytes: int | None = None) -> tuple[list[DataMessage], tuple[int, int] | None]:
+        """Messages ``first..last`` still held (bounded), and the leading range no longer held."""
+        with self._lock:
+            top = min(self._last_seq, self._unsent_seq - 1,  # never resend what was not sent yet
+                      self._first_seq + len(self._messages) - 1)  # nor what is not held (closed)
+            if last is None or last > top:
+                last = top
+            gone: tuple[int, int] | None = None
+            if first < self._first_seq:
+                gone_last = min(last, self._first_seq - 1)
+                if first <= gone_last:
+                    gone = (first, gone_last)
+                first = self._first_seq
+            out: list[DataMessage] = []
+            size = 0
+            for seq in range(first, min(last, first + max_messages - 1) + 1):
+                m = self._messages[seq - self._first_seq]
+                size += len(m.payload)
+                if out and max_bytes is not None and size > max_bytes:
+                    break
+                out.append(m)
+            return out, gone
+
+    def stalled(self, after: float) -> list[tuple[str, int]]:
+        """Active members lagging behind what was sent with no progress for ``after`` seconds.
+
+        Marks them pushed; the caller pushes them what they lack (tail loss has no gap to NACK).
+        """
+        now = self._clock()
+        sent = self._unsent_seq - 1
+        out = []
+        with self._lock:
+            for did, s in self._members.items():
+                if (s.active and s.acked < sent and now - s.last_progress >= after
+                        and now - s.last_push >= after):
+                    s.last_push = now
+                    out.append((did, s.acked))
+        return out
+
+    def laggards(self, seq: int) -> list[str]:
+        """Current members that have not acked ``seq``."""
+        with self._lock:
+            return [did for did, s in self._members.items() if s.acked < seq]
+
+    def lag(self) -> dict[str, int]:
+        """Unacked messages per member."""
+        with self._lock:
+            return {did: self._last_seq - s.acked for did, s in self._members.items()}
+
+    def held(self) -> int:
+        with self._lock:
+            return len(self._messages)
+
+    def close(self, error: BaseException | None = None) -> None:
+        """Fail pending receipts and waiting publishers; the outbox keeps nothing."""
+        err = error or GroupError(f"group {self.group!r} was closed before its messages were acked")
+        with self._cond:
+            self._closed = err
+            receipts, self._receipts = list(self._receipts), deque()
+            self._messages.clear()
+            for r in receipts:
+                r._resolve(err)  # noqa: SLF001
+            self._cond.notify_all()
+
+    # --- internals ---------------------------------------------------------------------------
+
+    def _progress_locked(self) -> None:
+        self._recompute_floor_locked()
+        floor = min((s.acked for s in self._members.values()), default=self._last_seq)
+        receipts = self._receipts
+        while receipts and receipts[0]._last <= floor:  # noqa: SLF001
+            receipts.popleft()._resolve()  # noqa: SLF001
+        self._trim_locked()
+        self._cond.notify_all()
+
+    def _trim_locked(self) -> None:
+        """Free what every member acked; past retention_max, what only inactive members lack."""
+        members = self._members.values()
+        floor = min((s.acked for s in members), default=self._last_seq)
+        floor = min(floor, self._unsent_seq - 1)  # keep what the sender has not taken yet
+        msgs = self._messages
+        while msgs and self._first_seq <= floor:
+            msgs.popleft()
+            self._first_seq += 1
+        if len(msgs) > self.retention_max:
+            active_floor = min((s.acked for s in members if s.active), default=self._last_seq)
+            active_floor = min(active_floor, self._unsent_seq - 1)
+            while len(msgs) > self.retention_max and self._first_seq <= active_floor:
+                msgs.popleft()
+                self._first_seq += 1
+                self.retention_dropped += 1
+        if not msgs:
+            self._first_seq = self._last_seq + 1

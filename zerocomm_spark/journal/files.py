@@ -1,0 +1,136 @@
+"""The journal directory's small files: the lock, the key check and the commit point.
+
+``journal.lock``   flock held by the one Journal that writes the directory (pid inside, advisory).
+``journal.meta``   a sealed known string: a wrong key fails here, at open, with a clear error, instead
+                   of every record later looking corrupt.
+``commit.offset``  the consumer's commit point (magic, u64, crc32), replaced atomically and fsynced.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+import struct
+import zlib
+from collections.abc import Callable
+from pathlib import Path
+
+from zerocomm_spark.errors import JournalError, JournalKeyError, JournalLockedError
+from zerocomm_spark.journal import crypto
+
+LOCK_FILE = "journal.lock"
+META_FILE = "journal.meta"
+COMMIT_FILE = "commit.offset"
+
+_META_MAGIC = b"ZCJM\x01"
+_META_TEXT = b"zerocomm-spark journal key check"
+_COMMIT = struct.Struct("<5sQI")
+_COMMIT_MAGIC = b"ZCJC\x01"
+
+
+def write_atomic(path: Path, data: bytes, *, fsync: bool) -> None:
+    """Replace ``path`` by ``data`` so that a crash leaves the old or the new file, never a torn one."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+        if fsync:
+            os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+    if fsync:
+        fsync_dir(path.parent)
+
+
+def fsync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def remove_temp_files(directory: Path) -> None:
+    # Called with the lock held, so any temporary file is left over from a crash mid-write.
+    for entry in directory.iterdir():
+        if entry.name.startswith(".") and entry.name.endswith(".tmp"):
+            try:
+                entry.unlink()
+            except OSError:
+                pass
+
+
+def acquire_lock(directory: Path) -> int:
+    path = directory / LOCK_FILE
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    except OSError as exc:
+        raise JournalError(f"cannot open the lock file {path}: {exc.strerror}") from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as exc:
+        holder = ""
+        try:
+            pid = os.pread(fd, 32, 0).decode("ascii", "replace").strip()
+            holder = f" (process {pid})" if pid.isdigit() else ""
+        except OSError:
+            pass
+        os.close(fd)
+        if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+            raise JournalLockedError(f"the journal {directory} is in use by another Journal{holder}") from None
+        raise JournalError(f"cannot lock {path}: {exc.strerror}") from None
+    try:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    except OSError:
+        pass
+    return fd
+
+
+def release_lock(fd: int) -> None:
+    try:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+    finally:
+        os.close(fd)
+
+
+def check_key(directory: Path, key: bytes, *, fsync: bool, probe: Callable[[], bool | None]) -> None:
+    """Fail early on a wrong key; create the check on a journal's first open.
+
+    ``probe`` tries the key on an existing record, for a journal whose check file was lost: a new
+    check must never be written for a key that does not open the records already there.
+    """
+    path = directory / META_FILE
+    try:
+        blob = path.read_bytes()
+    except FileNotFoundError:
+        if probe() is False:
+            raise JournalKeyError(f"the key given does not open the records of the journal in {directory}") from None
+        write_atomic(path, _META_MAGIC + crypto.seal(_META_TEXT, _META_MAGIC, key), fsync=fsync)
+        return
+    if not blob.startswith(_META_MAGIC):
+        raise JournalError(f"{path} is damaged or not a zerocomm journal")
+    if crypto.open_sealed(blob[len(_META_MAGIC):], _META_MAGIC, key) != _META_TEXT:
+        raise JournalKeyError(f"the key given does not open the journal in {directory}")
+
+
+def read_commit(directory: Path) -> int:
+    try:
+        raw = (directory / COMMIT_FILE).read_bytes()
+    except FileNotFoundError:
+        return 0
+    if len(raw) != _COMMIT.size:
+        raise JournalError(f"{directory / COMMIT_FILE} is damaged (wrong size)")
+    magic, offset, crc = _COMMIT.unpack(raw)
+    if magic != _COMMIT_MAGIC or crc != zlib.crc32(raw[:13]) & 0xFFFFFFFF:
+        raise JournalError(f"{directory / COMMIT_FILE} is damaged")
+    return int(offset)
+
+
+def write_commit(directory: Path, offset: int) -> None:
+    head = _COMMIT_MAGIC + offset.to_bytes(8, "little")
+    write_atomic(directory / COMMIT_FILE, head + (zlib.crc32(head) & 0xFFFFFFFF).to_bytes(4, "little"), fsync=True)

@@ -1,0 +1,472 @@
+"""The public Journal: one member's durable, encrypted, append-only log of delivered group messages."""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import os
+import threading
+from collections.abc import Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from zerocomm_spark.errors import (
+    ConfigurationError,
+    DataLossError,
+    JournalClosedError,
+    OffsetOutOfRangeError,
+)
+from zerocomm_spark.journal import crypto, files, index, retention
+from zerocomm_spark.journal.index import Key, Run, SegmentIndex, SeqIndex, State
+from zerocomm_spark.journal.reader import Hole, Piece, iter_pieces, load_record
+from zerocomm_spark.journal.recovery import key_opens_records, recover
+from zerocomm_spark.journal.schema import JOURNAL_SCHEMA, now_micros, to_append_batch, to_micros
+from zerocomm_spark.journal.segment import RecordEntry, Segment, create_segment, open_for_append
+from zerocomm_spark.journal.writer import AppendResult, FsyncPolicy, JournalStats, Writer
+
+log = logging.getLogger(__name__)
+
+_POLICIES = ("always", "interval", "never")
+
+
+@dataclass(frozen=True, slots=True)
+class PublisherPosition:
+    """How far one publisher's messages in one group have been journaled."""
+
+    group: str
+    publisher_did: str
+    last_seq: int
+    last_offset: int
+
+
+@dataclass(frozen=True, slots=True)
+class LatestOffsets:
+    """The journal's end: the next offset to be assigned, and each publisher's last seq and offset."""
+
+    next_offset: int
+    publishers: Mapping[Key, PublisherPosition]
+
+
+class Journal:
+    """An append-only, encrypted log of delivered group messages; see the package docstring.
+
+    Open it with :meth:`Journal.open`; it is thread-safe and a context manager.
+    """
+
+    def __init__(self, directory: Path, key: bytes, fsync: FsyncPolicy, fsync_interval_ms: int, segment_bytes: int,
+                 retention_bytes: int | None, retention_ms: int | None, dedup_window: int, timeout: float,
+                 read_threads: int) -> None:
+        self.directory = directory
+        self._key = key
+        self.fsync: FsyncPolicy = fsync
+        self.fsync_interval_ms = fsync_interval_ms
+        self.segment_bytes = segment_bytes
+        self.retention_bytes = retention_bytes
+        self.retention_ms = retention_ms
+        self.dedup_window = dedup_window
+        self.timeout = timeout
+        self._read_threads = read_threads
+        self._lock = threading.RLock()  # index, state, offsets, closing
+        self._commit_lock = threading.Lock()
+        self._segments: list[Segment] = []
+        self._segment_bases: list[int] = []
+        self._state: State = {}
+        self._seq_index = SeqIndex()
+        self._next_offset = 0
+        self._committed = 0
+        self._closed = False
+        self._lock_fd = -1
+        self._writer: Writer | None = None
+        self._executor: ThreadPoolExecutor | None = None
+
+    # --- opening and closing -------------------------------------------------------------------
+
+    @classmethod
+    def open(cls, directory: str | os.PathLike[str], *, key: bytes, fsync: FsyncPolicy = "interval",
+             fsync_interval_ms: int = 200, segment_bytes: int = 64 << 20, retention_bytes: int | None = None,
+             retention_ms: int | None = None, dedup_window: int = 100_000, timeout: float = 30.0,
+             read_threads: int | None = None) -> "Journal":
+        """Open (or create) the journal in ``directory``, recovering from a crash if there was one.
+
+        ``key`` is the 32-byte journal key the member keeps sealed in its keystore (see
+        ``zerocomm_spark.journal.keys.journal_key``). ``fsync`` chooses what an append that returned
+        survives: every policy survives the process being killed; only ``"always"`` survives power
+        loss. ``dedup_window`` is how many recent message ids the duplicate check remembers;
+        ``timeout`` bounds every wait (appends, close, reads).
+        """
+        if fsync not in _POLICIES:
+            raise ConfigurationError(f"fsync must be one of {', '.join(_POLICIES)}, not {fsync!r}")
+        for name, value, low in (("fsync_interval_ms", fsync_interval_ms, 1), ("segment_bytes", segment_bytes, 1024),
+                                 ("dedup_window", dedup_window, 0)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ConfigurationError(f"{name} must be an int >= {low}, not {value!r}")
+        for name, limit in (("retention_bytes", retention_bytes), ("retention_ms", retention_ms)):
+            if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 0):
+                raise ConfigurationError(f"{name} must be None or an int >= 0, not {limit!r}")
+        if not isinstance(timeout, (int, float)) or timeout <= 0:
+            raise ConfigurationError(f"timeout must be a positive number of seconds, not {timeout!r}")
+        threads = read_threads if read_threads is not None else min(4, os.cpu_count() or 1)
+        if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+            raise ConfigurationError(f"read_threads must be an int >= 1, not {read_threads!r}")
+        key = crypto.check_key(key)
+        path = Path(directory).expanduser()
+        try:
+            path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        except OSError as exc:
+            raise ConfigurationError(f"cannot create the journal directory {path}: {exc.strerror}") from None
+        journal = cls(path, key, fsync, fsync_interval_ms, segment_bytes, retention_bytes, retention_ms,
+                      dedup_window, float(timeout), threads)
+        journal._lock_fd = files.acquire_lock(path)
+        try:
+            journal._start()
+        except BaseException:
+            files.release_lock(journal._lock_fd)
+            journal._lock_fd = -1
+            journal._closed = True
+            raise
+        return journal
+
+    def _start(self) -> None:
+        sync = self.fsync != "never"
+        files.remove_temp_files(self.directory)
+        files.check_key(self.directory, self._key, fsync=sync,
+                        probe=lambda: key_opens_records(self.directory, self._key))
+        recovered = recover(self.directory, self._key, dedup_window=self.dedup_window, fsync=sync)
+        segments = recovered.segments
+        if segments:
+            active = segments[-1]
+            fd = open_for_append(active)
+        else:
+            active, fd = create_segment(self.directory, 0, now_micros())
+            if sync:
+                os.fsync(fd)
+                files.fsync_dir(self.directory)
+            segments = [active]
+        self._segments = segments
+        self._segment_bases = [s.base_offset for s in segments]
+        self._state = recovered.state
+        self._seq_index = recovered.seq_index
+        self._next_offset = active.end_offset
+        committed = files.read_commit(self.directory)
+        if committed > self._next_offset:
+            log.warning("journal %s: commit point %d is beyond the end %d (lost unsynced data?); using the end",
+                        self.directory, committed, self._next_offset)
+            committed = self._next_offset
+        self._committed = committed
+        self._writer = Writer(self, active, fd, recovered.active_runs, recovered.recent)
+        self._writer.start()
+        self.enforce_retention()
+
+    def close(self, timeout: float | None = None) -> None:
+        """Write what is queued, sync (unless ``fsync="never"``), save the side index, release the directory."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        writer = self._writer
+        try:
+            if writer is not None:
+                try:
+                    writer.stop(self.timeout if timeout is None else timeout)
+                finally:
+                    active, runs, ids = writer.finish()
+                if writer.failure is None:
+                    with self._lock:
+                        self._write_side_index(active, runs, ids, fsync=self.fsync != "never")
+        finally:
+            if self._executor is not None:
+                self._executor.shutdown(wait=False, cancel_futures=True)
+            if self._lock_fd >= 0:
+                files.release_lock(self._lock_fd)
+                self._lock_fd = -1
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def __enter__(self) -> "Journal":
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else f"offsets={self.earliest_offset()}..{self._next_offset}"
+        return f"Journal(directory={str(self.directory)!r}, fsync={self.fsync!r}, {state})"
+
+    __str__ = __repr__
+
+    def __reduce__(self) -> Any:  # never pickle the key (or a lock and threads) by accident
+        raise TypeError("a Journal holds its key, a directory lock and threads; it cannot be pickled")
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise JournalClosedError(f"the journal {self.directory} is closed")
+
+    # --- appending -----------------------------------------------------------------------------
+
+    def append(self, rows: Any, *, timeout: float | None = None) -> AppendResult:
+        """Journal the new rows among ``rows``; returns once they are written to the OS.
+
+        ``rows``: a list of dicts or message objects with the JOURNAL_SCHEMA fields (``offset``
+        excluded; ``received_at`` defaults to now, ``headers`` to null), or a pyarrow RecordBatch or
+        Table with those columns. Rows already journaled (seq at or below the publisher's last, or a
+        recent message id) are skipped and counted as duplicates, so re-sending after a restart or a
+        timeout duplicates nothing. Under ``fsync="always"`` the rows are also on stable storage.
+        """
+        self._check_open()
+        batch = to_append_batch(rows)
+        if batch.num_rows == 0:
+            with self._lock:
+                return AppendResult(self._next_offset, self._next_offset - 1, 0, 0)
+        assert self._writer is not None
+        return self._writer.submit(batch, self.timeout if timeout is None else timeout)
+
+    def sync(self) -> None:
+        """Force what was appended to stable storage now (under ``"interval"`` or ``"never"``, before
+        telling someone outside the machine that the data is safe)."""
+        self._check_open()
+        assert self._writer is not None
+        self._writer.sync(force=True)
+
+    def stats(self) -> JournalStats:
+        """Counters since open (appends, writes, fsyncs...): is group commit grouping, is fsync keeping up?"""
+        assert self._writer is not None
+        return JournalStats(**self._writer.counters)
+
+    # --- the writer's side (called from the writer thread) --------------------------------------
+
+    def _last_seq(self, key: Key) -> int | None:
+        entry = self._state.get(key)
+        return None if entry is None else entry[0]
+
+    def _publish(self, segment: Segment, entries: list[tuple[RecordEntry, list[Run]]]) -> None:
+        with self._lock:
+            for entry, runs in entries:
+                segment.add(entry)
+                self._seq_index.add(entry.base_offset, runs)
+                index.merge(self._state, runs)
+            self._next_offset = segment.end_offset
+
+    def _add_segment(self, segment: Segment) -> None:
+        with self._lock:
+            self._segments.append(segment)
+            self._segment_bases.append(segment.base_offset)
+
+    def _after_roll(self) -> None:
+        self.enforce_retention()
+
+    def _write_side_index(self, segment: Segment, runs: list[tuple[int, list[Run]]], ids: pa.Array, *,
+                          fsync: bool) -> None:
+        with self._lock:
+            state = dict(self._state)
+        index.write_index(segment.index_path, SegmentIndex(
+            segment.base_offset, segment.end_offset, segment.size, list(runs), state, ids), self._key, fsync=fsync)
+
+    # --- reading -------------------------------------------------------------------------------
+
+    @property
+    def next_offset(self) -> int:
+        """The offset the next appended row will get (one past the last journaled row)."""
+        return self._next_offset
+
+    def earliest_offset(self) -> int:
+        """The first offset still retained (everything before it was deleted by retention)."""
+        with self._lock:
+            return self._segments[0].base_offset if self._segments else 0
+
+    def latest(self) -> LatestOffsets:
+        """The next offset, and per (group, publisher) the last seq and offset journaled.
+
+        Publishers whose rows retention has deleted are still listed: the journal remembers them so
+        that a late re-send is still a duplicate.
+        """
+        with self._lock:
+            self._check_open()
+            publishers = {k: PublisherPosition(k[0], k[1], seq, off) for k, (seq, off) in self._state.items()}
+            return LatestOffsets(self._next_offset, MappingProxyType(publishers))
+
+    def _range(self, start_offset: int, end_offset: int | None, max_rows: int | None) -> tuple[int, int]:
+        for name, value in (("start_offset", start_offset), ("end_offset", end_offset), ("max_rows", max_rows)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+                raise OffsetOutOfRangeError(f"{name} must be an int, not {type(value).__name__}")
+        earliest = self._segments[0].base_offset
+        end = self._next_offset if end_offset is None else end_offset
+        if start_offset < 0 or end < start_offset:
+            raise OffsetOutOfRangeError(f"[{start_offset}, {end}) is not a valid offset range")
+        if end > self._next_offset:
+            raise OffsetOutOfRangeError(
+                f"offset {end - 1} is beyond the journal's end (next offset {self._next_offset})")
+        if start_offset < earliest and start_offset < end:
+            raise DataLossError(
+                f"offsets {start_offset}..{earliest - 1} were deleted by retention; the earliest retained "
+                f"offset is {earliest}")
+        if max_rows is not None:
+            if max_rows < 0:
+                raise OffsetOutOfRangeError(f"max_rows must be >= 0, not {max_rows}")
+            end = min(end, start_offset + max_rows)
+        return start_offset, end
+
+    def _plan(self, start: int, end: int) -> list[Piece | Hole]:
+        plan: list[Piece | Hole] = []
+        if start >= end:
+            return plan
+        i = max(0, bisect.bisect_right(self._segment_bases, start) - 1)
+        for segment in self._segments[i:]:
+            if segment.base_offset >= end:
+                break
+            if segment.end_offset <= start:
+                continue
+            holes = sorted((d for d in segment.damaged if d.end_offset > start and d.start_offset < end),
+                           key=lambda d: d.start_offset)
+            records = segment.records
+            k = segment.locate(start)
+            while k < len(records) and records[k].base_offset < end:
+                entry = records[k]
+                while holes and holes[0].start_offset < entry.base_offset:
+                    plan.append(Hole(segment.path, holes.pop(0)))
+                lo = max(start, entry.base_offset) - entry.base_offset
+                hi = min(end, entry.end_offset) - entry.base_offset
+                plan.append(Piece(segment.path, entry, lo, hi - lo))
+                k += 1
+            plan.extend(Hole(segment.path, d) for d in holes)
+        return plan
+
+    def _pool(self) -> ThreadPoolExecutor | None:
+        if self._read_threads <= 1:
+            return None
+        with self._lock:
+            if self._executor is None:
+                self._executor = ThreadPoolExecutor(self._read_threads, thread_name_prefix="zerocomm-journal-read")
+            return self._executor
+
+    def read_batches(self, start_offset: int, end_offset: int | None = None, *,
+                     max_rows: int | None = None) -> Iterator[pa.RecordBatch]:
+        """Decrypted record batches covering exactly ``[start_offset, end_offset)``: the fast path to Spark.
+
+        ``end_offset`` defaults to the journal's end at the time of the call. A range starting below
+        :meth:`earliest_offset` raises DataLossError; beyond the end, OffsetOutOfRangeError. A damaged
+        record raises JournalCorruptError when the iteration reaches it.
+        """
+        with self._lock:
+            self._check_open()
+            start, end = self._range(start_offset, end_offset, max_rows)
+            plan = self._plan(start, end)
+        return iter_pieces(plan, self._key, self._pool(), 2 * self._read_threads, self.timeout)
+
+    def read(self, start_offset: int, end_offset: int | None = None, *, max_rows: int | None = None) -> pa.Table:
+        """The rows ``[start_offset, end_offset)`` (at most ``max_rows``) as one table; see read_batches."""
+        batches = list(self.read_batches(start_offset, end_offset, max_rows=max_rows))
+        return pa.Table.from_batches(batches, schema=JOURNAL_SCHEMA)
+
+    def read_by_seq(self, group: str, publisher_did: str, seq_from: int, seq_to: int) -> pa.Table:
+        """One publisher's retained rows with ``seq_from <= seq <= seq_to``, in offset order.
+
+        Served from the seq index, so only the records holding those seqs are decrypted. Rows deleted
+        by retention are simply absent.
+        """
+        with self._lock:
+            self._check_open()
+            earliest = self._segments[0].base_offset
+            plan: list[Piece | Hole] = []
+            for base in self._seq_index.record_bases((group, publisher_did), seq_from, seq_to):
+                if base < earliest:
+                    continue
+                segment = self._segments[bisect.bisect_right(self._segment_bases, base) - 1]
+                entry = segment.records[segment.locate(base)]
+                plan.append(Piece(segment.path, entry, 0, entry.header.count))
+        out = []
+        for batch in iter_pieces(plan, self._key, self._pool(), 2 * self._read_threads, self.timeout):
+            mask = pc.and_(
+                pc.and_(pc.equal(batch.column("publisher_did"), publisher_did), pc.equal(batch.column("group"), group)),
+                pc.and_(pc.greater_equal(batch.column("seq"), seq_from), pc.less_equal(batch.column("seq"), seq_to)))
+            picked = batch.filter(mask)
+            if picked.num_rows:
+                out.append(picked)
+        return pa.Table.from_batches(out, schema=JOURNAL_SCHEMA)
+
+    def offset_for_timestamp(self, ts: int | datetime) -> int:
+        """The first offset received at or after ``ts`` (int microseconds since the epoch, or an aware
+        datetime); the journal's end if no retained row is that recent."""
+        target = to_micros(ts, "ts")
+        with self._lock:
+            self._check_open()
+            found: tuple[Segment, RecordEntry] | None = None
+            for segment in self._segments:
+                if segment.max_ts is None or segment.max_ts < target:
+                    continue
+                for entry in segment.records:
+                    if entry.header.max_ts >= target:
+                        found = (segment, entry)
+                        break
+                if found:
+                    break
+            if found is None:
+                return self._next_offset
+        segment, entry = found
+        fd = os.open(segment.path, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            batch = load_record(fd, segment.path, entry, self._key)
+        finally:
+            os.close(fd)
+        received = batch.column("received_at").cast(pa.int64())
+        position = pc.index(pc.greater_equal(received, target), True).as_py()
+        return entry.base_offset + position
+
+    # --- commit point and retention ------------------------------------------------------------
+
+    @property
+    def committed_offset(self) -> int:
+        """Every offset below this has been consumed (see commit)."""
+        return self._committed
+
+    def commit(self, offset: int) -> int:
+        """Record that every offset below ``offset`` is consumed; durable before it returns.
+
+        Monotonic: a lower offset than the current commit point changes nothing. Retention deletes
+        only segments wholly below the commit point. Returns the commit point now in force.
+        """
+        if isinstance(offset, bool) or not isinstance(offset, int):
+            raise OffsetOutOfRangeError(f"the commit offset must be an int, not {type(offset).__name__}")
+        with self._commit_lock:
+            self._check_open()
+            if offset < 0 or offset > self._next_offset:
+                raise OffsetOutOfRangeError(
+                    f"cannot commit offset {offset}: the journal holds offsets below {self._next_offset}")
+            if offset <= self._committed:
+                return self._committed
+            files.write_commit(self.directory, offset)
+            self._committed = offset
+        self.enforce_retention()
+        return offset
+
+    def enforce_retention(self) -> int:
+        """Delete the segments retention allows now (it also runs after commits, rolls and every second)."""
+        with self._lock:
+            if self._closed and self._lock_fd < 0:
+                return 0
+            count = retention.segments_to_delete(
+                self._segments, committed=self._committed, now_us=now_micros(),
+                retention_bytes=self.retention_bytes, retention_ms=self.retention_ms)
+            if not count:
+                return 0
+            doomed = self._segments[:count]
+            del self._segments[:count]
+            del self._segment_bases[:count]
+            self._seq_index.prune_below(self._segments[0].base_offset)
+        for segment in doomed:
+            log.info("journal %s: retention deletes %s (offsets %d..%d)", self.directory.name,
+                     segment.path.name, segment.base_offset, segment.end_offset - 1)
+            for path in (segment.path, segment.index_path):
+                try:
+                    path.unlink()
+                except FileNotFoundError:
+                    pass
+        return count

@@ -1,0 +1,210 @@
+"""The journal's Arrow schema, and turning what append() is given into one batch of it.
+
+Times are ``timestamp[us, tz=UTC]``: int microseconds since the Unix epoch, which is what Spark's
+TimestampType holds, so the Spark source passes the columns through without conversion. Callers give
+int microseconds or timezone-aware datetimes; floats are refused because pyarrow would silently
+truncate them (seconds vs micros is the classic off-by-10^6 bug).
+
+Offsets and seqs are int64 (Spark has no unsigned types); both are non-negative.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Mapping, Sequence
+from datetime import datetime, timezone
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from zerocomm_spark.errors import InvalidJournalRowError
+
+TIMESTAMP = pa.timestamp("us", tz="UTC")
+HEADERS = pa.map_(pa.string(), pa.string())
+
+#: One delivered group message per row, in journal order. ``offset`` is journal-wide, contiguous from 0.
+JOURNAL_SCHEMA: pa.Schema = pa.schema([
+    pa.field("offset", pa.int64(), nullable=False),
+    pa.field("group", pa.string(), nullable=False),
+    pa.field("message_id", pa.string(), nullable=False),
+    pa.field("publisher_did", pa.string(), nullable=False),
+    pa.field("seq", pa.int64(), nullable=False),
+    pa.field("lamport_ts", pa.int64(), nullable=False),
+    pa.field("sent_at", TIMESTAMP, nullable=False),
+    pa.field("received_at", TIMESTAMP, nullable=False),
+    pa.field("headers", HEADERS, nullable=True),
+    pa.field("payload", pa.binary(), nullable=False),
+])
+
+#: What append() takes: the journal schema without ``offset`` (the journal assigns it).
+#: ``received_at`` and ``headers`` may be missing or null: received_at then defaults to the append time.
+APPEND_SCHEMA: pa.Schema = pa.schema([f for f in JOURNAL_SCHEMA if f.name != "offset"])
+
+_REQUIRED = ("group", "message_id", "publisher_did", "seq", "lamport_ts", "sent_at", "payload")
+_NON_NULL = tuple(f.name for f in APPEND_SCHEMA if not f.nullable)
+_EPOCH = datetime(1970, 1, 1, tzinfo=timezone.utc)
+
+
+def now_micros() -> int:
+    return time.time_ns() // 1000
+
+
+def to_micros(value: int | datetime, what: str = "timestamp") -> int:
+    """Int microseconds since the epoch from an int or an aware datetime (the one unit the journal uses)."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer, datetime)):
+        raise InvalidJournalRowError(
+            f"{what} must be int microseconds since the epoch or an aware datetime, not {type(value).__name__}")
+    if isinstance(value, datetime):
+        if value.tzinfo is None:
+            raise InvalidJournalRowError(f"{what} is a naive datetime; give it a timezone (UTC)")
+        delta = value - _EPOCH
+        return (delta.days * 86_400 + delta.seconds) * 1_000_000 + delta.microseconds
+    return int(value)
+
+
+def _check_times(name: str, values: list[Any]) -> None:
+    for i, v in enumerate(values):
+        t = type(v)
+        if t is int or v is None:
+            continue
+        if t is float or t is bool or not isinstance(v, (int, np.integer, datetime)):
+            raise InvalidJournalRowError(
+                f"row {i}: {name} must be int microseconds since the epoch or an aware datetime, "
+                f"not {t.__name__}")
+        if isinstance(v, datetime) and v.tzinfo is None:
+            raise InvalidJournalRowError(f"row {i}: {name} is a naive datetime; give it a timezone (UTC)")
+
+
+def _field(row: Any, name: str, index: int, required: bool) -> Any:
+    if isinstance(row, Mapping):
+        if required:
+            try:
+                return row[name]
+            except KeyError:
+                raise InvalidJournalRowError(f"row {index} has no {name!r}") from None
+        return row.get(name)
+    if required:
+        try:
+            return getattr(row, name)
+        except AttributeError:
+            raise InvalidJournalRowError(f"row {index} ({type(row).__name__}) has no {name!r}") from None
+    return getattr(row, name, None)
+
+
+def rows_to_batch(rows: Sequence[Any], received_at: int) -> pa.RecordBatch:
+    """Dicts or objects (dataclasses, named tuples with attributes) -> one APPEND_SCHEMA batch."""
+    for i, row in enumerate(rows):
+        if not isinstance(row, Mapping) and not dataclasses.is_dataclass(row) and not hasattr(row, "group"):
+            raise InvalidJournalRowError(f"row {i} is a {type(row).__name__}, not a dict or a message object")
+    columns: list[pa.Array] = []
+    for field in APPEND_SCHEMA:
+        name = field.name
+        required = name in _REQUIRED
+        if rows and isinstance(rows[0], Mapping) and required:
+            try:
+                values = [r[name] for r in rows]
+            except (KeyError, TypeError):
+                values = [_field(r, name, i, True) for i, r in enumerate(rows)]
+        else:
+            values = [_field(r, name, i, required) for i, r in enumerate(rows)]
+        if field.type == TIMESTAMP:
+            _check_times(name, values)
+            if name == "received_at":
+                values = [received_at if v is None else v for v in values]
+        elif field.type == pa.int64():
+            for i, v in enumerate(values):
+                if type(v) is not int and (isinstance(v, bool) or not isinstance(v, (int, np.integer))):
+                    raise InvalidJournalRowError(f"row {i}: {name} must be an int, not {type(v).__name__}")
+        elif name == "payload":
+            for i, v in enumerate(values):
+                if not isinstance(v, (bytes, bytearray, memoryview)):
+                    raise InvalidJournalRowError(f"row {i}: payload must be bytes, not {type(v).__name__}")
+        try:
+            array = pa.array(values, type=field.type)
+        except (pa.ArrowInvalid, pa.ArrowTypeError, OverflowError, TypeError) as exc:
+            raise InvalidJournalRowError(f"column {name!r} cannot be stored as {field.type}: {exc}") from None
+        if not field.nullable and array.null_count:
+            raise InvalidJournalRowError(f"column {name!r} has {array.null_count} null value(s)")
+        columns.append(array)
+    batch = pa.RecordBatch.from_arrays(columns, schema=APPEND_SCHEMA)
+    _check_values(batch)
+    return batch
+
+
+def _check_values(batch: pa.RecordBatch) -> None:
+    seq = batch.column("seq")
+    if len(seq) and int(np.min(seq.to_numpy(zero_copy_only=False))) < 0:
+        raise InvalidJournalRowError("seq must be >= 0")
+
+
+def arrow_to_batch(data: pa.RecordBatch | pa.Table, received_at: int) -> pa.RecordBatch:
+    """A batch or table with the append columns (any order, castable types) -> one APPEND_SCHEMA batch."""
+    if isinstance(data, pa.Table):
+        data = data.combine_chunks()
+        batches = data.to_batches()
+        if not batches:
+            return pa.RecordBatch.from_pylist([], schema=APPEND_SCHEMA)
+        data = batches[0] if len(batches) == 1 else pa.concat_batches(batches)
+    schema = data.schema
+    if schema.equals(APPEND_SCHEMA):
+        batch = data
+        for name in _NON_NULL:
+            if batch.column(name).null_count:
+                raise InvalidJournalRowError(f"column {name!r} has {batch.column(name).null_count} null value(s)")
+        received = batch.column("received_at")
+        if received.null_count:
+            batch = batch.set_column(batch.schema.get_field_index("received_at"), APPEND_SCHEMA.field("received_at"),
+                                     received.fill_null(pa.scalar(received_at, TIMESTAMP)))
+        _check_values(batch)
+        return batch
+    n = data.num_rows
+    names = set(schema.names)
+    columns: list[pa.Array] = []
+    for field in APPEND_SCHEMA:
+        name = field.name
+        if name not in names:
+            if name == "received_at":
+                columns.append(pa.array(np.full(n, received_at, dtype=np.int64), type=TIMESTAMP))
+                continue
+            if name == "headers":
+                columns.append(pa.nulls(n, HEADERS))
+                continue
+            raise InvalidJournalRowError(f"the batch has no column {name!r}")
+        column = data.column(name)
+        if isinstance(column, pa.ChunkedArray):
+            column = column.combine_chunks()
+        if column.type != field.type:
+            if field.type == TIMESTAMP and not pa.types.is_timestamp(column.type) and not pa.types.is_integer(
+                    column.type):
+                raise InvalidJournalRowError(
+                    f"column {name!r} is {column.type}; give timestamps or int64 microseconds since the epoch")
+            try:
+                column = column.cast(field.type)
+            except (pa.ArrowInvalid, pa.ArrowNotImplementedError, pa.ArrowTypeError) as exc:
+                raise InvalidJournalRowError(f"column {name!r} is {column.type}, not {field.type}: {exc}") from None
+        if name == "received_at" and column.null_count:
+            column = column.fill_null(pa.scalar(received_at, TIMESTAMP))
+        if not field.nullable and column.null_count:
+            raise InvalidJournalRowError(f"column {name!r} has {column.null_count} null value(s)")
+        columns.append(column)
+    batch = pa.RecordBatch.from_arrays(columns, schema=APPEND_SCHEMA)
+    _check_values(batch)
+    return batch
+
+
+def to_append_batch(rows: Any, received_at: int | None = None) -> pa.RecordBatch:
+    """Whatever append() accepts -> one APPEND_SCHEMA batch, validated before it reaches the writer."""
+    now = now_micros() if received_at is None else received_at
+    if isinstance(rows, (pa.RecordBatch, pa.Table)):
+        return arrow_to_batch(rows, now)
+    if isinstance(rows, (str, bytes)) or not isinstance(rows, Sequence):
+        if isinstance(rows, Mapping) or dataclasses.is_dataclass(rows):
+            raise InvalidJournalRowError("append() takes a list of rows; wrap a single row in a list")
+        try:
+            rows = list(rows)
+        except TypeError:
+            raise InvalidJournalRowError(
+                f"append() takes a list of rows or a pyarrow RecordBatch/Table, not {type(rows).__name__}") from None
+    return rows_to_batch(rows, now)
