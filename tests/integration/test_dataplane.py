@@ -411,7 +411,7 @@ def test_tail_loss_is_recovered_by_heartbeat(make) -> None:  # type: ignore[no-u
     r = alice.dp.publish("g", payloads("alice", 200))
     r.wait(15)  # nothing more is published: only the publisher's heartbeat reveals the lost tail
     assert [d.seq for d in bob.from_(alice)] == list(range(1, 201))
-    assert alice.dp.stats()["pushes"] >= 1
+    assert alice.dp.stats()["heartbeats"] >= 1
 
 
 def test_slow_subscriber_is_backpressure_not_loss(make) -> None:  # type: ignore[no-untyped-def]
@@ -548,3 +548,32 @@ def test_retrying_a_publish_with_the_same_ids_delivers_once(make) -> None:  # ty
     assert [d.message_id for d in bob.from_(alice)][:5] == ids
     assert bob.dp.stats()["duplicates_dropped"] == 5
     assert bob.dp.positions("g") == {alice.did: 11}  # the seqs of the retry were consumed, not delivered
+
+
+def test_a_subscriber_that_stops_reading_cannot_stall_the_group(make) -> None:  # type: ignore[no-untyped-def]
+    """carol's process dies but a socket with her key stays connected and never reads (as a frozen
+    process would): XPUB_NODROP blocks, and after dead_after the publisher cuts every connection."""
+    cfg = DataPlaneConfig(sndhwm=2, rcvhwm=2, batch_max=64, keepalive_ms=200, dead_after_ms=1000,
+                          ack_interval_ms=20, nack_after_ms=50, resend_after_ms=300)
+    alice, bob, carol = make("alice", cfg), make("bob", cfg), make("carol", cfg)
+    form_group([alice, bob, carol], mode="shared")
+    carol.stop()
+    ctx = zmq.Context()
+    frozen = ctx.socket(zmq.SUB)
+    try:
+        frozen.setsockopt(zmq.RCVHWM, 1)
+        frozen.setsockopt(zmq.RCVBUF, 4096)
+        frozen.curve_serverkey = alice.curve[0]
+        frozen.curve_publickey, frozen.curve_secretkey = carol.curve
+        frozen.connect(alice.dp.publish_endpoint)
+        frozen.setsockopt(zmq.SUBSCRIBE, topics.data_topic("g"))
+        time.sleep(0.3)
+        big = [bytes(4096)] * 100
+        for _ in range(30):  # 12 MB: far more than the frozen socket's buffers
+            alice.dp.publish("g", big, timeout=30)
+        assert bob.wait(lambda: len(bob.from_(alice)) == 3000, timeout=60), len(bob.from_(alice))
+        assert [d.seq for d in bob.from_(alice)] == list(range(1, 3001))
+        assert alice.dp.stats()["publish_resets"] >= 1
+    finally:
+        frozen.close(0)
+        ctx.term()

@@ -22,14 +22,17 @@ Why it is built this way (docs/groups.md, "Data plane"):
   publisher keeps messages until every member acked them (acks by DirectSend on
   ``ProtocolId.GROUP_DATA``), bounds unacked messages with a window (``publish`` waits, with a
   deadline, then raises :class:`BackpressureError`), answers NACKs (RPC "resend seq a..b") with an
-  envelope for that member only, and pushes unacked tails to members whose acks stall. Receivers
-  deliver per-publisher FIFO (hold-back, gap NACKs) and drop duplicates by message id.
+  envelope for that member only, and sends a heartbeat (its last seq) to members whose acks stall,
+  so a lost tail becomes a gap they NACK. Receivers deliver per-publisher FIFO (hold-back, gap
+  NACKs) and drop duplicates by message id.
+* **Batching.** A sender thread packs what is queued per group (``batch_max`` / ``linger_ms``); a
+  publisher that fills whole batches packs them itself (caller runs), which spares the GIL hand-off.
 * **Causality.** One Lamport clock per member: ticked on publish, observed before every delivery.
 * **Liveness.** Keepalive pings over the peer transport mark members alive/inactive; inactive
   members do not hold the publish window.
 
 Threads: IO, sender (batch + pack), receiver (decrypt, sequence, deliver, ack, NACK), maintenance
-(keepalives, pushes), ZAP authenticator; transport workers run the GROUP_DATA handlers.
+(keepalives, heartbeats), ZAP authenticator; transport workers run the GROUP_DATA handlers.
 ``on_deliver`` and ``on_state`` run on the receiver thread, one at a time, in order: a slow callback
 is backpressure on the publishers, never loss.
 """
@@ -280,10 +283,10 @@ class _Stats:
 
     NAMES = (
         "messages_out", "bytes_out", "envelopes_out", "messages_in", "bytes_in", "envelopes_in",
-        "retransmits", "pushes", "nacks_sent", "nacks_served", "nack_failures", "duplicates_dropped",
+        "retransmits", "heartbeats", "nacks_sent", "nacks_served", "nack_failures", "duplicates_dropped",
         "rejected_non_member", "rejected_read_only", "rejected_malformed", "not_for_me", "wrong_topic",
         "lost", "subscriptions_accepted", "subscriptions_refused", "callback_errors", "probes_sent",
-        "backpressure_stalls",
+        "backpressure_stalls", "publish_resets",
     )
 
     def __init__(self) -> None:
@@ -872,7 +875,18 @@ class DataPlane:
             raise PeerTimeoutError(f"restoring positions of group {group!r} did not finish within {timeout:g}s")
 
     def stats(self) -> dict[str, Any]:
-        """Counters for metrics: traffic, retransmissions, drops by reason, lag, liveness."""
+        """Counters for metrics, so operators can tell slow from lossy from hostile.
+
+        Traffic: ``messages_out/in``, ``bytes_out/in`` (payload bytes), ``envelopes_out/in``.
+        Recovery: ``retransmits`` (messages resent), ``nacks_sent``, ``nacks_served``, ``heartbeats``,
+        ``duplicates_dropped``, ``lost`` (skipped because the publisher no longer held them).
+        Drops by reason: ``rejected_non_member``, ``rejected_read_only``, ``rejected_malformed``,
+        ``not_for_me`` (single mode, skipped unread), ``wrong_topic``, ``subscriptions_refused``.
+        Flow: ``backpressure_waits``, ``backpressure_stalls`` (BackpressureError raised),
+        ``publish_resets`` (XPUB re-bound after ``dead_after`` without progress), ``retention_dropped``. Per group: ``lag`` {publisher: seqs not yet delivered}, ``unacked``
+        {member: our messages it has not acked}, ``held`` (messages buffered). ``peers_alive``
+        {did: bool} from keepalives.
+        """
         with self._stats.lock:
             out: dict[str, Any] = dict(self._stats.values)
         with self._lock:
@@ -1201,6 +1215,7 @@ class DataPlane:
     def _flush(self, state: dict[str, Any]) -> None:
         xpub = state["xpub"]
         ctrl, data = self._out_ctrl, self._out_data
+        sent = 0
         try:
             while ctrl:
                 frames, fut = ctrl[0]
@@ -1209,23 +1224,35 @@ class DataPlane:
                     continue
                 xpub.send_multipart(frames, zmq.NOBLOCK)
                 ctrl.popleft()
+                sent += 1
                 if fut is not None and fut.set_running_or_notify_cancel():
                     fut.set_result(None)
             while data:
                 frames, g, last = data[0]
                 xpub.send_multipart(frames, zmq.NOBLOCK)
                 data.popleft()
+                sent += 1
                 if g is not None and last > g.wire_seq:
                     g.wire_seq = last  # what we may announce: handed to ZeroMQ, not just queued
         except zmq.Again:  # XPUB_NODROP: a member's queue is full; wait, never drop
-            if state["blocked_since"] is None:
-                state["blocked_since"] = time.monotonic()
+            if sent or state["blocked_since"] is None:
+                state["blocked_since"] = time.monotonic()  # time since the last progress
             return
         state["blocked_since"] = None
 
     def _io_timers(self, subs: dict[tuple[str, str], _Sub], by_sock: dict[Any, _Sub],
                    by_monitor: dict[Any, _Sub], state: dict[str, Any]) -> None:
         now = time.monotonic()
+        blocked = state["blocked_since"]
+        if blocked is not None and now - blocked > self.config.dead_after_ms / 1000:
+            # Nothing left the XPUB for dead_after: a subscriber that no longer reads (a frozen
+            # process keeps its TCP connection) holds every member hostage under XPUB_NODROP.
+            # Cut all connections; live members reconnect and NACK what they missed.
+            log.warning("group publish socket made no progress for %.1fs; reconnecting all subscribers",
+                        now - blocked)
+            self._rebind(state)
+            state["blocked_since"] = None
+            self._stats.add(publish_resets=1)
         for sub in subs.values():
             if sub.sock is None:
                 if now >= sub.down_until:
@@ -1651,7 +1678,7 @@ class DataPlane:
                 probe = self._probes.get(msg.nonce)
                 if probe is not None and probe[0] == g.name and probe[1] == m.info.did:
                     probe[2].set()
-        elif isinstance(msg, dm.DataBatch):  # a publisher pushing what we did not ack
+        elif isinstance(msg, dm.DataBatch):  # a publisher's heartbeat: it waits for our ack
             self._rx_put(("batch", g.name, m.info.did, msg))
         else:
             self._stats.add(rejected_malformed=1)
@@ -1706,7 +1733,7 @@ class DataPlane:
         while not self._stopping.wait(tick):
             try:
                 self._keepalives()
-                self._push_stalled()
+                self._heartbeat_stalled()
             except Exception:  # noqa: BLE001
                 log.exception("group maintenance failed; continuing")
 
@@ -1739,7 +1766,7 @@ class DataPlane:
         finally:
             self._pinging.discard(did)
 
-    def _push_stalled(self) -> None:
+    def _heartbeat_stalled(self) -> None:
         after = self.config.resend_after_ms / 1000
         for g in list(self._groups.values()):
             for did, _acked in g.outbox.stalled(after):
@@ -1755,9 +1782,9 @@ class DataPlane:
                 env = envelope.pack(dm.encode(beat), [m.info.relationship_verkey], sender=m.my_key)
                 try:
                     self._transport.send(m.info.peer_endpoint, ProtocolId.GROUP_DATA, env)
-                    self._stats.add(pushes=1)
+                    self._stats.add(heartbeats=1)
                 except TransportError as exc:
-                    log.debug("push to %s not sent: %s", did, type(exc).__name__)
+                    log.debug("heartbeat to %s not sent: %s", did, type(exc).__name__)
 
     # --- test hooks ----------------------------------------------------------------------------
 

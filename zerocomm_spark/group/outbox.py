@@ -318,7 +318,8 @@ class Outbox:
     def stalled(self, after: float) -> list[tuple[str, int]]:
         """Active members lagging behind what was sent with no progress for ``after`` seconds.
 
-        Marks them pushed; the caller pushes them what they lack (tail loss has no gap to NACK).
+        Marks them; the caller sends them a heartbeat with its last seq (a lost tail has no gap
+        to NACK until the member learns the tail exists).
         """
         now = self._clock()
         sent = self._unsent_seq - 1
