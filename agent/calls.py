@@ -48,6 +48,12 @@ def _empty() -> pa.Table:
     return pa.Table.from_batches([], schema=JOURNAL_SCHEMA)
 
 
+def _compact(table: pa.Table) -> pa.Table:
+    """One chunk per column: a journal read has a chunk per record, and filtering or shipping
+    thousands of tiny chunks costs far more than copying them together once."""
+    return table.combine_chunks() if table.num_columns and table.column(0).num_chunks > 1 else table
+
+
 def _plain(value: Any) -> Any:
     """JSON-ready copies of dataclasses, mappings and sequences (results of the core's calls)."""
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
@@ -294,7 +300,7 @@ class AgentCalls:
                 raise BadRequestError("read: a seq range needs both 'group' and 'publisher'")
             first = 1 if first_seq is None else first_seq
             final = (1 << 62) if last_seq is None else last_seq
-            table = journal.read_by_seq(group, publisher, first, final)
+            table = _compact(journal.read_by_seq(group, publisher, first, final))
             if table.num_rows > limit:
                 table = table.slice(0, limit)
             next_seq = int(table.column("seq")[-1].as_py()) + 1 if table.num_rows else first
@@ -331,7 +337,7 @@ class AgentCalls:
         chunk = max(limit, 1024)
         while position < stop and rows < limit:
             upto = min(stop, position + chunk)
-            table = journal.read(position, upto)
+            table = _compact(journal.read(position, upto))
             if group is not None:
                 table = table.filter(pc.equal(table.column("group"), group))
             if rows + table.num_rows > limit:
@@ -343,7 +349,7 @@ class AgentCalls:
             rows += table.num_rows
             if req.remaining() < 1.0:
                 break
-        return (pa.concat_tables(pieces) if pieces else _empty()), position
+        return (_compact(pa.concat_tables(pieces)) if pieces else _empty()), position
 
     def _tail(self, group: str | None, count: int, limit: int) -> tuple[pa.Table, int]:
         journal = self.journal
@@ -356,13 +362,13 @@ class AgentCalls:
         chunk = max(want * 4, 1024)
         while upto > earliest and rows < want:
             frm = max(earliest, upto - chunk)
-            table = journal.read(frm, upto)
+            table = _compact(journal.read(frm, upto))
             if group is not None:
                 table = table.filter(pc.equal(table.column("group"), group))
             pieces.insert(0, table)
             rows += table.num_rows
             upto = frm
-        table = pa.concat_tables(pieces) if pieces else _empty()
+        table = _compact(pa.concat_tables(pieces)) if pieces else _empty()
         if table.num_rows > want:
             table = table.slice(table.num_rows - want)
         return table, end

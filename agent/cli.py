@@ -61,7 +61,7 @@ def exit_code_for(exc: BaseException) -> int:
         return EXIT_NOT_RUNNING
     if isinstance(exc, (errors.ApiPermissionError, errors.InsecurePermissionsError)):
         return EXIT_PERMISSION
-    if isinstance(exc, TimeoutError):
+    if isinstance(exc, (TimeoutError, errors.PeerTimeoutError)):
         return EXIT_TIMEOUT
     not_found = tuple(getattr(errors, name) for name in ("ConnectionNotFoundError", "GroupNotOpenError",
                                                          "NotAMemberError", "GroupNotFoundError")
@@ -241,7 +241,10 @@ class Ctx:
                              "or add --spawn") from None
                 from zerocomm_spark.agent.daemon import start_detached
 
-                start_detached(self.config)
+                try:
+                    start_detached(self.config)
+                except errors.AgentAlreadyRunningError:
+                    pass  # another command started it first: use that one
                 self._client = Client.connect(self.config.socket_dir, timeout=connect_timeout,
                                               call_timeout=self.timeout)
         return self._client
@@ -268,14 +271,26 @@ def cmd_init(ctx: Ctx) -> int:
 
     cfg = ctx.config
     existing = (cfg.identity_dir / "keystore.sealed").exists()
-    agent = Agent.open(cfg.identity_dir, label=cfg.label, endpoint=cfg.get("peer", "endpoint"),
-                       passphrase=cfg.passphrase(), advertise=cfg.get("peer", "advertise") or None)
-    try:
-        keystore = getattr(agent, "keystore", None) or agent._keystore  # noqa: SLF001
-        journal_key(keystore)
-        label, endpoint = agent.label, agent.endpoint
-    finally:
-        agent.close()
+    if existing:
+        # Only the keystore: opening the member would rejoin its groups, and messages delivered
+        # (and acknowledged) now would never reach the journal, which only the agent process keeps.
+        from zerocomm_spark.keys.keystore import Keystore
+        from zerocomm_spark.member import SETTINGS_ID, SETTINGS_KIND
+
+        with Keystore.open(cfg.identity_dir, cfg.passphrase()) as keystore:
+            journal_key(keystore)
+            settings = keystore.get_record(SETTINGS_KIND, SETTINGS_ID) or {}
+        label = str(settings.get("label") or cfg.label or cfg.identity_dir.name)
+        endpoint = str(settings.get("advertise") or settings.get("endpoint") or "")
+    else:
+        agent = Agent.open(cfg.identity_dir, label=cfg.label, endpoint=cfg.get("peer", "endpoint"),
+                           passphrase=cfg.passphrase(), advertise=cfg.get("peer", "advertise") or None)
+        try:
+            keystore = getattr(agent, "keystore", None) or agent._keystore  # noqa: SLF001
+            journal_key(keystore)
+            label, endpoint = agent.label, agent.endpoint
+        finally:
+            agent.close()
     target = Path(ctx.config_path).expanduser() if ctx.config_path else config_mod.user_config_file()
     wrote = False
     if not target.exists() or getattr(ctx.args, "force", False):

@@ -46,8 +46,9 @@ def group_config(config: Config) -> GroupConfig:
                        default_policy=dict(policy_of(config)))
 
 
-def member_class(prepare: Prepare, settings: GroupConfig) -> type[Agent]:
-    """An Agent class whose group manager gets ``settings`` and is prepared before it starts."""
+def member_class(prepare: Prepare) -> type[Agent]:
+    """An Agent class whose group manager (configured by ``Agent.open(group_config=...)``) is
+    prepared by ``prepare`` before it starts."""
 
     class ProcessAgent(Agent):
         @property
@@ -56,7 +57,7 @@ def member_class(prepare: Prepare, settings: GroupConfig) -> type[Agent]:
             with self._groups_lock:
                 if self._groups is None:
                     manager = GroupManager(self, keystore=self._keystore, transport=self._transport,
-                                           connections=self._store, config=settings)
+                                           connections=self._store, config=self._group_config)
                     prepare(self, manager)
                     manager.start()
                     self._groups = manager

@@ -30,7 +30,7 @@ from zerocomm_spark.agent.metrics import Metrics
 from zerocomm_spark.agent.runfiles import RunLock, read_health
 from zerocomm_spark.agent.server import ApiServer, prepare_socket_dir
 from zerocomm_spark.errors import AgentAlreadyRunningError, ConfigurationError
-from zerocomm_spark.journal import JOURNAL_SCHEMA, Journal, journal_key
+from zerocomm_spark.journal import Journal, journal_key
 from zerocomm_spark.member import Agent
 
 __all__ = ["AgentProcess", "VERSION"]
@@ -86,12 +86,13 @@ class AgentProcess:
         from zerocomm_spark.agent.groups import group_config, member_class
 
         cfg = self.config
-        agent_class = member_class(self._attach_journal, group_config(cfg))
+        agent_class = member_class(self._attach_journal)
         try:
             self.member = agent_class.open(
                 cfg.identity_dir, label=cfg.label, endpoint=cfg.get("peer", "endpoint"),
                 passphrase=cfg.passphrase(), advertise=cfg.get("peer", "advertise") or None,
-                max_frame_bytes=cfg.get("peer", "max_frame_bytes"), workers=cfg.get("peer", "workers"))
+                max_frame_bytes=cfg.get("peer", "max_frame_bytes"), workers=cfg.get("peer", "workers"),
+                group_config=group_config(cfg))
         except AgentAlreadyRunningError:
             health = read_health(cfg.socket_dir) or {}
             pid = health.get("pid")
@@ -122,7 +123,11 @@ class AgentProcess:
                 retention_ms=cfg.retention_ms, dedup_window=cfg.get("journal", "dedup_window"))
             self.ingest = JournalIngest(self.journal, self.metrics)
         assert self.ingest is not None
-        manager.on_message(self.ingest.on_message)
+        batch_hook = getattr(manager, "on_messages", None)
+        if callable(batch_hook):  # one journal record per delivery batch, still before the acks
+            batch_hook(self.ingest.on_messages)
+        else:
+            manager.on_message(self.ingest.on_message)
 
     def _open_api(self) -> None:
         from zerocomm_spark.agent.calls import build_registry

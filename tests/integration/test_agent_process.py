@@ -10,7 +10,6 @@ import os
 import signal
 import stat
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path

@@ -9,7 +9,6 @@ as a Spark sink would: batches with deterministic message ids, re-published afte
 from __future__ import annotations
 
 import threading
-import time
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path

@@ -139,3 +139,22 @@ def test_exit_codes_and_errors_that_say_what_to_do(tmp_path: Path) -> None:
     started = time.monotonic()
     assert lonely.run("agent", "status").code == 3
     assert time.monotonic() - started < 10
+
+
+def test_joiner_policy_from_the_configuration(tmp_path: Path) -> None:
+    """groups.joiner_policy=invitation: only joiners who came through an invitation for the group get in."""
+    owner = Member(tmp_path, "owner", "groups.joiner_policy=invitation")
+    guest = Member(tmp_path, "guest")
+    try:
+        start_all([owner, guest])
+        assert owner.ok("group", "create", "club")["policy"]["kind"] == "invitation"
+        plain = guest.ok("connect", owner.ok("invite")["url"])
+        refused = guest.run("group", "join", "club", "--via", plain["id"])
+        assert refused.code == 1 and refused.json["error"]["type"] == "JoinRefusedError"
+        assert "invitation issued for group 'club'" in refused.json["error"]["message"]
+        invited = guest.ok("connect", owner.ok("invite", "--group", "club")["url"])
+        joined = guest.ok("group", "join", "club", "--via", invited["id"])
+        assert sorted(m["label"] for m in joined["members"]) == ["guest", "owner"]
+    finally:
+        for m in (owner, guest):
+            m.stop()

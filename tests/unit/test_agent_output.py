@@ -1,0 +1,65 @@
+"""What the zerocomm command prints: aligned tables, safe payload text, a progress line, exit codes."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+
+from zerocomm_spark import errors
+from zerocomm_spark.agent.cli import EXIT_CODES, build_parser, exit_code_for
+from zerocomm_spark.agent.output import Progress, format_payload, render_table, short_did
+
+
+def test_tables_are_aligned_under_their_headers() -> None:
+    text = render_table([{"a": "x", "b": 1}, {"a": "longer value", "b": None}], [("a", "NAME"), ("b", "N")])
+    header, first, second = text.splitlines()
+    assert header.index("N", 4) == first.index("1") == second.index("-")
+    assert render_table([], [("a", "A")]) == "(none)"
+
+
+def test_payloads_are_shown_safely() -> None:
+    assert format_payload("héllo".encode()) == "héllo"
+    assert format_payload(b"\x00\x01\xff") == "<3 bytes: 0001ff>"  # never raw bytes to a terminal
+    assert format_payload(b"\x1b[2J") .startswith("<4 bytes")  # nor escape sequences
+    assert format_payload(b"x" * 50, 10) == "xxxxxxx..."
+    did = "did:peer:2." + "a" * 100
+    assert short_did(did).startswith("did:peer") and len(short_did(did)) <= 27
+
+
+def test_progress_shows_phase_and_fraction_only_on_terminals() -> None:
+    quiet = Progress("joining g", stream=io.StringIO())
+    assert quiet.enabled is False  # a StringIO is no terminal: scripts see nothing
+    progress = Progress("joining g", stream=io.StringIO(), enabled=True)
+    progress.update({"phase": "subscribing", "done": 5, "total": 10})
+    line = progress.line(0)
+    assert "joining g" in line and "subscribing" in line and "5/10" in line and "#" * 10 + "." * 10 in line
+
+
+@pytest.mark.parametrize(("exc", "code"), [
+    (errors.AgentNotRunningError("x"), 3),
+    (errors.ApiTimeoutError("x"), 4),
+    (errors.PeerTimeoutError("x"), 4),
+    (errors.AgentAlreadyRunningError("x"), 5),
+    (errors.GroupNotFoundError("x"), 6),
+    (errors.ConnectionNotFoundError("x"), 6),
+    (errors.ApiPermissionError("x"), 7),
+    (errors.ConfigurationError("x"), 2),
+    (errors.UnknownCallError("x"), 2),
+    (errors.JoinRefusedError("x"), 1),
+])
+def test_exit_codes(exc: BaseException, code: int) -> None:
+    assert exit_code_for(exc) == code
+    assert code in EXIT_CODES
+
+
+def test_every_command_takes_json_and_the_common_options() -> None:
+    parser = build_parser()
+    for argv in (["agent", "status", "--json"], ["--json", "group", "members", "g"], ["send", "g", "m", "--json"],
+                 ["tail", "g", "--config", "x.toml", "--timeout", "3"], ["history", "g", "--set", "log.level=debug"]):
+        args = parser.parse_args(argv)
+        assert callable(args.func)
+    assert parser.parse_args(["agent", "status", "--json"]).json is True
+    with pytest.raises(SystemExit) as info:
+        parser.parse_args(["group", "join", "g"])  # --via is required
+    assert info.value.code == 2
