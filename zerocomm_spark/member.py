@@ -61,7 +61,14 @@ from zerocomm_spark.protocols.did_exchange.v1_0.messages import (
 )
 from zerocomm_spark.protocols.discover_features.v1_0.manager import DiscoverFeaturesManager
 from zerocomm_spark.protocols.discover_features.v1_0.messages import Disclose, Query
-from zerocomm_spark.protocols.message import AgentMessage, ProtocolDescriptor, Thread, parse_message, utc_now
+from zerocomm_spark.protocols.message import (
+    AgentMessage,
+    ProtocolDescriptor,
+    Thread,
+    normalize_type,
+    parse_message,
+    utc_now,
+)
 from zerocomm_spark.protocols.out_of_band.v1_1.manager import OutOfBandManager
 from zerocomm_spark.protocols.out_of_band.v1_1.messages import Invitation
 from zerocomm_spark.protocols.trust_ping.v1_0.messages import Ping, PingResponse
@@ -184,6 +191,7 @@ class Agent:
         self._seen: OrderedDict[tuple[str, str], None] = OrderedDict()
         self._outbox = ThreadPoolExecutor(max_workers=4, thread_name_prefix="zerocomm-outbox")
         self._request_peers: dict[str, str] = {}  # request() thread id -> connection id the answer must come on
+        self._protocol_types: dict[str, type[AgentMessage]] = {}  # @type -> class, of register_protocol()
         self._groups: GroupManager | None = None
         self._group_config = group_config
         self._groups_lock = threading.Lock()
@@ -477,8 +485,10 @@ class Agent:
         with self._lock:
             for message_type, handler in handlers.items():
                 self._handlers[message_type] = self._protocol_handler(handler)
+                self._protocol_types[message_type.message_type] = message_type
             for message_type in replies:
                 self._handlers[message_type] = self._on_reply
+                self._protocol_types[message_type.message_type] = message_type
             protocols = [p for p in self._features.protocols if p.pid != descriptor.pid]
             self._features = DiscoverFeaturesManager([*protocols, descriptor])
 
@@ -615,7 +625,7 @@ class Agent:
         if self._closed:
             raise AgentClosedError("the agent is closing")
         unpacked = unpack(payload, self._keystore.find)
-        message = parse_message(unpacked.json())
+        message = self._parse(unpacked.json())
         if message.timing is not None and message.timing.expired():
             raise ProtocolError("the message expired (~timing.expires_time is past)")
         handler = self._handlers.get(type(message))
@@ -637,6 +647,12 @@ class Agent:
                 self._seen.pop(key, None)
             raise
         log.debug("handled %s", message.message_type)
+
+    def _parse(self, data: Any) -> AgentMessage:
+        """Core protocols from the global registry; those added by register_protocol from this agent's table."""
+        kind = data.get("@type") if isinstance(data, dict) else None
+        registered = self._protocol_types.get(normalize_type(kind)) if isinstance(kind, str) else None
+        return registered.from_dict(data) if registered is not None else parse_message(data)
 
     def _connected(self, context: _Inbound) -> ConnectionRecord:
         """The connection the message arrived on, authenticated by the envelope's sender key."""

@@ -189,6 +189,17 @@ def _check_order(received: list[dict[str, Any]], publishers: dict[str, list[str]
         assert seqs == sorted(seqs) and len(set(seqs)) == len(seqs)
 
 
+_CONNECTIONS: dict[tuple[str, str], str] = {}
+
+
+def _connection(member: Member, to: Member) -> str:
+    """One DIDComm connection per ordered pair of members, made on first use."""
+    key = (member.name, to.name)
+    if key not in _CONNECTIONS:
+        _CONNECTIONS[key] = member.connect_to(to)
+    return _CONNECTIONS[key]
+
+
 @pytest.fixture(scope="module")
 def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("groups")
@@ -308,16 +319,6 @@ def test_byzantine_acceptor_cannot_slip_in_an_intruder(trio: dict[str, Member]) 
     time.sleep(4 * CONFIG["digest_interval_s"])
     assert set(_view(bob, "byz")) == {"alice", "bob"}
     assert bob.g("info", group="byz")["checksum"] == honest
-
-
-_CONNECTIONS: dict[tuple[str, str], str] = {}
-
-
-def _connection(member: Member, to: Member) -> str:
-    key = (member.name, to.name)
-    if key not in _CONNECTIONS:
-        _CONNECTIONS[key] = member.connect_to(to)
-    return _CONNECTIONS[key]
 
 
 def test_crash_and_restart_rejoins_and_gets_what_it_missed(trio: dict[str, Member]) -> None:

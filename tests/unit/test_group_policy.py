@@ -34,7 +34,7 @@ from zerocomm_spark.protocols.group.v1_0.messages import (
     SubscribeResponse,
     ViewUpdate,
 )
-from zerocomm_spark.protocols.message import Thread, parse_message
+from zerocomm_spark.protocols.message import Thread, message_types
 
 ALICE = "did:key:z6MkAlice"
 BOB = "did:key:z6MkBob"
@@ -169,7 +169,7 @@ _SUM = "0" * 64
 def test_messages_round_trip(message: object) -> None:
     data = message.to_dict()  # type: ignore[attr-defined]
     assert data["@type"].startswith("https://didcomm.org/zerocomm-group/1.0/")
-    assert parse_message(data) == message
+    assert type(message).from_dict(data) == message  # type: ignore[attr-defined]
 
 
 @pytest.mark.parametrize("data", [
@@ -185,5 +185,11 @@ def test_messages_round_trip(message: object) -> None:
      "checksum": _SUM, "entries": [], "want": [1], "~thread": {"thid": "r"}},
 ])
 def test_malformed_messages_are_refused(data: dict[str, object]) -> None:
+    classes = {cls.message_type: cls for cls in (JoinRequest, Digest, SubscribeResponse, DigestResponse)}
     with pytest.raises(MalformedGroupMessageError, match="field"):
-        parse_message(data)
+        classes[str(data["@type"])].from_dict(data)
+
+
+def test_the_group_protocol_is_not_in_the_global_registry() -> None:
+    """Only agents whose groups registered it parse (and disclose) it."""
+    assert not any("zerocomm-group" in t for t in message_types())

@@ -120,7 +120,7 @@ class GroupConfig:
     joining_ttl_s: float = 120.0  # a joiner that never announced itself active is dropped after this
     probe_timeout_s: float = 10.0
     push_timeout_s: float = 5.0  # direct pushes of a leave or role switch
-    parallelism: int = 8  # concurrent DID exchanges and subscribes of one join
+    parallelism: int = 16  # concurrent DID exchanges and subscribes of one join
     history_max: int = 10_000  # messages(group) keeps this many per group
     inbox_max: int = 100_000  # receive() buffers this many per group; on_message never drops
     default_policy: Mapping[str, Any] = field(default_factory=lambda: OpenPolicy().to_dict())
@@ -153,6 +153,10 @@ class MemberInfo:
     peer_endpoint: str
     version: int
 
+    def __repr__(self) -> str:  # DIDs are long; who, what role and which state is what a reader wants
+        me = ", self" if self.is_self else ""
+        return f"MemberInfo({self.label!r}, {self.role}, {self.status}{me})"
+
 
 @dataclass(frozen=True)
 class GroupInfo:
@@ -168,6 +172,12 @@ class GroupInfo:
     checksum: str
     policy: dict[str, Any]
     members: tuple[MemberInfo, ...]
+
+    def __repr__(self) -> str:
+        members = ", ".join(f"{m.label}({m.role}, {m.status})" for m in self.members)
+        return (f"GroupInfo({self.group!r}, mode={self.mode}, ordered={self.ordered}, "
+                f"consistent_join={self.consistent_join}, role={self.role}, status={self.status}, "
+                f"members=[{members}])")
 
 
 @dataclass
@@ -275,13 +285,17 @@ class GroupManager:
             return self
         self._started = True
         self._dataplane = self._start_dataplane()
-        self._store.save_publish_endpoint(self._dataplane.publish_endpoint)
-        self._agent.register_protocol(
-            DESCRIPTOR,
-            {JoinRequest: self._on_join_request, Subscribe: self._on_subscribe, Digest: self._on_digest,
-             ViewUpdate: self._on_view_update, Leave: self._on_leave},
-            replies=(JoinResponse, SubscribeResponse, DigestResponse, GroupProblemReport),
-        )
+        try:
+            self._store.save_publish_endpoint(self._dataplane.publish_endpoint)
+            self._agent.register_protocol(
+                DESCRIPTOR,
+                {JoinRequest: self._on_join_request, Subscribe: self._on_subscribe, Digest: self._on_digest,
+                 ViewUpdate: self._on_view_update, Leave: self._on_leave},
+                replies=(JoinResponse, SubscribeResponse, DigestResponse, GroupProblemReport),
+            )
+        except BaseException:
+            self._dataplane.close()
+            raise
         thread = threading.Thread(target=self._control_main, name="zerocomm-groups-control", daemon=True)
         thread.start()
         self._threads.append(thread)
@@ -1193,8 +1207,11 @@ class GroupManager:
         for callback in listeners:
             try:
                 callback(message)
-            except Exception:  # noqa: BLE001 - one listener's bug must not starve the others
-                log.exception("an on_message callback raised for a message of group %r", message.group)
+            except Exception as exc:  # noqa: BLE001 - one listener's bug must not starve the others
+                # The class only: an application's exception text may quote the payload.
+                log.error("an on_message callback raised %s for a message of group %r", type(exc).__name__,
+                          message.group)
+                log.debug("on_message traceback", exc_info=exc)
 
     def _activate(self, g: _Group) -> None:
         """The join checked out: the group goes active and what arrived meanwhile is delivered, in order.

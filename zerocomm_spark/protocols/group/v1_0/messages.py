@@ -6,6 +6,10 @@ messages (data-batch, hello, ack, resend) and the status sections are separate (
 group/view.py). Requests are answered by a message threaded to them (``~thread.thid``), or by a
 ``problem-report`` whose code says why the peer refused.
 
+The classes are not put in the global registry (``protocols.message.register``): an agent parses
+and serves them only once ``agent.groups`` registered them (``Agent.register_protocol``), so an
+agent without groups neither accepts nor discloses them.
+
 Member entries and views are carried as JSON and checked in depth (signatures included) by
 ``zerocomm_spark.group.view``; here only their shape is checked, naming the field, never its value.
 """
@@ -22,7 +26,6 @@ from zerocomm_spark.protocols.message import (
     AgentMessage,
     ProtocolDescriptor,
     opt_str,
-    register,
     req_str,
 )
 
@@ -116,7 +119,6 @@ class _Threaded(AgentMessage):
         return message
 
 
-@register
 @dataclass(kw_only=True)
 class JoinRequest(AgentMessage):
     """Joiner -> acceptor: let me into ``group``; ``member`` is the joiner's signed entry."""
@@ -135,7 +137,6 @@ class JoinRequest(AgentMessage):
         return {"group": _group(data), "member": _obj(data, "member")}
 
 
-@register
 @dataclass(kw_only=True)
 class JoinResponse(_Threaded):
     """Acceptor -> joiner: the group's settings, the acceptor's view and checksum, and a signed ticket."""
@@ -161,7 +162,6 @@ class JoinResponse(_Threaded):
                 "ticket": _obj(data, "ticket")}
 
 
-@register
 @dataclass(kw_only=True)
 class Subscribe(AgentMessage):
     """Member -> member: start a pub/sub relationship; carries the sender's entry (keys, endpoints)
@@ -187,7 +187,6 @@ class Subscribe(AgentMessage):
                 "ticket": _obj(data, "ticket", optional=True)}
 
 
-@register
 @dataclass(kw_only=True)
 class SubscribeResponse(_Threaded):
     """The answer: the responder's entry, its view checksum, and how far it got in the sender's stream."""
@@ -211,7 +210,6 @@ class SubscribeResponse(_Threaded):
                 "position": _int(data, "position", 0), "your_version": _int(data, "your_version", 0)}
 
 
-@register
 @dataclass(kw_only=True)
 class Digest(AgentMessage):
     """Periodic view repair: the sender's view in brief (hash and per-member versions)."""
@@ -232,7 +230,6 @@ class Digest(AgentMessage):
                 "versions": _versions(data, "versions")}
 
 
-@register
 @dataclass(kw_only=True)
 class DigestResponse(_Threaded):
     """The entries the digest's sender lacks, the DIDs the responder wants from it, and its checksum."""
@@ -256,7 +253,6 @@ class DigestResponse(_Threaded):
         return {"group": _group(data), "checksum": _checksum(data), "entries": _list(data, "entries"), "want": want}
 
 
-@register
 @dataclass(kw_only=True)
 class ViewUpdate(AgentMessage):
     """Entries pushed to a member: what its digest showed it lacks, or a change it must not miss."""
@@ -275,7 +271,6 @@ class ViewUpdate(AgentMessage):
         return {"group": _group(data), "entries": _list(data, "entries")}
 
 
-@register
 @dataclass(kw_only=True)
 class Leave(AgentMessage):
     """A member leaves (or a joiner withdraws): its signed entry with status ``left``."""
@@ -294,7 +289,6 @@ class Leave(AgentMessage):
         return {"group": _group(data), "member": _obj(data, "member")}
 
 
-@register
 @dataclass(kw_only=True)
 class GroupProblemReport(_Threaded):
     """A refusal of a group request; ``code`` is a :class:`ProblemCode`, ``explain`` is for humans."""
