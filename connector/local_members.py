@@ -88,6 +88,23 @@ class LocalMember:
             return None
         return int(text) if text.isdigit() else None
 
+    def running(self) -> bool:
+        """Whether the agent process named by the pid file is alive (a kill -9 leaves the file behind)."""
+        pid = self.pid()
+        if pid is None:
+            return False
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        try:  # a zombie (killed, not yet reaped) counts as gone
+            with open(f"/proc/{pid}/stat", encoding="ascii") as handle:
+                return handle.read().split(")")[-1].split()[0] != "Z"
+        except OSError:
+            return True
+
     def kill(self) -> None:
         """SIGKILL the agent, like a crash: no goodbye to peers, the journal as it was on disk."""
         self.close_client()

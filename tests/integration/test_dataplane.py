@@ -7,12 +7,16 @@ as a RemoteMember. Raw ZeroMQ sockets play the eavesdropper and the rogue publis
 
 from __future__ import annotations
 
+import base64
+import json
+import os
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+import nacl.bindings
 import pytest
 import zmq
 
@@ -28,8 +32,9 @@ from zerocomm_spark.errors import (
 from zerocomm_spark.group import DataPlane, DataPlaneConfig, Delivered, RemoteMember
 from zerocomm_spark.group import datamessage as dm
 from zerocomm_spark.group import topics
-from zerocomm_spark.keys.keypair import KeyPair
+from zerocomm_spark.keys.keypair import KeyPair, verkey_bytes
 from zerocomm_spark.keys.keystore import Keystore
+from zerocomm_spark.transport.frames import ProtocolId
 from zerocomm_spark.transport.peer import PeerTransport
 
 pytestmark = pytest.mark.timeout(120)
@@ -191,6 +196,7 @@ def test_burst_is_delivered_in_publisher_order_to_every_member(make, mode: str, 
         assert n.dp.lamport_time >= max(stamps)
     s = nodes[-1].dp.stats()
     assert s["messages_in"] == 2000 and s["duplicates_dropped"] == 0 and s["lost"] == 0
+    assert all(n.dp.stats()["forged_batches"] == 0 for n in nodes)  # every batch signed and verified
     if mode == "single":
         assert s["not_for_me"] > 0  # others' envelopes were skipped, by kid, without decrypting
     elif mode == "multi":
@@ -325,26 +331,167 @@ def test_forged_envelopes_on_a_members_queue_are_dropped_and_counted(make) -> No
         assert rogue.recv()[0] == 1  # bob's SUB subscribed
         msg = dm.DataMessage("x", 1, 1, time.time(), b"forged")
         stranger = KeyPair.generate()
-        forged_sender = envelope.pack(dm.encode(dm.DataBatch("g", "did:example:carol", (msg,), base=0)),
+        forged_sender = envelope.pack(dm.encode(dm.DataBatch("g", "did:example:carol", (msg,)), signer=stranger),
                                       [bob.group_keys["g"].verkey], sender=stranger)
-        forged_publisher = envelope.pack(dm.encode(dm.DataBatch("g", alice.did, (msg,), base=0)),
+        # signed by carol's group key, but about alice's stream or another group: refused on the claims
+        forged_publisher = envelope.pack(dm.encode(dm.DataBatch("g", alice.did, (msg,)), signer=carol_group),
                                          [bob.group_keys["g"].verkey], sender=carol_group)
-        forged_group = envelope.pack(dm.encode(dm.DataBatch("g2", "did:example:carol", (msg,), base=0)),
+        forged_group = envelope.pack(dm.encode(dm.DataBatch("g2", "did:example:carol", (msg,)), signer=carol_group),
                                      [bob.group_keys["g"].verkey], sender=carol_group)
-        before = bob.dp.stats()["rejected_non_member"]
+        # from carol's group key but unsigned, or signed by someone else: refused on the signature
+        unsigned = envelope.pack(dm.encode(dm.DataBatch("g", "did:example:carol", (msg,))),
+                                 [bob.group_keys["g"].verkey], sender=carol_group)
+        wrong_signer = envelope.pack(dm.encode(dm.DataBatch("g", "did:example:carol", (msg,)), signer=stranger),
+                                     [bob.group_keys["g"].verkey], sender=carol_group)
+        before = bob.dp.stats()
         for _ in range(20):
-            for env in (forged_sender, forged_publisher, forged_group):
+            for env in (forged_sender, forged_publisher, forged_group, unsigned, wrong_signer):
                 rogue.send_multipart([topics.data_topic("g"), env])
             rogue.send_multipart([topics.data_topic("g") + b"x", forged_sender])  # not our exact topic
             time.sleep(0.02)
         deadline = time.monotonic() + 5
-        while bob.dp.stats()["rejected_non_member"] < before + 3 and time.monotonic() < deadline:
+        while (bob.dp.stats()["rejected_non_member"] < before["rejected_non_member"] + 60
+               or bob.dp.stats()["forged_batches"] < before["forged_batches"] + 40) and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert bob.dp.stats()["rejected_non_member"] >= before + 3
+        after = bob.dp.stats()
+        assert after["rejected_non_member"] >= before["rejected_non_member"] + 60
+        assert after["forged_batches"] >= before["forged_batches"] + 40
         assert bob.got == []
         assert bob.dp.positions("g").get("did:example:carol", 0) == 0
     finally:
         rogue.close(0)
+        ctx.term()
+
+
+def _b64u(data: bytes) -> str:
+    return base64.urlsafe_b64encode(data).decode("ascii")
+
+
+def _unb64u(text: str) -> bytes:
+    return base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
+
+
+def recipients(env: bytes) -> set[str]:
+    return {r["header"]["kid"] for r in json.loads(_unb64u(json.loads(env)["protected"]))["recipients"]}
+
+
+def reuse_recipient_entry(env: bytes, attacker: KeyPair, body: bytes) -> bytes:
+    """The attack on multi-recipient authcrypt: ``attacker``, one recipient of a shared envelope,
+    unwraps the content key from its own entry and encrypts ``body`` under the same protected
+    header, so every other recipient's entry (wrapped by the publisher) still opens it."""
+    outer = json.loads(env)
+    protected = outer["protected"]
+    header = json.loads(_unb64u(protected))
+    entry = next(r for r in header["recipients"] if r["header"]["kid"] == attacker.verkey)
+    sk, pk = bytes(attacker.x25519_private()), bytes(attacker.x25519_public())
+    sender = nacl.bindings.crypto_box_seal_open(_unb64u(entry["header"]["sender"]), pk, sk).decode("ascii")
+    sender_pk = nacl.bindings.crypto_sign_ed25519_pk_to_curve25519(verkey_bytes(sender))
+    cek = nacl.bindings.crypto_box_open(_unb64u(entry["encrypted_key"]), _unb64u(entry["header"]["iv"]), sender_pk, sk)
+    iv = os.urandom(12)
+    sealed = nacl.bindings.crypto_aead_chacha20poly1305_ietf_encrypt(body, protected.encode("ascii"), iv, cek)
+    return json.dumps({"protected": protected, "iv": _b64u(iv), "ciphertext": _b64u(sealed[:-16]),
+                       "tag": _b64u(sealed[-16:])}).encode("ascii")
+
+
+def test_member_reusing_anothers_key_entry_cannot_forge_the_publishers_batches(make) -> None:  # type: ignore[no-untyped-def]
+    """mallory, a member of a shared-mode group, sits on the path from alice to bob (she holds alice's
+    CURVE key, as if alice's transport were compromised). From alice's genuine envelopes, which she
+    can open, she crafts batches that open for bob as authcrypted by alice's group key. Without a
+    publisher signature bob would deliver them as alice's; with it he drops and counts them."""
+    alice, bob, mallory = make("alice"), make("bob"), make("mallory")
+    form_group([alice, bob, mallory], mode="shared")
+    g_alice, g_bob, g_mallory = (n.group_keys["g"] for n in (alice, bob, mallory))
+    ctx = zmq.Context()
+    rogue = ctx.socket(zmq.XPUB)  # plays alice's publish socket towards bob
+    relay = ctx.socket(zmq.SUB)  # mallory's own admitted subscription to alice
+    try:
+        rogue.curve_server = True
+        rogue.curve_publickey, rogue.curve_secretkey = alice.curve
+        rogue.bind("tcp://127.0.0.1:*")
+        relay.curve_serverkey = alice.curve[0]
+        relay.curve_publickey, relay.curve_secretkey = mallory.curve
+        accepted = alice.dp.stats()["subscriptions_accepted"]
+        relay.connect(alice.dp.publish_endpoint)
+        relay.setsockopt(zmq.SUBSCRIBE, topics.data_topic("g"))
+        # bob's SUB to alice now goes through mallory (same DID and keys, another endpoint)
+        bob.dp.add_member("g", replace(remote(alice, bob, "g"), publish_endpoint=rogue.getsockopt_string(
+            zmq.LAST_ENDPOINT)))
+        rogue.setsockopt(zmq.RCVTIMEO, 5000)
+        assert rogue.recv()[0] == 1  # bob subscribed at the rogue
+        deadline = time.monotonic() + 5
+        while alice.dp.stats()["subscriptions_accepted"] <= accepted and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert alice.dp.stats()["subscriptions_accepted"] > accepted  # mallory's relay subscribed at alice
+
+        captured: list[bytes] = []
+        poller = zmq.Poller()
+        poller.register(relay, zmq.POLLIN)
+
+        def pump(until: Callable[[], bool], timeout: float = 10.0) -> bool:
+            """Relay alice's frames to bob (keeping copies) until ``until()``."""
+            end = time.monotonic() + timeout
+            while not until():
+                if time.monotonic() >= end:
+                    return False
+                if poller.poll(20):
+                    while True:
+                        try:
+                            frames = relay.recv_multipart(zmq.NOBLOCK)
+                        except zmq.Again:
+                            break
+                        captured.append(frames[1])
+                        rogue.send_multipart(frames)
+            return True
+
+        real = payloads("alice", 20)
+        alice.dp.publish("g", real[:10])
+        assert pump(lambda: len(bob.from_(alice)) >= 10), len(bob.from_(alice))
+        genuine = next(e for e in captured if {g_bob.verkey, g_mallory.verkey} <= recipients(e))  # a data batch
+        opened = envelope.unpack(genuine, lambda kid: g_mallory if kid == g_mallory.verkey else None)
+        assert opened.sender_verkey == g_alice.verkey
+        signed = dm.decode(opened.message)
+        assert isinstance(signed, dm.DataBatch) and dm.verify(signed, g_alice.verkey)
+
+        fake = dm.DataBatch("g", alice.did, (dm.DataMessage("forged-11", 11, 10**6, time.time(), b"FORGED"),))
+        fake_plain = dm.encode(fake)
+        # alice's genuine signature on a batch whose bytes mallory changed
+        head = opened.message[:opened.message.index(b'"message":') + len(b'"message":')]
+        altered = head + fake_plain + b"}"
+        # a genuine batch signed by alice for mallory (her own resend answer), replayed to bob
+        ask = envelope.pack(dm.encode(dm.ResendRequest("g", alice.did, mallory.did, 1, None)),
+                            [alice.rel[mallory.did].verkey], sender=mallory.rel[alice.did])
+        answer = mallory.tr.request(alice.tr.endpoint, ProtocolId.GROUP_DATA, ask, timeout=10)
+        for_mallory = envelope.unpack(answer, lambda kid: mallory.rel[alice.did]).message
+        assert dm.verify(dm.decode(for_mallory), g_alice.verkey) and dm.decode(for_mallory).member == mallory.did
+        bodies = {
+            "unsigned": fake_plain,
+            "signed by mallory": dm.encode(fake, signer=g_mallory),
+            "signature copied onto other bytes": altered,
+            "replay of a batch signed for mallory": for_mallory,
+        }
+        before = bob.dp.stats()
+        for body in bodies.values():
+            forged = reuse_recipient_entry(genuine, g_mallory, body)
+            # the attack works on the envelope: bob opens it as authcrypted by alice's group key
+            seen = envelope.unpack(forged, lambda kid: g_bob if kid == g_bob.verkey else None)
+            assert seen.sender_verkey == g_alice.verkey and seen.message == body
+            rogue.send_multipart([topics.data_topic("g"), forged])
+        assert pump(lambda: bob.dp.stats()["forged_batches"] >= before["forged_batches"] + len(bodies)
+                    or len(bob.from_(alice)) > 10)
+        assert [d.payload for d in bob.from_(alice)] == real[:10]  # nothing forged delivered
+        after = bob.dp.stats()
+        assert after["forged_batches"] == before["forged_batches"] + len(bodies)
+        assert after["messages_in"] == before["messages_in"] == 10
+        # the slot mallory aimed at is filled by alice's real message 11, and everything flows on
+        alice.dp.publish("g", real[10:])
+        assert pump(lambda: len(bob.from_(alice)) >= 20), len(bob.from_(alice))
+        got = bob.from_(alice)
+        assert [d.payload for d in got] == real and [d.seq for d in got] == list(range(1, 21))
+        assert all(b"FORGED" not in d.payload for d in bob.got)
+        assert mallory.dp.stats()["forged_batches"] == alice.dp.stats()["forged_batches"] == 0
+    finally:
+        rogue.close(0)
+        relay.close(0)
         ctx.term()
 
 

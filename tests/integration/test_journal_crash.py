@@ -51,12 +51,14 @@ def child(directory: str, key_hex: str, seed: int, policy: str) -> None:
 
     plan = burst(seed)
     lock = threading.Lock()
-    journal = Journal.open(directory, key=bytes.fromhex(key_hex), fsync=policy, segment_bytes=256 << 10)
+    # Small segments: many rolls, so kills land in them too.
+    journal = Journal.open(directory, key=bytes.fromhex(key_hex), fsync=policy, segment_bytes=96 << 10)
 
     def publish(p: int) -> None:
         for chunk in plan[p]:
             r = journal.append(chunk)
-            line = f"ACK {p} {chunk[0]['seq']} {chunk[-1]['seq']} {r.first_offset} {r.last_offset} {r.appended} {r.duplicates}\n"
+            seqs = f"{chunk[0]['seq']} {chunk[-1]['seq']}"
+            line = f"ACK {p} {seqs} {r.first_offset} {r.last_offset} {r.appended} {r.duplicates}\n"
             with lock:
                 sys.stdout.write(line)
                 sys.stdout.flush()

@@ -72,6 +72,11 @@ def delta(spark, path) -> object:
     return spark.read.format("delta").load(str(path))
 
 
+def rows_in(query) -> int:
+    """Messages a running query has processed so far (from its progress, without a Spark job)."""
+    return sum(p["numInputRows"] for p in query.recentProgress)
+
+
 # --- source ------------------------------------------------------------------------------------
 
 
@@ -89,11 +94,10 @@ def test_members_publish_and_a_stream_lands_in_delta_in_causal_order(spark, memb
              .writeStream.format("delta").option("checkpointLocation", str(ck))
              .trigger(processingTime="500 milliseconds").start(str(out)))
     try:
-        wait_for(lambda: query.lastProgress is not None and delta(spark, out).count() == 500 if out.exists()
-                 else False, 120, "the first 500 messages in Delta")
+        wait_for(lambda: rows_in(query) >= 500, 180, "the first 500 messages")
         # live: messages published while the query runs arrive too, with their headers
         publish(bob, group, [f"bob-{i}" for i in range(300, 400)], headers=[{"k": f"v{i}"} for i in range(100)])
-        wait_for(lambda: delta(spark, out).count() == 600, 120, "the live messages in Delta")
+        wait_for(lambda: rows_in(query) >= 600, 180, "the live messages")
         query.processAllAvailable()
         progress = query.lastProgress
     finally:
@@ -141,35 +145,44 @@ def test_batch_read_and_offsets_options(spark, members, group):
     time.sleep(0.3)
     publish(bob, group, [f"m{i}" for i in range(30, 50)])
     did = bob.did(group)
-    base = (spark.read.format("zerocomm").option("group", group).option("agent", str(alice.config)))
-    assert base.load().count() == 50
+
+    def read(**options: str):
+        reader = spark.read.format("zerocomm").option("group", group).option("agent", str(alice.config))
+        for key, value in options.items():
+            reader = reader.option(key, value)
+        return reader.load()
+
+    everything = read().select("seq", "sent_at").collect()
+    assert sorted(r.seq for r in everything) == list(range(1, 51))
     window = json.dumps({group: {did: 11}})
     ending = json.dumps({group: {did: 21}})
-    got = base.option("startingOffsets", window).option("endingOffsets", ending).load().collect()
+    got = read(startingOffsets=window, endingOffsets=ending).collect()
     assert sorted(r.seq for r in got) == list(range(11, 21))
     # startingTimestamp: each publisher's first message sent at or after it (ms since the epoch)
-    second = base.load().where("seq = 31").collect()[0].sent_at.replace(tzinfo=timezone.utc)
-    ms = int(second.timestamp() * 1000)
-    later = base.option("startingTimestamp", str(ms)).load().collect()
+    second = next(r.sent_at for r in everything if r.seq == 31).replace(tzinfo=timezone.utc)
+    later = read(startingTimestamp=str(int(second.timestamp() * 1000))).collect()
     assert sorted(r.seq for r in later) == list(range(31, 51))
 
 
 def test_max_messages_per_trigger_bounds_every_micro_batch(spark, members, group, tmp_path):
     alice, bob, carol = members["alice"], members["bob"], members["carol"]
-    publish(bob, group, [f"b{i}" for i in range(700)])
-    publish(carol, group, [f"c{i}" for i in range(300)])
-    out = tmp_path / "delta"
-    query = (source(spark, group, alice, startingOffsets="earliest", maxMessagesPerTrigger="150")
-             .writeStream.format("delta").option("checkpointLocation", str(tmp_path / "ck"))
-             .trigger(availableNow=True).start(str(out)))
+    publish(bob, group, [f"b{i}" for i in range(350)])
+    publish(carol, group, [f"c{i}" for i in range(150)])
+    seen: list[int] = []
+
+    def batch(frame, batch_id):  # what each micro-batch really held
+        seen.append(frame.count())
+
+    query = (source(spark, group, alice, startingOffsets="earliest", maxMessagesPerTrigger="120")
+             .writeStream.foreachBatch(batch).option("checkpointLocation", str(tmp_path / "ck"))
+             .trigger(availableNow=True).start())
     query.awaitTermination(240)
     assert query.exception() is None
     sizes = [p["numInputRows"] for p in query.recentProgress if p["numInputRows"]]
-    assert sum(sizes) == 1000 and max(sizes) <= 150 and len(sizes) >= 7, sizes
-    history = spark.sql(f"DESCRIBE HISTORY delta.`{out}`").collect()
-    written = [int(h.operationMetrics["numOutputRows"]) for h in history if h.operation == "STREAMING UPDATE"]
-    assert sum(written) == 1000 and max(written) <= 150
-    assert delta(spark, out).select("message_id").distinct().count() == 1000
+    assert sum(sizes) == 500 and max(sizes) <= 120 and len(sizes) >= 5, sizes
+    assert sum(seen) == 500 and max(seen) <= 120, seen
+    # max-min fair: the first batches take from both publishers
+    assert sizes[0] == 120
 
 
 # --- sink --------------------------------------------------------------------------------------
@@ -255,7 +268,7 @@ _DRIVER = textwrap.dedent("""
     group, agent, out, ck = sys.argv[1:5]
     spark = local_spark("zerocomm-killed-driver", master="local[2]")
     q = (spark.readStream.format("zerocomm").option("group", group).option("agent", agent)
-         .option("startingOffsets", "earliest").option("maxMessagesPerTrigger", "150").load()
+         .option("startingOffsets", "earliest").option("maxMessagesPerTrigger", "100").load()
          .writeStream.format("delta").option("checkpointLocation", ck)
          .trigger(processingTime="200 milliseconds").start(out))
     print("started", flush=True)
@@ -305,14 +318,14 @@ def test_killed_query_restarts_from_its_checkpoint_exactly_once(spark, members, 
     out, ck = tmp_path / "delta", tmp_path / "ck"
     script = tmp_path / "driver.py"
     script.write_text(_DRIVER)
-    publisher = Publisher(bob, group, total=2000)
+    publisher = Publisher(bob, group, total=1200)
     publisher.start()
     driver = subprocess.Popen([sys.executable, str(script), group, str(alice.config), str(out), str(ck)],
                               stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=str(ROOT),
                               start_new_session=True)
     try:
-        wait_for(lambda: (out / "_delta_log").exists() and delta(spark, out).count() >= 300, 150,
-                 "the killed driver's query to write some batches")
+        wait_for(lambda: (out / "_delta_log").exists() and delta(spark, out).count() >= 200, 200,
+                 "the killed driver's query to write some batches", interval=2.0)
         os.killpg(driver.pid, signal.SIGKILL)  # the driver and its Python workers, mid-stream
         driver.wait(30)
     finally:
@@ -320,21 +333,21 @@ def test_killed_query_restarts_from_its_checkpoint_exactly_once(spark, members, 
             os.killpg(driver.pid, signal.SIGKILL)
     before = delta(spark, out).count()
     publisher.join(120)
-    assert publisher.error is None and publisher.done == 2000
-    assert before < 2000  # it really was killed in the middle
+    assert publisher.error is None and publisher.done == 1200
+    assert before < 1200  # it really was killed in the middle
 
-    query = (source(spark, group, alice, startingOffsets="earliest", maxMessagesPerTrigger="150")
+    query = (source(spark, group, alice, startingOffsets="earliest")
              .writeStream.format("delta").option("checkpointLocation", str(ck))
              .trigger(availableNow=True).start(str(out)))
     query.awaitTermination(240)
     assert query.exception() is None
-    _exactly_once(spark, out, {f"{group}-bob-{i}" for i in range(2000)})
+    _exactly_once(spark, out, {f"{group}-bob-{i}" for i in range(1200)})
 
 
 def test_killed_agent_mid_stream_then_restart_exactly_once(spark, members, group, tmp_path):
     bob, carol = members["bob"], members["carol"]
     out, ck = tmp_path / "delta", tmp_path / "ck"
-    publisher = Publisher(bob, group, total=1500, pause=0.1)
+    publisher = Publisher(bob, group, total=500, pause=0.05)
     publisher.start()
 
     def start_query():
@@ -345,29 +358,30 @@ def test_killed_agent_mid_stream_then_restart_exactly_once(spark, members, group
 
     query = start_query()
     try:
-        wait_for(lambda: (out / "_delta_log").exists() and delta(spark, out).count() >= 200, 120,
-                 "the query to deliver some messages")
+        wait_for(lambda: rows_in(query) >= 100, 180, "the query to deliver some messages")
         carol.kill()  # kill -9 the reading member's agent, mid-stream
         publisher.join(180)
-        assert publisher.error is None and publisher.done == 1500
+        assert publisher.error is None and publisher.done == 500
         # The connector starts the agent again on demand (spawnAgent defaults to true), so the
         # query may ride over the crash; if it failed instead, it must have failed, not hung.
         if query.isActive:
-            wait_for(lambda: not query.isActive or delta(spark, out).count() >= 1500, 180,
+            wait_for(lambda: not query.isActive or rows_in(query) >= 500, 180,
                      "the query to catch up or fail")
     finally:
         query.stop()
-    if carol.pid() is None:
+    failure = query.exception()
+    print("query after the agent crash:", "failed: " + str(failure)[:500] if failure else "rode over it")
+    if not carol.running():
         carol.start()
     wait_for(lambda: carol.client().latest(group)["publishers"] and
-             max(p["last_seq"] for p in carol.client().latest(group)["publishers"]) >= 1500, 120,
+             max(p["last_seq"] for p in carol.client().latest(group)["publishers"]) >= 500, 120,
              "the restarted member to catch up with the group")
     drain = (source(spark, group, carol, startingOffsets="earliest")
              .writeStream.format("delta").option("checkpointLocation", str(ck))
              .trigger(availableNow=True).start(str(out)))
     drain.awaitTermination(180)
     assert drain.exception() is None
-    _exactly_once(spark, out, {f"{group}-bob-{i}" for i in range(1500)})
+    _exactly_once(spark, out, {f"{group}-bob-{i}" for i in range(500)})
 
 
 # --- clear errors, no hangs --------------------------------------------------------------------

@@ -6,10 +6,12 @@ from __future__ import annotations
 import base64
 import json
 
+import nacl.signing
 import pytest
 
 from zerocomm_spark.errors import MalformedDataMessageError
 from zerocomm_spark.group import datamessage as dm
+from zerocomm_spark.keys.keypair import KeyPair
 
 
 def _batch(n: int = 3, **extra: object) -> dm.DataBatch:
@@ -154,3 +156,72 @@ def test_invalid_control_messages_are_refused() -> None:
 def test_decode_batch_refuses_other_types() -> None:
     with pytest.raises(MalformedDataMessageError, match="data-batch"):
         dm.decode_batch(dm.encode(dm.Ack("g", "a", "b", 1)))
+
+
+# --- publisher signatures ------------------------------------------------------------------------
+
+PUBLISHER = KeyPair.generate()
+OTHER = KeyPair.generate()
+
+
+def test_signed_batch_round_trips_and_verifies_only_against_its_signer() -> None:
+    batch = _batch(4, base=3, last=9, gone=(1, 2), member="did:example:bob")
+    raw = dm.encode(batch, signer=PUBLISHER)
+    outer = json.loads(raw)
+    assert outer["@type"] == dm.SIGNED and set(outer) == {"@type", "signature", "message"}
+    got = dm.decode(raw)
+    assert got == batch and got.member == "did:example:bob"
+    # the signature covers the exact bytes of the batch as encoded, and nothing else
+    assert got.signed == raw[raw.index(b'"message":') + 10:-1]
+    nacl.signing.VerifyKey(PUBLISHER.verkey_bytes).verify(got.signed, got.signature)  # plain Ed25519
+    assert dm.verify(got, PUBLISHER.verkey)
+    assert not dm.verify(got, OTHER.verkey)
+    assert not dm.verify(got, "not-a-verkey")
+    assert dm.decode(raw.decode("ascii")) == batch  # text works too
+    assert "signature" not in repr(got) and "signed" not in repr(got)
+
+
+def test_unsigned_and_wrongly_signed_messages_do_not_verify() -> None:
+    batch = _batch(2)
+    assert not dm.verify(dm.decode(dm.encode(batch)), PUBLISHER.verkey)
+    assert not dm.verify(dm.decode(dm.encode(batch, signer=OTHER)), PUBLISHER.verkey)
+    hello = dm.Hello("g", "did:a", "did:b", "n0nce", 10, 42)
+    signed_hello = dm.decode(dm.encode(hello, signer=PUBLISHER))
+    assert signed_hello == hello and dm.verify(signed_hello, PUBLISHER.verkey)
+    assert not dm.verify(dm.decode(dm.encode(hello)), PUBLISHER.verkey)
+    assert not dm.verify(dm.decode(dm.encode(dm.Ack("g", "a", "b", 1))), PUBLISHER.verkey)
+
+
+def test_a_signature_moved_onto_other_bytes_fails() -> None:
+    raw = dm.encode(_batch(3), signer=PUBLISHER)
+    cut = raw.index(b'"message":') + 10
+    other = dm.encode(dm.DataBatch("g", "did:example:alice", (dm.DataMessage("id-1", 1, 101, 0.0, b"evil"),)))
+    swapped = dm.decode(raw[:cut] + other + b"}")  # well-formed, so it decodes...
+    assert not dm.verify(swapped, PUBLISHER.verkey)  # ...but does not verify
+    flipped = bytearray(raw)
+    flipped[raw.index(b'"lamport":102') + 12] = ord("9")  # one digit of the signed bytes
+    assert not dm.verify(dm.decode(bytes(flipped)), PUBLISHER.verkey)
+
+
+@pytest.mark.parametrize("mangle", [
+    lambda raw: raw[:-1],  # no closing brace
+    lambda raw: raw.replace(b'","message":', b'","msg":', 1),
+    lambda raw: raw.replace(b'"signature":"', b'"signature":"AAAA', 1),  # wrong length
+    lambda raw: raw[:80] + b"!" + raw[81:],  # not base64url inside the signature
+    lambda raw: json.dumps(json.loads(raw), indent=1).encode(),  # another layout of the same JSON
+    lambda raw: raw[:raw.index(b'"message":') + 10] + raw + b"}",  # a wrapper inside a wrapper
+])
+def test_malformed_signed_wrappers_are_refused(mangle) -> None:  # type: ignore[no-untyped-def]
+    raw = dm.encode(_batch(2), signer=PUBLISHER)
+    with pytest.raises(MalformedDataMessageError):
+        dm.decode(mangle(raw))
+
+
+def test_only_batches_and_hellos_are_signed_and_dicts_cannot_carry_signatures() -> None:
+    ack = dm.encode(dm.Ack("g", "a", "b", 1))
+    raw = dm.encode(_batch(1), signer=PUBLISHER)
+    cut = raw.index(b'"message":') + 10
+    with pytest.raises(MalformedDataMessageError, match="data-batch or a data-hello"):
+        dm.decode(raw[:cut] + ack + b"}")
+    with pytest.raises(MalformedDataMessageError, match="data-signed"):
+        dm.decode(json.loads(raw))

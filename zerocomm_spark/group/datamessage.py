@@ -9,6 +9,22 @@ Control messages travel in envelopes too, so they are authenticated like data:
 * ``data-ack``    member -> publisher (DirectSend): highest contiguous seq delivered (+ hello nonce).
 * ``data-resend`` member -> publisher (RPC): "resend seq a..b"; answered with a ``data-batch``.
 
+**Publisher signatures.** RFC 0019 authcrypt authenticates only the wrapped content key, and a
+``shared`` envelope wraps the same key for every member: any member can unwrap it and re-encrypt a
+body of its choice under the publisher's recipient entry for someone else, which that member then
+reads as coming from the publisher. So every publisher-to-member message (``data-batch``,
+``data-hello``) travels, in every mode, inside a ``data-signed`` wrapper::
+
+    {"@type":".../data-signed","signature":"<base64url, 64 bytes>","message":<the exact plaintext>}
+
+``signature`` is the detached Ed25519 signature of the publisher's *group key* over the exact bytes
+of ``message`` (the data-batch JSON as encoded, signed once per batch whatever the number of
+recipients). Receivers cut ``message`` out of the wrapper by position (the layout is fixed) and
+verify those very bytes before parsing them, so what is verified is what is delivered; the pair
+(``message`` bytes, ``signature``) also proves the batch's origin to anyone holding the publisher's
+group verkey later (history). A batch meant for one member (resend answer, heartbeat: it carries
+``base``/``last``/``gone``) names that member in ``member``, so it cannot be replayed to another.
+
 Decoding validates every field and raises :class:`MalformedDataMessageError` naming the field
 (never its value: values may be payloads). Payloads are base64 inside the JSON.
 """
@@ -16,15 +32,24 @@ Decoding validates every field and raises :class:`MalformedDataMessageError` nam
 from __future__ import annotations
 
 import binascii
+import dataclasses
 import json
 import math
 import uuid
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import lru_cache
 from json.encoder import encode_basestring_ascii  # type: ignore[attr-defined]
-from typing import Any, NamedTuple, TypeAlias
+from typing import TYPE_CHECKING, Any, NamedTuple, TypeAlias
 
-from zerocomm_spark.errors import MalformedDataMessageError
+import nacl.bindings as _nacl
+import nacl.exceptions
+
+from zerocomm_spark.errors import DIDError, MalformedDataMessageError
+from zerocomm_spark.keys.keypair import verkey_bytes
+
+if TYPE_CHECKING:
+    from zerocomm_spark.keys.keypair import KeyPair
 
 __all__ = [
     "ACK",
@@ -36,6 +61,7 @@ __all__ = [
     "MAX_SEQ",
     "PROTOCOL",
     "RESEND",
+    "SIGNED",
     "Ack",
     "ControlMessage",
     "DataBatch",
@@ -45,6 +71,8 @@ __all__ = [
     "decode",
     "decode_batch",
     "encode",
+    "sign",
+    "verify",
 ]
 
 PROTOCOL = "https://didcomm.org/zerocomm-group/1.0"
@@ -52,6 +80,7 @@ DATA_BATCH = f"{PROTOCOL}/data-batch"
 HELLO = f"{PROTOCOL}/data-hello"
 ACK = f"{PROTOCOL}/data-ack"
 RESEND = f"{PROTOCOL}/data-resend"
+SIGNED = f"{PROTOCOL}/data-signed"
 
 MAX_BATCH_MESSAGES = 65_536
 MAX_ID_LENGTH = 256
@@ -63,6 +92,19 @@ _b64encode = binascii.b2a_base64
 _b64decode = binascii.a2b_base64
 _json_str = encode_basestring_ascii
 _INF = math.inf
+
+# The data-signed wrapper has one fixed layout, so the signed bytes are cut out by position.
+_SIG_BYTES = _nacl.crypto_sign_BYTES  # 64
+_SIG_TEXT = 88  # padded base64url of 64 bytes
+_SIGNED_HEAD = b'{"@type":"' + SIGNED.encode("ascii") + b'","signature":"'
+_SIGNED_HEAD_TEXT = _SIGNED_HEAD.decode("ascii")
+_SIGNED_MID = b'","message":'
+_SIGNED_START = len(_SIGNED_HEAD) + _SIG_TEXT + len(_SIGNED_MID)
+_TO_URL = bytes.maketrans(b"+/", b"-_")
+_FROM_URL = bytes.maketrans(b"-_+/", b"+/!!")  # '+' and '/' are not base64url: make them invalid
+_sign_open = _nacl.crypto_sign_open
+_BAD_SIGNATURE = (nacl.exceptions.BadSignatureError, nacl.exceptions.ValueError, nacl.exceptions.TypeError,
+                  nacl.exceptions.CryptoError)
 
 
 class DataMessage(NamedTuple):
@@ -89,7 +131,10 @@ class DataBatch:
 
     Resend answers add ``base`` (the last seq the asking member is *not* owed: its stream starts
     after it), ``last`` (the publisher's highest seq so far) and ``gone`` (an inclusive seq range the
-    publisher no longer holds, which the member must skip).
+    publisher no longer holds, which the member must skip), and name that member in ``member``.
+
+    Decoded from a ``data-signed`` wrapper, ``signature`` and ``signed`` (the exact bytes it signs)
+    are set; :func:`verify` checks them. They take no part in equality.
     """
 
     group: str
@@ -98,11 +143,17 @@ class DataBatch:
     base: int | None = None
     last: int | None = None
     gone: tuple[int, int] | None = None
+    member: str | None = None
+    signature: bytes | None = field(default=None, compare=False, repr=False)
+    signed: bytes | None = field(default=None, compare=False, repr=False)
 
 
 @dataclass(frozen=True, slots=True)
 class Hello:
-    """Probe sent on the data path; ``base`` tells a new subscriber where its stream starts."""
+    """Probe sent on the data path; ``base`` tells a new subscriber where its stream starts.
+
+    Signed by the publisher like a batch (``signature``/``signed`` set when decoded from a wrapper).
+    """
 
     group: str
     publisher: str
@@ -110,6 +161,8 @@ class Hello:
     nonce: str
     base: int
     last: int
+    signature: bytes | None = field(default=None, compare=False, repr=False)
+    signed: bytes | None = field(default=None, compare=False, repr=False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -161,15 +214,18 @@ def encode_messages(messages: Sequence[DataMessage]) -> str:
     return "[" + ",".join(parts) + "]"
 
 
-def encode(msg: ControlMessage, *, encoded_messages: str | None = None) -> bytes:
+def encode(msg: ControlMessage, *, encoded_messages: str | None = None, signer: KeyPair | None = None) -> bytes:
     """The UTF-8 JSON plaintext of a data-plane message, ready for ``envelope.pack``.
 
     ``encoded_messages`` (from :func:`encode_messages`) replaces ``msg.messages`` so one batch is
-    serialised once for all its envelopes.
+    serialised once for all its envelopes. ``signer`` (the publisher's group key) wraps a batch or
+    hello in a ``data-signed`` wrapper (:func:`sign`); receivers refuse them unsigned.
     """
     if isinstance(msg, DataBatch):
         head: dict[str, Any] = {"@type": DATA_BATCH, "@id": uuid.uuid4().hex, "group": msg.group,
                                 "publisher": msg.publisher}
+        if msg.member is not None:
+            head["member"] = msg.member
         if msg.base is not None:
             head["base"] = msg.base
         if msg.last is not None:
@@ -177,10 +233,12 @@ def encode(msg: ControlMessage, *, encoded_messages: str | None = None) -> bytes
         if msg.gone is not None:
             head["gone"] = list(msg.gone)
         array = encoded_messages if encoded_messages is not None else encode_messages(msg.messages)
-        return _dumps(head)[:-1] + b',"messages":' + array.encode("ascii") + b"}"
+        plain = _dumps(head)[:-1] + b',"messages":' + array.encode("ascii") + b"}"
+        return plain if signer is None else sign(plain, signer)
     if isinstance(msg, Hello):
-        return _dumps({"@type": HELLO, "group": msg.group, "publisher": msg.publisher,
-                       "subscriber": msg.subscriber, "nonce": msg.nonce, "base": msg.base, "last": msg.last})
+        plain = _dumps({"@type": HELLO, "group": msg.group, "publisher": msg.publisher,
+                        "subscriber": msg.subscriber, "nonce": msg.nonce, "base": msg.base, "last": msg.last})
+        return plain if signer is None else sign(plain, signer)
     if isinstance(msg, Ack):
         body = {"@type": ACK, "group": msg.group, "publisher": msg.publisher, "member": msg.member, "seq": msg.seq}
         if msg.nonce is not None:
@@ -190,6 +248,60 @@ def encode(msg: ControlMessage, *, encoded_messages: str | None = None) -> bytes
         return _dumps({"@type": RESEND, "group": msg.group, "publisher": msg.publisher,
                        "member": msg.member, "from": msg.first, "to": msg.last})
     raise TypeError(f"not a data-plane message: {type(msg).__name__}")
+
+
+def sign(plaintext: bytes, key: KeyPair) -> bytes:
+    """Wrap an encoded data-batch or hello with ``key``'s detached Ed25519 signature over its bytes."""
+    signature = binascii.b2a_base64(key.sign(plaintext), newline=False).translate(_TO_URL)
+    return b"".join((_SIGNED_HEAD, signature, _SIGNED_MID, plaintext, b"}"))
+
+
+@lru_cache(maxsize=4096)
+def _public_key(verkey: str) -> bytes | None:
+    try:
+        return verkey_bytes(verkey)
+    except (DIDError, TypeError, ValueError):
+        return None
+
+
+def verify(msg: ControlMessage, verkey: str) -> bool:
+    """True iff ``msg`` came in a ``data-signed`` wrapper whose signature ``verkey`` made over it.
+
+    An unsigned message, a signature by another key and altered bytes are all False.
+    """
+    signature = getattr(msg, "signature", None)
+    signed = getattr(msg, "signed", None)
+    if signature is None or signed is None:
+        return False
+    public = _public_key(verkey)
+    if public is None:
+        return False
+    try:
+        _sign_open(signature + signed, public)
+    except _BAD_SIGNATURE:
+        return False
+    return True
+
+
+def _unwrap_signed(data: bytes) -> ControlMessage:
+    """Cut the signed message out of a ``data-signed`` wrapper (fixed layout) and decode it."""
+    if (len(data) < _SIGNED_START + 3 or not data.endswith(b"}")
+            or data[len(_SIGNED_HEAD) + _SIG_TEXT:_SIGNED_START] != _SIGNED_MID):
+        raise _bad("a 'data-signed' message must be {\"@type\",\"signature\",\"message\"} in that layout")
+    text = data[len(_SIGNED_HEAD):len(_SIGNED_HEAD) + _SIG_TEXT]
+    try:
+        signature = binascii.a2b_base64(text.translate(_FROM_URL), strict_mode=True)
+    except (binascii.Error, ValueError):
+        signature = b""
+    if len(signature) != _SIG_BYTES:
+        raise _bad("'signature' must be 64 bytes in base64url")
+    signed = data[_SIGNED_START:-1]
+    if signed.startswith(_SIGNED_HEAD):
+        raise _bad("a 'data-signed' message cannot wrap another")
+    msg = decode(signed)
+    if not isinstance(msg, (DataBatch, Hello)):
+        raise _bad("only a data-batch or a data-hello is signed")
+    return dataclasses.replace(msg, signature=signature, signed=signed)
 
 
 # --- decoding ----------------------------------------------------------------------------------
@@ -315,12 +427,25 @@ def _load(data: bytes | str | dict[str, Any]) -> dict[str, Any]:
 
 
 def decode(data: bytes | str | dict[str, Any]) -> ControlMessage:
-    """Decode any data-plane message by its ``@type``; MalformedDataMessageError if invalid."""
+    """Decode any data-plane message by its ``@type``; MalformedDataMessageError if invalid.
+
+    A ``data-signed`` wrapper decodes to the batch or hello it wraps, with its signature attached
+    (check it with :func:`verify`); only bytes (or text) can carry one, never a parsed dict.
+    """
+    if isinstance(data, str) and data.startswith(_SIGNED_HEAD_TEXT):
+        data = data.encode("utf-8", "replace")
+    if isinstance(data, (bytes, bytearray, memoryview)) and bytes(data[:len(_SIGNED_HEAD)]) == _SIGNED_HEAD:
+        return _unwrap_signed(bytes(data))
     obj = _load(data)
     kind = obj.get("@type")
+    if kind == SIGNED:
+        raise _bad("a 'data-signed' message must be {\"@type\",\"signature\",\"message\"} in that layout")
     if kind == DATA_BATCH:
         group = _str(obj, "group", "")
         publisher = _str(obj, "publisher", "")
+        member = obj.get("member")
+        if member is not None:
+            member = _str(obj, "member", "")
         items = obj.get("messages")
         if not isinstance(items, list) or len(items) > MAX_BATCH_MESSAGES:
             raise _bad(f"'messages' must be a list of at most {MAX_BATCH_MESSAGES} messages")
@@ -334,7 +459,7 @@ def decode(data: bytes | str | dict[str, Any]) -> ControlMessage:
                     or any(type(v) is not int for v in gone_raw) or not 1 <= gone_raw[0] <= gone_raw[1] <= MAX_SEQ):
                 raise _bad("'gone' must be a [first, last] seq range with 1 <= first <= last")
             gone = (gone_raw[0], gone_raw[1])
-        return DataBatch(group, publisher, messages, base, last, gone)
+        return DataBatch(group, publisher, messages, base, last, gone, member)
     if kind == HELLO:
         return Hello(_str(obj, "group", ""), _str(obj, "publisher", ""), _str(obj, "subscriber", ""),
                      _str(obj, "nonce", "", max_len=128), _int(obj, "base", ""), _int(obj, "last", ""))  # type: ignore[arg-type]

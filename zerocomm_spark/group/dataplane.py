@@ -18,6 +18,13 @@ Why it is built this way (docs/groups.md, "Data plane"):
   every member's group key; ``single`` one envelope per member on the common topic (receivers read
   the recipient kid from the protected header and skip others' envelopes without decrypting);
   ``multi`` one envelope per member on its own pair topic.
+* **Publisher signatures.** Authcrypt with several recipients only authenticates the content key,
+  which every recipient learns: in ``shared`` mode a member could re-encrypt a body of its own
+  under the publisher's entry for another member. So every batch and hello carries a detached
+  Ed25519 signature by the publisher's group key over its exact plaintext bytes (once per batch,
+  in every mode, resend answers and heartbeats too; see datamessage.py), and receivers check it
+  against the publisher's ``group_verkey`` before anything of it is delivered. A missing or wrong
+  signature, or a batch signed for another member, drops the batch (``forged_batches``).
 * **Reliability without silent loss.** XPUB_NODROP turns a full queue into backpressure. The
   publisher keeps messages until every member acked them (acks by DirectSend on
   ``ProtocolId.GROUP_DATA``), bounds unacked messages with a window (``publish`` waits, with a
@@ -286,7 +293,7 @@ class _Stats:
         "retransmits", "heartbeats", "nacks_sent", "nacks_served", "nack_failures", "duplicates_dropped",
         "rejected_non_member", "rejected_read_only", "rejected_malformed", "not_for_me", "wrong_topic",
         "lost", "subscriptions_accepted", "subscriptions_refused", "callback_errors", "probes_sent",
-        "backpressure_stalls", "publish_resets",
+        "backpressure_stalls", "publish_resets", "forged_batches",
     )
 
     def __init__(self) -> None:
@@ -448,6 +455,7 @@ class DataPlane:
         self._pinging: set[str] = set()
         self._pinger: ThreadPoolExecutor | None = None
         self._probes: dict[str, tuple[str, str, threading.Event]] = {}
+        self._forged_logged: dict[tuple[str, str], tuple[float, int]] = {}  # (group, did) -> (last log, since)
 
     # --- lifecycle ---------------------------------------------------------------------------
 
@@ -823,7 +831,7 @@ class DataPlane:
                     if m is None:
                         raise NotAMemberError(f"{did} is not a member of group {group!r} here")
                 hello = dm.Hello(group, self.member_did, did, nonce, g.outbox.base_of(did) or 0, g.wire_seq)
-                topic, env = self._pack_for(g, m, dm.encode(hello))
+                topic, env = self._pack_for(g, m, dm.encode(hello, signer=g.group_key))
                 self._io_send_ctrl([topic, env], None)
                 self._stats.add(probes_sent=1)
                 remaining = deadline - time.monotonic()
@@ -881,7 +889,9 @@ class DataPlane:
         Recovery: ``retransmits`` (messages resent), ``nacks_sent``, ``nacks_served``, ``heartbeats``,
         ``duplicates_dropped``, ``lost`` (skipped because the publisher no longer held them).
         Drops by reason: ``rejected_non_member``, ``rejected_read_only``, ``rejected_malformed``,
-        ``not_for_me`` (single mode, skipped unread), ``wrong_topic``, ``subscriptions_refused``.
+        ``not_for_me`` (single mode, skipped unread), ``wrong_topic``, ``subscriptions_refused``,
+        ``forged_batches`` (batches or hellos without a valid signature by their publisher's group
+        key, or signed for another member).
         Flow: ``backpressure_waits``, ``backpressure_stalls`` (BackpressureError raised),
         ``publish_resets`` (XPUB re-bound after ``dead_after`` without progress), ``retention_dropped``. Per group: ``lag`` {publisher: seqs not yet delivered}, ``unacked``
         {member: our messages it has not acked}, ``held`` (messages buffered). ``peers_alive``
@@ -1323,7 +1333,9 @@ class DataPlane:
             members = [m for m in g.members.values() if m.base < last]
         if not members:
             return
-        plaintext = dm.encode(dm.DataBatch(g.name, self.member_did, ()), encoded_messages=dm.encode_messages(msgs))
+        # Signed once per batch, whatever the mode and the number of members.
+        plaintext = dm.encode(dm.DataBatch(g.name, self.member_did, ()), encoded_messages=dm.encode_messages(msgs),
+                              signer=g.group_key)
         if g.mode == "shared":
             env = envelope.pack(plaintext, [m.info.group_verkey for m in members], sender=g.group_key)
             frames = [[g.data_topic, env]]
@@ -1429,17 +1441,49 @@ class DataPlane:
             return
         self._stats.add(envelopes_in=1)
         if isinstance(msg, dm.DataBatch):
+            if not self._authentic(g, m, msg):
+                return
             if msg.group != g.name or msg.publisher != m.info.did:
                 self._stats.add(rejected_non_member=1)
                 return
             self._accept_batch(g, m, msg)
         elif isinstance(msg, dm.Hello):
+            if not self._authentic(g, m, msg):
+                return
             if msg.group != g.name or msg.publisher != m.info.did or msg.subscriber != self.member_did:
                 self._stats.add(rejected_non_member=1)
                 return
             self._on_hello(g, m, msg)
         else:
             self._stats.add(rejected_malformed=1)
+
+    def _authentic(self, g: _Group, m: _Member, msg: dm.DataBatch | dm.Hello) -> bool:
+        """The publisher's signature check, before anything of ``msg`` is used.
+
+        ``msg`` must carry a valid signature by ``m``'s group key over its exact bytes; a batch with
+        per-member fields (resend answer, heartbeat) must name this member, so a signed answer meant
+        for another member cannot be replayed here. Anything else is dropped and counted.
+        """
+        if not dm.verify(msg, m.info.group_verkey):
+            reason = "no publisher signature" if msg.signature is None else "a bad publisher signature"
+        elif isinstance(msg, dm.DataBatch) and (
+                msg.member != self.member_did if msg.member is not None
+                else (msg.base is not None or msg.last is not None or msg.gone is not None)):
+            reason = "a batch signed for another member"
+        else:
+            return True
+        self._stats.add(forged_batches=1)
+        now = time.monotonic()
+        key = (g.name, m.info.did)
+        last, suppressed = self._forged_logged.get(key, (float("-inf"), 0))
+        if now - last >= 10.0:
+            self._forged_logged[key] = (now, 0)
+            log.warning("group %r: dropped a %s claiming to come from %s: %s%s", g.name,
+                        "batch" if isinstance(msg, dm.DataBatch) else "hello", m.info.did, reason,
+                        f" ({suppressed} more since the last warning)" if suppressed else "")
+        else:
+            self._forged_logged[key] = (last, suppressed + 1)
+        return False
 
     def _stream(self, g: _Group, did: str) -> PublisherStream[dm.DataMessage]:
         stream = g.streams.get(did)
@@ -1611,6 +1655,8 @@ class DataPlane:
         if not isinstance(batch, dm.DataBatch) or batch.group != group or batch.publisher != did:
             self._stats.add(rejected_malformed=1)
             return
+        if not self._authentic(g, m, batch):
+            return
         with self._rx_lock:
             stream = g.streams.get(did)
             if stream is not None:
@@ -1679,7 +1725,8 @@ class DataPlane:
                 if probe is not None and probe[0] == g.name and probe[1] == m.info.did:
                     probe[2].set()
         elif isinstance(msg, dm.DataBatch):  # a publisher's heartbeat: it waits for our ack
-            self._rx_put(("batch", g.name, m.info.did, msg))
+            if self._authentic(g, m, msg):
+                self._rx_put(("batch", g.name, m.info.did, msg))
         else:
             self._stats.add(rejected_malformed=1)
 
@@ -1706,9 +1753,10 @@ class DataPlane:
         first = max(first, base + 1)
         cfg = self.config
         msgs, gone = g.outbox.get_range(first, last, cfg.resend_max, cfg.batch_max_bytes * 4)
-        batch = dm.DataBatch(g.name, self.member_did, tuple(msgs), base=base, last=g.wire_seq, gone=gone)
+        batch = dm.DataBatch(g.name, self.member_did, tuple(msgs), base=base, last=g.wire_seq, gone=gone,
+                             member=m.info.did)
         self._stats.add(retransmits=len(msgs))
-        return envelope.pack(dm.encode(batch), [m.info.relationship_verkey], sender=m.my_key)
+        return envelope.pack(dm.encode(batch, signer=g.group_key), [m.info.relationship_verkey], sender=m.my_key)
 
     # --- internals: maintenance ------------------------------------------------------------------
 
@@ -1778,8 +1826,8 @@ class DataPlane:
                 base = g.outbox.base_of(did)
                 if base is None:
                     continue
-                beat = dm.DataBatch(g.name, self.member_did, (), base=base, last=g.wire_seq)
-                env = envelope.pack(dm.encode(beat), [m.info.relationship_verkey], sender=m.my_key)
+                beat = dm.DataBatch(g.name, self.member_did, (), base=base, last=g.wire_seq, member=did)
+                env = envelope.pack(dm.encode(beat, signer=g.group_key), [m.info.relationship_verkey], sender=m.my_key)
                 try:
                     self._transport.send(m.info.peer_endpoint, ProtocolId.GROUP_DATA, env)
                     self._stats.add(heartbeats=1)

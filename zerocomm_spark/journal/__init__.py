@@ -8,10 +8,13 @@ of offsets back as Arrow record batches. Layout of the directory::
     journal.meta                 key check: a wrong key fails at open
     commit.offset                the consumer's commit point
     <base offset:020d>.zcj       segment files: encrypted Arrow record batches (see codec.py)
-    <base offset:020d>.idx       sealed side index of a segment (per-publisher seqs, recent ids)
+    <base offset:020d>.idx       sealed side index of a closed segment (per-publisher seqs)
+    recent.ids                   sealed list of the message ids the duplicate check remembers
 
-Speed comes from batches: one record is one Arrow record batch of a whole append, encrypted whole
-with one XChaCha20-Poly1305 call, so per-row cost is Arrow's, not Python's. Times are int
+Speed comes from batches: one record is one Arrow record batch of an append (appends above ~256 KiB
+are split, and their records encrypted in parallel), encrypted whole with one XChaCha20-Poly1305
+call, so per-row cost is Arrow's, not Python's (the one per-row Python cost left is the message-id
+duplicate check: a set of strings). Times are int
 microseconds since the epoch (UTC), Arrow ``timestamp[us, UTC]``.
 
 Durability: an append that returned survives the process being killed (even kill -9) under every

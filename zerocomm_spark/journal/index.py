@@ -4,8 +4,9 @@ Publishers and seqs live inside the encrypted batches, so the per-publisher stat
 rule's "last seq journaled") and the seq index that ``read_by_seq`` uses cannot come from record
 headers. When a segment is closed the writer saves both in a sealed side file ``<base>.idx``: the
 runs of each record (publisher, first seq, last seq, last offset) and the cumulative per-publisher
-state at the segment's end. Reopening then decrypts only the active segment (and any segment whose
-side file is missing or stale). The cumulative state outlives retention: a publisher whose rows were
+state at the segment's end; and it replaces ``recent.ids``, the message ids the duplicate check
+remembers (one file: only the newest list is ever needed). Reopening then decrypts only the active
+segment (and any segment whose side file is missing or stale). The cumulative state outlives retention: a publisher whose rows were
 all deleted is still remembered, so a late re-send is still recognised as a duplicate.
 """
 
@@ -26,6 +27,8 @@ Key = tuple[str, str]  # (group, publisher_did)
 
 _INDEX_MAGIC = b"ZCJI\x01"
 _IDS_SCHEMA = pa.schema([pa.field("message_id", pa.string(), nullable=False)])
+_RECENT_MAGIC = b"ZCJD\x01"
+RECENT_IDS_FILE = "recent.ids"
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,15 +100,15 @@ class SegmentIndex:
     valid_bytes: int
     records: list[tuple[int, list[Run]]]
     state: State
-    #: The message ids the duplicate check remembered at the segment's end (a string array).
-    recent_ids: pa.Array
 
 
 def _aad(base_offset: int) -> bytes:
     return _INDEX_MAGIC + base_offset.to_bytes(8, "little")
 
 
-def write_index(path: Path, index: SegmentIndex, key: bytes, *, fsync: bool) -> None:
+def write_index(path: Path, index: SegmentIndex, key: bytes) -> None:
+    """Save a side file, atomically but without fsync: a stale or missing side file only costs a
+    rescan at open (it is checked against the segment), so syncing it would buy nothing."""
     doc = {
         "base": index.base_offset,
         "end": index.end_offset,
@@ -114,10 +117,8 @@ def write_index(path: Path, index: SegmentIndex, key: bytes, *, fsync: bool) -> 
                     for base, runs in index.records],
         "state": [[g, p, seq, off] for (g, p), (seq, off) in index.state.items()],
     }
-    head = json.dumps(doc, separators=(",", ":")).encode()
-    ids = pa.RecordBatch.from_arrays([index.recent_ids], schema=_IDS_SCHEMA).serialize().to_pybytes()
-    plain = len(head).to_bytes(4, "little") + head + ids
-    write_atomic(path, _INDEX_MAGIC + crypto.seal(plain, _aad(index.base_offset), key), fsync=fsync)
+    plain = json.dumps(doc, separators=(",", ":")).encode()
+    write_atomic(path, _INDEX_MAGIC + crypto.seal(plain, _aad(index.base_offset), key), fsync=False)
 
 
 def read_index(path: Path, base_offset: int, key: bytes) -> SegmentIndex | None:
@@ -132,14 +133,40 @@ def read_index(path: Path, base_offset: int, key: bytes) -> SegmentIndex | None:
     if plain is None:
         return None
     try:
-        size = int.from_bytes(plain[:4], "little")
-        doc = json.loads(plain[4:4 + size])
-        ids = pa.ipc.read_record_batch(pa.py_buffer(plain[4 + size:]), _IDS_SCHEMA).column(0)
+        doc = json.loads(plain)
         return SegmentIndex(
             int(doc["base"]), int(doc["end"]), int(doc["bytes"]),
-            [(int(base), [Run(g, p, int(a), int(b), int(o)) for g, p, a, b, o in runs]) for base, runs in doc["records"]],
+            [(int(base), [Run(g, p, int(a), int(b), int(o)) for g, p, a, b, o in runs])
+             for base, runs in doc["records"]],
             {(g, p): (int(seq), int(off)) for g, p, seq, off in doc["state"]},
-            ids,
         )
-    except (ValueError, KeyError, TypeError, pa.ArrowException):
+    except (ValueError, KeyError, TypeError):
         return None
+
+
+def write_recent_ids(directory: Path, end_offset: int, ids: pa.Array, key: bytes) -> None:
+    """Save the ids the duplicate check remembers, as of ``end_offset`` (one file, replaced at each roll
+    and close: only the newest is ever needed, so old segments' side files stay small). Not synced:
+    a list older than the journal's end is completed by a scan at open, one past it is ignored."""
+    body = pa.RecordBatch.from_arrays([ids], schema=_IDS_SCHEMA).serialize().to_pybytes()
+    aad = _RECENT_MAGIC + end_offset.to_bytes(8, "little")
+    write_atomic(directory / RECENT_IDS_FILE, aad + crypto.seal(body, aad, key), fsync=False)
+
+
+def read_recent_ids(directory: Path, key: bytes) -> tuple[int, pa.Array] | None:
+    """(end offset, ids) from the recent-ids file, or None if it is missing or damaged."""
+    try:
+        blob = (directory / RECENT_IDS_FILE).read_bytes()
+    except OSError:
+        return None
+    head = len(_RECENT_MAGIC) + 8
+    if len(blob) < head or not blob.startswith(_RECENT_MAGIC):
+        return None
+    body = crypto.open_sealed(blob[head:], blob[:head], key)
+    if body is None:
+        return None
+    try:
+        ids = pa.ipc.read_record_batch(pa.py_buffer(body), _IDS_SCHEMA).column(0)
+    except pa.ArrowException:
+        return None
+    return int.from_bytes(blob[len(_RECENT_MAGIC):head], "little"), ids

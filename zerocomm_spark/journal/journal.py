@@ -25,7 +25,7 @@ from zerocomm_spark.errors import (
 )
 from zerocomm_spark.journal import crypto, files, index, retention
 from zerocomm_spark.journal.index import Key, Run, SegmentIndex, SeqIndex, State
-from zerocomm_spark.journal.reader import Hole, Piece, iter_pieces, load_record
+from zerocomm_spark.journal.reader import Hole, Piece, iter_pieces, load_record, open_segment
 from zerocomm_spark.journal.recovery import key_opens_records, recover
 from zerocomm_spark.journal.schema import JOURNAL_SCHEMA, now_micros, to_append_batch, to_micros
 from zerocomm_spark.journal.segment import RecordEntry, Segment, create_segment, open_for_append
@@ -127,9 +127,14 @@ class Journal:
         try:
             journal._start()
         except BaseException:
-            files.release_lock(journal._lock_fd)
-            journal._lock_fd = -1
             journal._closed = True
+            try:
+                if journal._writer is not None:
+                    journal._writer.stop(journal.timeout)
+                    journal._writer.finish()
+            finally:
+                files.release_lock(journal._lock_fd)
+                journal._lock_fd = -1
             raise
         return journal
 
@@ -138,7 +143,8 @@ class Journal:
         files.remove_temp_files(self.directory)
         files.check_key(self.directory, self._key, fsync=sync,
                         probe=lambda: key_opens_records(self.directory, self._key))
-        recovered = recover(self.directory, self._key, dedup_window=self.dedup_window, fsync=sync)
+        recovered = recover(self.directory, self._key, dedup_window=self.dedup_window)
+        committed = files.read_commit(self.directory)
         segments = recovered.segments
         if segments:
             active = segments[-1]
@@ -154,7 +160,6 @@ class Journal:
         self._state = recovered.state
         self._seq_index = recovered.seq_index
         self._next_offset = active.end_offset
-        committed = files.read_commit(self.directory)
         if committed > self._next_offset:
             log.warning("journal %s: commit point %d is beyond the end %d (lost unsynced data?); using the end",
                         self.directory, committed, self._next_offset)
@@ -179,7 +184,7 @@ class Journal:
                     active, runs, ids = writer.finish()
                 if writer.failure is None:
                     with self._lock:
-                        self._write_side_index(active, runs, ids, fsync=self.fsync != "never")
+                        self._write_side_index(active, runs, ids)
         finally:
             if self._executor is not None:
                 self._executor.shutdown(wait=False, cancel_futures=True)
@@ -263,12 +268,12 @@ class Journal:
     def _after_roll(self) -> None:
         self.enforce_retention()
 
-    def _write_side_index(self, segment: Segment, runs: list[tuple[int, list[Run]]], ids: pa.Array, *,
-                          fsync: bool) -> None:
+    def _write_side_index(self, segment: Segment, runs: list[tuple[int, list[Run]]], ids: pa.Array) -> None:
         with self._lock:
             state = dict(self._state)
         index.write_index(segment.index_path, SegmentIndex(
-            segment.base_offset, segment.end_offset, segment.size, list(runs), state, ids), self._key, fsync=fsync)
+            segment.base_offset, segment.end_offset, segment.size, list(runs), state), self._key)
+        index.write_recent_ids(self.directory, segment.end_offset, ids, self._key)
 
     # --- reading -------------------------------------------------------------------------------
 
@@ -411,7 +416,7 @@ class Journal:
             if found is None:
                 return self._next_offset
         segment, entry = found
-        fd = os.open(segment.path, os.O_RDONLY | os.O_CLOEXEC)
+        fd = open_segment(segment.path)  # DataLossError if retention deleted it meanwhile
         try:
             batch = load_record(fd, segment.path, entry, self._key)
         finally:

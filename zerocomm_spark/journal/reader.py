@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pyarrow as pa
 
-from zerocomm_spark.errors import DataLossError, JournalClosedError, JournalCorruptError
+from zerocomm_spark.errors import DataLossError, JournalClosedError, JournalCorruptError, JournalTimeoutError
 from zerocomm_spark.journal import codec
 from zerocomm_spark.journal.codec import RECORD_HEADER_BYTES
 from zerocomm_spark.journal.segment import Damage, RecordEntry
@@ -59,7 +59,7 @@ def load_record(fd: int, path: Path, entry: RecordEntry, key: bytes) -> pa.Recor
         f"the record at {path}, position {entry.position} (offsets {entry.base_offset}..{entry.end_offset - 1}) {what}")
 
 
-def _open(path: Path) -> int:
+def open_segment(path: Path) -> int:
     try:
         return os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     except FileNotFoundError:
@@ -75,7 +75,7 @@ class _Fds:
     def get(self, path: Path) -> int:
         fd = self._fds.get(path)
         if fd is None:
-            fd = self._fds[path] = _open(path)
+            fd = self._fds[path] = open_segment(path)
         return fd
 
     def close(self) -> None:
@@ -124,7 +124,10 @@ def iter_pieces(plan: list[Piece | Hole], key: bytes, executor: Executor | None,
             item, future = window.popleft()
             if future is None:
                 _raise_hole(item)  # type: ignore[arg-type]
-            batch = future.result(timeout=timeout)  # type: ignore[union-attr]
+            try:
+                batch = future.result(timeout=timeout)  # type: ignore[union-attr]
+            except TimeoutError:
+                raise JournalTimeoutError(f"reading a record took more than {timeout:g} s") from None
             yield _slice(batch, item)  # type: ignore[arg-type]
     finally:
         # Let in-flight reads finish before their descriptors close (bounded: at most `prefetch` records).

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import logging
 import os
-from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -66,7 +65,7 @@ def runs_of(batch: pa.RecordBatch) -> list[Run]:
     return [Run(g, p, a, b, o) for (g, p), (a, b, o) in spans.items()]
 
 
-def recover(directory: Path, key: bytes, *, dedup_window: int, fsync: bool) -> Recovered:
+def recover(directory: Path, key: bytes, *, dedup_window: int) -> Recovered:
     found = list_segments(directory)
     segments: list[Segment] = []
     for i, (base, path) in enumerate(found):
@@ -83,9 +82,8 @@ def recover(directory: Path, key: bytes, *, dedup_window: int, fsync: bool) -> R
     state: State = {}
     seq_index = SeqIndex()
     active_runs: list[tuple[int, list[Run]]] = []
-    ids_at_end: dict[int, pa.Array] = {}  # segment position -> recent ids as of its end (from side files)
-    tail: deque[tuple[int, pa.Array]] = deque()  # (segment position, ids of one record) from scans, newest last
-    tail_rows = 0
+    scanned_ids: dict[int, pa.Array] = {}  # record base -> its ids, for the newest scanned rows
+    scanned_rows = 0
     for i, segment in enumerate(segments):
         last = i == len(segments) - 1
         side = index.read_index(segment.index_path, segment.base_offset, key)
@@ -93,7 +91,6 @@ def recover(directory: Path, key: bytes, *, dedup_window: int, fsync: bool) -> R
                 and len(side.records) == len(segment.records) and not segment.damaged):
             state = dict(side.state)
             runs_list = side.records
-            ids_at_end[i] = side.recent_ids
         else:
             if segment.records:
                 log.info("journal %s: rebuilding the index of %s", directory.name, segment.path.name)
@@ -103,21 +100,66 @@ def recover(directory: Path, key: bytes, *, dedup_window: int, fsync: bool) -> R
                 runs_list.append((entry.base_offset, runs))
                 index.merge(state, runs)
                 ids = pa.concat_arrays([batch.column("message_id")])  # a copy: frees the record
-                tail.append((i, ids))
-                tail_rows += len(ids)
-                while tail and tail_rows - len(tail[0][1]) >= dedup_window:
-                    tail_rows -= len(tail.popleft()[1])
+                scanned_ids[entry.base_offset] = ids
+                scanned_rows += len(ids)
+                while len(scanned_ids) > 1:  # keep only what the newest `dedup_window` rows need
+                    oldest = next(iter(scanned_ids))
+                    if scanned_rows - len(scanned_ids[oldest]) < dedup_window:
+                        break
+                    scanned_rows -= len(scanned_ids.pop(oldest))
             if not last and not segment.damaged:
-                recent = _recent_ids(ids_at_end, tail, i, dedup_window)
                 index.write_index(segment.index_path, SegmentIndex(
-                    segment.base_offset, segment.end_offset, segment.size, runs_list, dict(state), recent.as_array()),
-                    key, fsync=fsync)
+                    segment.base_offset, segment.end_offset, segment.size, runs_list, dict(state)), key)
         for base, runs in runs_list:
             seq_index.add(base, runs)
         if last:
             active_runs = list(runs_list)
-    recent = _recent_ids(ids_at_end, tail, len(segments) - 1, dedup_window)
+    recent = _recover_recent_ids(directory, key, segments, scanned_ids, dedup_window)
     return Recovered(segments, state, seq_index, active_runs, recent)
+
+
+def _recover_recent_ids(directory: Path, key: bytes, segments: list[Segment], scanned: dict[int, pa.Array],
+                        window: int) -> RecentIds:
+    """The ids of (at least) the last ``window`` rows: the saved list, plus the rows after the point it
+    was saved at (from the scan, or decrypted now); without a usable saved list, the newest records."""
+    recent = RecentIds(window)
+    end = segments[-1].end_offset if segments else 0
+    saved = index.read_recent_ids(directory, key)
+    if saved is not None and saved[0] > end:  # saved past what survived (power loss): not trustworthy
+        saved = None
+    anchor = saved[0] if saved is not None else None
+    newer: list[pa.Array] = []
+    rows = 0
+    for segment in reversed(segments):
+        if rows >= window or (anchor is not None and segment.end_offset <= anchor):
+            break
+        fd = -1
+        try:
+            for entry in reversed(segment.records):
+                if rows >= window or (anchor is not None and entry.base_offset < anchor):
+                    break
+                ids = scanned.get(entry.base_offset)
+                if ids is None:
+                    if fd < 0:
+                        fd = os.open(segment.path, os.O_RDONLY | os.O_CLOEXEC)
+                    try:
+                        batch = load_record(fd, segment.path, entry, key)
+                        ids = pa.concat_arrays([batch.column("message_id")])  # a copy: frees the record
+                    except JournalCorruptError as exc:
+                        log.error("journal: %s", exc)
+                        continue
+                newer.append(ids)
+                rows += len(ids)
+        finally:
+            if fd >= 0:
+                os.close(fd)
+    if saved is not None and rows < window:
+        recent.add_array(saved[1])
+    for ids in reversed(newer):
+        recent.add_array(ids)
+    if saved is None or saved[0] != end:  # never leave a list on disk that names rows past the end
+        index.write_recent_ids(directory, end, recent.as_array(), key)
+    return recent
 
 
 def key_opens_records(directory: Path, key: bytes) -> bool | None:
@@ -136,19 +178,6 @@ def key_opens_records(directory: Path, key: bytes) -> bool | None:
         finally:
             os.close(fd)
     return None
-
-
-def _recent_ids(ids_at_end: dict[int, pa.Array], tail: deque[tuple[int, pa.Array]], upto: int,
-                window: int) -> RecentIds:
-    """The ids of the last ``window`` rows through segment ``upto``: a side file's list plus scans after it."""
-    recent = RecentIds(window)
-    anchor = max((i for i in ids_at_end if i <= upto), default=-1)
-    if anchor >= 0:
-        recent.add_array(ids_at_end[anchor])
-    for i, ids in tail:
-        if anchor < i <= upto:
-            recent.add_array(ids)
-    return recent
 
 
 def _decrypt(segment: Segment, key: bytes):  # -> Iterator[tuple[RecordEntry, pa.RecordBatch]]

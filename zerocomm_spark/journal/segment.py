@@ -152,14 +152,12 @@ def scan_segment(path: Path, base_offset: int, *, verify_crc: bool) -> ScanResul
         tail_damage_at: int | None = None
         while pos < size:
             header = codec.parse_record_header(os.pread(fd, RECORD_HEADER_BYTES, pos))
-            ok = (header is not None and header.base_offset == expected
-                  and pos + header.frame_length <= size)
-            if ok and verify_crc:
-                ok = codec.crc_ok(header, os.pread(fd, header.body_length, pos + RECORD_HEADER_BYTES))  # type: ignore[union-attr]
-            if ok:
-                segment.add(RecordEntry(pos, header))  # type: ignore[arg-type]
-                pos += header.frame_length  # type: ignore[union-attr]
-                expected = header.end_offset  # type: ignore[union-attr]
+            if (header is not None and header.base_offset == expected and pos + header.frame_length <= size
+                    and (not verify_crc
+                         or codec.crc_ok(header, os.pread(fd, header.body_length, pos + RECORD_HEADER_BYTES)))):
+                segment.add(RecordEntry(pos, header))
+                pos += header.frame_length
+                expected = header.end_offset
                 continue
             found = _resync(fd, pos + 1, size, expected)
             if found is None:

@@ -289,8 +289,10 @@ class Writer:
             return [codec.encode_record(b, base, lo, hi, key) for b, base, lo, hi in jobs]
         futures = [pool.submit(codec.encode_record, b, base, lo, hi, key) for b, base, lo, hi in jobs[1:]]
         first = codec.encode_record(*jobs[0][:4], key)
-        timeout = self._journal.timeout
-        return [first, *(f.result(timeout=timeout) for f in futures)]
+        try:
+            return [first, *(f.result(timeout=self._journal.timeout) for f in futures)]
+        except TimeoutError:
+            raise JournalTimeoutError("encrypting records took longer than the journal's timeout") from None
 
     def _write(self, frames: list[tuple[Frame, _RecordMeta]]) -> None:
         j = self._journal
@@ -336,10 +338,9 @@ class Writer:
         """Close the active segment (saving its side index) and start the next one."""
         j = self._journal
         old, old_fd = self._active, self._fd
-        sync = j.fsync != "never"
         if j.fsync == "always":
             os.fdatasync(old_fd)
-        j._write_side_index(old, self._active_runs, self._recent.as_array(), fsync=sync)  # noqa: SLF001
+        j._write_side_index(old, self._active_runs, self._recent.as_array())  # noqa: SLF001
         new, fd = create_segment(j.directory, old.end_offset, now_micros())
         with self._sync_lock:
             self._active, self._fd = new, fd

@@ -1,0 +1,676 @@
+"""ZeroComm groups on loopback: the thesis's experiments (seed 001, chapter 6, tables 5-8) and issue 3's targets.
+
+What is measured (every member is a separate process; real sockets, CURVE, RFC 0019 envelopes):
+
+* **ping** (table 5): round trip of a DIDComm trust ping between two agents, and of a bare
+  transport ping (the floor every membership message pays).
+* **join** (table 6): a group grows from 1 to 16 members through ``agent.groups`` (the real
+  membership layer: join request, DID exchange with every member, subscribe, checksums, probing,
+  active status), each joiner joining through the newest member. ``not_connected``: the joiner is
+  connected to the acceptor only (the DID exchanges with the others are part of the join);
+  ``connected``: at sizes 1, 2, 4, 8, 16 the joiner then leaves and joins again, now connected to
+  everyone. Timed inside the joiner's process, around ``join()``.
+* **concurrent joins** (table 7): 4 new agents join the 16-member group at once (not connected).
+* **messages** (table 8): one publisher, N = 2, 4, 8 members, each mode. Bursts of 1, 10, 50 and
+  100 messages (one publish() call each): delivered share and time until the last member has the
+  last message. Then a stream (``--messages``, one publish() call per message): messages/s until
+  every member delivered everything, delivered share, publish-to-delivery latency, CPU per message.
+  One more stream in shared mode to 8 members publishes 100 messages per call.
+* **status size**: a status message (one member's signed entry, a section per member, each
+  authcrypted for that member) for 1 to 64 members, with zstd (as sent) and without.
+
+Targets (issue 3, this 2-core machine): 100% delivered everywhere; a join into 16 members within
+1 s; one publisher reaching 8 members at 10,000 messages/s or more in shared mode. Each target is
+printed beside the measured figure with ``within_target``, together with the machine's load
+average, which on a shared machine moves every figure.
+
+Prints one JSON document; writes PNG plots to bench/out/.
+Run: .venv/bin/python bench/group.py [--messages 20000] [--out bench/out] [--skip-join] [--skip-messages]
+(``python bench/group.py agent`` is the per-agent child process it starts itself.)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import queue
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+MODES = ("single", "multi", "shared")
+JOIN_MAX = 16
+JOIN_SIZES = (1, 2, 4, 8, 16)
+CONCURRENT = 4
+MEMBER_COUNTS = (2, 4, 8)
+BURSTS = (1, 10, 50, 100)
+STATUS_SIZES = (1, 2, 4, 8, 16, 32, 64)
+TARGET_JOIN_S = 1.0
+TARGET_RATE = 10_000
+CALL_TIMEOUT = 60.0
+
+
+def _load() -> list[float]:
+    return [round(x, 2) for x in os.getloadavg()]
+
+
+def _pct(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    values = sorted(values)
+    return values[min(len(values) - 1, int(q * len(values)))]
+
+
+# --- the agent child: one Agent driven by JSON lines ------------------------------------------
+
+
+def agent_main() -> int:
+    """One agent per process, driven over stdin/stdout (one JSON request, one JSON answer per line)."""
+    import logging
+
+    from zerocomm_spark import Agent
+
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+    agent: Any = None
+    for line in sys.stdin:
+        req = json.loads(line)
+        op = req.pop("op")
+        try:
+            if op == "open":
+                agent = Agent.open(req["path"], label=req["label"])
+                result: Any = {"did": agent.groups.did}
+            elif op == "invite":
+                result = agent.invite()
+            elif op == "accept":
+                result = agent.accept(req["url"], timeout=30).id
+            elif op == "ping":
+                rtts = [agent.ping(req["peer"], timeout=10) for _ in range(req["n"])]
+                t = agent._transport  # noqa: SLF001 - the bare transport ping, for comparison
+                endpoint = agent.connection(req["peer"]).endpoint
+                raw = [t.ping(endpoint, timeout=10) for _ in range(req["n"])]
+                result = {"trust_ping_s": rtts, "transport_ping_s": raw}
+            elif op == "create":
+                agent.groups.create(req["group"], mode=req["mode"])
+                result = None
+            elif op == "join":
+                start = time.monotonic()
+                info = agent.groups.join(req["group"], via=req["via"], timeout=req["timeout"])
+                result = {"seconds": time.monotonic() - start, "members": len(info.members)}
+            elif op == "leave":
+                agent.groups.leave(req["group"])
+                result = None
+            elif op == "active":
+                result = sum(1 for m in agent.groups.members(req["group"]) if m.status == "active")
+            elif op == "exit":
+                if agent is not None:
+                    agent.close()
+                print(json.dumps({"ok": True, "result": None}), flush=True)
+                return 0
+            else:
+                raise ValueError(f"unknown op {op}")
+            answer = {"ok": True, "result": result}
+        except Exception as exc:  # noqa: BLE001 - reported to the parent
+            answer = {"ok": False, "error": type(exc).__name__, "message": str(exc)}
+        print(json.dumps(answer), flush=True)
+    return 0
+
+
+class AgentProc:
+    def __init__(self, root: Path, name: str) -> None:
+        self.name = name
+        self.path = root / name
+        self.log = (root / f"{name}.log").open("w")
+        self.proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "agent"], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=self.log, text=True, bufsize=1,
+                                     env=dict(os.environ, PYTHONUNBUFFERED="1"))
+        self.lines: queue.Queue[str | None] = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+        self.did = ""
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.put(line)
+        self.lines.put(None)
+
+    def send(self, op: str, **args: Any) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps({"op": op, **args}) + "\n")
+        self.proc.stdin.flush()
+
+    def result(self, timeout: float = CALL_TIMEOUT) -> Any:
+        try:
+            line = self.lines.get(timeout=timeout)
+        except queue.Empty:
+            raise RuntimeError(f"agent {self.name} gave no answer within {timeout}s") from None
+        if line is None:
+            raise RuntimeError(f"agent {self.name} exited")
+        answer = json.loads(line)
+        if not answer["ok"]:
+            raise RuntimeError(f"agent {self.name}: {answer['error']}: {answer['message']}")
+        return answer["result"]
+
+    def call(self, op: str, timeout: float = CALL_TIMEOUT, **args: Any) -> Any:
+        self.send(op, **args)
+        return self.result(timeout)
+
+    def stop(self) -> None:
+        try:
+            if self.proc.poll() is None:
+                self.call("exit", timeout=20)
+                self.proc.wait(10)
+        except (RuntimeError, BrokenPipeError, subprocess.TimeoutExpired):
+            pass
+        finally:
+            if self.proc.poll() is None:
+                self.proc.kill()
+                self.proc.wait(5)
+            self.log.close()
+
+
+def _eventually(check: Callable[[], bool], timeout: float) -> float | None:
+    """Seconds until ``check()`` held, or None at the deadline."""
+    start = time.monotonic()
+    while time.monotonic() - start < timeout:
+        if check():
+            return time.monotonic() - start
+        time.sleep(0.05)
+    return None
+
+
+def bench_join(work: Path) -> dict[str, Any]:
+    names = [f"a{i}" for i in range(JOIN_MAX + 1)] + [f"c{i}" for i in range(CONCURRENT)]
+    started = time.monotonic()
+    procs = {n: AgentProc(work, n) for n in names}
+    try:
+        for p in procs.values():
+            p.send("open", path=str(p.path), label=p.name)
+        for p in procs.values():
+            p.did = p.result(90)["did"]
+        spawn_s = time.monotonic() - started
+        group = "join-bench"
+        a = [procs[f"a{i}"] for i in range(JOIN_MAX + 1)]
+        members = [a[0]]
+
+        def converged(count: int) -> bool:
+            for m in members:
+                m.send("active", group=group)
+            return all(m.result() == count for m in members)
+
+        a[0].call("create", group=group, mode="shared")
+        # table 5: ping round trips between two agents (connected for the purpose)
+        ping_conn = a[1].call("accept", url=a[0].call("invite"))
+        pings = a[1].call("ping", peer=ping_conn, n=20)
+        rows = []
+        failures = []
+        for k in range(1, JOIN_MAX + 1):
+            joiner, acceptor = a[k], members[-1]
+            via = joiner.call("accept", url=acceptor.call("invite")) if joiner is not a[1] or acceptor is not a[0] \
+                else ping_conn
+            row: dict[str, Any] = {"initial_size": k}
+            try:
+                row["not_connected_s"] = round(joiner.call("join", group=group, via=via, timeout=30)["seconds"], 4)
+            except RuntimeError as exc:
+                failures.append(f"join into {k}: {exc}")
+                break
+            members.append(joiner)
+            row["converged_after_s"] = _eventually(lambda: converged(k + 1), 30)
+            if k in JOIN_SIZES:
+                joiner.call("leave", group=group)
+                members.pop()
+                _eventually(lambda: converged(k), 30)
+                try:
+                    row["connected_s"] = round(joiner.call("join", group=group, via=via, timeout=30)["seconds"], 4)
+                except RuntimeError as exc:
+                    failures.append(f"rejoin into {k}: {exc}")
+                    break
+                members.append(joiner)
+                _eventually(lambda: converged(k + 1), 30)
+            rows.append(row)
+        # table 7: concurrent joins into the 16-member group, each joiner connected to its acceptor only
+        concurrent: dict[str, Any] = {"initial_size": len(members), "joiners": CONCURRENT}
+        if len(members) == JOIN_MAX + 1 and not failures:
+            joiners = [procs[f"c{i}"] for i in range(CONCURRENT)]
+            vias = [j.call("accept", url=members[i % len(members)].call("invite")) for i, j in enumerate(joiners)]
+            t0 = time.monotonic()
+            for j, via in zip(joiners, vias):
+                j.send("join", group=group, via=via, timeout=45)
+            times, errors = [], []
+            for j in joiners:
+                try:
+                    times.append(j.result(60)["seconds"])
+                except RuntimeError as exc:
+                    errors.append(str(exc).split(":")[1].strip() if ":" in str(exc) else str(exc))
+            concurrent.update(all_joined_s=round(time.monotonic() - t0, 4) if not errors else None,
+                              each_s=[round(t, 4) for t in times], failed=errors)
+        return {"agents": len(names), "spawn_and_open_s": round(spawn_s, 2),
+                "ping": {"trust_ping_median_ms": round(statistics.median(pings["trust_ping_s"]) * 1000, 3),
+                         "transport_ping_median_ms": round(statistics.median(pings["transport_ping_s"]) * 1000, 3)},
+                "joins": rows, "concurrent": concurrent, "failures": failures}
+    finally:
+        threads = [threading.Thread(target=p.stop) for p in procs.values()]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(40)
+
+
+# --- messages: one publisher (this process), members in their own processes --------------------
+
+
+def _member_main(idx: int, conn: Any) -> None:  # a child process (spawn)
+    import zmq
+
+    from zerocomm_spark.group import DataPlane, RemoteMember
+    from zerocomm_spark.keys.keystore import Keystore
+    from zerocomm_spark.transport.peer import PeerTransport
+
+    did = f"did:example:member{idx}"
+    tmp = tempfile.mkdtemp(prefix="zc-bench-group-")
+    ks = Keystore.open(tmp)
+    tr = PeerTransport().start()
+    curve = zmq.curve_keypair()
+    lock = threading.Condition()
+    state: dict[str, Any] = {}  # group -> counters
+
+    def on_deliver(d: Any) -> None:
+        s = state[d.group]
+        with lock:
+            if d.seq != s["last_seq"] + 1:
+                s["out_of_order"] += 1
+            s["last_seq"] = d.seq
+            s["count"] += 1
+            s["last_at"] = d.received_at
+            if s["count"] % 50 == 1:  # sampled: publish-to-delivery latency
+                s["latency"].append(d.received_at - d.sent_at)
+            if s["count"] >= s["target"]:
+                lock.notify_all()
+
+    dp = DataPlane(member_did=did, keystore=ks, transport=tr, curve_keypair=curve, on_deliver=on_deliver).start()
+    rel = ks.create_key("relationship")
+    conn.send({"did": did, "relationship_verkey": rel.verkey, "publish_endpoint": dp.publish_endpoint,
+               "transport_key": curve[0].decode(), "peer_endpoint": tr.endpoint})
+    while True:
+        cmd, *args = conn.recv()
+        if cmd == "open":
+            group, mode = args
+            gk = ks.create_key("group", ref=group)
+            state[group] = {"count": 0, "target": 0, "last_seq": 0, "out_of_order": 0, "last_at": 0.0, "latency": []}
+            dp.open_group(group, mode=mode, ordered=True, group_key=gk, role="read_write")
+            conn.send(gk.verkey)
+        elif cmd == "add":
+            group, pub = args
+            dp.add_member(group, RemoteMember(my_relationship_verkey=rel.verkey, **pub))
+            conn.send("ok")
+        elif cmd == "wait":  # until `target` messages of the group were delivered, or `within` seconds
+            group, target, within = args
+            s = state[group]
+            cpu0 = time.process_time()
+            deadline = time.monotonic() + within
+            with lock:
+                s["target"] = target
+                s["latency"] = []
+                while s["count"] < target and time.monotonic() < deadline:
+                    lock.wait(min(0.2, max(deadline - time.monotonic(), 0.001)))
+                stats = {k: v for k, v in dp.stats().items() if isinstance(v, int)}
+                conn.send({"count": s["count"], "last_at": s["last_at"], "out_of_order": s["out_of_order"],
+                           "latency": list(s["latency"]), "cpu_s": time.process_time() - cpu0, "stats": stats})
+        elif cmd == "close":
+            dp.close_group(args[0])
+            conn.send("ok")
+        elif cmd == "exit":
+            dp.close(2)
+            tr.close(2)
+            ks.close()
+            shutil.rmtree(tmp, ignore_errors=True)
+            conn.send("bye")
+            return
+
+
+class Publisher:
+    def __init__(self, work: Path) -> None:
+        import zmq
+
+        from zerocomm_spark.group import DataPlane
+        from zerocomm_spark.keys.keystore import Keystore
+        from zerocomm_spark.transport.peer import PeerTransport
+
+        self.ks = Keystore.open(work / "publisher")
+        self.tr = PeerTransport().start()
+        self.curve = zmq.curve_keypair()
+        self.dp = DataPlane(member_did="did:example:publisher", keystore=self.ks, transport=self.tr,
+                            curve_keypair=self.curve, on_deliver=lambda d: None).start()
+        self.rel = self.ks.create_key("relationship")
+
+    def close(self) -> None:
+        self.dp.close(2)
+        self.tr.close(2)
+        self.ks.close()
+
+
+def _on(pipes: list[Any], *cmd: Any, timeout: float = 60.0) -> list[Any]:
+    for p in pipes:
+        p.send(cmd)
+    out = []
+    for p in pipes:
+        if not p.poll(timeout):
+            raise RuntimeError(f"a member did not answer {cmd[0]} within {timeout}s")
+        out.append(p.recv())
+    return out
+
+
+def _run_messages(pub: Publisher, pipes: list[Any], infos: list[dict[str, Any]], mode: str, n: int,
+                  messages: int, per_call: int, bursts: bool, run: int) -> dict[str, Any]:
+    from zerocomm_spark.group import RemoteMember
+
+    group = f"bench-{run}-{mode}-{n}"
+    members, minfo = pipes[:n], infos[:n]
+    gk = pub.ks.create_key("group", ref=group)
+    pub.dp.open_group(group, mode=mode, ordered=True, group_key=gk, role="read_write")  # type: ignore[arg-type]
+    verkeys = _on(members, "open", group, mode)
+    for info, vk in zip(minfo, verkeys):
+        pub.dp.add_member(group, RemoteMember(my_relationship_verkey=pub.rel.verkey, group_verkey=vk, **info))
+    me = {"did": pub.dp.member_did, "group_verkey": gk.verkey, "relationship_verkey": pub.rel.verkey,
+          "publish_endpoint": pub.dp.publish_endpoint, "transport_key": pub.curve[0].decode(),
+          "peer_endpoint": pub.tr.endpoint}
+    _on(members, "add", group, me)
+    for info in minfo:
+        pub.dp.probe(group, info["did"], timeout=30)
+    out: dict[str, Any] = {"mode": mode, "members": n, "per_publish_call": per_call}
+    sent = 0
+    if bursts:  # table 8: a burst of b messages, one publish() call each
+        rows = []
+        for b in BURSTS:
+            for p in members:
+                p.send(("wait", group, sent + b, 20.0))
+            t0 = time.time()
+            for i in range(b):
+                pub.dp.publish(group, [b"burst %d" % i], timeout=30)
+            sent += b
+            res = [p.recv() if p.poll(30) else {"count": 0, "last_at": 0.0} for p in members]
+            got = sum(min(r["count"], sent) - (sent - b) for r in res)
+            rows.append({"burst": b, "delivered_share": round(got / (b * n), 4),
+                         "last_delivered_ms": round((max(r["last_at"] for r in res) - t0) * 1000, 2)})
+        out["bursts"] = rows
+    # the stream
+    payload = os.urandom(100)
+    batch = [payload] * per_call
+    calls = messages // per_call
+    total = calls * per_call
+    within = max(60.0, total / 500)
+    for p in members:
+        p.send(("wait", group, sent + total, within))
+    envelopes0 = pub.dp.stats()["envelopes_out"]
+    cpu0 = time.process_time()
+    t0 = time.time()
+    receipt = None
+    for _ in range(calls):
+        receipt = pub.dp.publish(group, batch, timeout=60)
+    published = time.time()
+    pub_cpu = time.process_time() - cpu0
+    res = []
+    for p in members:
+        if not p.poll(within + 10):
+            raise RuntimeError("a member did not report")
+        res.append(p.recv())
+    acked = None
+    if receipt is not None:
+        try:
+            receipt.wait(30)
+            acked = time.time()
+        except Exception:  # noqa: BLE001 - reported as not acked
+            acked = None
+    delivered = sum(min(r["count"], sent + total) - sent for r in res)
+    complete = all(r["count"] >= sent + total for r in res)
+    last = max(r["last_at"] for r in res)
+    lat = [x for r in res for x in r["latency"]]
+    out.update({
+        "messages": total,
+        "payload_bytes": len(payload),
+        "delivered_share": round(delivered / (total * n), 5),
+        "in_publisher_order": all(r["out_of_order"] == 0 for r in res),
+        "publish_rate_msg_s": round(total / max(published - t0, 1e-9)),
+        "delivered_to_all_msg_s": round(total / max(last - t0, 1e-9)) if complete else None,
+        "acked_by_all_s": round(acked - t0, 3) if acked else None,
+        "latency_ms": {"p50": round((_pct(lat, 0.5) or 0) * 1000, 2), "p99": round((_pct(lat, 0.99) or 0) * 1000, 2)},
+        "cpu_us_per_msg": {"publisher": round(pub_cpu / total * 1e6, 1),
+                           "member_avg": round(sum(r["cpu_s"] for r in res) / n / total * 1e6, 1)},
+        "envelopes_out": pub.dp.stats()["envelopes_out"] - envelopes0,
+        "recovery": {"nacks": sum(r["stats"]["nacks_sent"] for r in res),
+                     "duplicates": sum(r["stats"]["duplicates_dropped"] for r in res),
+                     "forged_batches": sum(r["stats"]["forged_batches"] for r in res)},
+    })
+    _on(members, "close", group)
+    pub.dp.close_group(group)
+    return out
+
+
+def bench_messages(work: Path, messages: int) -> dict[str, Any]:
+    ctx = mp.get_context("spawn")
+    pipes, procs = [], []
+    for i in range(max(MEMBER_COUNTS)):
+        parent, child = ctx.Pipe()
+        p = ctx.Process(target=_member_main, args=(i, child), daemon=True)
+        p.start()
+        pipes.append(parent)
+        procs.append(p)
+    pub = Publisher(work)
+    try:
+        infos = []
+        for p in pipes:
+            if not p.poll(90):
+                raise RuntimeError("a member process did not start")
+            infos.append(p.recv())
+        runs = []
+        run = 0
+        for mode in MODES:
+            for n in MEMBER_COUNTS:
+                run += 1
+                runs.append(_run_messages(pub, pipes, infos, mode, n, messages, 1, True, run))
+        run += 1
+        runs.append(_run_messages(pub, pipes, infos, "shared", 8, messages, 100, False, run))
+        return {"runs": runs}
+    finally:
+        for p in pipes:
+            try:
+                p.send(("exit",))
+            except (BrokenPipeError, OSError):
+                pass
+        for p in procs:
+            p.join(10)
+            if p.is_alive():
+                p.kill()
+        pub.close()
+
+
+# --- status message sizes ------------------------------------------------------------------------
+
+
+def bench_status(work: Path) -> list[dict[str, Any]]:
+    import uuid
+
+    import zmq
+    import zstandard
+
+    from zerocomm_spark import Agent
+    from zerocomm_spark.group.view import MemberEntry, StatusSection, member_did_for, next_version, seal_status
+    from zerocomm_spark.keys.keypair import KeyPair
+
+    member = KeyPair.generate()
+    did = member_did_for(member.verkey)
+    # a realistic entry: real endpoints, keys and a real multi-use OOB invitation URL
+    agent = Agent.open(work / "status-agent", label="member-07")
+    try:
+        invitation = agent.invite(multi_use=True)
+    finally:
+        agent.close()
+    entry = MemberEntry(did=did, label="member-07", role="read_write", status="active",
+                        peer_endpoint="tcp://127.0.0.1:45123", publish_endpoint="tcp://127.0.0.1:45124",
+                        group_verkey=KeyPair.generate().verkey, transport_key=zmq.curve_keypair()[0].decode(),
+                        invitation=invitation, version=next_version(),
+                        ticket={"group": "g", "member": did, "by": did, "request": uuid.uuid4().hex,
+                                "signature": "s" * 86}).signed(member)
+    mine = KeyPair.generate()
+    rows = []
+    for n in STATUS_SIZES:
+        sections = [StatusSection(str(uuid.uuid4()), KeyPair.generate().verkey, mine) for _ in range(n)]
+        blob = seal_status("g", did, [entry], sections)
+        raw = zstandard.ZstdDecompressor().decompress(blob)
+        rows.append({"members": n, "zstd_bytes": len(blob), "plain_bytes": len(raw),
+                     "ratio": round(len(blob) / len(raw), 3)})
+    return rows
+
+
+# --- plots ---------------------------------------------------------------------------------------
+
+
+def plot(result: dict[str, Any], out: Path) -> list[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out.mkdir(parents=True, exist_ok=True)
+    files = []
+    join = result.get("join")
+    if join and join["joins"]:
+        fig, ax = plt.subplots(figsize=(6, 4))
+        rows = join["joins"]
+        ax.plot([r["initial_size"] for r in rows], [r["not_connected_s"] * 1000 for r in rows], "o-",
+                label="not connected (DID exchanges inside the join)")
+        conn = [r for r in rows if "connected_s" in r]
+        ax.plot([r["initial_size"] for r in conn], [r["connected_s"] * 1000 for r in conn], "s-",
+                label="connected to every member")
+        ax.axhline(TARGET_JOIN_S * 1000, color="red", ls="--", lw=1, label="target at 16 members")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("members before the join")
+        ax.set_ylabel("join time (ms)")
+        ax.set_title("join latency (table 6), loopback")
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        files.append(str(out / "group_join.png"))
+        fig.savefig(files[-1], dpi=110)
+        plt.close(fig)
+    msgs = result.get("messages")
+    if msgs:
+        runs = [r for r in msgs["runs"] if r["per_publish_call"] == 1]
+        fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
+        for mode in MODES:
+            rs = [r for r in runs if r["mode"] == mode]
+            ax1.plot([r["members"] for r in rs], [r["delivered_to_all_msg_s"] or 0 for r in rs], "o-", label=mode)
+            ax2.plot([r["members"] for r in rs], [r["delivered_share"] * 100 for r in rs], "o-", label=mode)
+        ax1.axhline(TARGET_RATE, color="red", ls="--", lw=1, label="target (shared, 8)")
+        ax1.set_xlabel("members")
+        ax1.set_ylabel("messages/s delivered to every member")
+        ax1.set_title("one publisher, 100-byte messages")
+        ax1.legend(fontsize=8)
+        ax2.set_ylim(0, 105)
+        ax2.set_xlabel("members")
+        ax2.set_ylabel("delivered (%)")
+        ax2.set_title("delivered share")
+        ax2.legend(fontsize=8)
+        fig.tight_layout()
+        files.append(str(out / "group_throughput.png"))
+        fig.savefig(files[-1], dpi=110)
+        plt.close(fig)
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for r in runs:
+            if "bursts" in r:
+                ax.plot([b["burst"] for b in r["bursts"]], [b["last_delivered_ms"] for b in r["bursts"]], "o-",
+                        label=f"{r['mode']}, {r['members']} members")
+        ax.set_xlabel("burst size (messages)")
+        ax.set_ylabel("time until every member has the burst (ms)")
+        ax.set_title("bursts (table 8), loopback")
+        ax.legend(fontsize=7, ncol=2)
+        fig.tight_layout()
+        files.append(str(out / "group_bursts.png"))
+        fig.savefig(files[-1], dpi=110)
+        plt.close(fig)
+    status = result.get("status_size")
+    if status:
+        fig, ax = plt.subplots(figsize=(6, 4))
+        ax.plot([r["members"] for r in status], [r["plain_bytes"] for r in status], "o-", label="without zstd")
+        ax.plot([r["members"] for r in status], [r["zstd_bytes"] for r in status], "s-", label="with zstd (as sent)")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("members (sections)")
+        ax.set_ylabel("status message (bytes)")
+        ax.set_title("status message size")
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        files.append(str(out / "group_status_size.png"))
+        fig.savefig(files[-1], dpi=110)
+        plt.close(fig)
+    return files
+
+
+def targets(result: dict[str, Any]) -> list[dict[str, Any]]:
+    out = []
+    msgs = result.get("messages")
+    if msgs:
+        shares = [r["delivered_share"] for r in msgs["runs"]] + [
+            b["delivered_share"] for r in msgs["runs"] for b in r.get("bursts", [])]
+        in_order = all(r["in_publisher_order"] for r in msgs["runs"])
+        out.append({"target": "delivered share, every stream and burst", "target_value": 1.0,
+                    "measured": min(shares), "within_target": min(shares) >= 1.0 and in_order})
+        for per_call in (1, 100):
+            r = next((r for r in msgs["runs"] if r["mode"] == "shared" and r["members"] == 8
+                      and r["per_publish_call"] == per_call), None)
+            if r is not None:
+                rate = r["delivered_to_all_msg_s"] or 0
+                out.append({"target": f"shared mode, one publisher to 8 members, {per_call} message(s) per "
+                                      f"publish() call: messages/s delivered to all", "target_value": TARGET_RATE,
+                            "measured": rate, "within_target": rate >= TARGET_RATE})
+    join = result.get("join")
+    if join:
+        row = next((r for r in join["joins"] if r["initial_size"] == JOIN_MAX), None)
+        for key, what in (("not_connected_s", "not connected"), ("connected_s", "connected")):
+            value = row.get(key) if row else None
+            out.append({"target": f"join into {JOIN_MAX} members ({what}), seconds", "target_value": TARGET_JOIN_S,
+                        "measured": value, "within_target": value is not None and value <= TARGET_JOIN_S})
+    return out
+
+
+def main() -> int:
+    if len(sys.argv) > 1 and sys.argv[1] == "agent":
+        return agent_main()
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--messages", type=int, default=20_000, help="messages per stream")
+    ap.add_argument("--out", default=str(ROOT / "bench" / "out"))
+    ap.add_argument("--skip-join", action="store_true")
+    ap.add_argument("--skip-messages", action="store_true")
+    args = ap.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="zc-bench-group-"))
+    started = time.monotonic()
+    result: dict[str, Any] = {"bench": "group", "cpus": os.cpu_count(), "load_avg_before": _load()}
+    try:
+        result["status_size"] = bench_status(work)
+        if not args.skip_messages:
+            result["messages"] = bench_messages(work, args.messages)
+            result["load_avg_after_messages"] = _load()
+        if not args.skip_join:
+            result["join"] = bench_join(work)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    result["load_avg_after"] = _load()
+    result["targets"] = targets(result)
+    result["plots"] = plot(result, Path(args.out))
+    result["seconds"] = round(time.monotonic() - started, 1)
+    print(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

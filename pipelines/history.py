@@ -1,0 +1,317 @@
+"""Persist a group's messages: a streaming query from format("zerocomm") into a Delta history table.
+
+```python
+from zerocomm_spark.pipelines.history import ingest, compact, vacuum
+query = ingest(spark, ["sensors"], "/lake/history", "/lake/_checkpoints/history", agent="/tmp/zc/alice")
+...
+query.stop(); compact(spark, "/lake/history"); vacuum(spark, "/lake/history")
+```
+
+Why it is built this way:
+
+* **Exactly once into Delta.** The source is replayable (offsets are per-publisher seqs in the
+  member's journal), and every micro-batch is written by ``foreachBatch`` with Delta's idempotent
+  writer options ``txnAppId``/``txnVersion`` = (this query, batch id). If the driver dies after the
+  Delta commit but before Spark checkpointed the batch, the restarted query re-runs the same batch
+  id and Delta skips it: nothing is missing, nothing is written twice. The app id is the streaming
+  query's id, which Spark keeps in the checkpoint: a *new* checkpoint gets a new id, so its batch 0
+  is never mistaken for an old one. (A new checkpoint reading from ``earliest`` again would append
+  the same messages again: keep the checkpoint with the table, or start it at ``latest``.)
+* **What history adds is computed in Spark SQL**: the partition date, ``ingested_at``, and the
+  origin proof moved from the ``zc-origin`` header into ``origin_sig`` (pipelines/origin.py). Only
+  sealing payloads with a history key needs Python (``mapInArrow``, whole Arrow batches at a time).
+* **The table is made once, with its properties** (schema.py: change data feed, append-only,
+  retention), partitioned by (group, date); OPTIMIZE (:func:`compact`) merges the small files that
+  frequent micro-batches leave, VACUUM (:func:`vacuum`) deletes what OPTIMIZE replaced once it is
+  older than the deleted-file retention.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from zerocomm_spark.errors import ConfigurationError
+from zerocomm_spark.pipelines.origin import ORIGIN_HEADER, SCHEME
+from zerocomm_spark.pipelines.schema import HISTORY_COLUMNS, PARTITION_COLUMNS, TABLE_PROPERTIES, history_schema
+
+if TYPE_CHECKING:
+    import pyarrow as pa
+    from pyspark.sql import DataFrame, SparkSession
+    from pyspark.sql.streaming import StreamingQuery
+
+    from zerocomm_spark.pipelines.history_key import HistoryKey
+
+__all__ = ["IngestBatch", "HistoryWriter", "append_history", "compact", "ensure_table", "ingest", "to_history",
+           "vacuum"]
+
+log = logging.getLogger("zerocomm_spark.pipelines.history")
+
+_DAY_MICROS = 86_400_000_000
+
+
+@dataclass(frozen=True)
+class IngestBatch:
+    """What one micro-batch did: ``committed`` False means Delta already had it (a replayed batch)."""
+
+    batch_id: int
+    committed: bool
+    rows: int
+    version: int | None
+    seconds: float
+
+
+# --- the table ---------------------------------------------------------------------------------
+
+
+def ensure_table(spark: SparkSession, table_path: str, *, properties: Mapping[str, str] | None = None) -> None:
+    """Create the history table (schema, partitioning, properties) unless it exists; check it if it does."""
+    from delta.tables import DeltaTable
+
+    path = str(table_path)
+    if not DeltaTable.isDeltaTable(spark, path):
+        builder = (DeltaTable.createIfNotExists(spark).location(path).addColumns(history_schema())
+                   .partitionedBy(*PARTITION_COLUMNS))
+        for key, value in {**TABLE_PROPERTIES, **(properties or {})}.items():
+            builder = builder.property(key, value)
+        builder.execute()
+        return
+    columns = set(DeltaTable.forPath(spark, path).toDF().columns)
+    missing = [c for c in HISTORY_COLUMNS if c not in columns]
+    if missing:
+        raise ConfigurationError(f"the Delta table at {path} is not a zerocomm history table (no {missing})",
+                                 hint="Point history at an empty directory or an existing history table")
+
+
+# --- rows --------------------------------------------------------------------------------------
+
+
+def to_history(df: DataFrame, *, history_key: HistoryKey | None = None) -> DataFrame:
+    """Rows of format("zerocomm") (with or without headers) -> rows of the history table."""
+    from pyspark.sql import functions as F
+
+    cols = set(df.columns)
+    if "headers" in cols:
+        proof = F.col("headers").getItem(ORIGIN_HEADER)
+        kept = F.map_filter("headers", lambda k, v: k != F.lit(ORIGIN_HEADER))
+        headers = F.when(F.size(kept) > 0, kept)
+    else:
+        proof = F.lit(None).cast("string")
+        headers = F.lit(None).cast("map<string,string>")
+    decoded = F.try_to_binary(F.substring(proof, 3, 1 << 20), F.lit("base64"))
+    sig = F.when(proof.startswith("1:") & (F.length(decoded) == 64), decoded)
+    label = F.col("publisher_label") if "publisher_label" in cols else F.lit(None).cast("string")
+    out = df.select(
+        F.col("group"),
+        F.date_from_unix_date(F.floor(F.unix_micros("sent_at") / _DAY_MICROS).cast("int")).alias("date"),
+        F.col("message_id"), F.col("publisher_did"), label.alias("publisher_label"),
+        F.col("seq").cast("long").alias("seq"), F.col("lamport_ts").cast("long").alias("lamport_ts"),
+        F.col("sent_at"), F.col("received_at"), F.current_timestamp().alias("ingested_at"),
+        headers.alias("headers"), F.col("payload"),
+        (F.lit(history_key.key_id) if history_key is not None else F.lit(None)).cast("string").alias("payload_key_id"),
+        F.when(sig.isNotNull(), F.lit(SCHEME)).alias("origin_scheme"),
+        sig.alias("origin_sig"),
+    )
+    if history_key is None:
+        return out
+    return out.mapInArrow(_sealer(history_key), out.schema)
+
+
+def _sealer(key: HistoryKey) -> Callable[[Iterator[pa.RecordBatch]], Iterator[pa.RecordBatch]]:
+    def seal(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+        import pyarrow as pa
+
+        for batch in batches:
+            if batch.num_rows == 0:
+                yield batch
+                continue
+            sealed = key.seal_column(batch.column("group").to_pylist(), batch.column("publisher_did").to_pylist(),
+                                     batch.column("message_id").to_pylist(), batch.column("payload").to_pylist())
+            index = batch.schema.get_field_index("payload")
+            arrays = list(batch.columns)
+            arrays[index] = sealed
+            yield pa.RecordBatch.from_arrays(arrays, schema=batch.schema)
+
+    return seal
+
+
+def append_history(df: DataFrame, table_path: str, *, app_id: str, version: int) -> None:
+    """Append history rows once: Delta skips a (app_id, version) it already committed."""
+    (df.select(*HISTORY_COLUMNS).write.format("delta").mode("append")
+     .option("txnAppId", app_id).option("txnVersion", version).save(str(table_path)))
+
+
+def _latest_version(spark: SparkSession, table_path: str) -> int | None:
+    from delta.tables import DeltaTable
+
+    row = DeltaTable.forPath(spark, table_path).history(1).select("version", "operationMetrics").first()
+    return None if row is None else int(row["version"])
+
+
+def _rows_written(spark: SparkSession, table_path: str, version: int) -> int:
+    from delta.tables import DeltaTable
+
+    rows = DeltaTable.forPath(spark, table_path).history(1).select("version", "operationMetrics").first()
+    if rows is None or int(rows["version"]) != version:
+        return 0
+    metrics = rows["operationMetrics"] or {}
+    return int(metrics.get("numOutputRows", 0))
+
+
+# --- the streaming query -----------------------------------------------------------------------
+
+
+def _read_checkpoint_id(spark: SparkSession, checkpoint: str) -> str:
+    """The streaming query's id, which Spark writes into ``<checkpoint>/metadata`` before batch 0."""
+    meta = checkpoint.rstrip("/") + "/metadata"
+    local = meta[len("file:"):] if meta.startswith("file:") else meta
+    if "://" not in local:
+        text = Path(local).read_text(encoding="utf-8")
+    else:  # an object store: let Hadoop read it
+        text = "\n".join(r[0] for r in spark.read.text(meta).collect())
+    query_id = json.loads(text.splitlines()[0]).get("id")
+    if not isinstance(query_id, str) or not query_id:
+        raise ConfigurationError(f"the checkpoint metadata {meta} names no query id")
+    return query_id
+
+
+class HistoryWriter:
+    """The ``foreachBatch`` function of the ingest query: idempotent appends to the history table.
+
+    Also usable on its own with any streaming DataFrame of format("zerocomm")'s schema.
+    """
+
+    def __init__(self, table_path: str, checkpoint: str, *, history_key: HistoryKey | None = None,
+                 on_batch: Callable[[IngestBatch], None] | None = None) -> None:
+        self.table_path = str(table_path)
+        self.checkpoint = str(checkpoint)
+        self.history_key = history_key
+        self.on_batch = on_batch
+        self._app_id: str | None = None
+
+    def app_id(self, spark: SparkSession) -> str:
+        if self._app_id is None:
+            self._app_id = "zerocomm-history-" + _read_checkpoint_id(spark, self.checkpoint)
+        return self._app_id
+
+    def __call__(self, df: DataFrame, batch_id: int) -> None:
+        spark = df.sparkSession
+        began = time.monotonic()
+        before = _latest_version(spark, self.table_path) if self.on_batch is not None else None
+        append_history(to_history(df, history_key=self.history_key), self.table_path,
+                       app_id=self.app_id(spark), version=batch_id)
+        if self.on_batch is None:
+            return
+        after = _latest_version(spark, self.table_path)
+        committed = after is not None and after != before
+        rows = _rows_written(spark, self.table_path, after) if committed and after is not None else 0
+        self.on_batch(IngestBatch(batch_id, committed, rows, after if committed else None,
+                                  time.monotonic() - began))
+
+
+def _source(spark: SparkSession, groups: Sequence[str], *, agent: str | None, starting_offsets: str,
+            max_messages_per_trigger: int | None, source_options: Mapping[str, str] | None) -> DataFrame:
+    from zerocomm_spark.connector import register
+
+    register(spark)
+    reader = (spark.readStream.format("zerocomm").option("group", ",".join(groups))
+              .option("includeHeaders", "true").option("startingOffsets", starting_offsets))
+    if agent is not None:
+        reader = reader.option("agent", str(agent))
+    if max_messages_per_trigger is not None:
+        reader = reader.option("maxMessagesPerTrigger", str(max_messages_per_trigger))
+    for key, value in (source_options or {}).items():
+        reader = reader.option(key, value)
+    return reader.load()
+
+
+def ingest(spark: SparkSession, groups: str | Sequence[str], table_path: str, checkpoint: str, *,
+           agent: str | None = None, starting_offsets: str = "earliest", max_messages_per_trigger: int | None = None,
+           trigger: str = "1 second", history_key: HistoryKey | None = None, query_name: str | None = None,
+           on_batch: Callable[[IngestBatch], None] | None = None,
+           source_options: Mapping[str, str] | None = None) -> StreamingQuery:
+    """Start the streaming query that persists ``groups`` into the history table; returns it running.
+
+    ``agent`` is the member to read through (format("zerocomm")'s agent option: socket directory,
+    ipc:// endpoint or zerocomm.toml). ``trigger`` is a processing-time interval ("1 second"),
+    ``"available_now"`` (everything there now, then stop) or ``"once"``. ``history_key`` stores
+    payloads sealed instead of in clear. ``on_batch`` hears what each micro-batch did.
+    """
+    names = [groups] if isinstance(groups, str) else list(groups)
+    if not names:
+        raise ConfigurationError("ingest needs at least one group")
+    table = str(table_path)
+    ensure_table(spark, table)
+    stream = _source(spark, names, agent=agent, starting_offsets=starting_offsets,
+                     max_messages_per_trigger=max_messages_per_trigger, source_options=source_options)
+    writer = HistoryWriter(table, str(checkpoint), history_key=history_key, on_batch=on_batch)
+    query = stream.writeStream.foreachBatch(writer).option("checkpointLocation", str(checkpoint))
+    if query_name:
+        query = query.queryName(query_name)
+    if trigger == "available_now":
+        query = query.trigger(availableNow=True)
+    elif trigger == "once":
+        query = query.trigger(once=True)
+    elif trigger:
+        query = query.trigger(processingTime=trigger)
+    return query.start()
+
+
+# --- upkeep ------------------------------------------------------------------------------------
+
+
+def _where(group: str | None, since_date: str | None) -> str | None:
+    parts = []
+    if group is not None:
+        parts.append("`group` = '" + group.replace("\\", "\\\\").replace("'", "\\'") + "'")
+    if since_date is not None:
+        parts.append(f"`date` >= DATE '{since_date}'")
+    return " AND ".join(parts) or None
+
+
+def compact(spark: SparkSession, table_path: str, *, group: str | None = None, since_date: str | None = None,
+            zorder_by_lamport: bool = False) -> dict[str, Any]:
+    """OPTIMIZE: merge the small files micro-batches leave (per group and date); returns Delta's metrics.
+
+    ``zorder_by_lamport`` also clusters rows by Lamport time, which speeds up ``since=lamport``
+    replays on large partitions at the cost of rewriting them.
+    """
+    from delta.tables import DeltaTable
+
+    builder = DeltaTable.forPath(spark, str(table_path)).optimize()
+    where = _where(group, since_date)
+    if where:
+        builder = builder.where(where)
+    result = builder.executeZOrderBy("lamport_ts") if zorder_by_lamport else builder.executeCompaction()
+    row = result.first()
+    metrics = row["metrics"].asDict(recursive=True) if row is not None and row["metrics"] is not None else {}
+    keep = ("numFilesAdded", "numFilesRemoved", "totalConsideredFiles", "totalFilesSkipped", "numBatches")
+    return {k: metrics[k] for k in keep if k in metrics}
+
+
+def vacuum(spark: SparkSession, table_path: str, *, retention_hours: float | None = None,
+           dry_run: bool = False) -> int:
+    """VACUUM: delete data files no version within the retention needs; returns how many (would) go.
+
+    The default retention is the table's ``delta.deletedFileRetentionDuration`` (7 days): time
+    travel within it keeps working. A shorter ``retention_hours`` breaks time travel to older
+    versions and is refused by Delta's safety check, which this lifts only for that call.
+    """
+    table = str(table_path).replace("`", "``")
+    retain = "" if retention_hours is None else f" RETAIN {float(retention_hours)} HOURS"
+    check = "spark.databricks.delta.retentionDurationCheck.enabled"
+    previous = spark.conf.get(check, "true")
+    if retention_hours is not None and retention_hours < 168:
+        spark.conf.set(check, "false")
+    try:
+        files = spark.sql(f"VACUUM delta.`{table}`{retain} DRY RUN").count()
+        if not dry_run and files:
+            spark.sql(f"VACUUM delta.`{table}`{retain}").collect()
+    finally:
+        spark.conf.set(check, previous)
+    return int(files)

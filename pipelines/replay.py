@@ -1,0 +1,222 @@
+"""Replay a group's history from Delta: in causal order, from a point, as it was, or as a stream.
+
+```python
+from zerocomm_spark.pipelines.replay import Since, replay
+df = replay(spark, "/lake/history", "sensors")                          # everything, causal order
+df = replay(spark, "/lake/history", "sensors", since=Since.lamport(1200))  # what came after
+df = replay(spark, "/lake/history", "sensors", as_of=3)                  # the table at version 3
+stream = replay(spark, "/lake/history", "sensors", stream=True)          # re-streamed
+```
+
+Why (lamport_ts, publisher_did): every member ticks its Lamport clock before publishing and
+observes every timestamp it delivers, so a reply always carries a larger timestamp than the message
+it answers, on any member's history; ties are concurrent messages, broken by DID the same way
+everywhere. Sorting by it is the one order all members' histories agree on.
+
+Three meanings of "since", kept apart so an int is never ambiguous:
+
+* ``Since.version(v)``: rows *committed* at Delta version ``v`` or later (the change data feed),
+  which is how an incremental consumer follows the table;
+* ``Since.timestamp(t)`` (or a datetime): rows *sent* at or after ``t`` (partitions before ``t``'s
+  date are pruned);
+* ``Since.lamport(n)``: rows with ``lamport_ts >= n``: everything causally at or after a point.
+
+``as_of`` (a version or a timestamp) time-travels: the table as it was then.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from datetime import date, datetime, timezone
+from typing import TYPE_CHECKING, Literal
+
+from zerocomm_spark.errors import ConfigurationError
+from zerocomm_spark.pipelines.schema import HISTORY_COLUMNS
+
+if TYPE_CHECKING:
+    import pyarrow as pa
+    from pyspark.sql import Column, DataFrame, SparkSession
+
+    from zerocomm_spark.pipelines.history_key import HistoryKey
+
+__all__ = ["CAUSAL_ORDER", "Since", "causal_order", "open_payloads", "replay", "with_origin_check"]
+
+CAUSAL_ORDER = ("lamport_ts", "publisher_did")
+
+
+@dataclass(frozen=True)
+class Since:
+    """Where a replay starts: a Delta version, a send time, or a Lamport time (see the module doc)."""
+
+    kind: Literal["version", "timestamp", "lamport"]
+    value: int | datetime
+
+    @classmethod
+    def version(cls, version: int) -> "Since":
+        if isinstance(version, bool) or not isinstance(version, int) or version < 0:
+            raise ConfigurationError(f"a Delta version is an int >= 0, not {version!r}")
+        return cls("version", version)
+
+    @classmethod
+    def timestamp(cls, when: datetime | str) -> "Since":
+        return cls("timestamp", _aware(when))
+
+    @classmethod
+    def lamport(cls, lamport_ts: int) -> "Since":
+        if isinstance(lamport_ts, bool) or not isinstance(lamport_ts, int) or lamport_ts < 0:
+            raise ConfigurationError(f"a Lamport time is an int >= 0, not {lamport_ts!r}")
+        return cls("lamport", lamport_ts)
+
+
+def _aware(when: datetime | str) -> datetime:
+    if isinstance(when, str):
+        try:
+            when = datetime.fromisoformat(when)
+        except ValueError:
+            raise ConfigurationError(f"{when!r} is not an ISO 8601 time") from None
+    if not isinstance(when, datetime):
+        raise ConfigurationError(f"a time is a datetime or an ISO 8601 string, not {type(when).__name__}")
+    return when if when.tzinfo is not None else when.replace(tzinfo=timezone.utc)
+
+
+def _since(since: Since | datetime | str | None) -> Since | None:
+    if since is None or isinstance(since, Since):
+        return since
+    if isinstance(since, (datetime, str)):
+        return Since.timestamp(since)
+    raise ConfigurationError(
+        f"since={since!r} is ambiguous",
+        hint="Say which: Since.version(v), Since.timestamp(t) (or a datetime), or Since.lamport(n)")
+
+
+def causal_order(df: DataFrame) -> DataFrame:
+    """``df`` sorted by (lamport_ts, publisher_did): the order every member agrees on."""
+    return df.orderBy(*CAUSAL_ORDER)
+
+
+def _group_filter(group: str | None) -> Column | None:
+    from pyspark.sql import functions as F
+
+    return None if group is None else F.col("group") == F.lit(group)
+
+
+def replay(spark: SparkSession, table: str, group: str | None = None, *,
+           since: Since | datetime | str | None = None, as_of: int | datetime | str | None = None,
+           until_lamport: int | None = None, history_key: HistoryKey | None = None, verify: bool = False,
+           stream: bool = False, ordered: bool = True) -> DataFrame:
+    """A group's history (every group's if None) from the Delta table at ``table``.
+
+    Batch reads are sorted causally unless ``ordered=False``. ``stream=True`` returns a streaming
+    DataFrame (readStream on Delta, from ``Since.version`` or the start) that Spark cannot sort
+    as a whole: sort each micro-batch (``causal_order`` in ``foreachBatch``). ``history_key``
+    opens sealed payloads; ``verify`` adds an ``origin_ok`` column (pipelines/origin.py).
+    """
+    from pyspark.sql import functions as F
+
+    start = _since(since)
+    path = str(table)
+    if stream:
+        if as_of is not None:
+            raise ConfigurationError("as_of time-travels a batch read; a stream starts from Since.version(v)")
+        reader = spark.readStream.format("delta")
+        if start is not None and start.kind == "version":
+            reader = reader.option("startingVersion", str(start.value))
+        df = reader.load(path)
+    elif start is not None and start.kind == "version":
+        reader = (spark.read.format("delta").option("readChangeFeed", "true")
+                  .option("startingVersion", str(start.value)))
+        if as_of is not None:
+            if isinstance(as_of, int) and not isinstance(as_of, bool):
+                reader = reader.option("endingVersion", str(as_of))
+            else:
+                reader = reader.option("endingTimestamp", _aware(as_of).isoformat())
+        df = reader.load(path).where(F.col("_change_type") == "insert")
+    else:
+        reader = spark.read.format("delta")
+        if as_of is not None:
+            if isinstance(as_of, int) and not isinstance(as_of, bool):
+                reader = reader.option("versionAsOf", str(as_of))
+            else:
+                reader = reader.option("timestampAsOf", _aware(as_of).strftime("%Y-%m-%d %H:%M:%S.%f"))
+        df = reader.load(path)
+    condition = _group_filter(group)
+    if condition is not None:
+        df = df.where(condition)
+    if start is not None and start.kind == "timestamp":
+        assert isinstance(start.value, datetime)
+        moment = start.value.astimezone(timezone.utc)
+        df = df.where((F.col("date") >= F.lit(date(moment.year, moment.month, moment.day)))
+                      & (F.col("sent_at") >= F.lit(moment)))
+    elif start is not None and start.kind == "lamport":
+        df = df.where(F.col("lamport_ts") >= F.lit(start.value))
+    if until_lamport is not None:
+        df = df.where(F.col("lamport_ts") <= F.lit(until_lamport))
+    df = df.select(*HISTORY_COLUMNS)
+    if verify:
+        df = with_origin_check(df, history_key)
+    elif history_key is not None:
+        df = open_payloads(df, history_key)
+    if ordered and not stream:
+        df = causal_order(df)
+    return df
+
+
+# --- payloads and origins, a whole Arrow batch at a time ----------------------------------------
+
+
+def _opener(key: HistoryKey | None, check: bool) -> Callable[[Iterator[pa.RecordBatch]], Iterator[pa.RecordBatch]]:
+    def run(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+        import pyarrow as pa
+
+        from zerocomm_spark.pipelines.origin import verify_rows
+
+        for batch in batches:
+            n = batch.num_rows
+            names = batch.schema.names
+            groups = batch.column("group").to_pylist()
+            dids = batch.column("publisher_did").to_pylist()
+            ids = batch.column("message_id").to_pylist()
+            payloads = batch.column("payload").to_pylist()
+            key_ids = batch.column("payload_key_id").to_pylist()
+            opened: list[bytes | None] = list(payloads)
+            clear_ids: list[str | None] = list(key_ids)
+            failed = [False] * n
+            for i in range(n):
+                if key_ids[i] is None:
+                    continue
+                if key is None or key_ids[i] != key.key_id:
+                    failed[i] = True  # sealed with a key we do not have: left sealed
+                    continue
+                try:
+                    opened[i] = key.open(payloads[i], groups[i], dids[i], ids[i])
+                    clear_ids[i] = None
+                except Exception:
+                    if not check:
+                        raise
+                    failed[i] = True
+            arrays = list(batch.columns)
+            arrays[names.index("payload")] = pa.array(opened, type=pa.binary())
+            arrays[names.index("payload_key_id")] = pa.array(clear_ids, type=pa.string())
+            fields = list(batch.schema)
+            if check:
+                table = pa.Table.from_batches([batch])
+                ok = verify_rows(table, payload=[b"" if p is None else p for p in opened], threads=1)
+                arrays.append(pa.array([good and not bad for good, bad in zip(ok, failed)], type=pa.bool_()))
+                fields.append(pa.field("origin_ok", pa.bool_(), nullable=False))
+            yield pa.RecordBatch.from_arrays(arrays, schema=pa.schema(fields))
+
+    return run
+
+
+def open_payloads(df: DataFrame, key: HistoryKey) -> DataFrame:
+    """Sealed payloads (of this key) in clear; rows of other keys stay sealed (``payload_key_id`` set)."""
+    return df.mapInArrow(_opener(key, False), df.schema)
+
+
+def with_origin_check(df: DataFrame, key: HistoryKey | None = None) -> DataFrame:
+    """Add ``origin_ok``: the row's origin proof verifies (after opening its payload, if sealed)."""
+    from pyspark.sql.types import BooleanType, StructField, StructType
+
+    schema = StructType(list(df.schema.fields) + [StructField("origin_ok", BooleanType(), False)])
+    return df.mapInArrow(_opener(key, True), schema)

@@ -1,0 +1,507 @@
+"""Restore what a member missed from one or more history providers, each message once, verified.
+
+A member that joined late, or comes back after a crash or a long absence, has a gap: the group only
+sends what is sent while a member is online, and publishers keep unacknowledged messages only
+within their retention. Members that keep history (replicas, thesis figure 39) can fill it.
+
+The exchange follows seed 003's announce / request-or-ignore relaying, so nothing arrives twice:
+
+1. **announce**: each provider says which messages it offers, keys only (id, publisher, seq,
+   Lamport time), no payloads;
+2. **request or ignore**, per key and in the order announcements arrive: a key the member already
+   has (its journal, its positions, its own table) is ignored; a key not seen before is requested
+   from the provider that announced it first (state "known, payload unknown"); a key already
+   requested elsewhere is ignored;
+3. **payloads** come back only for what was requested. Each row's origin is verified (the
+   publisher's signature, pipelines/origin.py; sealed payloads are opened with the history key
+   first) and must match what was announced. A row that fails is rejected, never delivered, and its
+   key is requested from the next provider that announced it (the fallback the seed's comments ask
+   for); a key no provider could prove is reported missing.
+4. Only then is anything **delivered**: every verified row once, in causal order
+   (lamport_ts, publisher_did).
+
+Providers are anything with ``announce``/``request``/``ignore`` (:class:`HistoryProvider`):
+:class:`DeltaProvider` serves a Delta history table, :class:`ArrowProvider` rows held in memory.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+from zerocomm_spark.errors import ConfigurationError, TamperedEnvelopeError
+from zerocomm_spark.pipelines.origin import verify_rows
+from zerocomm_spark.pipelines.schema import HISTORY_COLUMNS, KEY_COLUMNS
+
+if TYPE_CHECKING:
+    import pyarrow as pa
+    from pyspark.sql import SparkSession
+
+    from zerocomm_spark.pipelines.history_key import HistoryKey
+
+__all__ = [
+    "ArrowProvider",
+    "DeltaProvider",
+    "DeltaSink",
+    "Have",
+    "HistoryProvider",
+    "Rejection",
+    "RestoreReport",
+    "have_from_client",
+    "have_from_journal",
+    "have_from_table",
+    "restore",
+]
+
+log = logging.getLogger("zerocomm_spark.pipelines.restore")
+
+
+# --- what the member already has ---------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Have:
+    """What a member already holds of a group: message ids, and per publisher a seq below which it
+    holds everything (``positions``: what its journal retained may no longer list every id)."""
+
+    message_ids: frozenset[str] = frozenset()
+    positions: Mapping[str, int] = field(default_factory=dict)
+
+    def __contains__(self, key: tuple[str, str, int]) -> bool:
+        message_id, publisher_did, seq = key
+        return message_id in self.message_ids or seq <= self.positions.get(publisher_did, 0)
+
+    def __len__(self) -> int:
+        return len(self.message_ids)
+
+    def union(self, other: "Have") -> "Have":
+        positions = dict(self.positions)
+        for did, seq in other.positions.items():
+            positions[did] = max(seq, positions.get(did, 0))
+        return Have(self.message_ids | other.message_ids, positions)
+
+    @classmethod
+    def from_rows(cls, ids: Iterable[str], dids: Iterable[str] = (), seqs: Iterable[int] = ()) -> "Have":
+        """Ids, and the contiguous-from-1 prefix of each publisher's seqs as its position."""
+        by_did: dict[str, set[int]] = {}
+        for did, seq in zip(dids, seqs):
+            by_did.setdefault(did, set()).add(int(seq))
+        positions = {}
+        for did, held in by_did.items():
+            top = 0
+            while top + 1 in held:
+                top += 1
+            if top:
+                positions[did] = top
+        return cls(frozenset(ids), positions)
+
+
+def have_from_client(client: Any, group: str, *, page: int = 50_000, timeout: float = 60.0) -> Have:
+    """What the member behind a :class:`~zerocomm_spark.client.Client` journaled of ``group``."""
+    ids: list[str] = []
+    dids: list[str] = []
+    seqs: list[int] = []
+    start: int | None = None
+    deadline = time.monotonic() + timeout
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError(f"reading {group!r}'s journal to learn what the member has took over {timeout}s")
+        result = client.fetch(group=group, start=start, max_rows=page, timeout=max(left, 1.0))
+        table = result.table
+        ids += table.column("message_id").to_pylist()
+        dids += table.column("publisher_did").to_pylist()
+        seqs += table.column("seq").to_pylist()
+        if result.next_offset >= result.end_offset or start == result.next_offset:
+            break
+        start = result.next_offset
+    return Have.from_rows(ids, dids, seqs)
+
+
+def have_from_journal(journal: Any, group: str) -> Have:
+    """What a :class:`~zerocomm_spark.journal.Journal` (opened in this process) holds of ``group``."""
+    import pyarrow.compute as pc
+
+    ids: list[str] = []
+    dids: list[str] = []
+    seqs: list[int] = []
+    for batch in journal.read_batches(journal.earliest_offset(), journal.next_offset()):
+        mine = batch.filter(pc.equal(batch.column("group"), group))
+        ids += mine.column("message_id").to_pylist()
+        dids += mine.column("publisher_did").to_pylist()
+        seqs += mine.column("seq").to_pylist()
+    return Have.from_rows(ids, dids, seqs)
+
+
+def have_from_table(spark: SparkSession, table_path: str, group: str) -> Have:
+    """What a Delta history table (the member's own) holds of ``group``."""
+    from delta.tables import DeltaTable
+    from pyspark.sql import functions as F
+
+    if not DeltaTable.isDeltaTable(spark, str(table_path)):
+        return Have()
+    keys = (spark.read.format("delta").load(str(table_path)).where(F.col("group") == group)
+            .select("message_id", "publisher_did", "seq").toArrow())
+    return Have.from_rows(keys.column("message_id").to_pylist(), keys.column("publisher_did").to_pylist(),
+                          keys.column("seq").to_pylist())
+
+
+# --- providers ---------------------------------------------------------------------------------
+
+
+@runtime_checkable
+class HistoryProvider(Protocol):
+    """A member (or a table) that serves history: announce keys, then payloads on request."""
+
+    name: str
+
+    def announce(self, group: str, since_lamport: int | None = None) -> pa.Table:
+        """The keys it offers (schema.KEY_COLUMNS), no payloads."""
+
+    def request(self, group: str, message_ids: Sequence[str]) -> pa.Table:
+        """History rows (schema.HISTORY_COLUMNS) for exactly these ids, as far as it has them."""
+
+    def ignore(self, group: str, message_ids: Sequence[str]) -> None:
+        """The announced keys the member will not request from it (flow control, accounting)."""
+
+
+@dataclass
+class ProviderStats:
+    announced: int = 0
+    requested: int = 0
+    served: int = 0
+    ignored: int = 0
+    request_calls: int = 0
+
+
+class ArrowProvider:
+    """History rows held in memory (a pyarrow Table of the history schema) served as a provider."""
+
+    def __init__(self, rows: pa.Table, name: str = "arrow") -> None:
+        self.name = name
+        self.rows = rows
+        self.stats = ProviderStats()
+
+    def announce(self, group: str, since_lamport: int | None = None) -> pa.Table:
+        import pyarrow.compute as pc
+
+        mask = pc.equal(self.rows.column("group"), group)
+        if since_lamport is not None:
+            mask = pc.and_(mask, pc.greater_equal(self.rows.column("lamport_ts"), since_lamport))
+        keys = self.rows.filter(mask).select(list(KEY_COLUMNS))
+        self.stats.announced += keys.num_rows
+        return keys
+
+    def request(self, group: str, message_ids: Sequence[str]) -> pa.Table:
+        import pyarrow as pa
+        import pyarrow.compute as pc
+
+        self.stats.request_calls += 1
+        self.stats.requested += len(message_ids)
+        mask = pc.and_(pc.equal(self.rows.column("group"), group),
+                       pc.is_in(self.rows.column("message_id"), value_set=pa.array(list(message_ids), pa.string())))
+        out = self.rows.filter(mask)
+        self.stats.served += out.num_rows
+        return out
+
+    def ignore(self, group: str, message_ids: Sequence[str]) -> None:
+        self.stats.ignored += len(message_ids)
+
+
+class DeltaProvider:
+    """A Delta history table served as a provider: keys by a narrow scan, payloads by a join on ids."""
+
+    def __init__(self, spark: SparkSession, table_path: str, name: str | None = None, *,
+                 as_of: int | None = None) -> None:
+        self.spark = spark
+        self.table_path = str(table_path)
+        self.name = name or self.table_path
+        self.as_of = as_of
+        self.stats = ProviderStats()
+
+    def _df(self) -> Any:
+        reader = self.spark.read.format("delta")
+        if self.as_of is not None:
+            reader = reader.option("versionAsOf", str(self.as_of))
+        return reader.load(self.table_path)
+
+    def announce(self, group: str, since_lamport: int | None = None) -> pa.Table:
+        from pyspark.sql import functions as F
+
+        df = self._df().where(F.col("group") == group)
+        if since_lamport is not None:
+            df = df.where(F.col("lamport_ts") >= since_lamport)
+        keys = df.select(*KEY_COLUMNS).toArrow()
+        self.stats.announced += keys.num_rows
+        return keys
+
+    def request(self, group: str, message_ids: Sequence[str]) -> pa.Table:
+        import pyarrow as pa
+        from pyspark.sql import functions as F
+
+        self.stats.request_calls += 1
+        self.stats.requested += len(message_ids)
+        if not message_ids:
+            return pa.Table.from_batches([], schema=self._df().select(*HISTORY_COLUMNS).limit(0).toArrow().schema)
+        wanted = self.spark.createDataFrame(pa.table({"message_id": pa.array(list(message_ids), pa.string())}))
+        rows = (self._df().where(F.col("group") == group).join(F.broadcast(wanted), "message_id", "left_semi")
+                .select(*HISTORY_COLUMNS).toArrow())
+        self.stats.served += rows.num_rows
+        return rows
+
+    def ignore(self, group: str, message_ids: Sequence[str]) -> None:
+        self.stats.ignored += len(message_ids)
+
+
+# --- the report --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Rejection:
+    """A row a provider sent that was not delivered, and why."""
+
+    provider: str
+    message_id: str
+    reason: str
+
+
+@dataclass
+class RestoreReport:
+    """What a restore did, per provider and overall."""
+
+    group: str
+    offered: dict[str, int] = field(default_factory=dict)
+    requested: dict[str, int] = field(default_factory=dict)
+    ignored: dict[str, int] = field(default_factory=dict)
+    received: dict[str, int] = field(default_factory=dict)
+    skipped_have: int = 0
+    delivered: int = 0
+    refetched: int = 0
+    rejected: list[Rejection] = field(default_factory=list)
+    missing: list[str] = field(default_factory=list)
+    delivered_ids: list[str] = field(default_factory=list, repr=False)
+    seconds: float = 0.0
+
+    def summary(self) -> dict[str, Any]:
+        """A JSON-friendly digest (no ids beyond the first few rejections)."""
+        return {"group": self.group, "offered": self.offered, "requested": self.requested, "ignored": self.ignored,
+                "received": self.received, "skipped_have": self.skipped_have, "delivered": self.delivered,
+                "refetched": self.refetched, "rejected": len(self.rejected), "missing": len(self.missing),
+                "rejections": [r.__dict__ for r in self.rejected[:10]], "seconds": round(self.seconds, 3)}
+
+
+# --- the exchange ------------------------------------------------------------------------------
+
+_UNKNOWN, _REQUESTED, _DONE, _FAILED = 0, 1, 2, 3
+
+
+def _check_rows(rows: pa.Table, provider: str, asked: Mapping[str, tuple[str, int, int]],
+                key: HistoryKey | None, require_origin: bool,
+                threads: int) -> tuple[pa.Table, list[Rejection]]:
+    """Open, match against the announcement, verify origin; returns the good rows (clear payloads)."""
+    import pyarrow as pa
+
+    rejections: list[Rejection] = []
+    n = rows.num_rows
+    ids = rows.column("message_id").to_pylist()
+    dids = rows.column("publisher_did").to_pylist()
+    seqs = rows.column("seq").to_pylist()
+    lamports = rows.column("lamport_ts").to_pylist()
+    groups = rows.column("group").to_pylist()
+    payloads = rows.column("payload").to_pylist()
+    key_ids = rows.column("payload_key_id").to_pylist()
+    ok = [True] * n
+    seen: set[str] = set()
+    clear: list[bytes] = [b""] * n
+    for i in range(n):
+        mid = ids[i]
+        if mid not in asked or mid in seen:
+            ok[i] = False
+            rejections.append(Rejection(provider, mid, "not requested from this provider (or sent twice)"))
+            continue
+        seen.add(mid)
+        if asked[mid] != (dids[i], seqs[i], lamports[i]):
+            ok[i] = False
+            rejections.append(Rejection(provider, mid, "differs from what the provider announced"))
+            continue
+        if key_ids[i] is None:
+            clear[i] = payloads[i]
+        elif key is None or key_ids[i] != key.key_id:
+            ok[i] = False
+            rejections.append(Rejection(provider, mid, f"payload sealed with history key {key_ids[i]}, not given"))
+        else:
+            try:
+                clear[i] = key.open(payloads[i], groups[i], dids[i], mid)
+            except TamperedEnvelopeError:
+                ok[i] = False
+                rejections.append(Rejection(provider, mid, "sealed payload does not open (altered or moved)"))
+    if require_origin:
+        verified = verify_rows(rows, payload=clear, threads=threads)
+        for i in range(n):
+            if ok[i] and not verified[i]:
+                ok[i] = False
+                reason = "no origin proof" if rows.column("origin_sig")[i].as_py() is None else \
+                    "origin proof does not verify (forged or altered)"
+                rejections.append(Rejection(provider, ids[i], reason))
+    good = rows.filter(pa.array(ok, type=pa.bool_()))
+    index = good.schema.get_field_index("payload")
+    good = good.set_column(index, good.schema.field("payload"),
+                           pa.array([clear[i] for i in range(n) if ok[i]], type=pa.binary()))
+    index = good.schema.get_field_index("payload_key_id")
+    good = good.set_column(index, good.schema.field("payload_key_id"), pa.nulls(good.num_rows, pa.string()))
+    return good, rejections
+
+
+def restore(group: str, providers: Sequence[HistoryProvider], *, have: Have | None = None,
+            deliver: Callable[[pa.Table], None] | None = None, history_key: HistoryKey | None = None,
+            since_lamport: int | None = None, require_origin: bool = True, verify_threads: int = 2,
+            request_chunk: int = 50_000) -> RestoreReport:
+    """Fill a member's gap in ``group`` from ``providers``; see the module doc for the exchange.
+
+    ``have``: what the member already holds (have_from_client / have_from_journal /
+    have_from_table). ``deliver`` receives the verified rows once, in causal order, with clear
+    payloads, as one Arrow table (nothing is delivered before every row was verified).
+    ``require_origin=False`` accepts rows without (or with a bad) origin proof: only for history
+    from a trusted provider written before publishers signed.
+    """
+    import pyarrow as pa
+
+    if not providers:
+        raise ConfigurationError("restore needs at least one history provider")
+    names = [p.name for p in providers]
+    if len(set(names)) != len(names):
+        raise ConfigurationError(f"history providers need distinct names, got {names}")
+    began = time.monotonic()
+    have = have or Have()
+    report = RestoreReport(group=group)
+    state: dict[str, int] = {}
+    announced: dict[str, tuple[str, int, int]] = {}  # id -> (publisher, seq, lamport) as first announced
+    offers: dict[str, list[int]] = {}  # id -> providers that announced it, in order
+    plan: list[list[str]] = [[] for _ in providers]
+
+    # 1-2. announce, then request or ignore, key by key, in announcement order.
+    for index, provider in enumerate(providers):
+        keys = provider.announce(group, since_lamport)
+        report.offered[provider.name] = keys.num_rows
+        ids = keys.column("message_id").to_pylist()
+        dids = keys.column("publisher_did").to_pylist()
+        seqs = keys.column("seq").to_pylist()
+        lamports = keys.column("lamport_ts").to_pylist()
+        ignore: list[str] = []
+        for mid, did, seq, lamport in zip(ids, dids, seqs, lamports):
+            if (mid, did, seq) in have:
+                if mid not in state:
+                    state[mid] = _DONE
+                    report.skipped_have += 1
+                ignore.append(mid)
+                continue
+            offers.setdefault(mid, []).append(index)
+            if state.get(mid, _UNKNOWN) == _UNKNOWN:
+                state[mid] = _REQUESTED
+                announced[mid] = (did, seq, lamport)
+                plan[index].append(mid)
+            else:
+                ignore.append(mid)
+        report.ignored[provider.name] = len(ignore)
+        if ignore:
+            provider.ignore(group, ignore)
+
+    # 3. payloads for what was requested; a failed key goes to the next provider that offered it.
+    accepted: list[pa.Table] = []
+    tried: dict[str, set[int]] = {}
+    round_plan = plan
+    first_round = True
+    while any(round_plan):
+        retry: list[list[str]] = [[] for _ in providers]
+        for index, wanted in enumerate(round_plan):
+            if not wanted:
+                continue
+            provider = providers[index]
+            for lo in range(0, len(wanted), request_chunk):
+                chunk = wanted[lo:lo + request_chunk]
+                for mid in chunk:
+                    tried.setdefault(mid, set()).add(index)
+                report.requested[provider.name] = report.requested.get(provider.name, 0) + len(chunk)
+                if not first_round:
+                    report.refetched += len(chunk)
+                rows = provider.request(group, chunk)
+                report.received[provider.name] = report.received.get(provider.name, 0) + rows.num_rows
+                asked = {mid: announced[mid] for mid in chunk}
+                good, rejections = _check_rows(rows, provider.name, asked, history_key, require_origin,
+                                               verify_threads)
+                report.rejected.extend(rejections)
+                good_ids = set(good.column("message_id").to_pylist())
+                for mid in good_ids:
+                    state[mid] = _DONE
+                accepted.append(good)
+                for mid in chunk:
+                    if mid in good_ids:
+                        continue
+                    nxt = next((j for j in offers.get(mid, []) if j not in tried[mid]), None)
+                    if nxt is None:
+                        state[mid] = _FAILED
+                        report.missing.append(mid)
+                    else:
+                        retry[nxt].append(mid)
+        round_plan = retry
+        first_round = False
+
+    # 4. deliver: every verified row once, in causal order, after everything was checked.
+    if accepted:
+        table = pa.concat_tables([t.select(list(HISTORY_COLUMNS)) for t in accepted if t.num_rows]
+                                 or [accepted[0].select(list(HISTORY_COLUMNS))])
+    else:
+        table = None
+    if table is not None and table.num_rows:
+        table = table.sort_by([("lamport_ts", "ascending"), ("publisher_did", "ascending")])
+        report.delivered = table.num_rows
+        report.delivered_ids = table.column("message_id").to_pylist()
+        if deliver is not None:
+            deliver(table)
+    report.seconds = time.monotonic() - began
+    if report.rejected:
+        log.warning("restore of %r rejected %d row(s) (first: %s from %s)", group, len(report.rejected),
+                    report.rejected[0].reason, report.rejected[0].provider)
+    return report
+
+
+# --- where restored rows go --------------------------------------------------------------------
+
+
+class DeltaSink:
+    """Deliver restored rows into a (the member's own) history table, sealed again if a key is given.
+
+    Each delivery is one idempotent append (its own ``txnAppId``), so a retried call after a crash
+    in the middle of the write does not write twice.
+    """
+
+    def __init__(self, spark: SparkSession, table_path: str, *, history_key: HistoryKey | None = None) -> None:
+        self.spark = spark
+        self.table_path = str(table_path)
+        self.history_key = history_key
+        self.app_id = "zerocomm-restore-" + uuid.uuid4().hex
+        self._version = 0
+
+    def __call__(self, rows: pa.Table) -> None:
+        import pyarrow as pa
+
+        from zerocomm_spark.pipelines.history import append_history, ensure_table
+        from zerocomm_spark.pipelines.schema import history_schema
+
+        ensure_table(self.spark, self.table_path)
+        if self.history_key is not None:
+            sealed = self.history_key.seal_column(rows.column("group").to_pylist(),
+                                                  rows.column("publisher_did").to_pylist(),
+                                                  rows.column("message_id").to_pylist(),
+                                                  rows.column("payload").to_pylist())
+            rows = rows.set_column(rows.schema.get_field_index("payload"), rows.schema.field("payload"), sealed)
+            rows = rows.set_column(rows.schema.get_field_index("payload_key_id"),
+                                   rows.schema.field("payload_key_id"),
+                                   pa.array([self.history_key.key_id] * rows.num_rows, pa.string()))
+        df = self.spark.createDataFrame(rows.select(list(HISTORY_COLUMNS)), schema=history_schema())
+        append_history(df, self.table_path, app_id=self.app_id, version=self._version)
+        self._version += 1
