@@ -493,3 +493,54 @@ def test_the_key_lives_in_the_keystore(tmp_path: Path, jdir: Path) -> None:
         assert len(key) == 32 and journal_key(ks) == key
     with Keystore.open(tmp_path / "identity") as ks, Journal.open(jdir, key=journal_key(ks)) as j:
         j.append(rows(1, 1))
+
+
+def test_dedup_window_zero_keeps_only_the_seq_rule(jdir: Path, key: bytes) -> None:
+    with Journal.open(jdir, key=key, dedup_window=0) as j:
+        assert j.append(rows(1, 5)).appended == 5
+        assert j.append(rows(1, 5)).duplicates == 5  # the seq rule still holds
+        reused = [row(6, message_id=f"{GROUP}/{ALICE}/1"), row(7, message_id=f"{GROUP}/{ALICE}/1")]
+        assert j.append(reused).appended == 2  # ids are not checked
+    with Journal.open(jdir, key=key) as j:  # and with the rule on again, it applies from now on
+        assert j.append([row(8, message_id=f"{GROUP}/{ALICE}/1")]).duplicates == 1
+
+
+def test_a_write_failure_stops_the_journal_and_a_reopen_recovers(jdir: Path, key: bytes) -> None:
+    # A real failure, no mock: a child process whose files may not grow past 150 kB (RLIMIT_FSIZE).
+    import subprocess
+    import sys
+    import textwrap
+
+    code = textwrap.dedent(f"""
+        import resource, signal, sys
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (150_000, resource.RLIM_INFINITY))
+        from zerocomm_spark.errors import JournalClosedError, JournalError
+        from zerocomm_spark.journal import Journal
+        j = Journal.open({str(jdir)!r}, key=bytes.fromhex({key.hex()!r}))
+        acked = 0
+        try:
+            for a in range(100):
+                j.append([dict(group="g", message_id=f"m{{s}}", publisher_did="p", seq=s, lamport_ts=s,
+                               sent_at=0, payload=b"x" * 1000) for s in range(a * 10 + 1, a * 10 + 11)])
+                acked = a * 10 + 10
+        except JournalError as exc:
+            assert "File too large" in str(exc), exc
+        try:
+            j.append([dict(group="g", message_id="late", publisher_did="p", seq=10_000, lamport_ts=0,
+                           sent_at=0, payload=b"")])
+            sys.exit("append after a failure should raise")
+        except JournalClosedError:
+            pass
+        j.close()
+        print(acked)
+    """)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    acked = int(done.stdout.split()[-1])
+    assert 0 < acked < 1000
+    with Journal.open(jdir, key=key) as j:  # every acknowledged row is there; the torn tail is gone
+        table = j.read(0)
+        assert table.column("seq").to_pylist()[:acked] == list(range(1, acked + 1))
+        assert j.append([dict(group="g", message_id="after", publisher_did="p", seq=5000, lamport_ts=0, sent_at=0,
+                              payload=b"")]).appended == 1

@@ -98,7 +98,8 @@ class Journal:
         ``key`` is the 32-byte journal key the member keeps sealed in its keystore (see
         ``zerocomm_spark.journal.keys.journal_key``). ``fsync`` chooses what an append that returned
         survives: every policy survives the process being killed; only ``"always"`` survives power
-        loss. ``dedup_window`` is how many recent message ids the duplicate check remembers;
+        loss. ``dedup_window`` is how many recent message ids the duplicate check remembers (at
+        least; 0 turns the id rule off, leaving the seq rule, and saves its per-row cost);
         ``timeout`` bounds every wait (appends, close, reads).
         """
         if fsync not in _POLICIES:

@@ -127,6 +127,9 @@ def _recover_recent_ids(directory: Path, key: bytes, segments: list[Segment], sc
     saved = index.read_recent_ids(directory, key)
     if saved is not None and saved[0] > end:  # saved past what survived (power loss): not trustworthy
         saved = None
+    earliest = segments[0].base_offset if segments else 0
+    if saved is not None and len(saved[1]) < min(window, saved[0] - earliest):
+        saved = None  # saved with a smaller window (or none): read the records instead
     anchor = saved[0] if saved is not None else None
     newer: list[pa.Array] = []
     rows = 0

@@ -124,7 +124,9 @@ def rows_to_batch(rows: Sequence[Any], received_at: int) -> pa.RecordBatch:
         try:
             array = pa.array(values, type=field.type)
         except (pa.ArrowInvalid, pa.ArrowTypeError, OverflowError, TypeError) as exc:
-            raise InvalidJournalRowError(f"column {name!r} cannot be stored as {field.type}: {exc}") from None
+            # Not the exception's text: it can quote the offending value, which may be message content.
+            raise InvalidJournalRowError(
+                f"column {name!r} cannot be stored as {field.type} ({type(exc).__name__})") from None
         if not field.nullable and array.null_count:
             raise InvalidJournalRowError(f"column {name!r} has {array.null_count} null value(s)")
         columns.append(array)
@@ -183,7 +185,8 @@ def arrow_to_batch(data: pa.RecordBatch | pa.Table, received_at: int) -> pa.Reco
             try:
                 column = column.cast(field.type)
             except (pa.ArrowInvalid, pa.ArrowNotImplementedError, pa.ArrowTypeError) as exc:
-                raise InvalidJournalRowError(f"column {name!r} is {column.type}, not {field.type}: {exc}") from None
+                raise InvalidJournalRowError(
+                    f"column {name!r} is {column.type} and cannot be cast to {field.type} ({type(exc).__name__})") from None
         if name == "received_at" and column.null_count:
             column = column.fill_null(pa.scalar(received_at, TIMESTAMP))
         if not field.nullable and column.null_count:

@@ -143,7 +143,8 @@ def filter_new(batch: pa.RecordBatch, last_seq: Callable[[Key], int | None], pen
     their record is written, so a side file saved mid-group never names rows that a crash could lose.
     """
     n = batch.num_rows
-    ids: list[str] = batch.column("message_id").to_pylist()
+    use_ids = recent.window > 0  # dedup_window=0 turns the id rule off (and its per-row cost)
+    ids: list[str] = batch.column("message_id").to_pylist() if use_ids else []
     id_set = set(ids)
     seqs = batch.column("seq").to_numpy(zero_copy_only=False)
     group = constant_string(batch.column("group")) if n else None
@@ -154,8 +155,8 @@ def filter_new(batch: pa.RecordBatch, last_seq: Callable[[Key], int | None], pen
         if last is None:
             last = last_seq(key)
         if ((last is None or seqs[0] > last) and (n == 1 or bool(np.all(seqs[1:] > seqs[:-1])))
-                and len(id_set) == n and recent.isdisjoint(id_set)
-                and (pending_ids is None or pending_ids.isdisjoint(id_set))):
+                and (not use_ids or (len(id_set) == n and recent.isdisjoint(id_set)
+                                     and (pending_ids is None or pending_ids.isdisjoint(id_set))))):
             pending[key] = int(seqs[-1])
             if pending_ids is not None:
                 pending_ids |= id_set
@@ -174,14 +175,17 @@ def filter_new(batch: pa.RecordBatch, last_seq: Callable[[Key], int | None], pen
         last = pending.get(key)
         if last is None:
             last = last_seq(key)
-        message_id = ids[i]
-        if (last is not None and seq <= last) or message_id in seen or message_id in recent:
+        if last is not None and seq <= last:
             continue
+        if use_ids:
+            message_id = ids[i]
+            if message_id in seen or message_id in recent:
+                continue
+            seen.add(message_id)
+            kept_ids.append(message_id)
         pending[key] = seq
-        seen.add(message_id)
         keep[i] = True
         kept_keys.append(key)
-        kept_ids.append(message_id)
     kept_count = len(kept_keys)
     kept = batch if kept_count == n else batch.filter(pa.array(keep))
     distinct = set(kept_keys)

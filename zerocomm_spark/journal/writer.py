@@ -229,8 +229,10 @@ class Writer:
                 return
 
     def _fail(self, exc: BaseException, group: list[_Request]) -> None:
-        log.error("journal %s: writing failed, the journal stops: %s", self._journal.directory, exc)
-        error = exc if isinstance(exc, JournalError) else JournalError(f"writing the journal failed: {exc}")
+        # OS errors say what to fix (disk full...); other exceptions only by type: their text could quote data.
+        detail = f"{exc.strerror or exc}" if isinstance(exc, OSError) else type(exc).__name__
+        log.error("journal %s: writing failed, the journal stops: %s", self._journal.directory, detail)
+        error = exc if isinstance(exc, JournalError) else JournalError(f"writing the journal failed: {detail}")
         with self._cond:
             self.failure = error
             pending = group + list(self._queue)
