@@ -191,14 +191,94 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("group", metavar="GROUP")
     p.add_argument("-n", "--lines", type=int, default=10, metavar="N", help="show the last N first (default 10)")
     p.add_argument("--no-follow", action="store_true", help="print the last N and stop")
-    p = add(sub, "history", "a group's journaled messages, oldest first", cmd_history)
-    p.add_argument("group", metavar="GROUP")
-    p.add_argument("--limit", type=int, default=100, metavar="N", help="the last N messages (default 100)")
-    p.add_argument("--all", action="store_true", help="every retained message")
+    _add_history(sub, add)
     add(sub, "metrics", "messages in and out, bytes, lag per publisher, peers alive, API calls", cmd_metrics)
     add(sub, "keygen", "make a CURVE key pair for a remote API client (api.allowed_clients)", cmd_keygen)
     add(sub, "config", "show the configuration in force and where each setting comes from", cmd_config)
     return parser
+
+
+HISTORY_ACTIONS = ("show", "ingest", "replay", "compact", "vacuum")
+_VALUE_OPTIONS = {"--config", "--identity-dir", "--label", "--socket-dir", "--endpoint", "--log-level", "--set",
+                  "--timeout"}
+
+
+def _add_history(sub: Any, add: Callable[..., argparse.ArgumentParser]) -> None:
+    """`zerocomm history GROUP` (the journal) and `zerocomm history ingest|replay|compact|vacuum` (Delta)."""
+    history = sub.add_parser(
+        "history", help="a group's journaled messages (history GROUP), or its Delta history table",
+        description="`zerocomm history GROUP` lists the member's journal; the actions below keep a group's "
+                    "history in a Delta table with Spark (zerocomm_spark.pipelines).")
+    actions = history.add_subparsers(dest="history_command", metavar="ACTION")
+    actions.required = True
+    p = add(actions, "show", "a group's journaled messages, oldest first (the default action)", cmd_history)
+    p.add_argument("group", metavar="GROUP")
+    p.add_argument("--limit", type=int, default=100, metavar="N", help="the last N messages (default 100)")
+    p.add_argument("--all", action="store_true", help="every retained message")
+    key_help = "file holding the 32-byte group history key (raw or 64 hex digits, mode 600)"
+    p = add(actions, "ingest", "persist groups into a Delta history table (a Spark streaming query)",
+            _history("ingest"))
+    p.add_argument("groups", metavar="GROUP", nargs="+")
+    p.add_argument("--table", required=True, metavar="PATH", help="the Delta history table")
+    p.add_argument("--checkpoint", metavar="PATH", help="the query's checkpoint (default: PATH/_checkpoints/ingest)")
+    p.add_argument("--starting-offsets", default="earliest", metavar="WHERE",
+                   help="earliest (default), latest or per-publisher JSON, for a new checkpoint")
+    p.add_argument("--trigger", default="1 second", metavar="INTERVAL", help="micro-batch interval (default 1 second)")
+    p.add_argument("--available-now", action="store_true", help="ingest what is there now, then stop")
+    p.add_argument("--max-per-trigger", type=int, metavar="N", help="at most N messages per micro-batch")
+    p.add_argument("--history-key-file", metavar="FILE", help=key_help + ": store payloads sealed")
+    p = add(actions, "replay", "print a group's history from Delta in causal order", _history("replay"))
+    p.add_argument("group", metavar="GROUP")
+    p.add_argument("--table", required=True, metavar="PATH", help="the Delta history table")
+    since = p.add_mutually_exclusive_group()
+    since.add_argument("--since-version", type=int, metavar="V", help="rows committed at Delta version V or later")
+    since.add_argument("--since-time", metavar="ISO", help="rows sent at or after this time (ISO 8601, UTC default)")
+    since.add_argument("--since-lamport", type=int, metavar="N", help="rows with Lamport time >= N")
+    p.add_argument("--as-of", metavar="V|ISO", help="time travel: the table at this version or time")
+    p.add_argument("--limit", type=int, default=100, metavar="N", help="at most N rows (default 100, 0: all)")
+    p.add_argument("--verify", action="store_true", help="check every row's origin proof (adds a column)")
+    p.add_argument("--history-key-file", metavar="FILE", help=key_help + ": open sealed payloads")
+    p = add(actions, "compact", "OPTIMIZE the history table (merge small files)", _history("compact"))
+    p.add_argument("--table", required=True, metavar="PATH", help="the Delta history table")
+    p.add_argument("--group", metavar="GROUP", help="only this group's partitions")
+    p = add(actions, "vacuum", "VACUUM the history table (delete files no retained version needs)",
+            _history("vacuum"))
+    p.add_argument("--table", required=True, metavar="PATH", help="the Delta history table")
+    p.add_argument("--retain-hours", type=float, metavar="H",
+                   help="keep files needed by versions of the last H hours (default: the table's 7 days)")
+    p.add_argument("--dry-run", action="store_true", help="only count what would be deleted")
+
+
+def _history(action: str) -> Callable[["Ctx"], int]:
+    def run(ctx: "Ctx") -> int:
+        # Spark and Delta load only for these actions; the job itself lives with the pipelines.
+        from zerocomm_spark.pipelines import commands
+
+        return int(getattr(commands, action)(ctx))
+
+    return run
+
+
+def _with_history_action(argv: list[str]) -> list[str]:
+    """`history GROUP ...` is `history show GROUP ...`: insert the default action when none is named."""
+    i, command = 0, None
+    while i < len(argv):
+        token = argv[i]
+        if token == "--":
+            return argv
+        if token.startswith("-"):
+            i += 2 if token in _VALUE_OPTIONS else 1
+            continue
+        if command is None:
+            if token != "history":
+                return argv
+            command = i
+            i += 1
+            continue
+        if token not in HISTORY_ACTIONS:
+            return argv[:command + 1] + ["show"] + argv[command + 1:]
+        return argv
+    return argv
 
 
 # --- plumbing ----------------------------------------------------------------------------------
@@ -674,7 +754,7 @@ def _report_error(exc: BaseException, as_json: bool) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     """The console script: parse, run one command, map errors to the documented exit codes."""
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parser.parse_args(_with_history_action(list(sys.argv[1:] if argv is None else argv)))
     as_json = bool(getattr(args, "json", False))
     ctx: Ctx | None = None
     try:

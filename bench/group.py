@@ -7,15 +7,19 @@ What is measured (every member is a separate process; real sockets, CURVE, RFC 0
 * **join** (table 6): a group grows from 1 to 16 members through ``agent.groups`` (the real
   membership layer: join request, DID exchange with every member, subscribe, checksums, probing,
   active status), each joiner joining through the newest member. ``not_connected``: the joiner is
-  connected to the acceptor only (the DID exchanges with the others are part of the join);
-  ``connected``: at sizes 1, 2, 4, 8, 16 the joiner then leaves and joins again, now connected to
-  everyone. Timed inside the joiner's process, around ``join()``.
-* **concurrent joins** (table 7): 4 new agents join the 16-member group at once (not connected).
+  connected to the acceptor only (the DID exchanges with the others are part of the join; one
+  attempt, a fresh agent each); ``connected``: at sizes 1, 2, 4, 8, 16 the joiner then leaves and
+  joins again, now connected to everyone (median of 3 attempts). Timed inside the joiner's
+  process, around ``join()``. Every agent keeps its identity (keystore) on disk under the temp dir.
+* **concurrent joins** (table 7): 4 new agents join the resulting 17-member group at once, each
+  connected to its acceptor only.
 * **messages** (table 8): one publisher, N = 2, 4, 8 members, each mode. Bursts of 1, 10, 50 and
-  100 messages (one publish() call each): delivered share and time until the last member has the
-  last message. Then a stream (``--messages``, one publish() call per message): messages/s until
-  every member delivered everything, delivered share, publish-to-delivery latency, CPU per message.
-  One more stream in shared mode to 8 members publishes 100 messages per call.
+  100 messages (one publish() call each, 3 attempts): delivered share and time until the last
+  member has the last message. Then a stream (``--messages``, one publish() call per message):
+  messages/s until every member delivered everything, delivered share, publish-to-delivery latency
+  (the stream saturates the members, so this is mostly queueing), CPU per message, and the rate
+  that CPU cost would allow if every core were ours (``cpu_bound_msg_s_estimate``). One more stream
+  in shared mode to 8 members publishes 100 messages per call.
 * **status size**: a status message (one member's signed entry, a section per member, each
   authcrypted for that member) for 1 to 64 members, with zstd (as sent) and without.
 
@@ -25,7 +29,10 @@ printed beside the measured figure with ``within_target``, together with the mac
 average, which on a shared machine moves every figure.
 
 Prints one JSON document; writes PNG plots to bench/out/.
-Run: .venv/bin/python bench/group.py [--messages 20000] [--out bench/out] [--skip-join] [--skip-messages]
+Run: .venv/bin/python bench/group.py [--messages 20000] [--size 100] [--modes single,multi,shared]
+     [--member-counts 2,4,8] [--out bench/out] [--work-dir DIR] [--skip-join] [--skip-messages]
+(it replaces bench/dataplane_throughput.py: ``--skip-join --modes shared --member-counts 8`` is one
+stream of that script.)
 (``python bench/group.py agent`` is the per-agent child process it starts itself.)
 """
 
@@ -87,6 +94,7 @@ def agent_main() -> int:
     for line in sys.stdin:
         req = json.loads(line)
         op = req.pop("op")
+        rid = req.pop("id", None)
         try:
             if op == "open":
                 agent = Agent.open(req["path"], label=req["label"])
@@ -106,7 +114,7 @@ def agent_main() -> int:
                 result = None
             elif op == "join":
                 start = time.monotonic()
-                info = agent.groups.join(req["group"], via=req["via"], timeout=req["timeout"])
+                info = agent.groups.join(req["group"], via=req["via"], timeout=req["within"])
                 result = {"seconds": time.monotonic() - start, "members": len(info.members)}
             elif op == "leave":
                 agent.groups.leave(req["group"])
@@ -116,13 +124,13 @@ def agent_main() -> int:
             elif op == "exit":
                 if agent is not None:
                     agent.close()
-                print(json.dumps({"ok": True, "result": None}), flush=True)
+                print(json.dumps({"id": rid, "ok": True, "result": None}), flush=True)
                 return 0
             else:
                 raise ValueError(f"unknown op {op}")
-            answer = {"ok": True, "result": result}
+            answer = {"id": rid, "ok": True, "result": result}
         except Exception as exc:  # noqa: BLE001 - reported to the parent
-            answer = {"ok": False, "error": type(exc).__name__, "message": str(exc)}
+            answer = {"id": rid, "ok": False, "error": type(exc).__name__, "message": str(exc)}
         print(json.dumps(answer), flush=True)
     return 0
 
@@ -136,6 +144,7 @@ class AgentProc:
                                      stdout=subprocess.PIPE, stderr=self.log, text=True, bufsize=1,
                                      env=dict(os.environ, PYTHONUNBUFFERED="1"))
         self.lines: queue.Queue[str | None] = queue.Queue()
+        self.sent = 0
         threading.Thread(target=self._read, daemon=True).start()
         self.did = ""
 
@@ -147,17 +156,23 @@ class AgentProc:
 
     def send(self, op: str, **args: Any) -> None:
         assert self.proc.stdin is not None
-        self.proc.stdin.write(json.dumps({"op": op, **args}) + "\n")
+        self.sent += 1
+        self.proc.stdin.write(json.dumps({"op": op, "id": self.sent, **args}) + "\n")
         self.proc.stdin.flush()
 
     def result(self, timeout: float = CALL_TIMEOUT) -> Any:
-        try:
-            line = self.lines.get(timeout=timeout)
-        except queue.Empty:
-            raise RuntimeError(f"agent {self.name} gave no answer within {timeout}s") from None
-        if line is None:
-            raise RuntimeError(f"agent {self.name} exited")
-        answer = json.loads(line)
+        """The answer to the last request sent (answers to requests given up on are skipped)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                line = self.lines.get(timeout=max(deadline - time.monotonic(), 0.001))
+            except queue.Empty:
+                raise RuntimeError(f"agent {self.name} gave no answer within {timeout}s") from None
+            if line is None:
+                raise RuntimeError(f"agent {self.name} exited")
+            answer = json.loads(line)
+            if answer.get("id") == self.sent:
+                break
         if not answer["ok"]:
             raise RuntimeError(f"agent {self.name}: {answer['error']}: {answer['message']}")
         return answer["result"]
@@ -207,7 +222,7 @@ def bench_join(work: Path) -> dict[str, Any]:
         def converged(count: int) -> bool:
             for m in members:
                 m.send("active", group=group)
-            return all(m.result() == count for m in members)
+            return all([m.result() == count for m in members])  # read every answer
 
         a[0].call("create", group=group, mode="shared")
         # table 5: ping round trips between two agents (connected for the purpose)
@@ -221,23 +236,29 @@ def bench_join(work: Path) -> dict[str, Any]:
                 else ping_conn
             row: dict[str, Any] = {"initial_size": k}
             try:
-                row["not_connected_s"] = round(joiner.call("join", group=group, via=via, timeout=30)["seconds"], 4)
+                row["not_connected_s"] = round(joiner.call("join", group=group, via=via, within=30)["seconds"], 4)
             except RuntimeError as exc:
                 failures.append(f"join into {k}: {exc}")
                 break
             members.append(joiner)
             row["converged_after_s"] = _eventually(lambda: converged(k + 1), 30)
-            if k in JOIN_SIZES:
-                joiner.call("leave", group=group)
-                members.pop()
-                _eventually(lambda: converged(k), 30)
-                try:
-                    row["connected_s"] = round(joiner.call("join", group=group, via=via, timeout=30)["seconds"], 4)
-                except RuntimeError as exc:
-                    failures.append(f"rejoin into {k}: {exc}")
+            if k in JOIN_SIZES:  # leave and join again, now connected to everyone: 3 attempts
+                attempts = []
+                for _ in range(3):
+                    joiner.call("leave", group=group)
+                    members.pop()
+                    _eventually(lambda: converged(k), 30)
+                    try:
+                        attempts.append(round(joiner.call("join", group=group, via=via, within=30)["seconds"], 4))
+                    except RuntimeError as exc:
+                        failures.append(f"rejoin into {k}: {exc}")
+                        break
+                    members.append(joiner)
+                    _eventually(lambda: converged(k + 1), 30)
+                if len(attempts) < 3:
                     break
-                members.append(joiner)
-                _eventually(lambda: converged(k + 1), 30)
+                row["connected_s"] = statistics.median(attempts)
+                row["connected_attempts_s"] = attempts
             rows.append(row)
         # table 7: concurrent joins into the 16-member group, each joiner connected to its acceptor only
         concurrent: dict[str, Any] = {"initial_size": len(members), "joiners": CONCURRENT}
@@ -246,7 +267,7 @@ def bench_join(work: Path) -> dict[str, Any]:
             vias = [j.call("accept", url=members[i % len(members)].call("invite")) for i, j in enumerate(joiners)]
             t0 = time.monotonic()
             for j, via in zip(joiners, vias):
-                j.send("join", group=group, via=via, timeout=45)
+                j.send("join", group=group, via=via, within=45)
             times, errors = [], []
             for j in joiners:
                 try:
@@ -372,7 +393,7 @@ def _on(pipes: list[Any], *cmd: Any, timeout: float = 60.0) -> list[Any]:
 
 
 def _run_messages(pub: Publisher, pipes: list[Any], infos: list[dict[str, Any]], mode: str, n: int,
-                  messages: int, per_call: int, bursts: bool, run: int) -> dict[str, Any]:
+                  messages: int, per_call: int, bursts: bool, run: int, size: int) -> dict[str, Any]:
     from zerocomm_spark.group import RemoteMember
 
     group = f"bench-{run}-{mode}-{n}"
@@ -390,22 +411,25 @@ def _run_messages(pub: Publisher, pipes: list[Any], infos: list[dict[str, Any]],
         pub.dp.probe(group, info["did"], timeout=30)
     out: dict[str, Any] = {"mode": mode, "members": n, "per_publish_call": per_call}
     sent = 0
-    if bursts:  # table 8: a burst of b messages, one publish() call each
+    if bursts:  # table 8: a burst of b messages, one publish() call each; 3 attempts, as the thesis
         rows = []
         for b in BURSTS:
-            for p in members:
-                p.send(("wait", group, sent + b, 20.0))
-            t0 = time.time()
-            for i in range(b):
-                pub.dp.publish(group, [b"burst %d" % i], timeout=30)
-            sent += b
-            res = [p.recv() if p.poll(30) else {"count": 0, "last_at": 0.0} for p in members]
-            got = sum(min(r["count"], sent) - (sent - b) for r in res)
-            rows.append({"burst": b, "delivered_share": round(got / (b * n), 4),
-                         "last_delivered_ms": round((max(r["last_at"] for r in res) - t0) * 1000, 2)})
+            attempts, got = [], 0
+            for _ in range(3):
+                for p in members:
+                    p.send(("wait", group, sent + b, 20.0))
+                t0 = time.time()
+                for i in range(b):
+                    pub.dp.publish(group, [b"burst %d" % i], timeout=30)
+                sent += b
+                res = [p.recv() if p.poll(30) else {"count": 0, "last_at": 0.0} for p in members]
+                got += sum(min(r["count"], sent) - (sent - b) for r in res)
+                attempts.append(round((max(r["last_at"] for r in res) - t0) * 1000, 2))
+            rows.append({"burst": b, "delivered_share": round(got / (3 * b * n), 4),
+                         "last_delivered_ms": statistics.median(attempts), "attempts_ms": attempts})
         out["bursts"] = rows
     # the stream
-    payload = os.urandom(100)
+    payload = os.urandom(size)
     batch = [payload] * per_call
     calls = messages // per_call
     total = calls * per_call
@@ -447,6 +471,9 @@ def _run_messages(pub: Publisher, pipes: list[Any], infos: list[dict[str, Any]],
         "latency_ms": {"p50": round((_pct(lat, 0.5) or 0) * 1000, 2), "p99": round((_pct(lat, 0.99) or 0) * 1000, 2)},
         "cpu_us_per_msg": {"publisher": round(pub_cpu / total * 1e6, 1),
                            "member_avg": round(sum(r["cpu_s"] for r in res) / n / total * 1e6, 1)},
+        # what the CPU spent per message would allow if every core of this machine were ours
+        "cpu_bound_msg_s_estimate": round((os.cpu_count() or 1) * 1e6 / max(
+            pub_cpu / total * 1e6 + sum(r["cpu_s"] for r in res) / total * 1e6, 1e-9)),
         "envelopes_out": pub.dp.stats()["envelopes_out"] - envelopes0,
         "recovery": {"nacks": sum(r["stats"]["nacks_sent"] for r in res),
                      "duplicates": sum(r["stats"]["duplicates_dropped"] for r in res),
@@ -457,10 +484,10 @@ def _run_messages(pub: Publisher, pipes: list[Any], infos: list[dict[str, Any]],
     return out
 
 
-def bench_messages(work: Path, messages: int) -> dict[str, Any]:
+def bench_messages(work: Path, messages: int, modes: list[str], counts: list[int], size: int) -> dict[str, Any]:
     ctx = mp.get_context("spawn")
     pipes, procs = [], []
-    for i in range(max(MEMBER_COUNTS)):
+    for i in range(max(counts)):
         parent, child = ctx.Pipe()
         p = ctx.Process(target=_member_main, args=(i, child), daemon=True)
         p.start()
@@ -475,12 +502,13 @@ def bench_messages(work: Path, messages: int) -> dict[str, Any]:
             infos.append(p.recv())
         runs = []
         run = 0
-        for mode in MODES:
-            for n in MEMBER_COUNTS:
+        for mode in modes:
+            for n in counts:
                 run += 1
-                runs.append(_run_messages(pub, pipes, infos, mode, n, messages, 1, True, run))
-        run += 1
-        runs.append(_run_messages(pub, pipes, infos, "shared", 8, messages, 100, False, run))
+                runs.append(_run_messages(pub, pipes, infos, mode, n, messages, 1, True, run, size))
+        if "shared" in modes and 8 in counts:
+            run += 1
+            runs.append(_run_messages(pub, pipes, infos, "shared", 8, messages, 100, False, run, size))
         return {"runs": runs}
     finally:
         for p in pipes:
@@ -567,14 +595,15 @@ def plot(result: dict[str, Any], out: Path) -> list[str]:
     if msgs:
         runs = [r for r in msgs["runs"] if r["per_publish_call"] == 1]
         fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
-        for mode in MODES:
+        for mode, style in zip(MODES, ("o-", "s--", "^:")):
             rs = [r for r in runs if r["mode"] == mode]
-            ax1.plot([r["members"] for r in rs], [r["delivered_to_all_msg_s"] or 0 for r in rs], "o-", label=mode)
-            ax2.plot([r["members"] for r in rs], [r["delivered_share"] * 100 for r in rs], "o-", label=mode)
+            ax1.plot([r["members"] for r in rs], [r["delivered_to_all_msg_s"] or 0 for r in rs], style, label=mode)
+            ax2.plot([r["members"] for r in rs], [r["delivered_share"] * 100 for r in rs], style, label=mode,
+                     markersize=9 - 2 * MODES.index(mode))
         ax1.axhline(TARGET_RATE, color="red", ls="--", lw=1, label="target (shared, 8)")
         ax1.set_xlabel("members")
         ax1.set_ylabel("messages/s delivered to every member")
-        ax1.set_title("one publisher, 100-byte messages")
+        ax1.set_title(f"one publisher, {runs[0]['payload_bytes']}-byte messages")
         ax1.legend(fontsize=8)
         ax2.set_ylim(0, 105)
         ax2.set_xlabel("members")
@@ -586,12 +615,14 @@ def plot(result: dict[str, Any], out: Path) -> list[str]:
         fig.savefig(files[-1], dpi=110)
         plt.close(fig)
         fig, ax = plt.subplots(figsize=(6, 4))
+        colors = {2: "tab:blue", 4: "tab:orange", 8: "tab:green"}
+        styles = {"single": "o-", "multi": "s--", "shared": "^:"}
         for r in runs:
             if "bursts" in r:
-                ax.plot([b["burst"] for b in r["bursts"]], [b["last_delivered_ms"] for b in r["bursts"]], "o-",
-                        label=f"{r['mode']}, {r['members']} members")
+                ax.plot([b["burst"] for b in r["bursts"]], [b["last_delivered_ms"] for b in r["bursts"]],
+                        styles[r["mode"]], color=colors.get(r["members"]), label=f"{r['mode']}, {r['members']} members")
         ax.set_xlabel("burst size (messages)")
-        ax.set_ylabel("time until every member has the burst (ms)")
+        ax.set_ylabel("until every member has the burst (ms, median of 3)")
         ax.set_title("bursts (table 8), loopback")
         ax.legend(fontsize=7, ncol=2)
         fig.tight_layout()
@@ -648,17 +679,29 @@ def main() -> int:
         return agent_main()
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--messages", type=int, default=20_000, help="messages per stream")
+    ap.add_argument("--size", type=int, default=100, help="payload bytes per message")
+    ap.add_argument("--modes", default=",".join(MODES), help="comma-separated modes of the message runs")
+    ap.add_argument("--member-counts", default=",".join(map(str, MEMBER_COUNTS)),
+                    help="comma-separated member counts of the message runs")
     ap.add_argument("--out", default=str(ROOT / "bench" / "out"))
+    ap.add_argument("--work-dir", default=None,
+                    help="where identities (keystores) live during the run; default: the system temp dir "
+                         "(/dev/shm shows what the keystore's fsyncs cost)")
     ap.add_argument("--skip-join", action="store_true")
     ap.add_argument("--skip-messages", action="store_true")
     args = ap.parse_args()
-    work = Path(tempfile.mkdtemp(prefix="zc-bench-group-"))
+    work = Path(tempfile.mkdtemp(prefix="zc-bench-group-", dir=args.work_dir))
     started = time.monotonic()
-    result: dict[str, Any] = {"bench": "group", "cpus": os.cpu_count(), "load_avg_before": _load()}
+    result: dict[str, Any] = {"bench": "group", "cpus": os.cpu_count(), "work_dir": str(work.parent),
+                              "load_avg_before": _load()}
     try:
         result["status_size"] = bench_status(work)
         if not args.skip_messages:
-            result["messages"] = bench_messages(work, args.messages)
+            modes = [m for m in args.modes.split(",") if m]
+            if any(m not in MODES for m in modes):
+                ap.error(f"--modes takes {', '.join(MODES)}")
+            counts = [int(c) for c in args.member_counts.split(",") if c]
+            result["messages"] = bench_messages(work, args.messages, modes, counts, args.size)
             result["load_avg_after_messages"] = _load()
         if not args.skip_join:
             result["join"] = bench_join(work)

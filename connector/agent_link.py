@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import logging
 import os
-import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -334,17 +333,6 @@ def _publisher_entries(result: Any) -> list[tuple[str, str, int, int | None]]:
 def _publisher_seqs(result: Any, group: str | None) -> dict[PublisherKey, int]:
     """(group, publisher) -> last journaled seq, optionally for one group only."""
     return {(g, did): seq for g, did, seq, _ in _publisher_entries(result) if group is None or g == group}
-
-
-def wait_until(predicate: Any, timeout: float, interval: float = 0.05) -> bool:
-    """Poll ``predicate`` until true or ``timeout`` seconds pass (used where the API has no long poll)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        if predicate():
-            return True
-        if time.monotonic() >= deadline:
-            return False
-        time.sleep(interval)
 
 
 def describe(exc: BaseException) -> str:

@@ -27,7 +27,7 @@ __all__ = [
     "SourceOptions",
 ]
 
-# canonical spelling -> what it does (the table in docs/connector.md says the same)
+# canonical spelling -> what it does (the table in connector/README.md says the same)
 _COMMON = {
     "group": "group name (reads: one or several, comma-separated or a JSON list; writes: exactly one)",
     "agent": "the member agent to use on every host: a socket directory, ipc:// endpoint or zerocomm.toml; "

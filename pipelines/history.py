@@ -146,21 +146,15 @@ def append_history(df: DataFrame, table_path: str, *, app_id: str, version: int)
      .option("txnAppId", app_id).option("txnVersion", version).save(str(table_path)))
 
 
-def _latest_version(spark: SparkSession, table_path: str) -> int | None:
+def _last_commit(spark: SparkSession, table_path: str) -> tuple[int | None, int]:
+    """The table's latest version and the rows that commit wrote (reads the Delta log only)."""
     from delta.tables import DeltaTable
 
     row = DeltaTable.forPath(spark, table_path).history(1).select("version", "operationMetrics").first()
-    return None if row is None else int(row["version"])
-
-
-def _rows_written(spark: SparkSession, table_path: str, version: int) -> int:
-    from delta.tables import DeltaTable
-
-    rows = DeltaTable.forPath(spark, table_path).history(1).select("version", "operationMetrics").first()
-    if rows is None or int(rows["version"]) != version:
-        return 0
-    metrics = rows["operationMetrics"] or {}
-    return int(metrics.get("numOutputRows", 0))
+    if row is None:
+        return None, 0
+    metrics = row["operationMetrics"] or {}
+    return int(row["version"]), int(metrics.get("numOutputRows", 0))
 
 
 # --- the streaming query -----------------------------------------------------------------------
@@ -202,15 +196,14 @@ class HistoryWriter:
     def __call__(self, df: DataFrame, batch_id: int) -> None:
         spark = df.sparkSession
         began = time.monotonic()
-        before = _latest_version(spark, self.table_path) if self.on_batch is not None else None
+        before = _last_commit(spark, self.table_path)[0] if self.on_batch is not None else None
         append_history(to_history(df, history_key=self.history_key), self.table_path,
                        app_id=self.app_id(spark), version=batch_id)
         if self.on_batch is None:
             return
-        after = _latest_version(spark, self.table_path)
+        after, rows = _last_commit(spark, self.table_path)
         committed = after is not None and after != before
-        rows = _rows_written(spark, self.table_path, after) if committed and after is not None else 0
-        self.on_batch(IngestBatch(batch_id, committed, rows, after if committed else None,
+        self.on_batch(IngestBatch(batch_id, committed, rows if committed else 0, after if committed else None,
                                   time.monotonic() - began))
 
 
@@ -305,13 +298,20 @@ def vacuum(spark: SparkSession, table_path: str, *, retention_hours: float | Non
     table = str(table_path).replace("`", "``")
     retain = "" if retention_hours is None else f" RETAIN {float(retention_hours)} HOURS"
     check = "spark.databricks.delta.retentionDurationCheck.enabled"
-    previous = spark.conf.get(check, "true")
+    # Delta lists the table with this many tasks (10 000 by default): minutes of empty tasks on a laptop.
+    listing = "spark.sql.sources.parallelPartitionDiscovery.parallelism"
+    saved = {name: spark.conf.get(name, None) for name in (check, listing)}
     if retention_hours is not None and retention_hours < 168:
         spark.conf.set(check, "false")
+    spark.conf.set(listing, str(max(spark.sparkContext.defaultParallelism * 4, 8)))
     try:
         files = spark.sql(f"VACUUM delta.`{table}`{retain} DRY RUN").count()
         if not dry_run and files:
             spark.sql(f"VACUUM delta.`{table}`{retain}").collect()
     finally:
-        spark.conf.set(check, previous)
+        for name, value in saved.items():
+            if value is None:
+                spark.conf.unset(name)
+            else:
+                spark.conf.set(name, value)
     return int(files)

@@ -150,35 +150,50 @@ class LocalGroup:
         with ThreadPoolExecutor(max_workers=min(4, len(labels))) as pool:
             return list(pool.map(one, labels))
 
-    def _join(self, member: GroupMember, via: GroupMember, timeout: float) -> None:
-        url = via.client.invite(timeout=timeout)
-        conn = member.client.accept(url, timeout=timeout)
-        peer = str(conn.get("connection_id") or conn.get("id") or via.label)
+    def _join(self, member: GroupMember, via: GroupMember, timeout: float, group: str | None = None) -> None:
+        peer = next((str(c.get("id") or c.get("connection_id")) for c in member.client.connections(timeout=timeout)
+                     if c.get("label") == via.label and c.get("state") == "completed"), None)
+        if peer is None:  # one DID exchange per pair, whatever the number of groups
+            conn = member.client.accept(via.client.invite(timeout=timeout), timeout=timeout)
+            peer = str(conn.get("id") or conn.get("connection_id") or via.label)
         deadline = time.monotonic() + timeout
         while True:
             try:
-                member.client.join(self.group, via=peer, timeout=max(deadline - time.monotonic(), 1.0))
+                member.client.join(group or self.group, via=peer, timeout=max(deadline - time.monotonic(), 1.0))
                 return
             except GroupError:
                 if time.monotonic() >= deadline:
                     raise
                 time.sleep(0.5)  # the acceptor may still be settling the previous join
 
-    def _identify(self, member: GroupMember) -> None:
-        for entry in member.client.members(self.group):
+    def _identify(self, member: GroupMember, group: str | None = None) -> None:
+        for entry in member.client.members(group or self.group):
             if entry.get("is_self"):
                 member.did = str(entry["did"])
         if member.process is not None:
             member.signer = _member_signer(member.process)
 
-    def add_member(self, label: str, *, via: str | None = None, timeout: float = 120.0) -> GroupMember:
+    def add_group(self, group: str, labels: Sequence[str] | None = None, *, group_mode: str = "shared",
+                  timeout: float = 120.0) -> None:
+        """Another group among the same members (the first label creates it), e.g. one per test."""
+        names = list(labels) if labels is not None else list(self.members)
+        first = self.members[names[0]]
+        first.client.create(group, mode=group_mode, timeout=timeout)
+        for label in names[1:]:
+            self._join(self.members[label], first, timeout, group)
+
+    def add_member(self, label: str, *, via: str | None = None, groups: Sequence[str] | None = None,
+                   timeout: float = 120.0) -> GroupMember:
         """A member that joins now (a late joiner: it gets only what is published from now on)."""
         if label in self.members:
             raise ConfigurationError(f"{label!r} is already a member")
         member = self._launch([label])[0]
         self.members[label] = member
-        self._join(member, self.members[via] if via else next(iter(self.members.values())), timeout)
-        self._identify(member)
+        acceptor = self.members[via] if via else next(iter(self.members.values()))
+        joined = list(groups or [self.group])
+        for group in joined:
+            self._join(member, acceptor, timeout, group)
+        self._identify(member, joined[0])
         return member
 
     def __getitem__(self, label: str) -> GroupMember:

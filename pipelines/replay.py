@@ -138,7 +138,7 @@ def replay(spark: SparkSession, table: str, group: str | None = None, *,
             if isinstance(as_of, int) and not isinstance(as_of, bool):
                 reader = reader.option("versionAsOf", str(as_of))
             else:
-                reader = reader.option("timestampAsOf", _aware(as_of).strftime("%Y-%m-%d %H:%M:%S.%f"))
+                reader = reader.option("timestampAsOf", _aware(as_of).isoformat())
         df = reader.load(path)
     condition = _group_filter(group)
     if condition is not None:

@@ -75,9 +75,6 @@ class Have:
         message_id, publisher_did, seq = key
         return message_id in self.message_ids or seq <= self.positions.get(publisher_did, 0)
 
-    def __len__(self) -> int:
-        return len(self.message_ids)
-
     def union(self, other: "Have") -> "Have":
         positions = dict(self.positions)
         for did, seq in other.positions.items():
@@ -246,7 +243,7 @@ class DeltaProvider:
         self.stats.request_calls += 1
         self.stats.requested += len(message_ids)
         if not message_ids:
-            return pa.Table.from_batches([], schema=self._df().select(*HISTORY_COLUMNS).limit(0).toArrow().schema)
+            return self._df().select(*HISTORY_COLUMNS).limit(0).toArrow()
         wanted = self.spark.createDataFrame(pa.table({"message_id": pa.array(list(message_ids), pa.string())}))
         rows = (self._df().where(F.col("group") == group).join(F.broadcast(wanted), "message_id", "left_semi")
                 .select(*HISTORY_COLUMNS).toArrow())
@@ -348,11 +345,10 @@ def _check_rows(rows: pa.Table, provider: str, asked: Mapping[str, tuple[str, in
                     "origin proof does not verify (forged or altered)"
                 rejections.append(Rejection(provider, ids[i], reason))
     good = rows.filter(pa.array(ok, type=pa.bool_()))
-    index = good.schema.get_field_index("payload")
-    good = good.set_column(index, good.schema.field("payload"),
+    good = good.set_column(good.schema.get_field_index("payload"), pa.field("payload", pa.binary(), nullable=False),
                            pa.array([clear[i] for i in range(n) if ok[i]], type=pa.binary()))
-    index = good.schema.get_field_index("payload_key_id")
-    good = good.set_column(index, good.schema.field("payload_key_id"), pa.nulls(good.num_rows, pa.string()))
+    good = good.set_column(good.schema.get_field_index("payload_key_id"), pa.field("payload_key_id", pa.string()),
+                           pa.nulls(good.num_rows, pa.string()))
     return good, rejections
 
 
@@ -376,7 +372,7 @@ def restore(group: str, providers: Sequence[HistoryProvider], *, have: Have | No
     if len(set(names)) != len(names):
         raise ConfigurationError(f"history providers need distinct names, got {names}")
     began = time.monotonic()
-    have = have or Have()
+    have = have if have is not None else Have()
     report = RestoreReport(group=group)
     state: dict[str, int] = {}
     announced: dict[str, tuple[str, int, int]] = {}  # id -> (publisher, seq, lamport) as first announced

@@ -461,7 +461,7 @@ class ClientClosedError(ApiError):
 class ConnectorOptionError(ConfigurationError, ValueError):
     """An option given to format("zerocomm") is unknown, missing or malformed."""
 
-    hint = "See the option table in docs/connector.md; option names are case-insensitive."
+    hint = "See the option table in connector/README.md; option names are case-insensitive."
 
 
 class OffsetFormatError(ConnectorOptionError):

@@ -185,6 +185,42 @@ def test_max_messages_per_trigger_bounds_every_micro_batch(spark, members, group
     assert sizes[0] == 120
 
 
+def test_messages_gone_by_retention_fail_or_are_skipped_as_failOnDataLoss_says(spark, members, tmp_path):
+    alice = members["alice"]
+    # dave keeps little: small segments, and retention deletes whatever is committed and closed
+    dave = LocalMember.create(tmp_path, "dave", settings={"journal.segment_bytes": "65536",
+                                                        "journal.retention_bytes": "1"})
+    dave.start()
+    try:
+        group = f"g{uuid.uuid4().hex[:8]}"
+        form_group([alice, dave], group)
+        for start in range(0, 3000, 500):
+            publish(alice, group, [f"{i:06d}" + "x" * 200 for i in range(start, start + 500)])
+        did = alice.did(group)
+        wait_for(lambda: dave.client().latest(group)["publishers"][0]["last_seq"] == 3000, 60, "dave to have all")
+        # a checkpoint passed the first 2000 messages: dave may prune them
+        first_kept = dave.client().read(group=group, publisher=did, first_seq=2001, last_seq=2001)
+        dave.client().commit(int(first_kept.column("offset")[0].as_py()))
+        wait_for(lambda: dave.client().latest(None)["earliest_offset"] > 0, 30, "retention to delete segments")
+        gone = json.dumps({group: {did: 1}})
+
+        def read(fail: str):
+            return (spark.read.format("zerocomm").option("group", group).option("agent", str(dave.config))
+                    .option("startingOffsets", gone).option("failOnDataLoss", fail).load())
+
+        with pytest.raises(Exception, match="StreamDataLossError") as info:
+            read("true").collect()
+        assert f"messages 1.." in str(info.value) and "failOnDataLoss=false" in str(info.value)
+        kept = read("false").select("seq").collect()
+        seqs = sorted(r.seq for r in kept)
+        assert seqs == list(range(seqs[0], 3001)) and 1 < seqs[0] <= 2001
+        # "earliest" means the first retained message: no loss reported
+        assert (spark.read.format("zerocomm").option("group", group).option("agent", str(dave.config))
+                .load().count()) == len(seqs)
+    finally:
+        dave.remove()
+
+
 # --- sink --------------------------------------------------------------------------------------
 
 
@@ -313,6 +349,7 @@ def _exactly_once(spark, out, expected_ids: set[str]) -> None:
     assert set(ids) == expected_ids, f"missing {len(expected_ids - set(ids))}, unexpected {len(set(ids) - expected_ids)}"
 
 
+@pytest.mark.timeout(480)
 def test_killed_query_restarts_from_its_checkpoint_exactly_once(spark, members, group, tmp_path):
     alice, bob = members["alice"], members["bob"]
     out, ck = tmp_path / "delta", tmp_path / "ck"
@@ -344,6 +381,7 @@ def test_killed_query_restarts_from_its_checkpoint_exactly_once(spark, members, 
     _exactly_once(spark, out, {f"{group}-bob-{i}" for i in range(1200)})
 
 
+@pytest.mark.timeout(480)
 def test_killed_agent_mid_stream_then_restart_exactly_once(spark, members, group, tmp_path):
     bob, carol = members["bob"], members["carol"]
     out, ck = tmp_path / "delta", tmp_path / "ck"
@@ -466,21 +504,28 @@ _CLUSTER_APP = textwrap.dedent("""
              .config("spark.driver.bindAddress", "127.0.0.1").config("spark.ui.enabled", "false")
              .config("spark.executor.cores", "1").config("spark.cores.max", "2")
              .config("spark.executor.memory", "600m").config("spark.sql.shuffle.partitions", "2")
-             .getOrCreate())
+             .config("spark.databricks.delta.snapshotPartitions", "2")
+             .config("spark.ui.showConsoleProgress", "false").getOrCreate())
+    spark.sparkContext.setLogLevel("WARN")
     import time
+    began = time.time()
     deadline = time.time() + 120
     while spark.sparkContext._jsc.sc().getExecutorMemoryStatus().size() < 3 and time.time() < deadline:
         time.sleep(0.2)
+    print("executors up", round(time.time() - began, 1), file=sys.stderr, flush=True)
     # no register() call: format("zerocomm") comes from Spark's own lookup of pyspark_* modules
     (spark.range(0, 400, 1, 4).selectExpr("CAST(id AS STRING) AS payload")
      .write.format("zerocomm").option("group", group).mode("append").save())
+    print("written", round(time.time() - began, 1), file=sys.stderr, flush=True)
     time.sleep(1.0)
     rows = (spark.read.format("zerocomm").option("group", group).option("minPartitions", "4").load()
             .select("publisher_label", "seq", "payload").collect())
+    print("read", round(time.time() - began, 1), file=sys.stderr, flush=True)
     q = (spark.readStream.format("zerocomm").option("group", group).option("startingOffsets", "earliest")
          .option("minPartitions", "4").load()
          .writeStream.format("delta").option("checkpointLocation", ck).trigger(availableNow=True).start(out))
     q.awaitTermination(120)
+    print("streamed", round(time.time() - began, 1), file=sys.stderr, flush=True)
     print(json.dumps({"labels": sorted({r.publisher_label for r in rows}), "count": len(rows),
                       "delta": spark.read.format("delta").load(out).count(),
                       "executors": spark.sparkContext._jsc.sc().getExecutorMemoryStatus().size() - 1}))
@@ -494,6 +539,7 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+@pytest.mark.timeout(600)
 def test_two_executor_processes_each_use_their_own_member(members, tmp_path):
     import pyspark
 
@@ -528,7 +574,7 @@ def test_two_executor_processes_each_use_their_own_member(members, tmp_path):
         env = {**base_env, **alice.env, "PYTHONPATH": str(shim)}
         done = subprocess.run([sys.executable, str(app), f"spark://127.0.0.1:{port}", group,
                                str(tmp_path / "delta"), str(tmp_path / "ck")],
-                              env=env, capture_output=True, text=True, timeout=280, cwd=str(ROOT))
+                              env=env, capture_output=True, text=True, timeout=540, cwd=str(ROOT))
         assert done.returncode == 0, done.stderr[-3000:]
         result = json.loads(done.stdout.strip().splitlines()[-1])
     finally:

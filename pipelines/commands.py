@@ -1,0 +1,138 @@
+"""The bodies of `zerocomm history ingest|replay|compact|vacuum` (parsed in zerocomm_spark.agent.cli).
+
+Why here: they start Spark and Delta, which the agent layer must not load for its other commands;
+the CLI imports this module only when one of these actions runs.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+import time
+from pathlib import Path
+from typing import Any
+
+from zerocomm_spark.errors import ConfigurationError, InsecurePermissionsError
+from zerocomm_spark.pipelines.history_key import KEY_BYTES, HistoryKey
+
+__all__ = ["compact", "ingest", "read_key_file", "replay", "vacuum"]
+
+
+def read_key_file(path: str | os.PathLike[str]) -> HistoryKey:
+    """A history key from an owner-only file: 32 raw bytes, or 64 hex digits."""
+    file = Path(path).expanduser()
+    try:
+        st = file.stat()
+        data = file.read_bytes()
+    except OSError as exc:
+        raise ConfigurationError(f"cannot read the history key file {file}: {exc.strerror}") from None
+    if st.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
+        raise InsecurePermissionsError(f"the history key file {file} can be read by other users",
+                                       hint="chmod 600 it (the key opens every sealed payload of the group)")
+    text = data.strip()
+    if len(data) == KEY_BYTES:
+        return HistoryKey(data)
+    try:
+        return HistoryKey(bytes.fromhex(text.decode("ascii")))
+    except (ValueError, UnicodeDecodeError):
+        raise ConfigurationError(f"the history key file {file} holds neither 32 bytes nor 64 hex digits") from None
+
+
+def _spark() -> Any:
+    from zerocomm_spark.connector.session import local_spark
+
+    return local_spark("zerocomm-history")
+
+
+def ingest(ctx: Any) -> int:
+    """Run the ingest query until Ctrl-C (or, with --available-now, until it has what is there now)."""
+    from zerocomm_spark.pipelines.history import IngestBatch
+    from zerocomm_spark.pipelines.history import ingest as start
+
+    a = ctx.args
+    key = read_key_file(a.history_key_file) if a.history_key_file else None
+    table = str(Path(a.table).expanduser().absolute()) if "://" not in a.table else a.table
+    checkpoint = a.checkpoint or table.rstrip("/") + "/_checkpoints/ingest"
+    total = [0]
+
+    def on_batch(batch: IngestBatch) -> None:
+        total[0] += batch.rows
+        ctx.out({"batch": batch.batch_id, "committed": batch.committed, "rows": batch.rows, "version": batch.version,
+                 "seconds": round(batch.seconds, 3)},
+                f"batch {batch.batch_id}: {batch.rows} rows" + (f" -> version {batch.version}" if batch.committed
+                                                                 else " (already in Delta, skipped)"))
+
+    spark = _spark()
+    query = start(spark, a.groups, table, checkpoint, agent=str(ctx.config.socket_dir),
+                  starting_offsets=a.starting_offsets, max_messages_per_trigger=a.max_per_trigger,
+                  trigger="available_now" if a.available_now else a.trigger, history_key=key, on_batch=on_batch)
+    try:
+        while query.isActive:
+            query.awaitTermination(1.0)
+    except KeyboardInterrupt:
+        query.stop()
+    if query.exception() is not None:
+        raise ConfigurationError(f"the ingest query failed: {str(query.exception())[:1000]}",
+                                 hint="See the Spark log above; restarting with the same --checkpoint resumes "
+                                      "where it stopped, without writing anything twice")
+    ctx.out({"table": table, "rows": total[0], "checkpoint": checkpoint},
+            f"ingested {total[0]} rows into {table} (checkpoint {checkpoint})")
+    return 0
+
+
+def replay(ctx: Any) -> int:
+    """Print the group's history in causal order (or as JSON lines with --json)."""
+    from zerocomm_spark.agent.output import emit_json, format_payload, format_time, render_table
+    from zerocomm_spark.pipelines.replay import Since
+    from zerocomm_spark.pipelines.replay import replay as read
+
+    a = ctx.args
+    since = (Since.version(a.since_version) if a.since_version is not None
+             else Since.lamport(a.since_lamport) if a.since_lamport is not None
+             else Since.timestamp(a.since_time) if a.since_time else None)
+    as_of: int | str | None = None
+    if a.as_of is not None:
+        as_of = int(a.as_of) if a.as_of.isdigit() else a.as_of
+    key = read_key_file(a.history_key_file) if a.history_key_file else None
+    df = read(_spark(), a.table, a.group, since=since, as_of=as_of, history_key=key, verify=a.verify)
+    if a.limit and a.limit > 0:
+        df = df.limit(a.limit)
+    rows = df.toArrow().to_pylist()
+    if ctx.json:
+        for r in rows:
+            emit_json({"group": r["group"], "message_id": r["message_id"], "publisher_did": r["publisher_did"],
+                       "publisher_label": r["publisher_label"], "seq": r["seq"], "lamport_ts": r["lamport_ts"],
+                       "sent_at": r["sent_at"], "received_at": r["received_at"], "headers": r["headers"],
+                       "payload": format_payload(r["payload"]) if r["payload_key_id"] is None else None,
+                       "sealed": r["payload_key_id"] is not None, "origin_ok": r.get("origin_ok")})
+        return 0
+    shaped = [{"lamport": r["lamport_ts"], "time": format_time(r["sent_at"]),
+               "from": r["publisher_label"] or r["publisher_did"][-12:], "seq": r["seq"],
+               "origin": "" if "origin_ok" not in r else ("ok" if r["origin_ok"] else "FAILED"),
+               "message": "(sealed)" if r["payload_key_id"] else format_payload(r["payload"], 200)} for r in rows]
+    columns = [("lamport", "LAMPORT"), ("time", "SENT"), ("from", "FROM"), ("seq", "SEQ")]
+    if a.verify:
+        columns.append(("origin", "ORIGIN"))
+    print(render_table(shaped, columns + [("message", "MESSAGE")], empty="(no messages)"), flush=True)
+    return 0
+
+
+def compact(ctx: Any) -> int:
+    from zerocomm_spark.pipelines.history import compact as optimize
+
+    began = time.monotonic()
+    metrics = optimize(_spark(), ctx.args.table, group=ctx.args.group)
+    metrics["seconds"] = round(time.monotonic() - began, 3)
+    ctx.out(metrics, f"compacted {ctx.args.table}: {metrics.get('numFilesRemoved', 0)} files into "
+                     f"{metrics.get('numFilesAdded', 0)}")
+    return 0
+
+
+def vacuum(ctx: Any) -> int:
+    from zerocomm_spark.pipelines.history import vacuum as clean
+
+    a = ctx.args
+    files = clean(_spark(), a.table, retention_hours=a.retain_hours, dry_run=a.dry_run)
+    ctx.out({"table": a.table, "files": files, "dry_run": a.dry_run},
+            f"{'would delete' if a.dry_run else 'deleted'} {files} files no retained version of {a.table} needs")
+    return 0

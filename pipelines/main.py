@@ -1,0 +1,321 @@
+"""The main job: a local group of members feeding Spark and Delta, end to end on one machine.
+
+``bash scripts/main.sh`` (``python -m zerocomm_spark.pipelines.main --help`` for the options):
+
+1. starts a group of real members (a *historian* and N publishers; ``embedded`` agents in this
+   process by default, ``--mode agents`` for agent processes started through ``zerocomm``);
+2. starts the history ingest: a Spark streaming query from format("zerocomm") on the historian's
+   member into a Delta history table (pipelines/history.py), exactly once, origin proofs kept;
+3. has every publisher publish a paced stream of signed messages, some of them replies to
+   messages it received from the others (so causality can be checked afterwards);
+4. waits (with a deadline) until Delta holds every message, stops the query;
+5. replays the group from Delta in causal order (pipelines/replay.py), verifies every origin,
+   checks that nothing is missing or doubled and that every reply comes after what it answers;
+6. prints a short summary: messages, publishers, rates, latencies (exit status 1 if a check failed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import random
+import shutil
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+__all__ = ["JobConfig", "build_parser", "main", "run"]
+
+log = logging.getLogger("zerocomm_spark.pipelines.main")
+
+PUBLISHER_NAMES = ("alice", "bob", "carol", "dave", "erin", "frank", "grace", "heidi", "ivan", "judy")
+REPLY_HEADER = "in_reply_to"
+
+
+@dataclass(frozen=True)
+class JobConfig:
+    """The main job's settings (the command line's options)."""
+
+    mode: str = "embedded"
+    publishers: int = 3
+    messages: int = 600  # per publisher
+    rate: float = 100.0  # messages per second per publisher
+    reply_fraction: float = 0.2
+    payload_bytes: int = 64
+    group: str = "demo"
+    work_dir: str | None = None
+    table: str | None = None
+    encrypt: bool = False
+    trigger: str = "1 second"
+    timeout: float = 300.0
+    keep: bool = False
+    as_json: bool = False
+
+
+def build_parser() -> argparse.ArgumentParser:
+    d = JobConfig()
+    p = argparse.ArgumentParser(
+        prog="scripts/main.sh", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        description="Start a local ZeroComm group, publish a stream of signed messages, ingest it into a Delta "
+                    "history table with Spark, replay it in causal order and print a summary.")
+    p.add_argument("--mode", choices=("embedded", "agents"), default=d.mode,
+                   help="members in this process, or agent processes started through `zerocomm`")
+    p.add_argument("--publishers", type=int, default=d.publishers, help="publishing members (1-10)")
+    p.add_argument("--messages", type=int, default=d.messages, help="messages per publisher")
+    p.add_argument("--rate", type=float, default=d.rate, help="messages per second per publisher")
+    p.add_argument("--reply-fraction", type=float, default=d.reply_fraction,
+                   help="share of messages that reply to one received from another publisher")
+    p.add_argument("--payload-bytes", type=int, default=d.payload_bytes, help="payload size")
+    p.add_argument("--group", default=d.group, help="the group's name")
+    p.add_argument("--work-dir", default=None, help="where members, table and checkpoint live (default: a temp dir)")
+    p.add_argument("--table", default=None, help="the Delta history table (default: WORK_DIR/history)")
+    p.add_argument("--encrypt", action="store_true", help="store payloads sealed with a fresh group history key")
+    p.add_argument("--trigger", default=d.trigger, help="the ingest query's processing-time trigger")
+    p.add_argument("--timeout", type=float, default=d.timeout, help="deadline of the whole job, in seconds")
+    p.add_argument("--keep", action="store_true", help="keep the work directory (the table, the members)")
+    p.add_argument("--json", dest="as_json", action="store_true", help="print the summary as JSON")
+    return p
+
+
+@dataclass
+class _Published:
+    ids: list[str] = field(default_factory=list)
+    replies: dict[str, str] = field(default_factory=dict)  # reply id -> the id it answers
+    errors: list[str] = field(default_factory=list)
+
+
+def _publisher(member: Any, group: str, cfg: JobConfig, out: _Published, lock: threading.Lock,
+               deadline: float, seed: int) -> None:
+    """Publish ``cfg.messages`` at ``cfg.rate`` per second, in small paced chunks."""
+    rng = random.Random(seed)
+    chunk = max(1, int(cfg.rate / 10))
+    interval = chunk / cfg.rate
+    sent = 0
+    began = time.monotonic()
+    heard: list[str] = []
+    try:
+        while sent < cfg.messages:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{member.label} could not publish within the job's deadline")
+            n = min(chunk, cfg.messages - sent)
+            if cfg.reply_fraction > 0:
+                # What this member delivered from the others: a reply to one of them is causally after it.
+                recent = member.client.fetch(group=group, last=64).table
+                heard = [mid for mid, did in zip(recent.column("message_id").to_pylist(),
+                                                 recent.column("publisher_did").to_pylist()) if did != member.did]
+            ids, payloads, headers = [], [], []
+            for i in range(sent, sent + n):
+                mid = f"{member.label}-{i}-{uuid.uuid4().hex[:8]}"
+                text = f"{member.label} #{i}".encode()
+                payloads.append(text + b"." * max(cfg.payload_bytes - len(text), 0))
+                ids.append(mid)
+                answer = rng.choice(heard) if heard and rng.random() < cfg.reply_fraction else None
+                headers.append({REPLY_HEADER: answer} if answer else None)
+            member.publish(group, payloads, message_ids=ids, headers=headers,
+                           timeout=max(min(deadline - time.monotonic(), 120.0), 1.0))
+            with lock:
+                out.ids.extend(ids)
+                for mid, h in zip(ids, headers):
+                    if h:
+                        out.replies[mid] = h[REPLY_HEADER]
+            sent += n
+            pause = began + sent / cfg.rate - time.monotonic()
+            if pause > 0:
+                time.sleep(pause)
+    except Exception as exc:  # noqa: BLE001 - reported in the summary, the job fails
+        with lock:
+            out.errors.append(f"{member.label}: {type(exc).__name__}: {str(exc)[:300]}")
+
+
+def _percentiles(values: list[float]) -> dict[str, float]:
+    if not values:
+        return {"p50": 0.0, "p95": 0.0, "max": 0.0}
+    ordered = sorted(values)
+
+    def at(q: float) -> float:
+        return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+    return {"p50": round(at(0.50), 4), "p95": round(at(0.95), 4), "max": round(ordered[-1], 4)}
+
+
+def _say(cfg: JobConfig, text: str) -> None:
+    if not cfg.as_json:
+        print(text, flush=True)
+
+
+def run(cfg: JobConfig) -> dict[str, Any]:
+    """Run the whole story once; returns the summary (``ok`` False if a check failed)."""
+    from zerocomm_spark.connector.session import local_spark
+    from zerocomm_spark.pipelines.history import IngestBatch, ingest
+    from zerocomm_spark.pipelines.history_key import HistoryKey
+    from zerocomm_spark.pipelines.local_group import LocalGroup
+    from zerocomm_spark.pipelines.replay import replay
+
+    if not 1 <= cfg.publishers <= len(PUBLISHER_NAMES):
+        raise SystemExit(f"--publishers must be 1-{len(PUBLISHER_NAMES)}")
+    if cfg.messages < 1 or cfg.rate <= 0 or cfg.payload_bytes < 0 or not 0 <= cfg.reply_fraction <= 1:
+        raise SystemExit("--messages >= 1, --rate > 0, --payload-bytes >= 0 and 0 <= --reply-fraction <= 1")
+    deadline = time.monotonic() + cfg.timeout
+    job_began = time.monotonic()
+    work = Path(cfg.work_dir).absolute() if cfg.work_dir else Path(tempfile.mkdtemp(prefix="zerocomm-main-"))
+    work.mkdir(parents=True, exist_ok=True)
+    table = cfg.table or str(work / "history")
+    checkpoint = str(work / "checkpoints" / f"history-{uuid.uuid4().hex[:8]}")
+    labels = ["historian", *PUBLISHER_NAMES[:cfg.publishers]]
+    key = HistoryKey.generate() if cfg.encrypt else None
+    summary: dict[str, Any] = {"mode": cfg.mode, "group": cfg.group, "table": table, "encrypted": cfg.encrypt}
+    group = None
+    query = None
+    try:
+        _say(cfg, f"starting {len(labels)} members ({cfg.mode}): {', '.join(labels)}")
+        t0 = time.monotonic()
+        group = LocalGroup.start(labels, group=cfg.group, mode=cfg.mode, base_dir=work / "members",  # type: ignore[arg-type]
+                                 timeout=max(min(deadline - time.monotonic(), 180.0), 10.0))
+        summary["members_start_s"] = round(time.monotonic() - t0, 2)
+        _say(cfg, "starting Spark with Delta")
+        t0 = time.monotonic()
+        spark = local_spark("zerocomm-main")
+        summary["spark_start_s"] = round(time.monotonic() - t0, 2)
+
+        batches: list[IngestBatch] = []
+        ingested = [0]
+        progress = threading.Condition()
+
+        def on_batch(batch: IngestBatch) -> None:
+            with progress:
+                batches.append(batch)
+                ingested[0] += batch.rows
+                progress.notify_all()
+
+        query = ingest(spark, [cfg.group], table, checkpoint, agent=group["historian"].agent, trigger=cfg.trigger,
+                       history_key=key, on_batch=on_batch, query_name="zerocomm_history_main")
+        total = cfg.publishers * cfg.messages
+        _say(cfg, f"publishing {total} messages ({cfg.publishers} x {cfg.messages} at {cfg.rate:g}/s each, "
+                  f"{cfg.reply_fraction:.0%} replies) while Spark ingests them into {table}")
+        published = _Published()
+        lock = threading.Lock()
+        threads = [threading.Thread(target=_publisher, name=f"publish-{label}",
+                                    args=(group[label], cfg.group, cfg, published, lock, deadline, n))
+                   for n, label in enumerate(labels[1:])]
+        t_pub = time.monotonic()
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(max(deadline - time.monotonic(), 0.1))
+        publish_s = time.monotonic() - t_pub
+        if published.errors:
+            raise RuntimeError("publishing failed: " + "; ".join(published.errors))
+        with progress:
+            while ingested[0] < len(published.ids) and time.monotonic() < deadline:
+                if query.exception() is not None:
+                    break
+                progress.wait(0.5)
+        ingest_s = time.monotonic() - t_pub
+        if query.exception() is not None:
+            raise RuntimeError(f"the ingest query failed: {query.exception()}")
+        query.stop()
+        _say(cfg, f"ingested {ingested[0]} rows in {len(batches)} micro-batches; replaying in causal order")
+
+        t0 = time.monotonic()
+        rows = replay(spark, table, cfg.group, verify=True, history_key=key).select(
+            "message_id", "publisher_label", "publisher_did", "lamport_ts", "sent_at", "received_at",
+            "ingested_at", "headers", "origin_ok").toArrow()
+        replay_s = time.monotonic() - t0
+        ids = rows.column("message_id").to_pylist()
+        position = {mid: i for i, mid in enumerate(ids)}
+        replies_ok = sum(1 for reply, original in published.replies.items()
+                         if reply in position and original in position and position[original] < position[reply])
+        sent_at = rows.column("sent_at").to_pylist()
+        received_at = rows.column("received_at").to_pylist()
+        ingested_at = rows.column("ingested_at").to_pylist()
+        labels_col = rows.column("publisher_label").to_pylist()
+        per_publisher: dict[str, int] = {}
+        for label in labels_col:
+            per_publisher[str(label)] = per_publisher.get(str(label), 0) + 1
+        deliver_lat = [(r - s).total_seconds() for s, r in zip(sent_at, received_at)]
+        delta_lat = [(i - s).total_seconds() for s, i in zip(sent_at, ingested_at)]
+        span = (max(sent_at) - min(sent_at)).total_seconds() if sent_at else 0.0
+        origin_ok = sum(rows.column("origin_ok").to_pylist())
+        from delta.tables import DeltaTable
+
+        version = DeltaTable.forPath(spark, table).history(1).select("version").first()[0]
+        summary.update({
+            "publishers": cfg.publishers, "published": len(published.ids), "replies": len(published.replies),
+            "ingested": ingested[0], "rows": rows.num_rows, "distinct": len(position),
+            "missing": len(set(published.ids) - set(position)), "unexpected": len(set(position) - set(published.ids)),
+            "per_publisher": per_publisher, "micro_batches": len(batches), "delta_version": int(version),
+            "publish_s": round(publish_s, 2), "publish_rate": round(len(published.ids) / max(publish_s, 1e-9), 1),
+            "send_span_s": round(span, 2), "ingest_s": round(ingest_s, 2),
+            "replay_s": round(replay_s, 2), "replay_rows_per_s": round(rows.num_rows / max(replay_s, 1e-9), 1),
+            "replies_after_original": replies_ok, "origin_verified": origin_ok,
+            "latency_deliver_s": _percentiles(deliver_lat), "latency_to_delta_s": _percentiles(delta_lat),
+        })
+        signed = cfg.mode == "embedded"
+        summary["ok"] = bool(
+            summary["missing"] == 0 and summary["unexpected"] == 0 and rows.num_rows == len(published.ids)
+            and len(position) == rows.num_rows and replies_ok == len(published.replies)
+            and (origin_ok == rows.num_rows or not signed))
+    finally:
+        if query is not None and query.isActive:
+            query.stop()
+        if group is not None:
+            group.close()
+        summary["total_s"] = round(time.monotonic() - job_began, 2)
+        if not cfg.keep and not cfg.work_dir:
+            shutil.rmtree(work, ignore_errors=True)
+    return summary
+
+
+def render(summary: dict[str, Any]) -> str:
+    """The human summary: a few aligned lines."""
+    s = summary
+    lat, dl = s["latency_deliver_s"], s["latency_to_delta_s"]
+    per = ", ".join(f"{k} {v}" for k, v in sorted(s["per_publisher"].items()))
+    origin = (f"{s['origin_verified']}/{s['rows']} rows verified (publisher signatures, ed25519-member/1)"
+              if s["mode"] == "embedded" else
+              f"{s['origin_verified']}/{s['rows']} rows signed (agents mode: the member key stays in the agent)")
+    lines = [
+        f"group       {s['group']!r}: {s['publishers']} publishers + historian ({s['mode']} members, "
+        f"started in {s['members_start_s']}s; Spark in {s['spark_start_s']}s)",
+        f"published   {s['published']} messages in {s['publish_s']}s ({s['publish_rate']} msg/s), "
+        f"{s['replies']} of them replies",
+        f"ingested    {s['rows']} rows ({s['distinct']} distinct, {s['missing']} missing) into Delta version "
+        f"{s['delta_version']} in {s['micro_batches']} micro-batches, "
+        f"{'sealed with a history key' if s['encrypted'] else 'payloads in clear'}",
+        f"replayed    {s['rows']} rows in causal order in {s['replay_s']}s ({s['replay_rows_per_s']} rows/s); "
+        f"replies after what they answer: {s['replies_after_original']}/{s['replies']}",
+        f"origin      {origin}",
+        f"latency     publish->member p50 {lat['p50'] * 1000:.0f} ms, p95 {lat['p95'] * 1000:.0f} ms; "
+        f"publish->Delta p50 {dl['p50']:.2f} s, p95 {dl['p95']:.2f} s",
+        f"publishers  {per}",
+        f"table       {s['table']}",
+        f"result      {'OK' if s['ok'] else 'FAILED'} in {s['total_s']}s",
+    ]
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Parse the options, run the job, print the summary; 0 if every check passed."""
+    args = build_parser().parse_args(argv)
+    cfg = JobConfig(**vars(args))
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        summary = run(cfg)
+    except KeyboardInterrupt:
+        return 130
+    if cfg.as_json:
+        print(json.dumps(summary, sort_keys=True), flush=True)
+    else:
+        print(render(summary), flush=True)
+    return 0 if summary.get("ok") else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

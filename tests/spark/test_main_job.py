@@ -1,0 +1,42 @@
+"""The README's main job, run as a user runs it (its own process, its own Spark), with small settings."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+pytestmark = [pytest.mark.spark, pytest.mark.slow, pytest.mark.timeout(900)]
+
+
+def test_help_lists_the_options():
+    done = subprocess.run([sys.executable, "-m", "zerocomm_spark.pipelines.main", "--help"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0
+    for option in ("--mode", "--publishers", "--messages", "--rate", "--encrypt", "--json", "--timeout"):
+        assert option in done.stdout
+
+
+def test_main_job_runs_the_whole_story_and_every_check_passes(tmp_path):
+    done = subprocess.run(
+        [sys.executable, "-m", "zerocomm_spark.pipelines.main", "--publishers", "2", "--messages", "40",
+         "--rate", "40", "--reply-fraction", "0.3", "--encrypt", "--json", "--timeout", "600",
+         "--work-dir", str(tmp_path)],
+        cwd=ROOT, capture_output=True, text=True, timeout=800)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    assert lines, f"no summary (exit {done.returncode}):\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}"
+    summary = json.loads(lines[-1])
+    assert done.returncode == 0 and summary["ok"] is True, summary
+    assert summary["published"] == summary["rows"] == summary["distinct"] == summary["ingested"] == 80
+    assert summary["missing"] == 0 and summary["unexpected"] == 0
+    assert summary["per_publisher"] == {"alice": 40, "bob": 40}
+    assert summary["replies"] > 0 and summary["replies_after_original"] == summary["replies"]
+    assert summary["origin_verified"] == 80 and summary["encrypted"] is True
+    assert 0 <= summary["latency_deliver_s"]["p50"] <= summary["latency_deliver_s"]["p95"]
+    assert summary["latency_to_delta_s"]["p50"] > 0 and summary["replay_rows_per_s"] > 0
+    assert (tmp_path / "history" / "_delta_log").is_dir()  # the table is where it said

@@ -1,0 +1,141 @@
+"""The restore exchange (announce, request or ignore, verify, deliver) over in-memory providers.
+
+The rows are genuinely signed by publisher member keys; providers are real ArrowProvider instances
+serving pyarrow tables, so every path of the exchange runs without Spark.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime, timezone
+
+import pyarrow as pa
+import pytest
+
+from zerocomm_spark.errors import ConfigurationError
+from zerocomm_spark.keys.keypair import KeyPair
+from zerocomm_spark.pipelines.history_key import HistoryKey
+from zerocomm_spark.pipelines.origin import OriginSigner
+from zerocomm_spark.pipelines.restore import ArrowProvider, Have, restore
+from zerocomm_spark.pipelines.schema import HISTORY_COLUMNS
+
+T0 = datetime(2026, 1, 2, 3, 4, 5, tzinfo=timezone.utc)
+
+
+def make_rows(signer: OriginSigner, n: int, *, first_lamport: int = 1, key: HistoryKey | None = None,
+              label: str = "p") -> list[dict]:
+    rows = []
+    for i in range(n):
+        mid = f"{label}-{i}"
+        payload = f"{label} says {i}".encode()
+        sig = signer.sign("g", mid, payload)
+        stored = payload if key is None else key.seal(payload, "g", signer.publisher_did, mid)
+        rows.append({"group": "g", "date": T0.date(), "message_id": mid, "publisher_did": signer.publisher_did,
+                     "publisher_label": label, "seq": i + 1, "lamport_ts": first_lamport + 2 * i, "sent_at": T0,
+                     "received_at": T0, "ingested_at": T0, "headers": None, "payload": stored,
+                     "payload_key_id": None if key is None else key.key_id,
+                     "origin_scheme": "ed25519-member/1", "origin_sig": sig})
+    return rows
+
+
+def table(rows: list[dict]) -> pa.Table:
+    return pa.Table.from_pylist(rows).select(list(HISTORY_COLUMNS))
+
+
+@pytest.fixture
+def alice() -> OriginSigner:
+    return OriginSigner(KeyPair.generate())
+
+
+@pytest.fixture
+def bob() -> OriginSigner:
+    return OriginSigner(KeyPair.generate())
+
+
+def test_every_missing_message_once_from_the_first_provider_that_announced_it(alice, bob):
+    rows = make_rows(alice, 30, label="a") + make_rows(bob, 30, first_lamport=2, label="b")
+    p1 = ArrowProvider(table(rows[:40]), "p1")            # a0..a29, b0..b9
+    p2 = ArrowProvider(table(rows[20:]), "p2")            # a20..a29, b0..b29
+    have = Have.from_rows([r["message_id"] for r in rows[:5]],
+                          [r["publisher_did"] for r in rows[:5]], [r["seq"] for r in rows[:5]])
+    delivered: list[pa.Table] = []
+    report = restore("g", [p1, p2], have=have, deliver=delivered.append)
+    assert len(delivered) == 1
+    got = delivered[0].column("message_id").to_pylist()
+    assert len(got) == len(set(got)) == 55                # everything but the 5 it had, each once
+    assert set(got) == {r["message_id"] for r in rows[5:]}
+    # p1 was asked for what it announced first; p2 only for what p1 did not offer: nothing twice.
+    assert p1.stats.requested == 35 and p2.stats.requested == 20
+    assert report.ignored == {"p1": 5, "p2": 20} and report.skipped_have == 5
+    assert report.rejected == [] and report.missing == [] and report.refetched == 0
+    lamports = delivered[0].column("lamport_ts").to_pylist()
+    assert lamports == sorted(lamports)                   # delivered in causal order
+
+
+def test_a_forged_row_is_rejected_and_fetched_from_the_next_provider(alice, bob):
+    rows = make_rows(alice, 10, label="a")
+    forged = [dict(r) for r in rows]
+    forged[3]["payload"] = b"alice never said this"                       # altered content
+    forged[5]["origin_sig"] = bob.sign("g", "a-5", forged[5]["payload"])  # signed by the wrong member
+    extra = make_rows(bob, 1, label="x")[0]
+    extra["publisher_did"] = alice.publisher_did                          # bob's row passed off as alice's
+    p_bad = ArrowProvider(table(forged + [extra]), "mallory")
+    p_good = ArrowProvider(table(rows), "honest")
+    delivered: list[pa.Table] = []
+    report = restore("g", [p_bad, p_good], deliver=delivered.append)
+    got = delivered[0].column("message_id").to_pylist()
+    assert sorted(got) == sorted(r["message_id"] for r in rows) and len(got) == 10
+    payloads = dict(zip(got, delivered[0].column("payload").to_pylist()))
+    assert payloads["a-3"] == b"a says 3"                                 # the genuine one, from the honest provider
+    rejected = {(r.provider, r.message_id) for r in report.rejected}
+    assert rejected == {("mallory", "a-3"), ("mallory", "a-5"), ("mallory", "x-0")}
+    assert report.refetched == 2 and p_good.stats.requested == 2
+    assert report.missing == ["x-0"]                                      # no one could prove it
+
+
+def test_rows_that_differ_from_their_announcement_or_were_not_requested_are_dropped(alice):
+    rows = make_rows(alice, 4, label="a")
+
+    class Liar(ArrowProvider):
+        def request(self, group, message_ids):
+            out = super().request(group, message_ids).to_pylist()
+            out[0]["lamport_ts"] += 1000                     # claims another place in the causal order
+            extra = dict(rows[1])
+            return table(out + [extra])                       # and sends a row twice
+
+    delivered: list[pa.Table] = []
+    report = restore("g", [Liar(table(rows), "liar")], deliver=delivered.append)
+    reasons = sorted(r.reason for r in report.rejected)
+    assert any("announced" in r for r in reasons) and any("twice" in r for r in reasons)
+    assert sorted(delivered[0].column("message_id").to_pylist()) == ["a-1", "a-2", "a-3"]
+
+
+def test_sealed_history_opens_with_the_key_and_is_refused_without_it(alice):
+    key = HistoryKey.generate()
+    rows = make_rows(alice, 5, key=key, label="a")
+    delivered: list[pa.Table] = []
+    report = restore("g", [ArrowProvider(table(rows), "p")], history_key=key, deliver=delivered.append)
+    assert report.delivered == 5
+    assert delivered[0].column("payload").to_pylist()[0] == b"a says 0"
+    assert delivered[0].column("payload_key_id").null_count == 5
+    without = restore("g", [ArrowProvider(table(rows), "p")])
+    assert without.delivered == 0 and len(without.rejected) == 5 and len(without.missing) == 5
+
+
+def test_have_positions_skip_what_retention_no_longer_lists(alice):
+    rows = make_rows(alice, 6, label="a")
+    have = Have(frozenset(), {alice.publisher_did: 4})  # seqs 1..4 held, ids no longer listed
+    report = restore("g", [ArrowProvider(table(rows), "p")], have=have)
+    assert report.delivered_ids == ["a-4", "a-5"] and report.skipped_have == 4
+    assert Have.from_rows(["x", "y", "z"], ["d", "d", "d"], [1, 2, 4]).positions == {"d": 2}
+
+
+def test_unsigned_rows_need_an_explicit_opt_out(alice):
+    rows = make_rows(alice, 3, label="a")
+    for r in rows:
+        r["origin_sig"] = None
+    assert restore("g", [ArrowProvider(table(rows), "p")]).delivered == 0
+    assert restore("g", [ArrowProvider(table(rows), "p")], require_origin=False).delivered == 3
+    with pytest.raises(ConfigurationError):
+        restore("g", [])
+    with pytest.raises(ConfigurationError):
+        restore("g", [ArrowProvider(table(rows), "p"), ArrowProvider(table(rows), "p")])
