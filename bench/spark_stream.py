@@ -10,8 +10,9 @@ What it measures (one JSON document on stdout):
 * ``latency_ms``: p50/p99 from a message's ``sent_at`` (publisher clock) to the Delta commit that made
   it visible (commit timestamp in the Delta log), with a publisher at a steady rate and a query on the
   default trigger.
-* ``rate_pipeline``: the same Delta sink and row shape fed by ``rate-micro-batch`` (throughput) and
-  ``rate`` (latency, micro-batch duration): the Spark-side limit on this machine.
+* ``rate_pipeline``: the same Delta sink and row shape fed by ``rate-micro-batch`` (throughput, batches
+  of the same size) and ``rate`` (latency, micro-batch duration): the Spark-side limit on this
+  machine, measured right before each configuration so both see the same machine load.
 
 Targets (issue 5): the source reaches at least half the rate pipeline's rows/s; p50 latency is at most
 twice the rate pipeline's micro-batch duration. Each result says whether it met them.
@@ -93,22 +94,22 @@ def rate_rows(frame: Any, payload: int) -> Any:
 
 
 def rate_pipeline(spark: Any, work: Path, payload: int, messages: int, latency_s: float,
-                  rate: int) -> dict[str, Any]:
-    out = work / f"rate-{payload}"
+                  rate: int, tag: str) -> dict[str, Any]:
+    out = work / f"rate-{tag}"
     frame = (spark.readStream.format("rate-micro-batch").option("rowsPerBatch", messages)
              .option("numPartitions", 2).load())
     query = (rate_rows(frame, payload).writeStream.format("delta")
-             .option("checkpointLocation", str(work / f"rate-ck-{payload}"))
+             .option("checkpointLocation", str(work / f"rate-ck-{tag}"))
              .trigger(processingTime="0 seconds").start(str(out)))
     while len([p for p in query.recentProgress if p["numInputRows"]]) < 3:
         time.sleep(0.2)
     query.stop()
     throughput, _ = batch_rate(query.recentProgress)
     # latency: a steady rate, default trigger
-    lat_out = work / f"rate-lat-{payload}"
+    lat_out = work / f"rate-lat-{tag}"
     live = (rate_rows(spark.readStream.format("rate").option("rowsPerSecond", rate).option("numPartitions", 2)
                       .load(), payload)
-            .writeStream.format("delta").option("checkpointLocation", str(work / f"rate-lat-ck-{payload}"))
+            .writeStream.format("delta").option("checkpointLocation", str(work / f"rate-lat-ck-{tag}"))
             .start(str(lat_out)))
     time.sleep(latency_s)
     live.stop()
@@ -226,9 +227,8 @@ def main() -> int:
     spark = local_spark("zerocomm-bench", master="local[2]")
     report["machine"]["spark"] = spark.version
     spark.range(10).count()  # warm the JVM and the Python workers once
+    rate_pipeline(spark, work, payloads[0], 500, 3.0, args.latency_rate, "warm-up")  # and streaming + Delta
     try:
-        report["rate_pipeline"] = {str(p): rate_pipeline(spark, work, p, args.messages, args.latency_seconds,
-                                                         args.latency_rate) for p in payloads}
         results = []
         for n in sizes:
             members = start_members(work / f"members-{n}", [f"m{n}-{i}" for i in range(n)])
@@ -238,13 +238,17 @@ def main() -> int:
                     group = f"bench-{tag}"
                     form_group(members, group)
                     reader, publisher = members[0], members[1]
+                    # the Spark-side limit, measured right before, under the same machine load
+                    rate = rate_pipeline(spark, work, payload, args.messages, args.latency_seconds,
+                                         args.latency_rate, tag)
                     entry: dict[str, Any] = {"members": n, "payload_bytes": payload}
                     entry["publish_msgs_per_s"] = round(publish_all(publisher, group, payload, args.messages))
                     entry["source"] = zerocomm_source(spark, work, group, reader, tag)
                     entry["sink"] = zerocomm_sink(spark, work, group, publisher, payload, args.messages, tag)
                     entry["latency_ms"] = zerocomm_latency(spark, work, group, reader, publisher, payload,
                                                            args.latency_seconds, args.latency_rate, tag)
-                    rate = report["rate_pipeline"][str(payload)]
+                    entry["rate_pipeline"] = rate
+                    entry["loadavg_1m"] = round(os.getloadavg()[0], 1)
                     ratio = entry["source"]["rows_per_s"] / rate["rows_per_s"] if rate["rows_per_s"] else None
                     p50 = entry["latency_ms"]["p50"]
                     entry["targets"] = {

@@ -7,6 +7,8 @@ concern (micro-batch stream, batch reader, stream writer, batch writer).
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pyspark.sql.datasource import (
     DataSource,
     DataSourceReader,
@@ -18,8 +20,8 @@ from pyspark.sql.types import StructType
 
 from zerocomm_spark.errors import ConnectorOptionError, SinkSchemaError
 
-from zerocomm_spark.connector.options import SINK_OPTIONS, SOURCE_OPTIONS, SinkOptions, SourceOptions, _check_known
-from zerocomm_spark.connector.schema import sink_columns, source_schema
+from zerocomm_spark.connector.options import SinkOptions, SourceOptions
+from zerocomm_spark.connector.schema import SinkColumns, sink_columns, source_schema
 
 __all__ = ["NAME", "ZeroCommDataSource"]
 
@@ -42,8 +44,8 @@ class ZeroCommDataSource(DataSource):
         # Spark calls this at load(): the place to refuse unknown or malformed options.
         return source_schema(SourceOptions.parse(self.options).include_headers)
 
-    def _source_options(self, schema: StructType, mode: str) -> SourceOptions:
-        options = SourceOptions.parse(self.options, mode=mode)  # type: ignore[arg-type]
+    def _source_options(self, schema: StructType, mode: Literal["stream", "batch"]) -> SourceOptions:
+        options = SourceOptions.parse(self.options, mode=mode)
         expected = source_schema(options.include_headers)
         if [(f.name, f.dataType) for f in schema.fields] != [(f.name, f.dataType) for f in expected.fields]:
             raise ConnectorOptionError(
@@ -62,8 +64,7 @@ class ZeroCommDataSource(DataSource):
 
         return ZeroCommMicroBatchStream(self._source_options(schema, "stream"), schema)
 
-    def _sink(self, schema: StructType, overwrite: bool, what: str) -> tuple[SinkOptions, object]:
-        _check_known(self.options, SINK_OPTIONS, SOURCE_OPTIONS, "write")
+    def _sink(self, schema: StructType, overwrite: bool, what: str) -> tuple[SinkOptions, SinkColumns]:
         options = SinkOptions.parse(self.options)
         if overwrite:
             raise SinkSchemaError(f"format(\"zerocomm\") {what} only appends messages to a group; it cannot "
@@ -76,10 +77,10 @@ class ZeroCommDataSource(DataSource):
         from zerocomm_spark.connector.writer import ZeroCommBatchWriter
 
         options, columns = self._sink(schema, overwrite, "df.write")
-        return ZeroCommBatchWriter(options, columns)  # type: ignore[arg-type]
+        return ZeroCommBatchWriter(options, columns)
 
     def streamWriter(self, schema: StructType, overwrite: bool) -> DataSourceStreamWriter:
         from zerocomm_spark.connector.writer import ZeroCommStreamWriter
 
         options, columns = self._sink(schema, overwrite, "df.writeStream")
-        return ZeroCommStreamWriter(options, columns)  # type: ignore[arg-type]
+        return ZeroCommStreamWriter(options, columns)

@@ -47,8 +47,8 @@ if TYPE_CHECKING:
 
     from zerocomm_spark.pipelines.history_key import HistoryKey
 
-__all__ = ["IngestBatch", "HistoryWriter", "append_history", "compact", "ensure_table", "ingest", "to_history",
-           "vacuum"]
+__all__ = ["IngestBatch", "HistoryWriter", "append_history", "compact", "ensure_table", "ingest", "table_exists",
+           "to_history", "vacuum"]
 
 log = logging.getLogger("zerocomm_spark.pipelines.history")
 
@@ -69,12 +69,25 @@ class IngestBatch:
 # --- the table ---------------------------------------------------------------------------------
 
 
+def table_exists(spark: SparkSession, table_path: str) -> bool:
+    """Whether a Delta table is there now (a local path is looked at directly: Delta caches a path's
+    log per session, so a table another process made meanwhile could otherwise look absent)."""
+    from delta.tables import DeltaTable
+
+    path = str(table_path)
+    local = path[len("file:"):] if path.startswith("file:") else path
+    if "://" not in local:
+        log_dir = Path(local) / "_delta_log"
+        return log_dir.is_dir() and any(log_dir.glob("*.json"))
+    return bool(DeltaTable.isDeltaTable(spark, path))
+
+
 def ensure_table(spark: SparkSession, table_path: str, *, properties: Mapping[str, str] | None = None) -> None:
     """Create the history table (schema, partitioning, properties) unless it exists; check it if it does."""
     from delta.tables import DeltaTable
 
     path = str(table_path)
-    if not DeltaTable.isDeltaTable(spark, path):
+    if not table_exists(spark, path):
         builder = (DeltaTable.createIfNotExists(spark).location(path).addColumns(history_schema())
                    .partitionedBy(*PARTITION_COLUMNS))
         for key, value in {**TABLE_PROPERTIES, **(properties or {})}.items():

@@ -136,10 +136,11 @@ def have_from_journal(journal: Any, group: str) -> Have:
 
 def have_from_table(spark: SparkSession, table_path: str, group: str) -> Have:
     """What a Delta history table (the member's own) holds of ``group``."""
-    from delta.tables import DeltaTable
     from pyspark.sql import functions as F
 
-    if not DeltaTable.isDeltaTable(spark, str(table_path)):
+    from zerocomm_spark.pipelines.history import table_exists
+
+    if not table_exists(spark, str(table_path)):
         return Have()
     keys = (spark.read.format("delta").load(str(table_path)).where(F.col("group") == group)
             .select("message_id", "publisher_did", "seq").toArrow())

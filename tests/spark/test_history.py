@@ -222,8 +222,6 @@ KILLED_INGEST = textwrap.dedent("""
 
 
 def test_ingest_process_killed_mid_stream_restarts_with_nothing_missing_or_doubled(spark, members, tmp_path):
-    from delta.tables import DeltaTable
-
     members.add_group("killed", ["historian", "alice"])
     table, checkpoint = tmp_path / "history", tmp_path / "ck"
     published: list[str] = []
@@ -244,10 +242,8 @@ def test_ingest_process_killed_mid_stream_restarts_with_nothing_missing_or_doubl
     publisher = threading.Thread(target=keep_publishing, daemon=True)
     publisher.start()
     try:
-        def written() -> int:
-            if not DeltaTable.isDeltaTable(spark, str(table)):
-                return 0
-            return DeltaTable.forPath(spark, str(table)).history().where("operation = 'WRITE'").count()
+        def written() -> int:  # commits in the log, read as files: the other process writes them
+            return sum('"operation":"WRITE"' in p.read_text() for p in (table / "_delta_log").glob("*.json"))
 
         wait_for(lambda: written() >= 2 or proc.poll() is not None, 400, "two micro-batches in Delta", 1.0)
         assert proc.poll() is None, (tmp_path / "ingest.log").read_text()[-3000:]
