@@ -13,8 +13,10 @@ jars="${ZEROCOMM_JARS:-$HOME/.cache/zerocomm-spark/jars/delta-4.4.0-spark-4.2}"
 
 say() { printf '[setup] %s\n' "$*" >&2; }
 
-if [ ! -x "$venv/bin/python" ]; then
+if ! "$venv/bin/python" -m pip --version >/dev/null 2>&1; then
+  # Missing, or left half-made by an interrupted run: make it anew.
   say "creating $venv with $($python --version)"
+  rm -rf "$venv"
   "$python" -m venv "$venv"
 fi
 
