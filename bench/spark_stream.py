@@ -67,6 +67,8 @@ def commit_times(table: Path) -> dict[str, int]:
 
 def visible_latencies(spark: Any, table: Path, time_column: str) -> list[float]:
     """Per row: Delta commit time minus ``time_column`` (ms)."""
+    if not (table / "_delta_log").exists():
+        return []
     commits = commit_times(table)
     rows = (spark.read.format("delta").load(str(table))
             .selectExpr(f"unix_micros({time_column}) AS t", "_metadata.file_name AS f").collect())
@@ -112,6 +114,9 @@ def rate_pipeline(spark: Any, work: Path, payload: int, messages: int, latency_s
             .writeStream.format("delta").option("checkpointLocation", str(work / f"rate-lat-ck-{tag}"))
             .start(str(lat_out)))
     time.sleep(latency_s)
+    deadline = time.time() + 120  # a slow machine: wait for a few committed batches to measure
+    while time.time() < deadline and len([p for p in live.recentProgress if p["numInputRows"]]) < 3:
+        time.sleep(0.2)
     live.stop()
     _, batch_ms = batch_rate(live.recentProgress)
     lat = visible_latencies(spark, lat_out, "sent_at")

@@ -154,20 +154,26 @@ def _sealer(key: HistoryKey) -> Callable[[Iterator[pa.RecordBatch]], Iterator[pa
 
 
 def append_history(df: DataFrame, table_path: str, *, app_id: str, version: int) -> None:
-    """Append history rows once: Delta skips a (app_id, version) it already committed."""
+    """Append history rows once: Delta skips a (app_id, version) it already committed.
+
+    The commit is tagged ``userMetadata = app_id:version``, so whoever reads the table's history
+    (and :class:`HistoryWriter`) can tell which commit wrote which batch.
+    """
     (df.select(*HISTORY_COLUMNS).write.format("delta").mode("append")
-     .option("txnAppId", app_id).option("txnVersion", version).save(str(table_path)))
+     .option("txnAppId", app_id).option("txnVersion", version).option("userMetadata", f"{app_id}:{version}")
+     .save(str(table_path)))
 
 
-def _last_commit(spark: SparkSession, table_path: str) -> tuple[int | None, int]:
-    """The table's latest version and the rows that commit wrote (reads the Delta log only)."""
+def _last_commit(spark: SparkSession, table_path: str) -> tuple[int | None, str | None, int]:
+    """The table's latest version, its commit's userMetadata and rows written (reads the Delta log only)."""
     from delta.tables import DeltaTable
 
-    row = DeltaTable.forPath(spark, table_path).history(1).select("version", "operationMetrics").first()
+    row = (DeltaTable.forPath(spark, table_path).history(1)
+           .select("version", "userMetadata", "operationMetrics").first())
     if row is None:
-        return None, 0
+        return None, None, 0
     metrics = row["operationMetrics"] or {}
-    return int(row["version"]), int(metrics.get("numOutputRows", 0))
+    return int(row["version"]), row["userMetadata"], int(metrics.get("numOutputRows", 0))
 
 
 # --- the streaming query -----------------------------------------------------------------------
@@ -209,14 +215,19 @@ class HistoryWriter:
     def __call__(self, df: DataFrame, batch_id: int) -> None:
         spark = df.sparkSession
         began = time.monotonic()
-        before = _last_commit(spark, self.table_path)[0] if self.on_batch is not None else None
-        append_history(to_history(df, history_key=self.history_key), self.table_path,
-                       app_id=self.app_id(spark), version=batch_id)
+        app_id = self.app_id(spark)
+        append_history(to_history(df, history_key=self.history_key), self.table_path, app_id=app_id, version=batch_id)
+        wrote = time.monotonic()
         if self.on_batch is None:
+            log.debug("history batch %d written in %.3fs", batch_id, wrote - began)
             return
-        after, rows = _last_commit(spark, self.table_path)
-        committed = after is not None and after != before
-        self.on_batch(IngestBatch(batch_id, committed, rows if committed else 0, after if committed else None,
+        # Ours iff the newest commit carries this batch's tag (a skipped batch leaves an older one on top;
+        # a concurrent OPTIMIZE on top makes a committed batch look skipped, never the other way round).
+        version, tag, rows = _last_commit(spark, self.table_path)
+        committed = tag == f"{app_id}:{batch_id}"
+        log.debug("history batch %d written in %.3fs, checked in %.3fs", batch_id, wrote - began,
+                  time.monotonic() - wrote)
+        self.on_batch(IngestBatch(batch_id, committed, rows if committed else 0, version if committed else None,
                                   time.monotonic() - began))
 
 

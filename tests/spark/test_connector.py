@@ -139,6 +139,23 @@ def test_members_publish_and_a_stream_lands_in_delta_in_causal_order(spark, memb
     assert alice.client().latest(None)["committed_offset"] > 0
 
 
+def test_member_link_reads_a_publishers_range_whether_its_rows_are_dense_or_sparse(members, group):
+    from zerocomm_spark.connector.agent_link import MemberLink
+    from zerocomm_spark.connector.options import AgentOptions
+
+    alice, bob, carol = members["alice"], members["bob"], members["carol"]
+    for round_ in range(10):  # interleaved: bob 40 per round (dense), carol 2 per round (sparse)
+        publish(bob, group, [f"b{round_ * 40 + i}" for i in range(40)])
+        publish(carol, group, [f"c{round_ * 2 + i}" for i in range(2)])
+    with MemberLink.connect(AgentOptions(where=str(alice.config))) as link:
+        for member, first, last, prefix in ((bob, 7, 391, "b"), (carol, 2, 19, "c"), (bob, 1, 400, "b")):
+            did = member.did(group)
+            rows = [r for table in link.read_seqs(group, did, first, last) for r in table.to_pylist()]
+            assert [r["seq"] for r in rows] == list(range(first, last + 1))
+            assert [r["payload"].decode() for r in rows] == [f"{prefix}{i - 1}" for i in range(first, last + 1)]
+            assert {r["publisher_did"] for r in rows} == {did} and {r["group"] for r in rows} == {group}
+
+
 def test_batch_read_and_offsets_options(spark, members, group):
     alice, bob = members["alice"], members["bob"]
     publish(bob, group, [f"m{i}" for i in range(30)])

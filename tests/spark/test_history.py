@@ -323,7 +323,8 @@ def test_restore_from_two_providers_delivers_every_missed_message_once_and_rejec
     # Provider "bob": bob's own history, from his member, served by a byzantine host that dropped
     # five rows, altered one message, and slipped in one of bob's messages under alice's name.
     ingest_all(spark, "story", tmp_path / "bob_raw", tmp_path / "ck", members["bob"].agent)
-    rows = delta_rows(spark, tmp_path / "bob_raw").to_pylist()
+    raw = delta_rows(spark, tmp_path / "bob_raw")
+    rows = raw.to_pylist()
     assert len(rows) == 110
     alice_a = [r for r in rows if r["message_id"] in set(story.phase_a) and r["publisher_label"] == "alice"]
     dropped = {r["message_id"] for r in alice_a[:5]}
@@ -336,8 +337,8 @@ def test_restore_from_two_providers_delivers_every_missed_message_once_and_rejec
     impostor.update(message_id="impostor-1", publisher_did=members["alice"].did, publisher_label="alice",
                     seq=999, payload=b"pay bob")
     impostor["origin_sig"] = members["bob"].signer.sign("story", "impostor-1", b"pay bob")
-    tampered = spark.createDataFrame(pa.Table.from_pylist(served + [impostor]).select(list(HISTORY_COLUMNS)),
-                                     schema=history_schema())
+    tampered = spark.createDataFrame(pa.Table.from_pylist(served + [impostor], schema=raw.schema)
+                                     .select(list(HISTORY_COLUMNS)), schema=history_schema())
     from zerocomm_spark.pipelines.history import ensure_table
 
     ensure_table(spark, str(tmp_path / "bob"))

@@ -1,0 +1,60 @@
+"""`zerocomm history`: the journal listing keeps its old form beside the Delta actions; key files."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from zerocomm_spark.agent.cli import _with_history_action, build_parser
+from zerocomm_spark.errors import ConfigurationError, InsecurePermissionsError
+from zerocomm_spark.pipelines.commands import read_key_file
+from zerocomm_spark.pipelines.history_key import HistoryKey
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["history", "g"], ["history", "show", "g"]),
+    (["--json", "history", "g", "--all"], ["--json", "history", "show", "g", "--all"]),
+    (["--config", "c.toml", "history", "--limit", "5", "g"], ["--config", "c.toml", "history", "show", "--limit", "5", "g"]),
+    (["history", "ingest", "g", "--table", "t"], ["history", "ingest", "g", "--table", "t"]),
+    (["--timeout", "9", "history", "vacuum", "--table", "t"], ["--timeout", "9", "history", "vacuum", "--table", "t"]),
+    (["send", "history", "x"], ["send", "history", "x"]),  # "history" as a group name elsewhere is left alone
+    (["history", "--help"], ["history", "--help"]),
+])
+def test_history_without_an_action_is_the_journal_listing(argv, expected):
+    assert _with_history_action(argv) == expected
+
+
+def test_every_history_action_parses():
+    parser = build_parser()
+    args = parser.parse_args(_with_history_action(["history", "g", "--limit", "3"]))
+    assert (args.history_command, args.group, args.limit) == ("show", "g", 3)
+    args = parser.parse_args(["history", "ingest", "a", "b", "--table", "/t", "--available-now", "--max-per-trigger", "9"])
+    assert (args.groups, args.table, args.available_now, args.max_per_trigger) == (["a", "b"], "/t", True, 9)
+    args = parser.parse_args(["history", "replay", "g", "--table", "/t", "--since-lamport", "7", "--verify"])
+    assert (args.since_lamport, args.since_version, args.verify) == (7, None, True)
+    with pytest.raises(SystemExit):  # one "since" at a time
+        parser.parse_args(["history", "replay", "g", "--table", "/t", "--since-lamport", "7", "--since-version", "1"])
+    args = parser.parse_args(["history", "vacuum", "--table", "/t", "--retain-hours", "0", "--dry-run"])
+    assert (args.retain_hours, args.dry_run) == (0.0, True)
+    assert parser.parse_args(["history", "compact", "--table", "/t"]).group is None
+
+
+def test_key_files_must_be_owner_only_and_hold_a_key(tmp_path):
+    key = HistoryKey.generate()
+    raw, text = tmp_path / "raw.key", tmp_path / "hex.key"
+    raw.write_bytes(key.secret)
+    text.write_text(key.secret.hex() + "\n")
+    for path in (raw, text):
+        os.chmod(path, 0o600)
+        assert read_key_file(path) == key
+    os.chmod(text, 0o644)
+    with pytest.raises(InsecurePermissionsError):
+        read_key_file(text)
+    bad = tmp_path / "bad.key"
+    bad.write_text("not a key")
+    os.chmod(bad, 0o600)
+    with pytest.raises(ConfigurationError):
+        read_key_file(bad)
+    with pytest.raises(ConfigurationError):
+        read_key_file(tmp_path / "missing.key")
