@@ -116,13 +116,22 @@ def _common() -> argparse.ArgumentParser:
     return p
 
 
+class _Parser(argparse.ArgumentParser):
+    """The top-level parser: `history GROUP` keeps meaning `history show GROUP` (see _with_history_action)."""
+
+    def parse_known_args(self, args: Sequence[str] | None = None,  # type: ignore[override]
+                         namespace: argparse.Namespace | None = None) -> tuple[argparse.Namespace, list[str]]:
+        argv = list(sys.argv[1:] if args is None else args)
+        return super().parse_known_args(_with_history_action(argv), namespace)
+
+
 def build_parser() -> argparse.ArgumentParser:
     common = _common()
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="zerocomm", parents=[common], formatter_class=argparse.RawDescriptionHelpFormatter,
         description="End-to-end encrypted DIDComm group messaging: run a member agent and drive it.",
         epilog=_EPILOG)
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=argparse.ArgumentParser)
     sub.required = True
 
     def add(parent: Any, name: str, help_text: str, func: Callable[..., int]) -> argparse.ArgumentParser:
@@ -754,7 +763,7 @@ def _report_error(exc: BaseException, as_json: bool) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     """The console script: parse, run one command, map errors to the documented exit codes."""
     parser = build_parser()
-    args = parser.parse_args(_with_history_action(list(sys.argv[1:] if argv is None else argv)))
+    args = parser.parse_args(argv)
     as_json = bool(getattr(args, "json", False))
     ctx: Ctx | None = None
     try:
