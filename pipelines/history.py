@@ -231,15 +231,18 @@ class HistoryWriter:
         spark = df.sparkSession
         began = time.monotonic()
         app_id = self.app_id(spark)
+        before = _last_commit(spark, self.table_path)[0] if self.on_batch is not None else None
         append_history(to_history(df, history_key=self.history_key), self.table_path, app_id=app_id, version=batch_id)
         wrote = time.monotonic()
         if self.on_batch is None:
             log.debug("history batch %d written in %.3fs", batch_id, wrote - began)
             return
-        # Ours iff the newest commit carries this batch's tag (a skipped batch leaves an older one on top;
-        # a concurrent OPTIMIZE on top makes a committed batch look skipped, never the other way round).
+        # Ours iff a new commit appeared and it carries this batch's tag. A batch Delta skipped (its
+        # txnVersion was already committed, by an earlier run of this query) leaves the table's
+        # version where it was, even when the newest commit is that earlier run's write of it; a
+        # concurrent OPTIMIZE on top makes a committed batch look skipped, never the other way round.
         version, tag, rows = _last_commit(spark, self.table_path)
-        committed = tag == f"{app_id}:{batch_id}"
+        committed = version is not None and version != before and tag == f"{app_id}:{batch_id}"
         log.debug("history batch %d written in %.3fs, checked in %.3fs", batch_id, wrote - began,
                   time.monotonic() - wrote)
         self.on_batch(IngestBatch(batch_id, committed, rows if committed else 0, version if committed else None,
