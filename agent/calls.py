@@ -287,7 +287,8 @@ class AgentCalls:
             for p in positions.publishers.values() if group is None or p.group == group
         ]
         return {"next_offset": positions.next_offset, "earliest_offset": journal.earliest_offset(),
-                "committed_offset": journal.committed_offset, "publishers": publishers}
+                "committed_offset": journal.committed_offset, "consumers": journal.consumers(),
+                "publishers": publishers}
 
     def read(self, req: Request, group: str | None, start: int | None, end: int | None, publisher: str | None,
              first_seq: int | None, last_seq: int | None, max_rows: int | None, wait: float | None,
@@ -373,8 +374,12 @@ class AgentCalls:
             table = table.slice(table.num_rows - want)
         return table, end
 
-    def commit(self, req: Request, offset: int) -> dict[str, Any]:
-        return {"committed_offset": self.journal.commit(offset)}
+    def commit(self, req: Request, offset: int, consumer: str | None = None) -> dict[str, Any]:
+        point = self.journal.commit(offset, consumer)
+        return {"committed_offset": self.journal.committed_offset, "consumer": consumer, "consumer_offset": point}
+
+    def release(self, req: Request, consumer: str) -> dict[str, Any]:
+        return {"released": self.journal.release(consumer), "committed_offset": self.journal.committed_offset}
 
 
 def _publish_rows(table: pa.Table) -> tuple[list[bytes], list[str], list[dict[str, str] | None]]:
@@ -455,5 +460,6 @@ def build_registry(process: "AgentProcess") -> CallRegistry:
     r.add("read", calls.read, {"group": text, "start": offset, "end": offset, "publisher": text,
                                "first_seq": offset, "last_seq": offset, "max_rows": Param(int, check=positive),
                                "wait": Param(float, check=non_negative), "last": Param(int, check=positive)})
-    r.add("commit", calls.commit, {"offset": Param(int, required=True, check=non_negative)})
+    r.add("commit", calls.commit, {"offset": Param(int, required=True, check=non_negative), "consumer": text})
+    r.add("release", calls.release, {"consumer": required_text})
     return r

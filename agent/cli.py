@@ -375,7 +375,7 @@ def cmd_init(ctx: Ctx) -> int:
         agent = Agent.open(cfg.identity_dir, label=cfg.label, endpoint=cfg.get("peer", "endpoint"),
                            passphrase=cfg.passphrase(), advertise=cfg.get("peer", "advertise") or None)
         try:
-            keystore = getattr(agent, "keystore", None) or agent._keystore  # noqa: SLF001
+            keystore = agent.keystore
             journal_key(keystore)
             label, endpoint = agent.label, agent.endpoint
         finally:

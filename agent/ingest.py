@@ -1,6 +1,6 @@
 """Delivered group messages into the journal, before the publisher hears they arrived.
 
-Why synchronous: the data plane calls ``on_message`` on its receiver thread and acknowledges a
+Why synchronous: the data plane calls ``on_messages`` on its receiver thread and acknowledges a
 publisher's messages only after the callback returned (docs/groups.md, "Acks"). Appending inside the
 callback therefore orders "journaled" before "acknowledged", which is what makes a ``kill -9`` lose
 nothing that was acknowledged: the publisher keeps every unacknowledged message and re-sends it to

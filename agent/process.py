@@ -41,11 +41,6 @@ VERSION = "0.1.0"
 API_CURVE_SECRET = "api-curve-secret"
 
 
-def _keystore_of(agent: Agent) -> Any:
-    keystore = getattr(agent, "keystore", None)
-    return keystore if keystore is not None else agent._keystore  # noqa: SLF001 - the process owns the agent
-
-
 class AgentProcess:
     """Everything one agent runs; ``start()``, then ``run()`` until ``stop()``, then ``close()``."""
 
@@ -83,16 +78,15 @@ class AgentProcess:
         return self
 
     def _open_member(self) -> None:
-        from zerocomm_spark.agent.groups import group_config, member_class
+        from zerocomm_spark.agent.groups import group_config
 
         cfg = self.config
-        agent_class = member_class(self._attach_journal)
         try:
-            self.member = agent_class.open(
+            self.member = Agent.open(
                 cfg.identity_dir, label=cfg.label, endpoint=cfg.get("peer", "endpoint"),
                 passphrase=cfg.passphrase(), advertise=cfg.get("peer", "advertise") or None,
                 max_frame_bytes=cfg.get("peer", "max_frame_bytes"), workers=cfg.get("peer", "workers"),
-                group_config=group_config(cfg))
+                group_config=group_config(cfg), prepare_groups=self._attach_journal)
         except AgentAlreadyRunningError:
             health = read_health(cfg.socket_dir) or {}
             pid = health.get("pid")
@@ -112,22 +106,22 @@ class AgentProcess:
         self.groups = self.member.groups  # an agent process always runs its data plane
 
     def _attach_journal(self, member: Agent, manager: Any) -> None:
-        """Open the journal and hook it to the group manager before the manager starts (see groups.py)."""
+        """Open the journal and hook it to the group manager before the manager starts.
+
+        Before: the data plane may deliver, and then acknowledge, messages within milliseconds of
+        the start of a restarted member that rejoins its groups.
+        """
         cfg = self.config
         if self.journal is None:
             retention_bytes = cfg.get("journal", "retention_bytes") or None
             self.journal = Journal.open(
-                cfg.journal_dir, key=journal_key(_keystore_of(member)), fsync=cfg.get("journal", "fsync"),
+                cfg.journal_dir, key=journal_key(member.keystore), fsync=cfg.get("journal", "fsync"),
                 fsync_interval_ms=cfg.get("journal", "fsync_interval_ms"),
                 segment_bytes=cfg.get("journal", "segment_bytes"), retention_bytes=retention_bytes,
                 retention_ms=cfg.retention_ms, dedup_window=cfg.get("journal", "dedup_window"))
             self.ingest = JournalIngest(self.journal, self.metrics)
         assert self.ingest is not None
-        batch_hook = getattr(manager, "on_messages", None)
-        if callable(batch_hook):  # one journal record per delivery batch, still before the acks
-            batch_hook(self.ingest.on_messages)
-        else:
-            manager.on_message(self.ingest.on_message)
+        manager.on_messages(self.ingest.on_messages)  # one journal record per delivery batch, before the acks
 
     def _open_api(self) -> None:
         from zerocomm_spark.agent.calls import build_registry
@@ -146,7 +140,7 @@ class AgentProcess:
         assert self.member is not None
         secret = None
         if cfg.get("api", "tcp_endpoint"):
-            keystore = _keystore_of(self.member)
+            keystore = self.member.keystore
             stored = keystore.get_secret(API_CURVE_SECRET)
             if stored is None:
                 _, stored = zmq.curve_keypair()

@@ -302,14 +302,17 @@ class MemberLink:
     def commit(self, end: ZeroCommOffset, groups: Sequence[str]) -> int | None:
         """Tell the member that everything the query checkpointed may be pruned; never more.
 
-        The journal has one commit point (a journal offset) for all its groups, so the point is the
-        lowest of: each subscribed publisher's first row not yet checkpointed, and, for every other
-        group, its first row at or after the current commit point (this query never declares
+        The point is this query's (``end.consumer``; the journal prunes below the lowest of all its
+        consumers' points) and covers all of the journal's groups, so it is the lowest of: each
+        subscribed publisher's first row not yet checkpointed, and, for every other group, its first row at or after the current commit point (this query never declares
         another group's messages consumed). Returns the commit point now asked for, or None.
         """
         result = self._call("latest", None)
         next_offset = _int_field(result, ("next_offset",))
         committed = _int_field(result, ("committed_offset", "committed")) or 0
+        if end.consumer is not None:  # where this query stands, not the slowest one
+            own = (result.get("consumers") or {}).get(end.consumer) if isinstance(result, Mapping) else None
+            committed = own if isinstance(own, int) and not isinstance(own, bool) else 0
         if next_offset is None:
             return None
         point = next_offset
@@ -329,7 +332,10 @@ class MemberLink:
                 point = min(point, int(row.column("offset")[0].as_py()))
         if point <= committed:
             return None
-        self._call("commit", point)
+        if end.consumer is not None:  # this query's own point: a slower query on the member keeps its rows
+            self._call("commit", point, consumer=end.consumer)
+        else:  # an offset checkpointed before queries were named
+            self._call("commit", point)
         return point
 
     def _first_row_at_or_after(self, group: str, did: str, last: int, offset: int) -> pa.Table | None:

@@ -20,6 +20,7 @@ talks to the member on the driver's host; the reading itself happens on executor
 from __future__ import annotations
 
 import logging
+import uuid
 from collections.abc import Iterator, Sequence
 
 import pyarrow as pa
@@ -94,6 +95,7 @@ class ZeroCommMicroBatchStream(DataSourceStreamReader, SupportsTriggerAvailableN
         link = self._member()
         offset = self.options.starting.resolve(
             ranges, lambda key, ts: link.first_sent_at_or_after(key, ts, ranges[key]))
+        offset = offset.with_consumer(f"spark-{uuid.uuid4().hex}")  # this query, to the member's journal
         log.info("zerocomm source starts at %s", offset.to_json())
         return offset.to_dict()
 

@@ -9,7 +9,11 @@ A position is the *next* seq to read (Kafka's convention): everything below it w
 The JSON form carries a version so that a checkpoint written by a newer connector is refused with
 a clear message instead of being misread::
 
-    {"version": 1, "groups": {"sensors": {"did:peer:2.Ez...": 42}}}
+    {"version": 1, "groups": {"sensors": {"did:peer:2.Ez...": 42}}, "consumer": "spark-4f0c..."}
+
+``consumer`` names the query to the member (its journal keeps what each named consumer has not
+committed); it is made once, at a new query's first offset, and travels in every offset after, so a
+restarted query from its checkpoint is still the same consumer. Older offsets without it still read.
 
 Everything here is pure (no Spark, no agent), so the rules are unit-tested on their own.
 """
@@ -61,8 +65,12 @@ class ZeroCommOffset:
     """Where a query stands: for each (group, publisher DID), the next seq it will read."""
 
     positions: Mapping[PublisherKey, int] = field(default_factory=dict)
+    consumer: str | None = None
 
     def __post_init__(self) -> None:
+        if self.consumer is not None and (not isinstance(self.consumer, str) or not self.consumer
+                                          or len(self.consumer) > 200):
+            raise OffsetFormatError(f"the offset's consumer must be a short non-empty string, not {self.consumer!r}")
         # Sorted once, so the JSON (which Spark compares as text) is canonical.
         ordered = {k: self.positions[k] for k in sorted(self.positions)}
         for (group, did), seq in ordered.items():
@@ -78,7 +86,10 @@ class ZeroCommOffset:
         groups: dict[str, dict[str, int]] = {}
         for (group, did), seq in self.positions.items():
             groups.setdefault(group, {})[did] = seq
-        return {"version": OFFSET_VERSION, "groups": groups}
+        out: dict[str, Any] = {"version": OFFSET_VERSION, "groups": groups}
+        if self.consumer is not None:
+            out["consumer"] = self.consumer
+        return out
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), separators=(",", ":"))
@@ -108,7 +119,7 @@ class ZeroCommOffset:
             for did, seq in publishers.items():
                 positions[(str(group), str(did))] = _check_seq(seq, f"offset of {did} in group {group!r}",
                                                                allow_special=False)
-        return cls(positions)
+        return cls(positions, data.get("consumer"))
 
     @classmethod
     def from_json(cls, text: str | bytes) -> "ZeroCommOffset":
@@ -144,7 +155,10 @@ class ZeroCommOffset:
     def updated(self, changes: Mapping[PublisherKey, int]) -> "ZeroCommOffset":
         merged = dict(self.positions)
         merged.update(changes)
-        return ZeroCommOffset(merged)
+        return ZeroCommOffset(merged, self.consumer)
+
+    def with_consumer(self, consumer: str | None) -> "ZeroCommOffset":
+        return ZeroCommOffset(self.positions, consumer)
 
     def rows_until(self, end: "ZeroCommOffset") -> int:
         """How many seqs lie between this offset and ``end`` (publishers missing here count nothing)."""
@@ -366,7 +380,7 @@ def limit_rows(start: ZeroCommOffset, latest: ZeroCommOffset, max_rows: int) -> 
             merged[key] = target
     for key, n in grant.items():
         merged[key] += n
-    return ZeroCommOffset(merged)
+    return ZeroCommOffset(merged, start.consumer)
 
 
 @dataclass(frozen=True)

@@ -92,7 +92,7 @@ def _member_signer(process: AgentProcess) -> OriginSigner:
 
     member = process.member
     assert member is not None
-    keystore = getattr(member, "keystore", None) or member._keystore  # noqa: SLF001 - we run this member
+    keystore = member.keystore
     verkey = GroupStore(keystore).identity().member_verkey
     return OriginSigner(keystore.get(verkey), member.groups.did)
 

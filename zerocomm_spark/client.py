@@ -765,9 +765,21 @@ class Client:
                           end_offset=int(result.get("end_offset", result.get("next_offset", 0))),
                           next_seq=result.get("next_seq"))
 
-    def commit(self, offset: int, *, timeout: float | None = None) -> dict[str, Any]:
-        """Everything below ``offset`` was consumed: retention may drop it."""
-        result: dict[str, Any] = self.call("commit", offset=offset, timeout=timeout)
+    def commit(self, offset: int, *, consumer: str | None = None, timeout: float | None = None) -> dict[str, Any]:
+        """``consumer`` (or the journal's one unnamed consumer) consumed everything below ``offset``.
+
+        Retention drops only what every named consumer committed: name yours when several read
+        one member (the Spark source names each query).
+        """
+        params: dict[str, Any] = {"offset": offset}
+        if consumer is not None:
+            params["consumer"] = consumer
+        result: dict[str, Any] = self.call("commit", timeout=timeout, **params)
+        return result
+
+    def release(self, consumer: str, *, timeout: float | None = None) -> dict[str, Any]:
+        """Forget a consumer that is gone for good, so its commit point no longer holds retention back."""
+        result: dict[str, Any] = self.call("release", consumer=consumer, timeout=timeout)
         return result
 
     def metrics(self, *, timeout: float | None = None) -> dict[str, Any]:

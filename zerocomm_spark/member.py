@@ -172,7 +172,8 @@ class Agent:
     """A DIDComm agent on a ZeroMQ endpoint; open one per identity directory with ``Agent.open``."""
 
     def __init__(self, keystore: Keystore, transport: PeerTransport, label: str, path: Path,
-                 endpoint: str | None = None, group_config: "GroupConfig | None" = None) -> None:
+                 endpoint: str | None = None, group_config: "GroupConfig | None" = None,
+                 prepare_groups: "Callable[[Agent, GroupManager], None] | None" = None) -> None:
         """Use :meth:`Agent.open`; this wires already opened parts together."""
         self._keystore = keystore
         self._transport = transport
@@ -194,6 +195,7 @@ class Agent:
         self._protocol_types: dict[str, type[AgentMessage]] = {}  # @type -> class, of register_protocol()
         self._groups: GroupManager | None = None
         self._group_config = group_config
+        self._prepare_groups = prepare_groups
         self._groups_lock = threading.Lock()
         self._handlers: dict[type[AgentMessage], Callable[[Any, _Inbound], None]] = {
             DIDXRequest: self._on_request,
@@ -214,13 +216,16 @@ class Agent:
     def open(cls, path: str | Path, *, label: str | None = None, endpoint: str = DEFAULT_ENDPOINT,
              passphrase: str | bytes | None = None, advertise: str | None = None,
              max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES, workers: int = 4,
-             group_config: "GroupConfig | None" = None) -> "Agent":
+             group_config: "GroupConfig | None" = None,
+             prepare_groups: "Callable[[Agent, GroupManager], None] | None" = None) -> "Agent":
         """Open (or create) the agent of an identity directory and start serving its endpoint.
 
         On a restart with a wildcard ``endpoint`` (the default) the port bound last time is bound
         again, because peers know us by DIDs that contain it. ``advertise`` is the address peers
         dial when it differs from the bound one (binding ``tcp://0.0.0.0:*`` on a cluster node).
         ``group_config`` tunes ``agent.groups``; an identity with groups rejoins them here.
+        ``prepare_groups(agent, manager)`` runs once, before the group manager starts (and so before
+        its first delivery): the place to register a durable ``on_messages`` consumer.
         """
         directory = Path(path).expanduser().absolute()
         if label is not None and (not isinstance(label, str) or not label.strip()):
@@ -254,7 +259,7 @@ class Agent:
             wanted = {"label": the_label, "endpoint": transport.endpoint, "advertise": public}
             if settings != wanted:
                 keystore.put_record(SETTINGS_KIND, SETTINGS_ID, wanted)
-            agent = cls(keystore, transport, the_label, directory, public, group_config)
+            agent = cls(keystore, transport, the_label, directory, public, group_config, prepare_groups)
             transport.register(ProtocolId.DIDCOMM, rpc=agent._on_rpc, direct=agent._on_direct)
         except BaseException:
             if transport is not None:
@@ -320,6 +325,11 @@ class Agent:
         return self._path
 
     @property
+    def keystore(self) -> Keystore:
+        """The identity's sealed keystore, for components of this process (the journal key lives there)."""
+        return self._keystore
+
+    @property
     def groups(self) -> "GroupManager":
         """ZeroComm groups of this agent (created on first use, closed with the agent)."""
         self._check_open()
@@ -329,6 +339,8 @@ class Agent:
 
                 manager = GroupManager(self, keystore=self._keystore, transport=self._transport,
                                        connections=self._store, config=self._group_config)
+                if self._prepare_groups is not None:
+                    self._prepare_groups(self, manager)
                 manager.start()
                 self._groups = manager
             return self._groups

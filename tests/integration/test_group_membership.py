@@ -114,3 +114,40 @@ def test_delivery_api_history_callback_and_receive(agents: tuple[Agent, Agent, A
     assert len(seen) == 30
     # what bob just got is what a restart would continue after
     assert bob.groups.dataplane.positions("news")[alice.groups.did] == receipt.seqs[-1] + 1
+
+
+def test_batch_hook_gets_delivery_batches_and_holds_the_acks_until_it_returns(tmp_path: Path) -> None:
+    prepared: list[str] = []
+    gate = threading.Event()
+    batches: list[list[Delivered]] = []
+
+    def durable(batch: list[Delivered]) -> None:  # a journal-like consumer that is slow to commit
+        batches.append(batch)
+        assert gate.wait(20)
+
+    def prepare(agent: Agent, manager: Any) -> None:
+        prepared.append(agent.label)
+        assert manager._dataplane is None  # noqa: SLF001 - it runs before the manager starts
+        manager.on_messages(durable)
+
+    alice = Agent.open(tmp_path / "alice", label="alice", group_config=CONFIG)
+    bob = Agent.open(tmp_path / "bob", label="bob", group_config=CONFIG, prepare_groups=prepare)
+    try:
+        alice.groups.create("journaled")
+        bob.groups.join("journaled", via=bob.accept(alice.invite()))
+        assert prepared == ["bob"]
+        receipt = alice.groups.publish("journaled", [f"m{i}" for i in range(50)])
+        _eventually(lambda: batches, what="a first delivery batch")
+        time.sleep(1.0)
+        assert not receipt.done(), "acknowledged before the batch consumer returned"
+        gate.set()
+        receipt.wait(15)
+        _eventually(lambda: sum(len(b) for b in batches) == 50, what="all 50 messages in batches")
+        flat = [m for b in batches for m in b]
+        assert [m.payload for m in flat] == [f"m{i}".encode() for i in range(50)]
+        assert len(batches) < 50  # batched, not one call per message
+        assert all(len({m.publisher_did for m in b}) == 1 and len({m.group for m in b}) == 1 for b in batches)
+    finally:
+        gate.set()
+        bob.close()
+        alice.close()

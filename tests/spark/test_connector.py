@@ -139,6 +139,54 @@ def test_members_publish_and_a_stream_lands_in_delta_in_causal_order(spark, memb
     assert alice.client().latest(None)["committed_offset"] > 0
 
 
+def test_two_queries_on_one_member_commit_their_own_points_and_keep_them_across_restarts(spark, members, group,
+                                                                                       tmp_path):
+    alice, bob = members["alice"], members["bob"]
+    publish(bob, group, [f"m{i}" for i in range(200)])
+
+    def consumers() -> dict[str, int]:
+        return {k: v for k, v in alice.client().latest(None)["consumers"].items() if k.startswith("spark-")}
+
+    def run(name: str, until: Callable[[], bool], what: str, **options: str) -> None:
+        # Spark commits a batch's offsets to the source when it starts the next batch, and starts one
+        # only for new data: a tick now and then lets the last batch with the 200 messages commit.
+        query = (source(spark, group, alice, startingOffsets="earliest", **options)
+                 .writeStream.format("delta").option("checkpointLocation", str(tmp_path / f"ck-{name}"))
+                 .trigger(processingTime="300 milliseconds").start(str(tmp_path / name)))
+
+        def done_or_tick() -> bool:
+            if until():
+                return True
+            publish(bob, group, ["tick"])
+            return False
+
+        try:
+            wait_for(done_or_tick, 180, what, interval=1.0)
+        finally:
+            query.stop()
+        assert query.exception() is None
+
+    before = set(consumers())
+    end = alice.client().latest(None)["next_offset"]
+    run("fast", lambda: any(v >= end for k, v in consumers().items() if k not in before), "the fast query's commit")
+    (fast_name,) = set(consumers()) - before
+    # the slow query: 10 messages a batch, stopped right after its first commit
+    run("slow", lambda: len(set(consumers()) - before) == 2, "the slow query's first commit",
+        maxMessagesPerTrigger="10")
+    points = consumers()
+    (slow_name,) = set(points) - before - {fast_name}
+    assert points[slow_name] < points[fast_name]  # each query its own point
+    assert alice.client().latest(None)["committed_offset"] <= points[slow_name]  # retention waits for the slower
+    # restarted from its checkpoint, the slow query is still the same consumer and moves its point on
+    run("slow", lambda: consumers().get(slow_name, 0) >= end, "the restarted slow query's commit")
+    assert set(consumers()) - before == {slow_name, fast_name}
+    for name in ("fast", "slow"):
+        got = [r.payload.decode() for r in delta(spark, tmp_path / name).select("payload").collect()]
+        assert sorted(p for p in got if p != "tick") == sorted(f"m{i}" for i in range(200)), name
+    assert alice.client().release(slow_name)["released"] is True
+    assert slow_name not in consumers()
+
+
 def test_member_link_reads_a_publishers_range_whether_its_rows_are_dense_or_sparse(members, group):
     from zerocomm_spark.connector.agent_link import MemberLink
     from zerocomm_spark.connector.options import AgentOptions

@@ -40,8 +40,9 @@ Why it is built this way (docs/groups.md, "Data plane"):
 
 Threads: IO, sender (batch + pack), receiver (decrypt, sequence, deliver, ack, NACK), maintenance
 (keepalives, heartbeats), ZAP authenticator; transport workers run the GROUP_DATA handlers.
-``on_deliver`` and ``on_state`` run on the receiver thread, one at a time, in order: a slow callback
-is backpressure on the publishers, never loss.
+``on_deliver`` (or ``on_deliver_many``, one call per delivery batch, when given) and ``on_state`` run
+on the receiver thread, one at a time, in order: a slow callback is backpressure on the publishers,
+never loss; acknowledgements cover only what a callback returned from.
 """
 
 from __future__ import annotations
@@ -393,10 +394,13 @@ class DataPlane:
         on_deliver: Callable[[Delivered], None],
         on_state: Callable[[str, bytes], None] | None = None,
         config: DataPlaneConfig = DataPlaneConfig(),  # noqa: B008 - frozen, shared safely
+        on_deliver_many: Callable[[list[Delivered]], None] | None = None,
     ) -> None:
         self.member_did = topics.check_did(member_did)
         if not callable(on_deliver):
             raise ConfigurationError("on_deliver must be a callable taking a Delivered")
+        if on_deliver_many is not None and not callable(on_deliver_many):
+            raise ConfigurationError("on_deliver_many must be a callable taking a list of Delivered, or None")
         if on_state is not None and not callable(on_state):
             raise ConfigurationError("on_state must be a callable taking (group, blob) or None")
         if not isinstance(config, DataPlaneConfig):
@@ -407,6 +411,7 @@ class DataPlane:
         self._curve_secret = _z85_key(curve_keypair[1], "the CURVE secret key")
         self._bind = publish_bind
         self._on_deliver = on_deliver
+        self._on_deliver_many = on_deliver_many
         self._on_state = on_state
         self.config = config
 
@@ -1531,23 +1536,35 @@ class DataPlane:
             now = time.time()
             dup_flags = self._dedup.check_and_add_many([(did, m.id) for m in msgs])
             callback = self._on_deliver
+            many = self._on_deliver_many
             group = g.name
             dup_ids = errors = nbytes = 0
             # Observing the batch's highest timestamp before the first callback keeps the Lamport
             # property (anything published from a callback is stamped after what it saw).
             self._clock.observe(max(m.lamport for m in msgs))
+            fresh: list[Delivered] = []
             for msg, dup in zip(msgs, dup_flags):
                 if dup:
                     dup_ids += 1
                     continue
                 nbytes += len(msg.payload)
                 headers = msg.headers
-                try:
-                    callback(_delivered(group, msg.id, did, msg.seq, msg.lamport, msg.sent_at, now, msg.payload,
+                fresh.append(_delivered(group, msg.id, did, msg.seq, msg.lamport, msg.sent_at, now, msg.payload,
                                         dict(headers) if headers else None))
+            if many is not None and fresh:
+                try:  # one call per delivery batch: a durable consumer commits the batch at once
+                    many(fresh)
                 except Exception:  # noqa: BLE001 - the application's bug must not stop the stream
-                    errors += 1
-                    log.exception("on_deliver raised for seq %d of %s in group %r", msg.seq, did, group)
+                    errors += len(fresh)
+                    log.exception("on_deliver_many raised for seqs %d-%d of %s in group %r", fresh[0].seq,
+                                  fresh[-1].seq, did, group)
+            else:
+                for delivered in fresh:
+                    try:
+                        callback(delivered)
+                    except Exception:  # noqa: BLE001 - the application's bug must not stop the stream
+                        errors += 1
+                        log.exception("on_deliver raised for seq %d of %s in group %r", delivered.seq, did, group)
             self._stats.add(messages_in=len(msgs) - dup_ids, bytes_in=nbytes, duplicates_dropped=dup_ids,
                             callback_errors=errors)
         with self._rx_lock:

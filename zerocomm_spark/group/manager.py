@@ -260,6 +260,7 @@ class GroupManager:
         self._groups: dict[str, _Group] = {}
         self._reserved: set[str] = set()
         self._listeners: list[Callable[[Delivered], None]] = []
+        self._batch_listeners: list[Callable[[list[Delivered]], None]] = []
         self._arrivals = 0
         self._inbox_cond = threading.Condition(self._lock)
         self._control: queue.Queue[Callable[[], None] | None] = queue.Queue()
@@ -326,7 +327,7 @@ class GroupManager:
             plane = DataPlane(member_did=self.did, keystore=self._keystore, transport=self._transport,
                               curve_keypair=(self._identity.curve_public, self._identity.curve_secret),
                               publish_bind=bind, on_deliver=self._on_deliver, on_state=self._on_state,
-                              config=config.dataplane)
+                              config=config.dataplane, on_deliver_many=self._on_deliver_many)
             try:
                 return plane.start()
             except ConfigurationError as exc:
@@ -1181,14 +1182,34 @@ class GroupManager:
         self._apply(g, opened.entries, source=sender)
 
     def _on_deliver(self, message: Delivered) -> None:
+        self._on_deliver_many([message])
+
+    def _on_deliver_many(self, messages: list[Delivered]) -> None:
+        """One delivery batch (one group, one publisher, in seq order) from the data plane."""
         with self._lock:
-            g = self._groups.get(message.group)
+            g = self._groups.get(messages[0].group)
             if g is not None and g.phase == _JOINING:
-                g.quarantine.append(message)
+                g.quarantine.extend(messages)
                 return
-            self._hand_over(g, message)
+            for message in messages:
+                self._hand_over(g, message)
             listeners = list(self._listeners)
-        self._notify(listeners, message)
+            batch_listeners = list(self._batch_listeners)
+        self._notify_all(listeners, batch_listeners, messages)
+
+    @classmethod
+    def _notify_all(cls, listeners: list[Callable[[Delivered], None]],
+                    batch_listeners: list[Callable[[list[Delivered]], None]], messages: list[Delivered]) -> None:
+        for batch_callback in batch_listeners:
+            try:
+                batch_callback(messages)
+            except Exception as exc:  # noqa: BLE001 - one listener's bug must not starve the others
+                log.error("an on_messages callback raised %s for messages of group %r", type(exc).__name__,
+                          messages[0].group)
+                log.debug("on_messages traceback", exc_info=exc)
+        if listeners:
+            for message in messages:
+                cls._notify(listeners, message)
 
     def _hand_over(self, g: _Group | None, message: Delivered) -> None:
         """Into the history and the receive() buffer (caller holds the lock)."""
@@ -1223,9 +1244,11 @@ class GroupManager:
             g.phase = _ACTIVE
             held, g.quarantine = g.quarantine, []
             listeners = list(self._listeners)
+            batch_listeners = list(self._batch_listeners)
             for message in held:
                 self._hand_over(g, message)
-                self._notify(listeners, message)
+            if held:
+                self._notify_all(listeners, batch_listeners, held)
         g.ready.set()
 
     # --- messaging -------------------------------------------------------------------------------
@@ -1287,6 +1310,25 @@ class GroupManager:
             with self._lock:
                 if callback in self._listeners:
                     self._listeners.remove(callback)
+
+        return remove
+
+    def on_messages(self, callback: Callable[[list[Delivered]], None]) -> Callable[[], None]:
+        """Call ``callback`` with each delivery batch, before any of it counts as delivered.
+
+        The batch form of :meth:`on_message` for durable consumers: one journal commit per batch
+        instead of per message. Batches hold one group's messages in delivery order (a batch
+        released after a join may mix publishers). Returns a function that unregisters it.
+        """
+        if not callable(callback):
+            raise ConfigurationError("on_messages takes a callable")
+        with self._lock:
+            self._batch_listeners.append(callback)
+
+        def remove() -> None:
+            with self._lock:
+                if callback in self._batch_listeners:
+                    self._batch_listeners.remove(callback)
 
         return remove
 

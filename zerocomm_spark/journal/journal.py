@@ -24,6 +24,7 @@ from zerocomm_spark.errors import (
     OffsetOutOfRangeError,
 )
 from zerocomm_spark.journal import crypto, files, index, retention
+from zerocomm_spark.journal.consumers import ConsumerPoints, check_consumer
 from zerocomm_spark.journal.index import Key, Run, SegmentIndex, SeqIndex, State
 from zerocomm_spark.journal.reader import Hole, Piece, iter_pieces, load_record, open_segment
 from zerocomm_spark.journal.recovery import key_opens_records, recover
@@ -81,6 +82,7 @@ class Journal:
         self._seq_index = SeqIndex()
         self._next_offset = 0
         self._committed = 0
+        self._consumers = ConsumerPoints(self.directory, {}, fsync=False)  # loaded by _start
         self._closed = False
         self._lock_fd = -1
         self._writer: Writer | None = None
@@ -166,6 +168,8 @@ class Journal:
                         self.directory, committed, self._next_offset)
             committed = self._next_offset
         self._committed = committed
+        self._consumers = ConsumerPoints.load(self.directory, fsync=sync)
+        self._consumers.clamp(self._next_offset)
         self._writer = Writer(self, active, fd, recovered.active_runs, recovered.recent)
         self._writer.start()
         self.enforce_retention()
@@ -430,28 +434,56 @@ class Journal:
 
     @property
     def committed_offset(self) -> int:
-        """Every offset below this has been consumed (see commit)."""
-        return self._committed
+        """Every offset below this has been consumed by every consumer (see commit): retention's bound.
 
-    def commit(self, offset: int) -> int:
-        """Record that every offset below ``offset`` is consumed; durable before it returns.
+        The lowest of the named consumers' points and of the unnamed point (once it was committed);
+        0 while nobody committed anything.
+        """
+        named = self._consumers.lowest()
+        if named is None:
+            return self._committed
+        return named if self._committed == 0 else min(named, self._committed)
 
-        Monotonic: a lower offset than the current commit point changes nothing. Retention deletes
-        only segments wholly below the commit point. Returns the commit point now in force.
+    def consumers(self) -> dict[str, int]:
+        """Each named consumer's commit point."""
+        return self._consumers.points()
+
+    def commit(self, offset: int, consumer: str | None = None) -> int:
+        """Record that ``consumer`` consumed every offset below ``offset``; durable before it returns.
+
+        Monotonic per consumer: a lower offset than its current point changes nothing. Without a
+        name it moves the journal's unnamed point (one consumer per journal). Retention deletes only
+        segments wholly below every consumer's point. Returns the consumer's point now in force.
         """
         if isinstance(offset, bool) or not isinstance(offset, int):
             raise OffsetOutOfRangeError(f"the commit offset must be an int, not {type(offset).__name__}")
+        if consumer is not None:
+            check_consumer(consumer)
         with self._commit_lock:
             self._check_open()
             if offset < 0 or offset > self._next_offset:
                 raise OffsetOutOfRangeError(
                     f"cannot commit offset {offset}: the journal holds offsets below {self._next_offset}")
-            if offset <= self._committed:
-                return self._committed
-            files.write_commit(self.directory, offset)
-            self._committed = offset
+            if consumer is not None:
+                point = self._consumers.commit(consumer, offset)
+                if point != offset:
+                    return point
+            else:
+                if offset <= self._committed:
+                    return self._committed
+                files.write_commit(self.directory, offset)
+                self._committed = offset
         self.enforce_retention()
         return offset
+
+    def release(self, consumer: str) -> bool:
+        """Forget a named consumer that is gone for good, so it no longer holds retention back."""
+        with self._commit_lock:
+            self._check_open()
+            known = self._consumers.release(consumer)
+        if known:
+            self.enforce_retention()
+        return known
 
     def enforce_retention(self) -> int:
         """Delete the segments retention allows now (it also runs after commits, rolls and every second)."""
@@ -459,7 +491,7 @@ class Journal:
             if self._closed and self._lock_fd < 0:
                 return 0
             count = retention.segments_to_delete(
-                self._segments, committed=self._committed, now_us=now_micros(),
+                self._segments, committed=self.committed_offset, now_us=now_micros(),
                 retention_bytes=self.retention_bytes, retention_ms=self.retention_ms)
             if not count:
                 return 0
