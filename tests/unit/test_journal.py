@@ -225,6 +225,20 @@ def test_last_seqs_and_recent_ids_survive_a_restart(jdir: Path, key: bytes) -> N
         assert j.latest().publishers[(GROUP, BOB)].last_seq == 4
 
 
+def test_message_ids_are_compared_exactly_whatever_their_characters(jdir: Path, key: bytes) -> None:
+    # The id rule compares the ids' UTF-8 bytes: non-ASCII ids, ids that differ only by case or by a
+    # combining accent are distinct; equal ones are duplicates, before and after a restart.
+    odd = ["été/1", "ete/1", "e\u0301te/1", "ÉTÉ/1", " ", "😀", "a" * 300]
+    with Journal.open(jdir, key=key, segment_bytes=2048) as j:
+        first = j.append([row(s + 1, message_id=m) for s, m in enumerate(odd)])
+        assert (first.appended, first.duplicates) == (len(odd), 0)
+        again = j.append([row(100 + s, message_id=m) for s, m in enumerate(reversed(odd))])
+        assert (again.appended, again.duplicates) == (0, len(odd))
+    with Journal.open(jdir, key=key) as j:
+        assert j.append([row(200, message_id="été/1"), row(201, message_id="été/2")]).duplicates == 1
+        assert j.read(0).column("message_id").to_pylist() == [*odd, "été/2"]
+
+
 def test_restart_after_a_kill_recovers_state_without_side_files(jdir: Path, key: bytes, tmp_path: Path) -> None:
     # Copying the files of an open journal is what kill -9 leaves: every returned append is in them.
     j = Journal.open(jdir, key=key, segment_bytes=4096)

@@ -76,26 +76,54 @@ def _batch(first: int, last: int) -> pa.RecordBatch:
     return pa.RecordBatch.from_arrays([offsets, *data.columns], schema=JOURNAL_SCHEMA)
 
 
-# "fast" calls libsodium through pynacl's cffi handle; the other path is pynacl's public binding.
-@pytest.mark.parametrize("fast_encrypt, fast_decrypt", [(True, True), (False, True), (True, False)])
-def test_record_codec_round_trip(key: bytes, fast_encrypt: bool, fast_decrypt: bool, monkeypatch) -> None:
+# Version 2 (written now) is AES-256-GCM. Version 1 is XChaCha20-Poly1305, still read: "fast" calls
+# libsodium through pynacl's cffi handle, the other path is pynacl's public binding.
+@pytest.mark.parametrize("version, fast_encrypt, fast_decrypt",
+                         [(2, True, True), (1, True, True), (1, False, True), (1, True, False)])
+def test_record_codec_round_trip(key: bytes, version: int, fast_encrypt: bool, fast_decrypt: bool,
+                                 monkeypatch) -> None:
     batch = _batch(1, 50)
     monkeypatch.setattr(crypto.encrypt, "__kwdefaults__", {"fast": fast_encrypt})
-    frame = codec.encode_record(batch, 100, T0 + 1, T0 + 50, key)
+    frame = codec.encode_record(batch, 100, T0 + 1, T0 + 50, key, version=version)
     raw = frame.header + frame.body.to_pybytes()
     header = codec.parse_record_header(raw)
-    assert header is not None and header == frame.record
+    assert header is not None and header == frame.record and header.version == version == raw[4]
     assert (header.base_offset, header.count, header.min_ts, header.max_ts) == (100, 50, T0 + 1, T0 + 50)
     assert header.frame_length == len(raw) and codec.crc_ok(header, raw[RECORD_HEADER_BYTES:])
     monkeypatch.setattr(crypto.decrypt_in_place, "__kwdefaults__", {"fast": fast_decrypt})
     body = pa.py_buffer(bytearray(raw[RECORD_HEADER_BYTES:]))
     assert codec.decrypt_record(header, body, key).equals(batch)
+    # A read-only body (a slice of a multi-record read) works too.
+    assert codec.decrypt_record(header, pa.py_buffer(raw).slice(RECORD_HEADER_BYTES), key).equals(batch)
     # Nonces are fresh per record: the same batch never encrypts to the same bytes.
-    assert codec.encode_record(batch, 100, T0 + 1, T0 + 50, key).body != frame.body
+    assert codec.encode_record(batch, 100, T0 + 1, T0 + 50, key, version=version).body != frame.body
 
 
-def test_record_codec_detects_every_kind_of_change(key: bytes) -> None:
-    frame = codec.encode_record(_batch(1, 20), 100, T0, T0 + 20, key)
+def test_new_records_are_aes_gcm_each_under_its_own_key(key: bytes) -> None:
+    assert codec.RECORD_VERSION == crypto.AES_256_GCM
+    assert codec.encode_record(_batch(1, 3), 100, T0, T0, key).record.version == crypto.AES_256_GCM
+    # The header's first 12 random bytes pick the record key: same GCM nonce, another key, other bytes.
+    plain, aad = pa.py_buffer(b"x" * 64), b"aad"
+    nonce = bytes(24)
+    other = bytes([1]) + bytes(23)
+    sealed = crypto.encrypt_gcm(plain, aad, nonce, key)
+    assert sealed.to_pybytes() != crypto.encrypt_gcm(plain, aad, other, key).to_pybytes()
+    assert crypto.decrypt_gcm(sealed, aad, nonce, key).to_pybytes() == b"x" * 64
+    assert crypto.decrypt_gcm(sealed, aad, other, key) is None
+    assert crypto.decrypt_gcm(sealed, b"other aad", nonce, key) is None
+
+
+def _with_fixed_crc(frame: bytearray) -> bytearray:
+    """``frame`` with its crc recomputed, as deliberate tampering would leave it."""
+    frame[12:16] = b"\0\0\0\0"
+    crc = zlib.crc32(bytes(frame[RECORD_HEADER_BYTES:]), zlib.crc32(bytes(frame[:RECORD_HEADER_BYTES])))
+    frame[12:16] = crc.to_bytes(4, "little")
+    return frame
+
+
+@pytest.mark.parametrize("version", [2, 1])
+def test_record_codec_detects_every_kind_of_change(key: bytes, version: int) -> None:
+    frame = codec.encode_record(_batch(1, 20), 100, T0, T0 + 20, key, version=version)
     raw = bytearray(frame.header + frame.body.to_pybytes())
     header = codec.parse_record_header(bytes(raw))
     body = bytes(raw[RECORD_HEADER_BYTES:])
@@ -113,6 +141,17 @@ def test_record_codec_detects_every_kind_of_change(key: bytes) -> None:
     forged = codec.parse_record_header(bytes(moved))
     assert forged is not None and codec.crc_ok(forged, body)
     assert codec.decrypt_record(forged, pa.py_buffer(bytearray(body)), key) is None
+    # The cipher byte changed (to the other version) and the crc recomputed: authentication fails.
+    swapped = bytearray(raw)
+    swapped[4] = 3 - version
+    swapped = _with_fixed_crc(swapped)
+    downgraded = codec.parse_record_header(bytes(swapped))
+    assert downgraded is not None and downgraded.version == 3 - version and codec.crc_ok(downgraded, body)
+    assert codec.decrypt_record(downgraded, pa.py_buffer(bytearray(body)), key) is None
+    # An unknown cipher byte is not a record header.
+    unknown = bytearray(raw)
+    unknown[4] = 3
+    assert codec.parse_record_header(bytes(unknown)) is None
     # Another key: authentication fails, the crc holds.
     assert codec.decrypt_record(header, pa.py_buffer(bytearray(body)), nacl.utils.random(32)) is None
     # Garbage is not a record header.
@@ -223,15 +262,83 @@ def test_tampered_record_with_a_fixed_crc_is_reported_as_altered(jdir: Path, key
     pos, base, length = record_positions(victim)[0]
     data = bytearray(victim.read_bytes())
     data[pos + RECORD_HEADER_BYTES + 3] ^= 0x40
-    frame = data[pos:pos + length]
-    frame[12:16] = b"\0\0\0\0"
-    crc = zlib.crc32(bytes(frame[RECORD_HEADER_BYTES:]), zlib.crc32(bytes(frame[:RECORD_HEADER_BYTES])))
-    data[pos + 12:pos + 16] = crc.to_bytes(4, "little")
+    data[pos:pos + length] = _with_fixed_crc(bytearray(data[pos:pos + length]))
     victim.write_bytes(bytes(data))
     with Journal.open(jdir, key=key, segment_bytes=4096) as j:
         with pytest.raises(JournalCorruptError, match="fails authentication although its checksum holds"):
             j.read(base, base + 1)
         assert j.read(base + 5).num_rows == 50 - base - 5
+
+
+def test_a_record_whose_cipher_byte_was_changed_is_reported_as_altered(jdir: Path, key: bytes) -> None:
+    journal_with(jdir, key, 10, segment_bytes=4096)
+    victim = segments(jdir)[0]
+    pos, base, length = record_positions(victim)[0]
+    data = bytearray(victim.read_bytes())
+    assert data[pos + 4] == crypto.AES_256_GCM
+    frame = bytearray(data[pos:pos + length])
+    frame[4] = crypto.XCHACHA20_POLY1305  # read it as the old cipher
+    data[pos:pos + length] = _with_fixed_crc(frame)
+    victim.write_bytes(bytes(data))
+    with Journal.open(jdir, key=key, segment_bytes=4096) as j:
+        with pytest.raises(JournalCorruptError, match="fails authentication although its checksum holds"):
+            j.read(base, base + 1)
+        assert j.read(base + 5).num_rows == 50 - base - 5
+
+
+def record_versions(directory: Path) -> list[int]:
+    out = []
+    for path in segments(directory):
+        data = path.read_bytes()
+        out += [data[pos + 4] for pos, _, _ in record_positions(path)]
+    return out
+
+
+def test_records_of_the_xchacha_version_stay_readable_beside_aes_ones(jdir: Path, key: bytes, monkeypatch) -> None:
+    # A journal written before records moved to AES-256-GCM: every record is version 1.
+    with monkeypatch.context() as patched:
+        patched.setattr(codec.encode_record, "__kwdefaults__", {"version": crypto.XCHACHA20_POLY1305})
+        journal_with(jdir, key, 12, segment_bytes=4096)
+    old = record_versions(jdir)
+    assert set(old) == {crypto.XCHACHA20_POLY1305}
+    with Journal.open(jdir, key=key) as j:  # the upgraded journal appends AES records (here: to the same segment)
+        assert seqs(j.read(0)) == list(range(1, 61))
+        result = j.append(rows(1, 70))  # v1 rows still count as duplicates
+        assert (result.first_offset, result.appended, result.duplicates) == (60, 10, 60)
+        j.append(rows(71, 100))
+    versions = record_versions(jdir)
+    assert versions[:len(old)] == old and set(versions[len(old):]) == {crypto.AES_256_GCM}
+    mixed = [{path.read_bytes()[pos + 4] for pos, _, _ in record_positions(path)} for path in segments(jdir)]
+    assert {crypto.XCHACHA20_POLY1305, crypto.AES_256_GCM} in mixed  # the segment that was active holds both
+    # Without side files every segment is decrypted again at open: both versions, ids and seqs included.
+    for side in [*jdir.glob("*.idx"), jdir / "recent.ids"]:
+        side.unlink()
+    with Journal.open(jdir, key=key) as j:
+        table = j.read(0)
+        assert seqs(table) == list(range(1, 101))
+        assert table.column("payload")[0].as_py().startswith(b"SECRET-PAYLOAD-000001|")
+        assert j.append([dict(rows(101, 101)[0], message_id=rows(3, 3)[0]["message_id"])]).duplicates == 1
+        assert j.read_by_seq(GROUP, ALICE, 58, 63).column("seq").to_pylist() == list(range(58, 64))
+
+
+@pytest.mark.parametrize("read_threads", [1, 2])
+def test_a_read_yields_every_batch_before_a_corrupt_record_then_raises(jdir: Path, key: bytes,
+                                                                       read_threads: int) -> None:
+    # Many small adjacent records: the pool reads them several per task (one preadv).
+    journal_with(jdir, key, 30, per_append=2)
+    (only,) = segments(jdir)
+    pos, base, _ = record_positions(only)[17]
+    data = bytearray(only.read_bytes())
+    data[pos + RECORD_HEADER_BYTES + 5] ^= 0x01
+    only.write_bytes(bytes(data))
+    with Journal.open(jdir, key=key, read_threads=read_threads) as j:
+        got: list[int] = []
+        with pytest.raises(JournalCorruptError, match=f"position {pos}"):
+            for batch in j.read_batches(0):
+                got += batch.column("offset").to_pylist()
+        assert got == list(range(base))
+        assert j.read(base + 2).column("offset").to_pylist() == list(range(base + 2, 60))
+        assert [b.num_rows for b in j.read_batches(3, 9)] == [1, 2, 2, 1]  # partial records at both ends
 
 
 def test_a_missing_segment_is_a_damaged_range_not_a_failed_open(jdir: Path, key: bytes) -> None:

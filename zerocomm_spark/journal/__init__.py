@@ -12,9 +12,10 @@ of offsets back as Arrow record batches. Layout of the directory::
     recent.ids                   sealed list of the message ids the duplicate check remembers
 
 Speed comes from batches: one record is one Arrow record batch of an append (appends above ~256 KiB
-are split, and their records encrypted in parallel), encrypted whole with one XChaCha20-Poly1305
-call, so per-row cost is Arrow's, not Python's (the one per-row Python cost left is the message-id
-duplicate check: a set of strings). Times are int
+are split, and their records encrypted in parallel), encrypted whole with one AES-256-GCM call under
+a key of its own (records of earlier versions, XChaCha20-Poly1305, stay readable; see crypto.py), so
+per-row cost is Arrow's, not Python's (the one per-row Python cost left is the message-id duplicate
+check: sets of the ids' bytes). Times are int
 microseconds since the epoch (UTC), Arrow ``timestamp[us, UTC]``.
 
 Durability: an append that returned survives the process being killed (even kill -9) under every

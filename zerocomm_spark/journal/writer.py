@@ -103,7 +103,7 @@ class _RecordMeta:
     """What publishing a record updates besides the offset index."""
 
     runs: list[Run]
-    ids: list[str]
+    ids: list[bytes]
     id_array: pa.Array
 
 
@@ -247,7 +247,7 @@ class Writer:
     def _commit(self, group: list[_Request]) -> None:
         j = self._journal
         pending: dict[index.Key, int] = {}
-        pending_ids: set[str] | None = set() if len(group) > 1 else None
+        pending_ids: set[bytes] | None = set() if len(group) > 1 else None
         next_offset = j._next_offset  # noqa: SLF001 - the writer is part of the journal
         jobs: list[tuple[pa.RecordBatch, int, int, int]] = []  # (batch with offsets, base, min ts, max ts)
         metas: list[_RecordMeta] = []
@@ -283,8 +283,8 @@ class Writer:
             request.done.set()
 
     def _encode(self, jobs: list[tuple[pa.RecordBatch, int, int, int]]) -> list[Frame]:
-        """Encrypt and checksum the records, several at once when there are several (libsodium and
-        zlib release the GIL, so records of a large append use every core)."""
+        """Encrypt and checksum the records, several at once when there are several (AES-GCM releases
+        the GIL, so records of a large append use every core)."""
         key = self._journal._key  # noqa: SLF001
         pool = self._journal._pool() if len(jobs) > 1 else None  # noqa: SLF001
         if pool is None:
