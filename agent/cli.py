@@ -173,7 +173,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("group", metavar="GROUP")
     p.add_argument("--mode", choices=("single", "multi", "shared"), help="how data is encrypted and fanned out")
     p.add_argument("--ordered", action=argparse.BooleanOptionalAction, default=None,
-                   help="deliver in a total (Lamport) order")
+                   help="deliver each publisher's messages in seq order, holding early ones back")
     p.add_argument("--consistent-join", action=argparse.BooleanOptionalAction, default=None,
                    help="refuse joiners whose members disagree on the view")
     p.add_argument("--role", choices=("read_write", "read_only"))

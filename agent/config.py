@@ -3,8 +3,9 @@
 Why layered this way: a service manager sets environment variables, a person types flags, and a
 shared file under ``conf/`` (or ``~/.zerocomm/zerocomm.toml``) holds the rest. Every setting has one
 name, ``section.key``, spelled ``ZEROCOMM_<SECTION>_<KEY>`` in the environment and
-``--set section.key=value`` on the command line, so nothing needs a special case. Unknown names are
-errors, because a misspelt setting that is silently ignored is worse than none.
+``--set section.key=value`` on the command line, so nothing needs a special case. Unknown names in
+a file or a flag are errors, because a misspelt setting that is silently ignored is worse than none;
+an unknown ``ZEROCOMM_*`` variable is a warning (the environment is shared with other tools).
 
 ``conf/zerocomm.toml`` documents the same defaults as :data:`DEFAULTS`; a test keeps them equal.
 """
@@ -26,6 +27,8 @@ from zerocomm_spark.errors import ConfigurationError
 __all__ = ["Config", "DEFAULTS", "ENV_PREFIX", "load", "parse_duration", "render_toml"]
 
 ENV_PREFIX = "ZEROCOMM_"
+# ZEROCOMM_* variables that are not agent settings: the config file path, the Spark helper's jar cache.
+_NOT_SETTINGS = frozenset({"ZEROCOMM_CONFIG", "ZEROCOMM_JARS"})
 
 #: Every setting and its default. Types are taken from the defaults: str, int, float, bool, list of str.
 DEFAULTS: dict[str, dict[str, Any]] = {
@@ -271,7 +274,7 @@ def load(config: str | os.PathLike[str] | None = None, *, env: Mapping[str, str]
                 values[section][key] = _coerce(section, key, value, "file")
                 source[f"{section}.{key}"] = str(path)
     for name, value in env.items():
-        if not name.startswith(ENV_PREFIX) or name == "ZEROCOMM_CONFIG":
+        if not name.startswith(ENV_PREFIX) or name in _NOT_SETTINGS:
             continue
         rest = name[len(ENV_PREFIX):].lower()
         section, _, key = rest.partition("_")

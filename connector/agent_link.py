@@ -29,6 +29,7 @@ from zerocomm_spark.errors import (
     BackpressureError,
     ClientClosedError,
     GroupNotFoundError,
+    PeerTimeoutError,
     PublishNotAcknowledgedError,
     ZeroCommError,
 )
@@ -359,7 +360,7 @@ class MemberLink:
         """Publish one batch; returns once the group acknowledged it, else PublishNotAcknowledgedError."""
         try:
             return self._call("publish", group, table, timeout=timeout, retry_timeouts=False)
-        except (ApiTimeoutError, BackpressureError) as exc:
+        except (ApiTimeoutError, BackpressureError, PeerTimeoutError, TimeoutError) as exc:
             raise PublishNotAcknowledgedError(
                 f"the group {group!r} did not acknowledge {table.num_rows} message(s) within {timeout:g}s "
                 f"({type(exc).__name__}: {str(exc).split('. ')[0]})") from None

@@ -289,6 +289,40 @@ def test_messages_gone_by_retention_fail_or_are_skipped_as_failOnDataLoss_says(s
 # --- sink --------------------------------------------------------------------------------------
 
 
+def test_a_sink_batch_the_group_does_not_acknowledge_fails_clearly_and_commits_nothing(spark, members, group,
+                                                                                      tmp_path):
+    alice, bob, carol = members["alice"], members["bob"], members["carol"]
+    src, ck = tmp_path / "src", tmp_path / "sink-ck"
+    spark.range(0, 50, 1, 1).selectExpr("CAST(id AS STRING) AS payload").write.parquet(str(src))
+
+    def run():
+        return (spark.readStream.schema("payload STRING").parquet(str(src))
+                .writeStream.format("zerocomm").option("group", group).option("agent", str(bob.config))
+                .option("publishTimeoutMs", "3000").option("checkpointLocation", str(ck))
+                .trigger(availableNow=True).start())
+
+    carol_pid = carol.pid()
+    assert carol_pid is not None
+    os.kill(carol_pid, signal.SIGSTOP)  # carol cannot acknowledge anything
+    try:
+        from pyspark.errors import StreamingQueryException
+
+        query = run()
+        with pytest.raises(StreamingQueryException, match=f"the group '{group}' did not acknowledge 50 message"):
+            query.awaitTermination(180)
+        assert not list((ck / "commits").glob("[0-9]*"))  # the batch did not commit
+    finally:
+        os.kill(carol_pid, signal.SIGCONT)
+    # carol is back: the re-run batch delivers, and nothing twice (same deterministic ids)
+    query = run()
+    assert query.awaitTermination(180) and query.exception() is None
+    wait_for(lambda: carol.client().read(group=group).num_rows >= 50, 60, "carol to catch up")
+    time.sleep(1.0)
+    for member in (alice, carol):
+        ids = member.client().read(group=group).column("message_id").to_pylist()
+        assert len(ids) == len(set(ids)) == 50, member.label
+
+
 def test_a_query_writes_to_a_group_and_another_member_reads_it_back_in_order(spark, members, group, tmp_path):
     alice, bob, carol = members["alice"], members["bob"], members["carol"]
     # batch write through bob, in 3 partitions; some rows bring their own ids

@@ -6,7 +6,8 @@ of offsets back as Arrow record batches. Layout of the directory::
 
     journal.lock                 one writer at a time (flock)
     journal.meta                 key check: a wrong key fails at open
-    commit.offset                the consumer's commit point
+    commit.offset                the unnamed consumer's commit point
+    consumers.json               named consumers' commit points (retention waits for the lowest)
     <base offset:020d>.zcj       segment files: encrypted Arrow record batches (see codec.py)
     <base offset:020d>.idx       sealed side index of a closed segment (per-publisher seqs)
     recent.ids                   sealed list of the message ids the duplicate check remembers
