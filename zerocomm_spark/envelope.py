@@ -22,9 +22,11 @@ from __future__ import annotations
 import binascii
 import json
 import os
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
+from operator import itemgetter
 from typing import Any
 
 import nacl.bindings as _nacl
@@ -85,9 +87,12 @@ def _unb64url(text: Any, what: str) -> bytes:
     raw = text.encode("ascii", "replace") if isinstance(text, str) else text
     if not isinstance(raw, bytes):
         raise MalformedEnvelopeError(f"the envelope field {what!r} must be a base64url string")
-    data = raw.rstrip(b"=")
-    padding = len(raw) - len(data)
     try:
+        if not len(raw) & 3 and not raw.endswith(b"==="):
+            # Padded (what pack and most agents send): strict decoding checks the padding itself.
+            return binascii.a2b_base64(raw.translate(_TO_STD), strict_mode=True)
+        data = raw.rstrip(b"=")
+        padding = len(raw) - len(data)
         if padding and (padding > 2 or len(raw) & 3):
             raise ValueError("bad padding")
         return binascii.a2b_base64(data.translate(_TO_STD) + _PAD[len(data) & 3], strict_mode=True)
@@ -222,23 +227,31 @@ _Fields = tuple[bytes, bytes, bytes, bytes]  # protected, iv, ciphertext, tag: s
 def _split_compact(envelope: bytes) -> _Fields | None:
     """Fast path for the compact layout ``pack`` (and most agents) emit; None means "parse as JSON".
 
-    Spares a full JSON scan and copy of the (large) ciphertext. Envelopes with escapes fall back,
-    and every value cut here is strictly base64url-decoded later, so what this accepts reads exactly
-    as json.loads would read it.
+    Spares a full JSON scan of the (large) ciphertext. Envelopes with escapes fall back, and every
+    value cut here is strictly base64url-decoded later, so what this accepts reads exactly as
+    json.loads would read it. (find() is memchr; bytes.split on one byte would walk byte by byte.)
     """
     if not envelope.startswith(b'{"protected":"') or b"\\" in envelope:
         return None
-    values = []
-    start = 14
-    for separator in (b'","iv":"', b'","ciphertext":"', b'","tag":"', b'"}'):
-        end = envelope.find(b'"', start)
-        if end < 0 or not envelope.startswith(separator, end):
-            return None
-        values.append(envelope[start:end])
-        start = end + len(separator)
-    if start != len(envelope):
+    find = envelope.find
+    end_protected = find(b'"', 14)
+    if not envelope.startswith(b'","iv":"', end_protected):
         return None
-    return values[0], values[1], values[2], values[3]
+    end_iv = find(b'"', end_protected + 8)
+    if not envelope.startswith(b'","ciphertext":"', end_iv):
+        return None
+    end_ciphertext = find(b'"', end_iv + 16)
+    if not envelope.startswith(b'","tag":"', end_ciphertext):
+        return None
+    end_tag = find(b'"', end_ciphertext + 9)
+    if end_tag != len(envelope) - 2 or envelope[-1:] != b"}":
+        return None
+    return (
+        envelope[14:end_protected],
+        envelope[end_protected + 8 : end_iv],
+        envelope[end_iv + 16 : end_ciphertext],
+        envelope[end_ciphertext + 9 : end_tag],
+    )
 
 
 def _split_json(envelope: bytes) -> _Fields:
@@ -264,6 +277,11 @@ def unpack(envelope: bytes | str, lookup: Callable[[str], KeyPair | None]) -> Un
 
     ``lookup(kid)`` gets each recipient verkey in order and returns our KeyPair for it, or None.
     Nothing is returned unless the CEK unwrap and the body's AEAD tag both verify.
+
+    Envelopes in the compact layout ``pack`` emits take a fast path that decodes only the parts of
+    the protected header it needs (see :func:`_unpack_compact`); everything else, and every envelope
+    the fast path cannot open, goes through the reference path, which parses the whole envelope as
+    JSON and so decides every error.
     """
     if isinstance(envelope, str):
         envelope = envelope.encode("utf-8", "replace")  # a lone surrogate becomes '?': malformed, not a crash
@@ -271,9 +289,231 @@ def unpack(envelope: bytes | str, lookup: Callable[[str], KeyPair | None]) -> Un
         envelope = bytes(envelope)
     elif not isinstance(envelope, bytes):
         raise TypeError(f"unpack() takes bytes or str, not {type(envelope).__name__}")
-    fields = _split_compact(envelope) or _split_json(envelope)
-    protected, iv_text, ciphertext_text, tag_text = fields
+    fields = _split_compact(envelope)
+    if fields is not None:
+        try:
+            result = _unpack_compact(fields, lookup)
+        except _FAST_PATH_MISSES:
+            result = None
+        if result is not None:
+            return result
+    else:
+        fields = _split_json(envelope)
+    return _unpack_reference(fields, lookup)
 
+
+# --- unpack: the fast path ----------------------------------------------------------------------
+#
+# pack writes the protected header as one fixed template (see _HEADER, _AUTH_ENTRY, _ANON_ENTRY):
+#
+#   {"enc":"xchacha20poly1305_ietf","typ":"JWM/1.0","alg":"<alg>","recipients":[<entry>,<entry>...]}
+#   <entry> = {"encrypted_key":"<ek>","header":{"kid":"<kid>","sender":"<s>","iv":"<iv>"}}  (Authcrypt)
+#           | {"encrypted_key":"<ek>","header":{"kid":"<kid>"}}                            (Anoncrypt)
+#
+# Base64 decodes group by group (4 characters -> 3 bytes), so any byte range of the header can be
+# decoded on its own. The fast path checks the header's fixed start (enc, typ, alg) and end on the
+# encoded text, decodes and strictly parses the first entry, which gives the lengths every entry of
+# this envelope shares (ek and iv have fixed sizes, s depends only on the sender), then steps from
+# kid to kid, reading each from a small window (`:"<kid>","sen` or `:"<kid>"}}`), and looks the
+# kids up in order, stopping at the first key we hold. Our own entry is then decoded whole and
+# parsed strictly. Nothing is JSON-parsed, and with many recipients most of the header is never
+# decoded: it is only authenticated, as the AEAD's associated data.
+#
+# A kid window holds only template bytes and the kid, so the same recipient at the same position
+# yields the same window text in every envelope. Windows already read are kept (bounded, like the
+# X25519 conversions; kids are public), and so is each recipient list walked before: an envelope
+# for the same recipients, as a group's traffic is, is checked against it with one comparison of
+# all its kid windows, then only the look-ups remain.
+#
+# What the fast path does not check is the bytes of *other* recipients' ek, sender and iv values,
+# which it steps over. Changing them, or anything else in the header, breaks the AEAD tag for
+# anyone who does not hold the CEK, and nothing is returned. The fast path only ever returns a
+# success: anything unexpected (another layout, spacing, escapes, a kid that is not alphanumeric, a
+# failed unwrap or tag) makes it give up, and the reference path decides the outcome from the full
+# JSON, so every error keeps its type and message.
+
+_FAST_PATH_MISSES = (EnvelopeError, binascii.Error, ValueError, IndexError, *_CRYPTO_FAILURES)
+
+_B64V = rb"[A-Za-z0-9_=-]*"
+_KID = rb"[A-Za-z0-9]+"  # verkeys are base58; other kids take the reference path
+_AUTH_ENTRY_RE = re.compile(
+    rb'\{"encrypted_key":"(' + _B64V + rb')","header":\{"kid":"(' + _KID + rb')","sender":"('
+    + _B64V + rb')","iv":"(' + _B64V + rb')"\}\}'
+)
+_ANON_ENTRY_RE = re.compile(rb'\{"encrypted_key":"(' + _B64V + rb')","header":\{"kid":"(' + _KID + rb')"\}\}')
+_KID_OFFSET = len(b'{"encrypted_key":"') + len(b'","header":{"kid":"')  # + len(ek): where an entry's kid starts
+_KID_SPAN = 54  # a kid window ends before byte kid+54: past the longest kid (44), still inside what follows it
+_AFTER_KID = {AUTHCRYPT: b'","sen', ANONCRYPT: b'"}}'}
+_KID_CACHE_MAX = 4096
+# Kid windows already read, per alg. A window's decoded start (':"', '":"' or 'd":"') fixes where its
+# kid is, so the text alone is the key.
+_kid_windows: dict[str, dict[bytes, str]] = {AUTHCRYPT: {}, ANONCRYPT: {}}
+# A kid window's length in characters, by the position of its ':"' mod 3.
+_KID_WINDOW_CHARS = tuple(4 * ((r + _KID_SPAN + 2) // 3) for r in range(3))
+# Recipient lists already walked (see _walk_kids), bounded.
+_RECIPIENT_LISTS_MAX = 256
+# key -> (getter of its kid windows, their texts as the getter returns them, marks, kids, texts)
+_recipient_lists: dict[tuple[str, int, int, int, str], tuple[Callable[[bytes], Any], Any, list[int], list[str], list[bytes]]] = {}
+
+
+def _template_start(alg: str) -> tuple[bytes, int]:
+    """The base64url text every compact header of ``alg`` starts with, and where its first entry begins."""
+    prefix = (_HEADER % (alg, "")).encode("ascii")[:-2]  # up to and with the recipients' '['
+    assert prefix.endswith(b'"recipients":[')
+    head = prefix + b'{"encrypted_key":"'
+    return _b64url(head[: len(head) // 3 * 3]).encode("ascii"), len(prefix)
+
+
+def _template_ends() -> tuple[bytes, bytes, bytes]:
+    """By header length mod 3: the base64url text every compact header ends with (`"}}]}`)."""
+    tail = b'"}}]}'
+    ends = []
+    for rest in range(3):  # header length mod 3: bytes in the last, partial group
+        whole = (len(tail) - rest) // 3 * 3
+        ends.append(_b64url(tail[len(tail) - rest - whole :]).encode("ascii"))
+    return ends[0], ends[1], ends[2]
+
+
+_STARTS = {AUTHCRYPT: _template_start(AUTHCRYPT), ANONCRYPT: _template_start(ANONCRYPT)}
+_AUTH_START, _FIRST_ENTRY = _STARTS[AUTHCRYPT]
+_ANON_START = _STARTS[ANONCRYPT][0]
+assert _STARTS[ANONCRYPT][1] == _FIRST_ENTRY
+_ENDS = _template_ends()
+
+
+def _decode_range(protected: bytes, start: int, stop: int) -> tuple[bytes, int]:
+    """Header bytes [start, stop) (or fewer at the end) as (decoded groups, index of ``start`` in them)."""
+    group = start // 3
+    return (
+        binascii.a2b_base64(protected[4 * group : -(-stop // 3) * 4].translate(_TO_STD), strict_mode=True),
+        start - 3 * group,
+    )
+
+
+def _walk_kids(
+    protected: bytes, alg: str, header_len: int, mark: int, stride: int, kid: str, lookup: Callable[[str], KeyPair | None]
+) -> tuple[int, str, KeyPair] | None:
+    """Step from kid to kid after the first entry (whose ':"' is at ``mark``): the first held one.
+
+    Returns where that kid's ':"' is, the kid and its key pair; None if no later kid is held or
+    the windows are not where the first entry's lengths put them. A kid window starts at the group
+    holding the ':"' before the kid and ends before byte kid + _KID_SPAN, so it holds template
+    bytes and the kid only: all ASCII, whose base64 never uses '-' or '_', so it decodes without
+    translating (a '-' or '_' fails strictly, which is right). The windows a walk went through are
+    remembered under the envelope's shape (alg, header length, first entry's geometry and kid): an
+    envelope for the same recipients is checked against them in one comparison, not walked again.
+    """
+    key = (alg, header_len, mark, stride, kid)
+    known = _recipient_lists.get(key)
+    if known is not None and known[0](protected) == known[1]:
+        for mark, kid in zip(known[2], known[3]):
+            keypair = lookup(kid)
+            if keypair is not None and keypair.verkey == kid:
+                return mark, kid, keypair
+        marks, texts, kids = list(known[2]), list(known[4]), list(known[3])  # none is ours: walk on
+    else:
+        marks, texts, kids = [], [], []
+    last_mark = header_len - stride - 2 + (mark - _FIRST_ENTRY)  # the last entry is followed by ']}'
+    windows = _kid_windows[alg]
+    after = _AFTER_KID[alg]
+    chars = _KID_WINDOW_CHARS
+    decode = binascii.a2b_base64
+    while True:
+        mark += stride + len(kid)
+        if mark > last_mark:
+            return None
+        group = mark // 3
+        r = mark - 3 * group  # the window's ':"' is at r, its kid at r + 2
+        group *= 4
+        text = protected[group : group + chars[r]]
+        kid = windows.get(text)
+        if kid is None:
+            window = decode(text, strict_mode=True)
+            end = window.find(b'"', r + 2)
+            raw = window[r + 2 : end]
+            if not (end > r + 2 and window.startswith(b':"', r) and window.startswith(after, end) and raw.isalnum()):
+                return None
+            if len(windows) >= _KID_CACHE_MAX:
+                windows.clear()
+            kid = windows[text] = raw.decode("ascii")
+        marks.append(mark)
+        texts.append(text)
+        kids.append(kid)
+        keypair = lookup(kid)
+        if keypair is not None and keypair.verkey == kid:
+            break
+    windows_of = itemgetter(*[slice(4 * (m // 3), 4 * (m // 3) + chars[m % 3]) for m in marks])
+    if len(_recipient_lists) >= _RECIPIENT_LISTS_MAX:
+        _recipient_lists.clear()
+    _recipient_lists[key] = (windows_of, tuple(texts) if len(texts) > 1 else texts[0], marks, kids, texts)
+    return mark, kid, keypair
+
+
+def _unpack_compact(fields: _Fields, lookup: Callable[[str], KeyPair | None]) -> Unpacked | None:
+    """The fast path for pack's own layout; None (or an exception) means "use the reference path"."""
+    protected, iv_text, ciphertext_text, tag_text = fields
+    if protected.startswith(_AUTH_START):
+        alg, entry_re, first_span = AUTHCRYPT, _AUTH_ENTRY_RE, 330
+    elif protected.startswith(_ANON_START):
+        alg, entry_re, first_span = ANONCRYPT, _ANON_ENTRY_RE, 200
+    else:
+        return None
+    size = len(protected)
+    if size & 3:
+        return None  # pack pads; unpadded headers take the reference path
+    header_len = size // 4 * 3 - (protected[-1] == 61) - (protected[-2] == 61)  # 61: '='
+    if not protected.endswith(_ENDS[header_len % 3]):
+        return None
+
+    # The first entry, parsed strictly, gives the lengths all entries of this envelope share.
+    start = _FIRST_ENTRY
+    window, at = _decode_range(protected, start, start + first_span)
+    match = entry_re.match(window, at)
+    if match is None:
+        return None
+    kid = match[2].decode("ascii")
+    keypair = lookup(kid)
+    if keypair is None or keypair.verkey != kid:
+        colon = _KID_OFFSET - 2 + len(match[1])  # where the ':"' before an entry's kid is, in the entry
+        stride = match.end() - at - len(match[2]) + 1  # an entry without its kid, plus the ',' after it
+        found = _walk_kids(protected, alg, header_len, start + colon, stride, kid, lookup)
+        if found is None:
+            return None  # no entry of ours, or not the layout we think: the reference path decides
+        mark, kid, keypair = found
+        start = mark - colon
+        entry_len = stride - 1 + len(kid)
+        window, at = _decode_range(protected, start, start + entry_len)
+        match = entry_re.match(window, at)
+        if match is None or match.end() - at != entry_len or match[2] != kid.encode("ascii"):
+            return None
+
+    # Our entry, decoded whole and matched strictly: unwrap the CEK, then open the body. The
+    # base64 fields are decoded together where they are whole groups (only the last padded).
+    if alg == AUTHCRYPT:
+        ek_text, nonce_text, sender_text = match[1], match[4], match[3]
+        if (len(ek_text) | len(nonce_text) | len(sender_text)) & 3 or sender_text.endswith(b"==="):
+            return None
+        data = binascii.a2b_base64((ek_text + nonce_text + sender_text).translate(_TO_STD), strict_mode=True)
+        ek_end = len(ek_text) // 4 * 3
+        nonce_end = ek_end + len(nonce_text) // 4 * 3
+        sender_verkey, cek = _unwrap_authcrypt(data[:ek_end], data[nonce_end:], data[ek_end:nonce_end], keypair)
+    else:
+        sender_verkey, cek = None, _unwrap_anoncrypt(_unb64url(match[1], "encrypted_key"), keypair)
+    if (len(iv_text) | len(tag_text)) & 3 or tag_text.endswith(b"==="):
+        return None
+    data = binascii.a2b_base64((iv_text + tag_text).translate(_TO_STD), strict_mode=True)
+    iv_end = len(iv_text) // 4 * 3
+    return _open_body(
+        protected, data[:iv_end], _unb64url(ciphertext_text, "ciphertext"), data[iv_end:], cek, keypair, sender_verkey
+    )
+
+
+# --- unpack: the reference path -----------------------------------------------------------------
+
+
+def _unpack_reference(fields: _Fields, lookup: Callable[[str], KeyPair | None]) -> Unpacked:
+    """Parse the whole protected header as JSON, then unwrap and open: decides every error."""
+    protected, iv_text, ciphertext_text, tag_text = fields
     if not protected:
         raise MalformedEnvelopeError("the envelope's 'protected' header is empty")
     header = _load_json(_unb64url(protected, "protected"), "protected header")
@@ -288,9 +528,18 @@ def unpack(envelope: bytes | str, lookup: Callable[[str], KeyPair | None]) -> Un
 
     entry, entry_header, keypair = _find_recipient(recipients, lookup)
     sender_verkey, cek = _unwrap_cek(alg, entry, entry_header, keypair)
-
     iv = _unb64url(iv_text, "iv")
     tag = _unb64url(tag_text, "tag")
+    if len(tag) != _TAG_BYTES:
+        raise _tampered("the message tag")
+    if len(iv) != _IV_BYTES and len(iv) != _XIV_BYTES:
+        raise _tampered("the message iv")
+    return _open_body(protected, iv, _unb64url(ciphertext_text, "ciphertext"), tag, cek, keypair, sender_verkey)
+
+
+def _open_body(
+    protected: bytes, iv: bytes, ciphertext: bytes, tag: bytes, cek: bytes, keypair: KeyPair, sender_verkey: str | None
+) -> Unpacked:
     if len(tag) != _TAG_BYTES:
         raise _tampered("the message tag")
     if len(iv) == _IV_BYTES:
@@ -299,7 +548,6 @@ def unpack(envelope: bytes | str, lookup: Callable[[str], KeyPair | None]) -> Un
         decrypt = _xaead_decrypt
     else:
         raise _tampered("the message iv")
-    ciphertext = _unb64url(ciphertext_text, "ciphertext")
     try:
         message = decrypt(ciphertext + tag, protected, iv, cek)
     except _CRYPTO_FAILURES:
@@ -327,25 +575,31 @@ def _unwrap_cek(
 ) -> tuple[str | None, bytes]:
     """Recover the CEK (and, for authcrypt, the sender verkey) from our recipient entry."""
     encrypted_key = _unb64url(entry.get("encrypted_key"), "encrypted_key")
-    my_sk = bytes(keypair.x25519_private())
-    my_pk = bytes(keypair.x25519_public())
     enc_sender = entry_header.get("sender")
     nonce_text = entry_header.get("iv")
-
     if alg == ANONCRYPT:
         if enc_sender is not None or nonce_text is not None:
             raise MalformedEnvelopeError("an Anoncrypt recipient entry carries sender fields")
-        if len(encrypted_key) != _WRAPPED_CEK_ANON:
-            raise _tampered("the recipient's encrypted_key")
-        try:
-            return None, _seal_open(encrypted_key, my_pk, my_sk)
-        except _CRYPTO_FAILURES:
-            raise _tampered("the recipient's encrypted_key") from None
-
+        return None, _unwrap_anoncrypt(encrypted_key, keypair)
     if enc_sender is None or nonce_text is None:
         raise MalformedEnvelopeError("an Authcrypt recipient entry lacks header.sender or header.iv")
     sealed_sender = _unb64url(enc_sender, "sender")
     nonce = _unb64url(nonce_text, "header.iv")
+    return _unwrap_authcrypt(encrypted_key, sealed_sender, nonce, keypair)
+
+
+def _unwrap_anoncrypt(encrypted_key: bytes, keypair: KeyPair) -> bytes:
+    if len(encrypted_key) != _WRAPPED_CEK_ANON:
+        raise _tampered("the recipient's encrypted_key")
+    my_pk, my_sk = keypair.x25519_raw()
+    try:
+        return _seal_open(encrypted_key, my_pk, my_sk)
+    except _CRYPTO_FAILURES:
+        raise _tampered("the recipient's encrypted_key") from None
+
+
+def _unwrap_authcrypt(encrypted_key: bytes, sealed_sender: bytes, nonce: bytes, keypair: KeyPair) -> tuple[str, bytes]:
+    my_pk, my_sk = keypair.x25519_raw()
     try:
         sender_verkey = _seal_open(sealed_sender, my_pk, my_sk).decode("ascii")
         sender_pk = _x25519(sender_verkey)

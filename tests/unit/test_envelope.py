@@ -6,6 +6,7 @@ import base64
 import binascii
 import json
 import os
+import random
 from collections.abc import Callable
 from typing import Any
 
@@ -610,3 +611,186 @@ def assert_no_secrets(error: Exception, *keys: KeyPair) -> None:
         assert key.verkey not in text
         assert key.seed.hex() not in text and b64e(key.seed) not in text
         assert binascii.hexlify(bytes(key.x25519_private())).decode() not in text
+
+
+# --- the compact fast path ------------------------------------------------------------------------
+#
+# unpack reads envelopes in pack's own layout without JSON-parsing or decoding the whole protected
+# header (zerocomm_spark.envelope._unpack_compact); these check that it agrees with the reference
+# path (the full JSON parse) on every recipient position, both algs and odd verkey lengths, and
+# that whatever it cannot open ends with the reference path's own error.
+
+from zerocomm_spark import envelope as envelope_module  # noqa: E402
+
+# An Ed25519 seed whose verkey is 42 base58 characters (most are 44, some 43): the sealed sender
+# field, and so every entry, is 4 characters shorter.
+SHORT_VERKEY_SEED = bytes.fromhex("20780d2b44e3aba5598786296ad245f9865f08f2652dda3a62900cb352144f1c")
+
+
+def fast(envelope: bytes, lookup: Callable[[str], KeyPair | None]) -> Unpacked | None:
+    fields = envelope_module._split_compact(envelope)
+    assert fields is not None
+    return envelope_module._unpack_compact(fields, lookup)
+
+
+def reference(envelope: bytes, lookup: Callable[[str], KeyPair | None]) -> Unpacked:
+    fields = envelope_module._split_compact(envelope) or envelope_module._split_json(envelope)
+    return envelope_module._unpack_reference(fields, lookup)
+
+
+def outcome(call: Callable[[], Unpacked]) -> object:
+    try:
+        return call()
+    except EnvelopeError as exc:
+        return type(exc)
+
+
+@pytest.fixture(scope="module")
+def crowd() -> list[KeyPair]:
+    return [KeyPair.generate() for _ in range(64)] + [KeyPair(SHORT_VERKEY_SEED)]
+
+
+def test_short_verkey_seed_is_short() -> None:
+    assert len(KeyPair(SHORT_VERKEY_SEED).verkey) == 42
+
+
+@pytest.mark.parametrize("count", [1, 2, 8, 64])
+def test_fast_path_opens_every_position_like_the_reference(alg: str, count: int, crowd: list[KeyPair]) -> None:
+    recipients = crowd[-count:]  # includes the 42-character verkey
+    for sender in ([crowd[0], crowd[-1]] if alg == AUTHCRYPT else [None]):  # a 44/43- and a 42-character sender
+        body = os.urandom(300)
+        envelope = pack(body, [k.verkey for k in recipients], sender)
+        for me in recipients:
+            opened = fast(envelope, lookup_of(me))
+            assert opened is not None, "pack's own layout must take the fast path"
+            assert opened == reference(envelope, lookup_of(me)) == unpack(envelope, lookup_of(me))
+            assert (opened.message, opened.recipient_verkey) == (body, me.verkey)
+
+
+def test_fast_path_asks_lookup_in_order_and_stops(crowd: list[KeyPair], alice: KeyPair) -> None:
+    recipients = crowd[:20]
+    envelope = pack(SECRET, [k.verkey for k in recipients], alice)
+    for _ in range(2):  # the second time through remembered windows
+        asked: list[str] = []
+
+        def lookup(kid: str) -> KeyPair | None:
+            asked.append(kid)
+            return recipients[13] if kid == recipients[13].verkey else None
+
+        assert fast(envelope, lookup) is not None
+        assert asked == [k.verkey for k in recipients[:14]]
+
+
+def test_fast_path_is_not_fooled_by_a_remembered_recipient_list(crowd: list[KeyPair], alice: KeyPair) -> None:
+    """Same shape, same first recipient, other recipients after it: the remembered walk must not be trusted."""
+    by_length: dict[int, list[KeyPair]] = {}
+    for key in crowd:
+        by_length.setdefault(len(key.verkey), []).append(key)
+    first, *rest = max(by_length.values(), key=len)  # most verkeys are 44 characters: 13 of them, surely
+    one = pack(SECRET, [first.verkey, *(k.verkey for k in rest[:6])], alice)
+    other = pack(SECRET, [first.verkey, *(k.verkey for k in rest[6:12])], alice)
+    assert len(one) == len(other)
+    for me in rest[:6]:
+        assert fast(one, lookup_of(me)).recipient_verkey == me.verkey
+    for me in rest[6:12]:
+        assert fast(other, lookup_of(me)).recipient_verkey == me.verkey
+    for me in rest[:6]:
+        assert fast(other, lookup_of(me)) is None  # not for me: the fast path declines...
+        with pytest.raises(NoRecipientKeyError):  # ...and the reference path says why
+            unpack(other, lookup_of(me))
+
+
+def test_fast_path_declines_what_is_not_for_us(alg: str, crowd: list[KeyPair], alice: KeyPair) -> None:
+    envelope = pack(SECRET, [k.verkey for k in crowd[:8]], sender_for(alg, alice))
+    stranger = KeyPair.generate()
+    assert fast(envelope, lookup_of(stranger)) is None
+    with pytest.raises(NoRecipientKeyError):
+        unpack(envelope, lookup_of(stranger))
+
+
+def test_other_spellings_take_the_reference_path(alice: KeyPair, bob: KeyPair) -> None:
+    outer, header = split(pack(SECRET, [bob.verkey], alice))
+    spaced = dict(outer, protected=b64e(json.dumps(header).encode()))  # JSON with spaces, as other agents write
+    variants = [spaced]
+    if outer["protected"].endswith("="):  # (a header of a multiple of 3 bytes has no padding to drop)
+        variants.append(dict(outer, protected=outer["protected"].rstrip("=")))
+    for variant in variants:
+        envelope = json.dumps(variant, separators=(",", ":")).encode()
+        assert envelope_module._split_compact(envelope) is not None
+        assert fast(envelope, lookup_of(bob)) is None
+        # Not authentic any more (the AAD is the protected text), but the reference path reads it.
+        with pytest.raises(TamperedEnvelopeError):
+            unpack(envelope, lookup_of(bob))
+
+
+def mutations(protected: str, rng: random.Random) -> list[str]:
+    """Changes to the header text anywhere, by someone without the CEK."""
+    raw = bytearray(b64d(protected))
+    out = []
+    for _ in range(60):
+        changed = bytearray(raw)
+        i = rng.randrange(len(changed))
+        kind = rng.randrange(4)
+        if kind == 0:
+            changed[i] = rng.choice(b'"{}[],:\\ ax0=')
+        elif kind == 1:
+            changed[i] ^= 1 << rng.randrange(7)
+        elif kind == 2:
+            del changed[i]
+        else:
+            changed[i:i] = bytes([rng.choice(b'"a,')])
+        if changed != raw:
+            out.append(b64e(bytes(changed)))
+    return out
+
+
+@pytest.mark.parametrize("position", [0, 5, 11])
+def test_a_changed_header_fails_exactly_as_the_reference_says(alg: str, position: int, crowd: list[KeyPair], alice: KeyPair) -> None:
+    recipients = crowd[:12]
+    me = recipients[position]
+    envelope = pack(SECRET, [k.verkey for k in recipients], sender_for(alg, alice))
+    outer = json.loads(envelope)
+    rng = random.Random(position)
+    for protected in mutations(outer["protected"], rng):
+        changed = json.dumps(dict(outer, protected=protected), separators=(",", ":")).encode()
+        got = outcome(lambda: unpack(changed, lookup_of(me)))
+        assert got == outcome(lambda: reference(changed, lookup_of(me)))
+        assert got in (MalformedEnvelopeError, TamperedEnvelopeError, NoRecipientKeyError)
+
+
+def test_changed_body_fields_end_as_the_reference_says(crowd: list[KeyPair], alice: KeyPair) -> None:
+    envelope = pack(SECRET, [k.verkey for k in crowd[:8]], alice)
+    me = crowd[6]
+    outer = json.loads(envelope)
+    for name, bad, expected in [
+        ("iv", outer["iv"][:-4], TamperedEnvelopeError),
+        ("tag", outer["tag"] + "====", MalformedEnvelopeError),
+        ("tag", outer["tag"][:-3], MalformedEnvelopeError),
+        ("tag", outer["tag"][:-4] + "+/==", MalformedEnvelopeError),
+        ("tag", outer["tag"].rstrip("="), Unpacked),  # unpadded is fine
+        ("ciphertext", outer["ciphertext"] + "====", MalformedEnvelopeError),
+        ("ciphertext", b64e(flip(b64d(outer["ciphertext"]), 3)), TamperedEnvelopeError),
+    ]:
+        changed = json.dumps(dict(outer, **{name: bad}), separators=(",", ":")).encode()
+        got = outcome(lambda: unpack(changed, lookup_of(me)))
+        assert got == outcome(lambda: reference(changed, lookup_of(me)))
+        assert (type(got) if isinstance(got, Unpacked) else got) is expected, (name, bad)
+
+
+def test_kid_windows_hold_no_per_message_bytes(alg: str, crowd: list[KeyPair], alice: KeyPair,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """A fresh envelope for the same recipients reads from what the last one left: nothing random is in a window."""
+    recipients = crowd[:16]
+    me = recipients[-1]
+    sender = sender_for(alg, alice)
+    windows: dict[bytes, str] = {}
+    monkeypatch.setitem(envelope_module._kid_windows, alg, windows)
+    monkeypatch.setattr(envelope_module, "_recipient_lists", {})
+    assert fast(pack(SECRET, [k.verkey for k in recipients], sender), lookup_of(me)) is not None
+    assert sorted(windows.values()) == sorted(k.verkey for k in recipients[1:])
+    seen = dict(windows)
+    for _ in range(3):
+        envelope_module._recipient_lists.clear()  # the per-window memory alone must do
+        body = os.urandom(50)
+        assert fast(pack(body, [k.verkey for k in recipients], sender), lookup_of(me)).message == body
+        assert windows == seen, "a kid window of a fresh envelope was new"

@@ -5,12 +5,15 @@ from __future__ import annotations
 import base64
 import json
 import os
+import random
 import stat
 import subprocess
 import sys
 import textwrap
 import threading
+import time
 from pathlib import Path
+from typing import Any
 
 import nacl.utils
 import pytest
@@ -26,7 +29,7 @@ from zerocomm_spark.errors import (
 )
 from zerocomm_spark.keys import KeyPair, Keystore, b58encode, verify_signature
 from zerocomm_spark.keys import keystore as keystore_module
-from zerocomm_spark.keys.keystore import KEY_FILE, LOCK_FILE, SEALED_FILE, KeyInfo
+from zerocomm_spark.keys.keystore import KEY_FILE, LOCK_FILE, LOG_FILE, SEALED_FILE, KeyInfo
 
 PASSPHRASE = "correct horse battery staple"
 
@@ -128,6 +131,7 @@ def test_files_are_private(home: Path) -> None:
     assert mode_of(home) == 0o700
     assert mode_of(home / KEY_FILE) == 0o600
     assert mode_of(home / SEALED_FILE) == 0o600
+    assert mode_of(home / LOG_FILE) == 0o600
     assert mode_of(home / LOCK_FILE) == 0o600
 
 
@@ -318,33 +322,52 @@ def test_key_info_has_no_secret_field() -> None:
 
 # --- atomic, durable writes --------------------------------------------------------------------
 
-CRASH_MID_WRITE = """
+CRASH = """
 import os, sys
 from zerocomm_spark.keys import Keystore
 from zerocomm_spark.keys import keystore as module
+point = sys.argv[2]
+if point.startswith("compaction"):
+    module._COMPACT_MIN_BYTES = 0  # every write compacts
 ks = Keystore.open(sys.argv[1])
 print(ks.create_key("connection").verkey, flush=True)
-real_fsync = os.fsync
-def crash_after_temp_file_is_written(fd):
-    real_fsync(fd)
-    if not os.path.isdir(f"/proc/self/fd/{fd}"):
-        os._exit(17)  # the process dies with a complete temp file, before the rename
-module.os.fsync = crash_after_temp_file_is_written
+real_write, real_replace = os.write, os.replace
+def half_a_record(fd, data):
+    real_write(fd, bytes(data)[: len(data) // 2])
+    os._exit(17)  # dies with half a record in the log, never synced or acknowledged
+def die_at_replace(nth):
+    calls = []
+    def replace(src, dst):
+        calls.append(dst)
+        if len(calls) == nth:
+            os._exit(17)
+        return real_replace(src, dst)
+    return replace
+if point == "append":
+    module.os.write = half_a_record
+else:
+    # after the record is synced: the snapshot's rename (1st) or the new log's (2nd)
+    module.os.replace = die_at_replace(1 if point == "compaction-snapshot" else 2)
 ks.create_key("connection")
 print("not reached", flush=True)
 """
 
 
-def test_crash_mid_write_leaves_the_previous_state(home: Path) -> None:
-    result = run_python(CRASH_MID_WRITE, str(home))
+@pytest.mark.parametrize("point", ["append", "compaction-snapshot", "compaction-log"])
+def test_crash_mid_write_leaves_a_consistent_keystore(home: Path, point: str) -> None:
+    result = run_python(CRASH, str(home), point)
     assert result.returncode == 17, result.stderr
     survivor = result.stdout.split()[0]
-    leftovers = [p.name for p in home.iterdir() if p.name.endswith(".tmp")]
-    assert leftovers, "the crash should have left the half-done temp file behind"
     with Keystore.open(home) as ks:  # the dead process released the lock
-        assert [k.verkey for k in ks.keys()] == [survivor]
+        verkeys = [k.verkey for k in ks.keys()]
+        # Cut mid-record: the record was never acknowledged and is dropped. Cut during compaction:
+        # the record was synced to the log before, so it survives either way.
+        assert verkeys[0] == survivor and len(verkeys) == (1 if point == "append" else 2)
         ks.get(survivor).sign(b"still usable")
+        later = ks.create_key("connection")
     assert not [p.name for p in home.iterdir() if p.name.endswith(".tmp")], "stale temp files are removed"
+    with Keystore.open(home) as ks:
+        assert [k.verkey for k in ks.keys()] == [*verkeys, later.verkey]
 
 
 def test_failed_write_changes_nothing(home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -353,10 +376,10 @@ def test_failed_write_changes_nothing(home: Path, monkeypatch: pytest.MonkeyPatc
         kept = ks.create_key("connection")
         ks.put_record("group", "g1", {"epoch": 1})
 
-        def disk_full(src: object, dst: object) -> None:
+        def disk_full(fd: int, data: bytes) -> int:
             raise OSError(28, "No space left on device")
 
-        monkeypatch.setattr(keystore_module.os, "replace", disk_full)
+        monkeypatch.setattr(keystore_module.os, "write", disk_full)
         with pytest.raises(KeystoreError, match="No space left"):
             ks.create_key("connection")
         with pytest.raises(KeystoreError):
@@ -367,6 +390,16 @@ def test_failed_write_changes_nothing(home: Path, monkeypatch: pytest.MonkeyPatc
         assert [k.verkey for k in ks.keys()] == [kept.verkey]
         assert ks.get_record("group", "g1") == {"epoch": 1}
         monkeypatch.undo()
+
+        # Written, then the sync fails: the record is taken back out of the log.
+        def sync_fails_once(fd: int) -> None:
+            monkeypatch.undo()
+            raise OSError(5, "Input/output error")
+
+        monkeypatch.setattr(keystore_module.os, "fdatasync", sync_fails_once)
+        with pytest.raises(KeystoreError, match="Input/output error"):
+            ks.put_record("group", "g1", {"epoch": 3})
+        assert ks.get_record("group", "g1") == {"epoch": 1}
         added = ks.create_key("connection")
     finally:
         ks.close()
@@ -379,21 +412,364 @@ def test_failed_write_changes_nothing(home: Path, monkeypatch: pytest.MonkeyPatc
 def test_every_write_reaches_the_disk_before_returning(home: Path) -> None:
     with Keystore.open(home) as ks:
         pair = ks.create_key("connection")
-        # Read the file as another process would, while ks is still open (no close/flush needed).
+        # Read the files as another process would, while ks is still open (no close/flush needed).
         result = run_python(
             """
-            import json, sys
+            import json, shutil, sys
             from pathlib import Path
-            import nacl.secret
-            home = Path(sys.argv[1])
-            blob = (home / "keystore.sealed").read_bytes()
-            box = nacl.secret.SecretBox((home / "keystore.key").read_bytes())
-            print(json.dumps(sorted(json.loads(box.decrypt(blob[6:]))["keys"])))
+            from zerocomm_spark.keys import Keystore
+            home, copy = Path(sys.argv[1]), Path(sys.argv[2])
+            copy.mkdir(mode=0o700)
+            for name in ("keystore.sealed", "keystore.log", "keystore.key"):
+                shutil.copy2(home / name, copy / name)
+            with Keystore.open(copy) as ks:
+                print(json.dumps([k.verkey for k in ks.keys()]))
             """,
-            str(home),
+            str(home), str(home.parent / "copy"),
         )
         assert result.returncode == 0, result.stderr
         assert json.loads(result.stdout) == [pair.verkey]
+
+
+# --- the log: many changes, torn tails, tampering, old files ------------------------------------
+
+
+def apply_at_random(ks: Keystore, rng: random.Random, model: dict[str, Any], steps: int) -> None:
+    """Random changes to ``ks``, mirrored in ``model`` (what a reopen must show)."""
+    for _ in range(steps):
+        what = rng.randrange(7)
+        if what == 0:
+            model["keys"].append(ks.create_key("connection", ref=f"r{rng.randrange(9)}").verkey)
+        elif what == 1 and model["keys"]:
+            verkey = model["keys"].pop(rng.randrange(len(model["keys"])))
+            ks.delete_key(verkey)
+        elif what == 2:
+            name, value = f"s{rng.randrange(5)}", rng.randbytes(rng.randrange(1, 40))
+            ks.put_secret(name, value)
+            model["secrets"][name] = value
+        elif what == 3:
+            name = f"s{rng.randrange(5)}"
+            assert ks.delete_secret(name) is (model["secrets"].pop(name, None) is not None)
+        elif what in (4, 5):
+            kind, rid = f"k{rng.randrange(3)}", f"id{rng.randrange(12)}"
+            record = {"n": rng.randrange(1000), "text": "x" * rng.randrange(300)}
+            ks.put_record(kind, rid, record)
+            model["records"].setdefault(kind, {})[rid] = record
+        else:
+            kind, rid = f"k{rng.randrange(3)}", f"id{rng.randrange(12)}"
+            kind_records = model["records"].get(kind, {})
+            assert ks.delete_record(kind, rid) is (kind_records.pop(rid, None) is not None)
+            if not kind_records:
+                model["records"].pop(kind, None)
+
+
+def assert_matches(ks: Keystore, model: dict[str, Any]) -> None:
+    assert [k.verkey for k in ks.keys()] == model["keys"]
+    for name in (f"s{i}" for i in range(5)):
+        assert ks.get_secret(name) == model["secrets"].get(name)
+    for kind in (f"k{i}" for i in range(3)):
+        assert ks.records(kind) == list(model["records"].get(kind, {}).values())
+
+
+def new_model() -> dict[str, Any]:
+    return {"keys": [], "secrets": {}, "records": {}}
+
+
+@pytest.mark.parametrize("compact_at", [None, 2048])
+def test_many_changes_then_reopen(home: Path, monkeypatch: pytest.MonkeyPatch, compact_at: int | None) -> None:
+    if compact_at is not None:
+        monkeypatch.setattr(keystore_module, "_COMPACT_MIN_BYTES", compact_at)
+    rng, model = random.Random(7), new_model()
+    with Keystore.open(home) as ks:
+        apply_at_random(ks, rng, model, 300)
+        assert_matches(ks, model)
+    log_size = (home / LOG_FILE).stat().st_size
+    if compact_at is None:
+        assert log_size > 20_000, "300 changes, no compaction: all in the log"
+    else:
+        assert log_size < 3 * compact_at + 4096, "the log was compacted into the snapshot as it grew"
+    for _ in range(2):  # reopen, change more, reopen
+        with Keystore.open(home) as ks:
+            assert_matches(ks, model)
+            apply_at_random(ks, rng, model, 40)
+    with Keystore.open(home) as ks:
+        assert_matches(ks, model)
+
+
+def log_records(home: Path) -> list[tuple[int, int]]:
+    """(offset, length) of each record in the log, read from its framing."""
+    data = (home / LOG_FILE).read_bytes()
+    offset, out = len(b"ZCKL\x01") + 16, []
+    while offset < len(data):
+        length = int.from_bytes(data[offset : offset + 4], "big") + 4 + 24
+        out.append((offset, length))
+        offset += length
+    return out
+
+
+@pytest.mark.parametrize("tail", ["cut-in-length", "cut-in-nonce", "cut-in-body", "zeros", "garbage-length", "random"])
+def test_torn_tail_is_dropped_and_the_log_repaired(home: Path, tail: str) -> None:
+    with Keystore.open(home) as ks:
+        first = ks.create_key("connection")
+        ks.put_record("connection", "c1", {"state": "completed"})
+        last = ks.create_key("connection")
+    data = (home / LOG_FILE).read_bytes()
+    offset, length = log_records(home)[-1]
+    good = data[:offset]
+    torn = {
+        "cut-in-length": good + data[offset : offset + 2],
+        "cut-in-nonce": good + data[offset : offset + 10],
+        "cut-in-body": good + data[offset : offset + length - 5],
+        "zeros": data + bytes(300),  # a filesystem that grew the file before the data landed
+        "garbage-length": data + b"\xff\xff\xff\xff" + bytes(20),
+        "random": data + nacl.utils.random(200),
+    }[tail]
+    (home / LOG_FILE).write_bytes(torn)
+    kept = [first.verkey] if tail.startswith("cut") else [first.verkey, last.verkey]
+    with Keystore.open(home) as ks:
+        assert [k.verkey for k in ks.keys()] == kept
+        assert ks.get_record("connection", "c1") == {"state": "completed"}
+        added = ks.create_key("connection")  # appended after the repaired end, not after the garbage
+    assert (home / LOG_FILE).read_bytes().startswith(good if tail.startswith("cut") else data)
+    with Keystore.open(home) as ks:
+        assert [k.verkey for k in ks.keys()] == [*kept, added.verkey]
+
+
+@pytest.mark.parametrize("how", ["flip-first", "flip-middle", "swap", "drop-middle", "header-id", "magic", "foreign", "missing"])
+def test_tampered_log_is_refused(home: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, how: str) -> None:
+    with Keystore.open(home) as ks:
+        monkeypatch.setattr(keystore_module, "_COMPACT_MIN_BYTES", 0)
+        ks.put_record("connection", "c0", {"n": 0, "pad": "x" * 1000})  # compacts: the snapshot now names a log it replaced
+        monkeypatch.undo()
+        for i in range(1, 5):
+            ks.put_record("connection", f"c{i}", {"n": i})
+    data = bytearray((home / LOG_FILE).read_bytes())
+    records = log_records(home)
+    assert len(records) == 4
+    (o0, _), (o1, l1), (o2, l2) = records[0], records[1], records[2]
+    if how == "flip-first":
+        data[o0 + 40] ^= 1
+    elif how == "flip-middle":
+        data[o1 + l1 - 3] ^= 0x80
+    elif how == "swap":
+        data[o1 : o2 + l2] = data[o2 : o2 + l2] + data[o1 : o1 + l1]
+    elif how == "drop-middle":
+        del data[o1 : o1 + l1]
+    elif how == "header-id":
+        data[7] ^= 1
+    elif how == "magic":
+        data[0:4] = b"XXXX"
+    elif how == "foreign":  # another keystore's log, even with the same key file
+        other = tmp_path / "other"
+        other.mkdir(mode=0o700)
+        (other / KEY_FILE).write_bytes((home / KEY_FILE).read_bytes())
+        os.chmod(other / KEY_FILE, 0o600)
+        with Keystore.open(other) as ks:
+            ks.put_record("connection", "x", {"n": 1})
+        data = bytearray((other / LOG_FILE).read_bytes())
+    if how == "missing":
+        (home / LOG_FILE).unlink()
+    else:
+        (home / LOG_FILE).write_bytes(bytes(data))
+    for _ in range(2):  # a refused open releases the directory
+        with pytest.raises(KeystoreLockedError) as refused:
+            Keystore.open(home)
+        assert "c1" not in str(refused.value) and "connection" not in str(refused.value)
+
+
+def test_missing_log_of_a_new_keystore_is_refused(home: Path) -> None:
+    """A new keystore puts its empty log in place before the snapshot that names it: no crash leaves none."""
+    with Keystore.open(home) as ks:
+        ks.create_key("connection")
+    (home / LOG_FILE).unlink()
+    with pytest.raises(KeystoreLockedError, match="missing"):
+        Keystore.open(home)
+
+
+def write_single_file_keystore(home: Path, state: dict[str, Any], passphrase: bytes | None) -> None:
+    """A keystore as the single-file format wrote it: keystore.sealed with a version 1 state, no log."""
+    import nacl.pwhash.argon2id as argon2id
+    import nacl.secret
+
+    home.mkdir(mode=0o700)
+    if passphrase is None:
+        key = nacl.utils.random(32)
+        (home / KEY_FILE).write_bytes(key)
+        os.chmod(home / KEY_FILE, 0o600)
+        header = b"ZCKS\x01\x00"
+    else:
+        salt = nacl.utils.random(argon2id.SALTBYTES)
+        ops, mem = argon2id.OPSLIMIT_MIN, argon2id.MEMLIMIT_MIN
+        key = argon2id.kdf(32, passphrase, salt, opslimit=ops, memlimit=mem)
+        header = b"ZCKS\x01\x01" + ops.to_bytes(4, "big") + mem.to_bytes(8, "big") + salt
+    blob = header + bytes(nacl.secret.SecretBox(key).encrypt(json.dumps(state).encode()))
+    (home / SEALED_FILE).write_bytes(blob)
+    os.chmod(home / SEALED_FILE, 0o600)
+
+
+@pytest.mark.parametrize("passphrase", [None, b"old passphrase"])
+def test_a_single_file_keystore_is_converted_on_open(home: Path, passphrase: bytes | None) -> None:
+    pair = KeyPair.generate()
+    state = {
+        "version": 1,
+        "keys": {pair.verkey: {"seed": base64.b64encode(pair.seed).decode(), "purpose": "connection",
+                               "ref": "c1", "created_at": "2026-01-02T03:04:05+00:00"}},
+        "secrets": {"g": base64.b64encode(b"group key").decode()},
+        "records": {"connection": {"c1": {"state": "completed"}}},
+    }
+    write_single_file_keystore(home, state, passphrase)
+    with Keystore.open(home, passphrase=passphrase) as ks:
+        assert ks.get(pair.verkey).seed == pair.seed
+        assert ks.get_secret("g") == b"group key"
+        assert ks.get_record("connection", "c1") == {"state": "completed"}
+        later = ks.create_key("connection")
+    assert (home / LOG_FILE).exists()
+    with Keystore.open(home, passphrase=passphrase) as ks:
+        assert [k.verkey for k in ks.keys()] == [pair.verkey, later.verkey]
+        assert ks.keys()[0].created_at.year == 2026
+
+
+OPEN_AND_DIE_AT_REPLACE = """
+import os, sys
+from zerocomm_spark.keys import Keystore
+from zerocomm_spark.keys import keystore as module
+real_replace, calls = os.replace, []
+def replace(src, dst):
+    calls.append(dst)
+    if len(calls) == int(sys.argv[2]):
+        os._exit(17)
+    return real_replace(src, dst)
+module.os.replace = replace
+Keystore.open(sys.argv[1]).close()
+print("not reached", flush=True)
+"""
+
+
+@pytest.mark.parametrize("nth", [1, 2, 3])
+def test_crash_while_creating_leaves_nothing_half_made(home: Path, nth: int) -> None:
+    """Key file, then the empty log, then the snapshot naming it: a crash at any rename, then a clean start."""
+    result = run_python(OPEN_AND_DIE_AT_REPLACE, str(home), str(nth))
+    assert result.returncode == 17, result.stderr
+    with Keystore.open(home) as ks:
+        pair = ks.create_key("connection")
+    with Keystore.open(home) as ks:
+        assert [k.verkey for k in ks.keys()] == [pair.verkey]
+
+
+@pytest.mark.parametrize("nth", [1, 2])
+def test_crash_while_converting_keeps_the_single_file_keystore(home: Path, nth: int) -> None:
+    pair = KeyPair.generate()
+    write_single_file_keystore(home, {
+        "version": 1, "secrets": {}, "records": {},
+        "keys": {pair.verkey: {"seed": base64.b64encode(pair.seed).decode(), "purpose": "connection",
+                               "ref": None, "created_at": "2026-01-02T03:04:05+00:00"}},
+    }, None)
+    result = run_python(OPEN_AND_DIE_AT_REPLACE, str(home), str(nth))  # the new log (1st), the snapshot (2nd)
+    assert result.returncode == 17, result.stderr
+    with Keystore.open(home) as ks:
+        assert ks.get(pair.verkey).seed == pair.seed
+
+
+# --- group commit ---------------------------------------------------------------------------------
+
+
+def test_concurrent_writers_share_a_write_and_a_sync(home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """While one batch syncs, the changes that arrive queue up and go to disk together."""
+    writers = 12
+    with Keystore.open(home) as ks:
+        real_sync = keystore_module._sync_data
+        syncs: list[int] = []
+        first_sync = threading.Event()
+        queued_all = threading.Event()
+
+        def sync(fd: int) -> None:
+            syncs.append(fd)
+            if len(syncs) == 1:
+                first_sync.set()
+                assert queued_all.wait(30), "the other writers never queued"
+            real_sync(fd)
+
+        monkeypatch.setattr(keystore_module, "_sync_data", sync)
+        errors: list[BaseException] = []
+
+        def put(n: int) -> None:
+            try:
+                ks.put_record("peer", f"p{n}", {"n": n})
+            except BaseException as exc:  # pragma: no cover - reported below
+                errors.append(exc)
+
+        threads = [threading.Thread(target=put, args=(0,))]
+        threads[0].start()
+        assert first_sync.wait(30)  # writer 0 is inside its sync, holding no lock
+        threads += [threading.Thread(target=put, args=(n,)) for n in range(1, writers)]
+        for t in threads[1:]:
+            t.start()
+        deadline = time.monotonic() + 30
+        while len(ks._queue) < writers - 1 and time.monotonic() < deadline:
+            time.sleep(0.001)
+        queued_all.set()
+        for t in threads:
+            t.join(30)
+        assert not errors
+        assert len(syncs) == 2, "the 11 writers that queued behind the first were written with one sync"
+        assert len(ks.records("peer")) == writers
+    with Keystore.open(home) as ks:
+        assert sorted(r["n"] for r in ks.records("peer")) == list(range(writers))
+
+
+def test_reads_do_not_wait_for_the_disk(home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    with Keystore.open(home) as ks:
+        pair = ks.create_key("connection")
+        ks.put_record("connection", "c1", {"state": "completed"})
+        in_sync, release = threading.Event(), threading.Event()
+        real_sync = keystore_module._sync_data
+
+        def slow_sync(fd: int) -> None:
+            in_sync.set()
+            assert release.wait(30)
+            real_sync(fd)
+
+        monkeypatch.setattr(keystore_module, "_sync_data", slow_sync)
+        writer = threading.Thread(target=ks.put_record, args=("connection", "c2", {"state": "invited"}))
+        writer.start()
+        try:
+            assert in_sync.wait(30)
+            # The write is in flight (synced it is not): reads answer, and do not see it yet.
+            assert ks.find(pair.verkey) is pair
+            assert ks.get_record("connection", "c1") == {"state": "completed"}
+            assert ks.get_record("connection", "c2") is None
+        finally:
+            release.set()
+            writer.join(30)
+        assert ks.get_record("connection", "c2") == {"state": "invited"}
+
+
+def test_concurrent_deletes_of_one_key_succeed_once(home: Path) -> None:
+    with Keystore.open(home) as ks:
+        pairs = [ks.create_key("connection") for _ in range(6)]
+        outcomes: list[str] = []
+        guard = threading.Lock()
+        barrier = threading.Barrier(8)
+
+        def delete(verkey: str) -> None:
+            barrier.wait()
+            try:
+                ks.delete_key(verkey)
+                result = "deleted"
+            except KeyNotFoundError:
+                result = "not found"
+            with guard:
+                outcomes.append(result)
+
+        for pair in pairs:
+            barrier.reset()
+            threads = [threading.Thread(target=delete, args=(pair.verkey,)) for _ in range(8)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(30)
+        assert outcomes.count("deleted") == len(pairs) and outcomes.count("not found") == 7 * len(pairs)
+        assert ks.keys() == []
 
 
 # --- API behaviour -----------------------------------------------------------------------------

@@ -53,7 +53,7 @@ def verify_signature(verkey: str, message: bytes, signature: bytes) -> None:
 class KeyPair:
     """An Ed25519 signing key with its verkey and derived X25519 keys."""
 
-    __slots__ = ("_signing", "verkey", "_x_private", "_x_public")
+    __slots__ = ("_signing", "verkey", "_x_private", "_x_public", "_x_raw")
 
     def __init__(self, seed: bytes) -> None:
         if len(seed) != 32:
@@ -62,6 +62,7 @@ class KeyPair:
         self.verkey: str = b58encode(bytes(self._signing.verify_key))
         self._x_private: PrivateKey | None = None
         self._x_public: PublicKey | None = None
+        self._x_raw: tuple[bytes, bytes] | None = None
 
     @classmethod
     def generate(cls) -> "KeyPair":
@@ -90,6 +91,13 @@ class KeyPair:
         if self._x_public is None:
             self._x_public = self.x25519_private().public_key
         return self._x_public
+
+    def x25519_raw(self) -> tuple[bytes, bytes]:
+        """(public, secret) X25519 keys as raw bytes, converted once: every unpack for this key needs them."""
+        raw = self._x_raw
+        if raw is None:
+            raw = self._x_raw = (bytes(self.x25519_public()), bytes(self.x25519_private()))
+        return raw
 
     def sign(self, message: bytes) -> bytes:
         """The detached 64-byte Ed25519 signature."""

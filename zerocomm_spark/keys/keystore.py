@@ -1,11 +1,27 @@
 """The sealed keystore: a member's key pairs, secrets and protocol records, encrypted at rest.
 
 Everything a member must keep across restarts (its per-relationship key pairs, connection and
-group records) lives in one file, ``keystore.sealed``, encrypted with a NaCl SecretBox. The box key
-comes from the user's passphrase through Argon2id, or, without a passphrase, from a random key file
-``keystore.key`` (mode 0600) next to it. The whole state is decrypted once at open and kept in
-memory; every change is written through before the call returns, by atomic replacement, so a crash
-leaves either the old or the new file, never a torn one.
+group records) lives in two files, both sealed with a key that comes from the user's passphrase
+through Argon2id, or, without a passphrase, from a random key file ``keystore.key`` (mode 0600):
+
+* ``keystore.sealed``, a snapshot: the whole state in one NaCl SecretBox, replaced atomically;
+* ``keystore.log``, an append-only log of the changes since that snapshot, one record per change,
+  each sealed on its own (XChaCha20-Poly1305 under a key derived from the keystore key, bound to
+  the log's random id and the record's sequence number) and framed by its length.
+
+A change is one appended record and one fdatasync before the call returns; changes that arrive
+together from several threads share the write and the sync (group commit), and nothing waits for
+the disk while holding the lock that readers take. When the log outgrows the snapshot it is
+compacted: a new snapshot naming a new log is written and renamed into place, then the new, empty
+log. A crash at any point leaves either the old snapshot with its log or the new snapshot with
+its (possibly not yet renamed) log; a record cut short by a crash (a torn tail) was never
+acknowledged and is dropped at the next open. A record that fails its MAC while a valid one
+follows it, a log that belongs to no snapshot of this keystore, or a damaged snapshot is refused
+with :class:`KeystoreLockedError`.
+
+A keystore written by the single-file format (state version 1) opens as before and is converted on
+open. (A converted keystore cannot be opened by that older code: it refuses the new state version
+rather than silently missing the log.)
 
 One identity directory belongs to one running agent: ``open`` takes an exclusive ``flock`` and a
 second open, from this process or another, fails with :class:`AgentAlreadyRunningError`. Two agents
@@ -18,6 +34,7 @@ import base64
 import copy
 import errno
 import fcntl
+import hashlib
 import json
 import logging
 import os
@@ -29,6 +46,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Callable, TypeVar
 
+import nacl.bindings
 import nacl.exceptions
 import nacl.pwhash.argon2id as argon2id
 import nacl.secret
@@ -50,20 +68,36 @@ __all__ = ["KeyInfo", "Keystore"]
 log = logging.getLogger(__name__)
 
 SEALED_FILE = "keystore.sealed"
+LOG_FILE = "keystore.log"
 KEY_FILE = "keystore.key"
 LOCK_FILE = "keystore.lock"
 
-# Header: magic+format version, then the KDF id; for Argon2id also opslimit (u32), memlimit (u64)
-# and the salt. The header is not encrypted but is bound to the box key: altering any field derives
-# another key, so the SecretBox MAC fails.
+# Snapshot header: magic+format version, then the KDF id; for Argon2id also opslimit (u32), memlimit
+# (u64) and the salt. The header is not encrypted but is bound to the box key: altering any field
+# derives another key, so the SecretBox MAC fails.
 _MAGIC = b"ZCKS\x01"
 _KDF_KEYFILE = 0
 _KDF_ARGON2ID = 1
 _ARGON2_PARAMS = struct.Struct(">IQ")
 _OPSLIMIT = argon2id.OPSLIMIT_MODERATE
 _MEMLIMIT = argon2id.MEMLIMIT_MODERATE
-_STATE_VERSION = 1
+_LEGACY_STATE_VERSION = 1  # the single-file format: no log; converted on open
+_STATE_VERSION = 2  # the snapshot names its log ("log") and the log it replaced ("log_prev")
 _TMP_SUFFIX = ".tmp"
+
+# Log: magic and the log's random id, then records: u32 length of the sealed part, 24-byte nonce,
+# XChaCha20-Poly1305 ciphertext and tag of one JSON change. The associated data is the log id and
+# the record's sequence number, so records cannot be moved between logs or reordered unnoticed.
+_LOG_MAGIC = b"ZCKL\x01"
+_LOG_ID_BYTES = 16
+_LOG_HEADER_BYTES = len(_LOG_MAGIC) + _LOG_ID_BYTES
+_RECORD_LENGTH = struct.Struct(">I")
+_RECORD_NONCE_BYTES = nacl.bindings.crypto_aead_xchacha20poly1305_ietf_NPUBBYTES
+_RECORD_TAG_BYTES = nacl.bindings.crypto_aead_xchacha20poly1305_ietf_ABYTES
+_RECORD_MAX_BYTES = 16 << 20
+_SEQ = struct.Struct(">Q")
+# Compact when the log is larger than this and than twice the snapshot.
+_COMPACT_MIN_BYTES = 256 << 10
 
 _T = TypeVar("_T")
 
@@ -96,24 +130,54 @@ def _fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
-def _write_atomic(path: Path, data: bytes) -> None:
-    """Replace ``path`` by ``data`` so that a crash at any point leaves the old or the new content."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{nacl.utils.random(6).hex()}{_TMP_SUFFIX}")
+def _sync_data(fd: int) -> None:
+    """fdatasync where there is one (it also persists the size an append changed), else fsync."""
+    if hasattr(os, "fdatasync"):
+        os.fdatasync(fd)
+    else:  # pragma: no cover - macOS
+        os.fsync(fd)
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
+
+
+def _temp_path(path: Path) -> Path:
+    return path.with_name(f".{path.name}.{os.getpid()}.{nacl.utils.random(6).hex()}{_TMP_SUFFIX}")
+
+
+def _write_temp(path: Path, data: bytes) -> Path:
+    """``data`` in a new private temporary file beside ``path``, on disk; the caller renames it."""
+    tmp = _temp_path(path)
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     try:
         try:
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view) :]
+            _write_all(fd, data)
             os.fsync(fd)
         finally:
             os.close(fd)
+    except BaseException:
+        _unlink_quietly(tmp)
+        raise
+    return tmp
+
+
+def _unlink_quietly(path: Path) -> None:
+    try:
+        path.unlink()
+    except OSError:
+        pass
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    """Replace ``path`` by ``data`` so that a crash at any point leaves the old or the new content."""
+    tmp = _write_temp(path, data)
+    try:
         os.replace(tmp, path)
     except BaseException:
-        try:
-            tmp.unlink()
-        except OSError:
-            pass
+        _unlink_quietly(tmp)
         raise
     _fsync_dir(path.parent)
 
@@ -157,19 +221,108 @@ def _prepare_directory(directory: Path) -> None:
         log.info("tightened the identity directory %s to mode 700", directory)
 
 
+# --- changes: what a log record holds ---------------------------------------------------------
+#
+# A change is a JSON list: [part, name..., value] sets, [part, name...] (no value) removes.
+#   ["k", verkey, entry] / ["k", verkey]        key pairs
+#   ["s", name, base64] / ["s", name]           secrets
+#   ["r", kind, id, record] / ["r", kind, id]   records (a kind with no record left disappears)
+
+
+def _path_of(change: list[Any]) -> tuple[str, ...]:
+    return tuple(change[:3]) if change[0] == "r" else tuple(change[:2])
+
+
+def _apply(state: dict[str, Any], change: list[Any]) -> None:
+    part = change[0]
+    if part == "k" or part == "s":
+        table = state["keys" if part == "k" else "secrets"]
+        if len(change) == 3:
+            table[change[1]] = change[2]
+        else:
+            table.pop(change[1], None)
+    elif part == "r":
+        records = state["records"]
+        if len(change) == 4:
+            records.setdefault(change[1], {})[change[2]] = change[3]
+        else:
+            kind = records.get(change[1], {})
+            kind.pop(change[2], None)
+            if not kind:
+                records.pop(change[1], None)
+    else:
+        raise ValueError("unknown change")
+
+
+def _present(state: dict[str, Any], path: tuple[str, ...]) -> bool:
+    if path[0] == "r":
+        return path[2] in state["records"].get(path[1], {})
+    return path[1] in state["keys" if path[0] == "k" else "secrets"]
+
+
+def _valid_change(change: object) -> bool:
+    if not isinstance(change, list) or not change:
+        return False
+    part, size = change[0], len(change)
+    if part == "r":
+        names, value = change[1:3], change[3] if size == 4 else None
+        return size in (3, 4) and all(isinstance(x, str) for x in names) and (size == 3 or isinstance(value, dict))
+    if part not in ("k", "s") or size not in (2, 3) or not isinstance(change[1], str):
+        return False
+    return size == 2 or isinstance(change[2], dict if part == "k" else str)
+
+
+class _Pending:
+    """One change waiting for the log: the thread that writes its batch fills in done and error."""
+
+    __slots__ = ("change", "done", "error")
+
+    def __init__(self, change: list[Any]) -> None:
+        self.change = change
+        self.done = False
+        self.error: tuple[type[KeystoreError], str] | None = None  # raised afresh in each waiting thread
+
+
+@dataclass
+class _Sealing:
+    """What a keystore is sealed with: the snapshot's SecretBox and header, and the log's key."""
+
+    box: nacl.secret.SecretBox
+    header: bytes
+    log_key: bytes
+
+    @classmethod
+    def from_key(cls, key: bytes, header: bytes) -> "_Sealing":
+        log_key = hashlib.blake2b(b"zerocomm keystore log", key=key, digest_size=32, person=b"zc-keystore-log").digest()
+        return cls(nacl.secret.SecretBox(key), header, log_key)
+
+    def __repr__(self) -> str:  # never show the keys
+        return "_Sealing(...)"
+
+
 class Keystore:
     """A member's sealed key pairs, secrets and records, exclusive to one process."""
 
-    def __init__(self, directory: Path, box: nacl.secret.SecretBox, header: bytes,
-                 state: dict[str, Any], lock_fd: int) -> None:
+    def __init__(self, directory: Path, sealing: _Sealing, state: dict[str, Any], lock_fd: int) -> None:
         """Use :meth:`Keystore.open`; this only wires an already unsealed state."""
         self._directory = directory
-        self._box = box
-        self._header = header
-        self._state = state
+        self._sealing = sealing
+        self._state = state  # durable changes only: what readers see
         self._lock_fd: int | None = lock_fd
         self._mutex = threading.RLock()
+        self._changed = threading.Condition(self._mutex)
         self._pairs: dict[str, KeyPair] = {}
+        # Log (owned by the thread that is writing, or by open/close)
+        self._log_fd: int | None = None
+        self._log_id = b""
+        self._log_seq = 0
+        self._log_size = 0
+        self._snapshot_size = 0
+        # Group commit, under _mutex
+        self._queue: list[_Pending] = []
+        self._pending_paths: dict[tuple[str, ...], tuple[_Pending, bool]] = {}  # latest queued change per path
+        self._writing = False
+        self._broken: str | None = None
 
     # --- opening and closing -------------------------------------------------------------------
 
@@ -184,20 +337,31 @@ class Keystore:
         secret = cls._passphrase_bytes(passphrase)
         _prepare_directory(directory)
         lock_fd = cls._acquire_lock(directory)
+        store: Keystore | None = None
         try:
             cls._remove_stale_temp_files(directory)
             sealed = directory / SEALED_FILE
-            if sealed.exists():
-                box, header, state = cls._unseal(directory, sealed, secret)
-                store = cls(directory, box, header, state, lock_fd)
-            else:
-                box, header = cls._new_box(directory, secret)
-                store = cls(directory, box, header, _empty_state(), lock_fd)
-                store._persist(store._state)
-                log.info("created a keystore in %s (%s)", directory,
-                         "passphrase" if secret is not None else "key file")
+            try:
+                if sealed.exists():
+                    sealing, state, log_ids, snapshot_size = cls._unseal(directory, sealed, secret)
+                    store = cls(directory, sealing, state, lock_fd)
+                    store._snapshot_size = snapshot_size
+                    if log_ids is None:
+                        log.info("converting the keystore in %s to a snapshot and a log", directory)
+                        store._compact(previous=None)
+                    else:
+                        store._open_log(*log_ids)
+                else:
+                    store = cls(directory, cls._new_sealing(directory, secret), _empty_state(), lock_fd)
+                    store._compact(previous=None)
+                    log.info("created a keystore in %s (%s)", directory,
+                             "passphrase" if secret is not None else "key file")
+            except OSError as exc:
+                raise KeystoreError(f"cannot open the keystore in {directory}: {exc.strerror}") from exc
             return store
         except BaseException:
+            if store is not None and store._log_fd is not None:
+                os.close(store._log_fd)
             os.close(lock_fd)
             raise
 
@@ -247,10 +411,7 @@ class Keystore:
         # We hold the lock, so any temporary file is left over from a crash mid-write.
         for entry in directory.iterdir():
             if entry.name.startswith(".") and entry.name.endswith(_TMP_SUFFIX):
-                try:
-                    entry.unlink()
-                except OSError:
-                    pass
+                _unlink_quietly(entry)
 
     @staticmethod
     def _read_key_file(directory: Path, *, create: bool) -> bytes:
@@ -276,16 +437,18 @@ class Keystore:
             raise KeystoreError("deriving the keystore key from the passphrase failed (out of memory?)") from exc
 
     @classmethod
-    def _new_box(cls, directory: Path, secret: bytes | None) -> tuple[nacl.secret.SecretBox, bytes]:
+    def _new_sealing(cls, directory: Path, secret: bytes | None) -> _Sealing:
         if secret is None:
-            return nacl.secret.SecretBox(cls._read_key_file(directory, create=True)), _MAGIC + bytes([_KDF_KEYFILE])
+            return _Sealing.from_key(cls._read_key_file(directory, create=True), _MAGIC + bytes([_KDF_KEYFILE]))
         salt = nacl.utils.random(argon2id.SALTBYTES)
         header = _MAGIC + bytes([_KDF_ARGON2ID]) + _ARGON2_PARAMS.pack(_OPSLIMIT, _MEMLIMIT) + salt
-        return nacl.secret.SecretBox(cls._derive(secret, salt, _OPSLIMIT, _MEMLIMIT)), header
+        return _Sealing.from_key(cls._derive(secret, salt, _OPSLIMIT, _MEMLIMIT), header)
 
     @classmethod
-    def _unseal(cls, directory: Path, sealed: Path,
-                secret: bytes | None) -> tuple[nacl.secret.SecretBox, bytes, dict[str, Any]]:
+    def _unseal(
+        cls, directory: Path, sealed: Path, secret: bytes | None
+    ) -> tuple[_Sealing, dict[str, Any], tuple[bytes, bytes | None] | None, int]:
+        """The snapshot: its sealing, state, (log id, previous log id) (None: single-file format) and size."""
         try:
             _check_private(sealed, what="sealed keystore", tighten=True)
             blob = sealed.read_bytes()
@@ -299,7 +462,7 @@ class Keystore:
         if kdf == _KDF_KEYFILE:
             if secret is not None:
                 raise KeystoreLockedError(f"{sealed} is sealed with its key file, not a passphrase; open it without one")
-            box = nacl.secret.SecretBox(cls._read_key_file(directory, create=False))
+            key = cls._read_key_file(directory, create=False)
         elif kdf == _KDF_ARGON2ID:
             if secret is None:
                 raise KeystoreLockedError(f"{sealed} is sealed with a passphrase; give it to open the keystore")
@@ -312,37 +475,50 @@ class Keystore:
                     and argon2id.MEMLIMIT_MIN <= memlimit <= argon2id.MEMLIMIT_SENSITIVE):
                 raise KeystoreLockedError(damaged)
             salt = blob[offset + _ARGON2_PARAMS.size:end]
-            box = nacl.secret.SecretBox(cls._derive(secret, salt, opslimit, memlimit))
+            key = cls._derive(secret, salt, opslimit, memlimit)
             offset = end
         else:
             raise KeystoreLockedError(damaged)
-        header = blob[:offset]
+        sealing = _Sealing.from_key(key, blob[:offset])
         try:
-            plaintext = box.decrypt(blob[offset:])
+            plaintext = sealing.box.decrypt(blob[offset:])
         except (nacl.exceptions.CryptoError, nacl.exceptions.ValueError, ValueError):
             raise KeystoreLockedError(
                 f"cannot unseal {sealed}: wrong passphrase or key file, or the file was altered"
             ) from None
         try:
             state = json.loads(plaintext)
-            if not isinstance(state, dict) or state.get("version") != _STATE_VERSION:
+            if not isinstance(state, dict) or state.get("version") not in (_LEGACY_STATE_VERSION, _STATE_VERSION):
                 raise ValueError("unknown state version")
             for part in ("keys", "secrets", "records"):
                 if not isinstance(state.get(part), dict):
                     raise ValueError(f"missing {part}")
-        except ValueError:
+            log_ids = None
+            if state["version"] == _STATE_VERSION:
+                previous = state.pop("log_prev", None)
+                log_ids = (bytes.fromhex(state.pop("log")), None if previous is None else bytes.fromhex(previous))
+                if len(log_ids[0]) != _LOG_ID_BYTES:
+                    raise ValueError("bad log id")
+            state["version"] = _STATE_VERSION
+        except (ValueError, TypeError, KeyError):
             raise KeystoreLockedError(f"{sealed} decrypted but its content is not a keystore state") from None
-        return box, header, state
+        return sealing, state, log_ids, len(blob)
 
     def close(self) -> None:
         """Release the directory for another agent; further use raises KeystoreClosedError."""
-        with self._mutex:
+        with self._changed:
+            while self._writing:  # let a write in flight finish: its callers are told how it went
+                self._changed.wait()
             if self._lock_fd is None:
                 return
             fd, self._lock_fd = self._lock_fd, None
+            self._fail_queue((KeystoreClosedError, "the keystore was closed before the change was written"))
             self._pairs.clear()
             self._state = _empty_state()
             try:
+                if self._log_fd is not None:
+                    os.close(self._log_fd)
+                    self._log_fd = None
                 fcntl.flock(fd, fcntl.LOCK_UN)
             finally:
                 os.close(fd)
@@ -371,15 +547,175 @@ class Keystore:
     def __reduce__(self):  # never pickle the unsealed state by accident
         raise TypeError("a Keystore holds secrets and an exclusive lock; it cannot be pickled")
 
-    # --- persistence ---------------------------------------------------------------------------
+    # --- the log -------------------------------------------------------------------------------
 
-    def _persist(self, state: dict[str, Any]) -> None:
-        plaintext = json.dumps(state, separators=(",", ":"), allow_nan=False).encode("utf-8")
-        blob = self._header + bytes(self._box.encrypt(plaintext))
+    def _aad(self, seq: int) -> bytes:
+        return self._log_id + _SEQ.pack(seq)
+
+    def _seal_change(self, seq: int, change: list[Any]) -> bytes:
+        plaintext = json.dumps(change, separators=(",", ":"), allow_nan=False).encode("utf-8")
+        nonce = nacl.utils.random(_RECORD_NONCE_BYTES)
+        sealed = nacl.bindings.crypto_aead_xchacha20poly1305_ietf_encrypt(
+            plaintext, self._aad(seq), nonce, self._sealing.log_key
+        )
+        return _RECORD_LENGTH.pack(len(sealed)) + nonce + sealed
+
+    def _open_change(self, data: bytes, offset: int, seq: int) -> tuple[list[Any], int] | None:
+        """The change recorded at ``offset`` and the offset after it; None if it is cut short or fails its MAC."""
+        if offset + _RECORD_LENGTH.size > len(data):
+            return None
+        (length,) = _RECORD_LENGTH.unpack_from(data, offset)
+        start = offset + _RECORD_LENGTH.size + _RECORD_NONCE_BYTES
+        end = start + length
+        if not _RECORD_TAG_BYTES <= length <= _RECORD_MAX_BYTES or end > len(data):
+            return None
         try:
+            plaintext = nacl.bindings.crypto_aead_xchacha20poly1305_ietf_decrypt(
+                data[start:end], self._aad(seq), data[start - _RECORD_NONCE_BYTES : start], self._sealing.log_key
+            )
+        except (nacl.exceptions.CryptoError, nacl.exceptions.ValueError, nacl.exceptions.TypeError):
+            return None
+        try:
+            change = json.loads(plaintext)
+        except ValueError:
+            change = None
+        if not _valid_change(change):
+            raise KeystoreLockedError(f"{self._directory / LOG_FILE} holds an authentic record that is not a change")
+        return change, end
+
+    def _verifies_after(self, data: bytes, offset: int, seq: int) -> bool:
+        """Whether the record at ``offset``, which failed as record ``seq``, or any after it is authentic.
+
+        A crash leaves a tail that never authenticates; an authentic record there, under any
+        nearby sequence number, means records were altered, dropped or reordered.
+        """
+        frames = []
+        while offset + _RECORD_LENGTH.size <= len(data) and len(frames) < 64:
+            (length,) = _RECORD_LENGTH.unpack_from(data, offset)
+            if not _RECORD_TAG_BYTES <= length <= _RECORD_MAX_BYTES:
+                break
+            frames.append(offset)
+            offset += _RECORD_LENGTH.size + _RECORD_NONCE_BYTES + length
+        for candidate in range(seq, seq + len(frames) + 64):
+            if any(self._open_change(data, frame, candidate) is not None for frame in frames):
+                return True
+        return False
+
+    def _open_log(self, log_id: bytes, previous: bytes | None) -> None:
+        """Replay the snapshot's log onto the state, dropping a torn tail; refuse a foreign or altered log."""
+        path = self._directory / LOG_FILE
+        if not path.exists() and not path.is_symlink():
+            raise KeystoreLockedError(f"the keystore log {path} is missing (the snapshot names one)")
+        _check_private(path, what="keystore log", tighten=True)
+        data = path.read_bytes()
+        if not data.startswith(_LOG_MAGIC) or len(data) < _LOG_HEADER_BYTES:
+            raise KeystoreLockedError(f"{path} is damaged or not a zerocomm keystore log")
+        found = data[len(_LOG_MAGIC) : _LOG_HEADER_BYTES]
+        if found != log_id:
+            if previous is not None and found == previous:
+                # A crash during compaction, after the new snapshot: everything in this log is in it.
+                log.info("replacing the keystore log %s that the snapshot already holds", path)
+                self._log_id = log_id
+                self._create_log()
+                return
+            raise KeystoreLockedError(f"{path} does not belong to this keystore's snapshot (replaced or altered)")
+        self._log_id = log_id
+        offset, seq = _LOG_HEADER_BYTES, 0
+        while offset < len(data):
+            opened = self._open_change(data, offset, seq)
+            if opened is None:
+                if self._verifies_after(data, offset, seq):
+                    raise KeystoreLockedError(f"{path} was altered: record {seq} fails to authenticate")
+                log.warning("dropping a torn tail of %d bytes from %s (a write cut short)", len(data) - offset, path)
+                break
+            change, offset = opened
+            _apply(self._state, change)
+            seq += 1
+        self._log_seq, self._log_size = seq, offset
+        self._log_fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC)
+        if offset < len(data):
+            os.ftruncate(self._log_fd, offset)
+            _sync_data(self._log_fd)
+        if self._log_size > max(_COMPACT_MIN_BYTES, 2 * self._snapshot_size):
+            self._compact(previous=self._log_id)
+
+    def _create_log(self) -> None:
+        """A new, empty log with the current id, atomically in place."""
+        _write_atomic(self._directory / LOG_FILE, _LOG_MAGIC + self._log_id)
+        self._log_fd = os.open(self._directory / LOG_FILE, os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC)
+        self._log_seq, self._log_size = 0, _LOG_HEADER_BYTES
+
+    def _compact(self, *, previous: bytes | None) -> None:
+        """Write the state as a new snapshot naming a new, empty log, and put that log in place.
+
+        Runs with no other write in flight (at open, or by the thread that is writing). With no
+        ``previous`` log (a new or converted keystore) the empty log goes first: until the snapshot
+        names it, nothing reads it. Otherwise the snapshot goes first: a crash before its rename
+        leaves the old snapshot and log; after it, the old log is the new snapshot's "log_prev",
+        which open recognises and replaces. A failure before that rename changes nothing; after
+        it, the keystore refuses writes until it is opened again, since the old log is no longer
+        the snapshot's.
+        """
+        new_id = nacl.utils.random(_LOG_ID_BYTES)
+        with self._mutex:
+            state = dict(self._state, log=new_id.hex(), log_prev=None if previous is None else previous.hex())
+            plaintext = json.dumps(state, separators=(",", ":"), allow_nan=False).encode("utf-8")
+        blob = self._sealing.header + bytes(self._sealing.box.encrypt(plaintext))
+        log_path = self._directory / LOG_FILE
+        if previous is None:
+            _write_atomic(log_path, _LOG_MAGIC + new_id)
             _write_atomic(self._directory / SEALED_FILE, blob)
+        else:
+            new_log = _write_temp(log_path, _LOG_MAGIC + new_id)
+            try:
+                new_snapshot = _write_temp(self._directory / SEALED_FILE, blob)
+                try:
+                    os.replace(new_snapshot, self._directory / SEALED_FILE)
+                except BaseException:
+                    _unlink_quietly(new_snapshot)
+                    raise
+            except BaseException:
+                _unlink_quietly(new_log)
+                raise
+            try:
+                os.replace(new_log, log_path)
+                _fsync_dir(self._directory)
+            except OSError as exc:
+                self._broken = exc.strerror or str(exc)
+                raise
+        try:
+            new_fd = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC)
         except OSError as exc:
-            raise KeystoreError(f"cannot write the keystore in {self._directory}: {exc.strerror}") from exc
+            self._broken = exc.strerror or str(exc)
+            raise
+        old_fd, self._log_fd = self._log_fd, new_fd
+        if old_fd is not None:
+            os.close(old_fd)
+        self._log_id, self._log_seq, self._log_size = new_id, 0, _LOG_HEADER_BYTES
+        self._snapshot_size = len(blob)
+
+    def _append(self, batch: list[_Pending]) -> None:
+        """Seal and append a batch of changes, then sync: one write, one fdatasync (the thread writing)."""
+        assert self._log_fd is not None
+        seq = self._log_seq
+        frames = []
+        for pending in batch:
+            frames.append(self._seal_change(seq, pending.change))
+            seq += 1
+        data = b"".join(frames)
+        try:
+            _write_all(self._log_fd, data)
+            _sync_data(self._log_fd)
+        except BaseException:
+            try:  # take back whatever part reached the file: a failed change must not reappear on open
+                os.ftruncate(self._log_fd, self._log_size)
+                _sync_data(self._log_fd)
+            except OSError as exc:
+                self._broken = exc.strerror or str(exc)
+            raise
+        self._log_seq, self._log_size = seq, self._log_size + len(data)
+
+    # --- reading and changing ------------------------------------------------------------------
 
     def _read(self, fn: Callable[[dict[str, Any]], _T]) -> _T:
         with self._mutex:
@@ -387,16 +723,81 @@ class Keystore:
                 raise KeystoreClosedError("the keystore is closed")
             return fn(self._state)
 
-    def _commit(self, mutate: Callable[[dict[str, Any]], _T]) -> _T:
-        """Apply ``mutate`` to a copy, write it durably, then adopt it: a failed write changes nothing."""
-        with self._mutex:
+    def _exists(self, path: tuple[str, ...]) -> bool:
+        """Whether ``path`` is set once every queued change is written (under _mutex)."""
+        queued = self._pending_paths.get(path)
+        return queued[1] if queued is not None else _present(self._state, path)
+
+    def _change(self, build: Callable[[], tuple[list[Any] | None, _T]]) -> _T:
+        """Queue the change ``build`` returns (None: nothing to change) and return once it is on disk.
+
+        ``build`` runs under the lock and checks the change against the state with every queued
+        change applied. The first thread to find no write in flight takes the whole queue, writes
+        and syncs it without the lock, then applies it to the state readers see; the others wait.
+        A failed write fails its whole batch and everything queued behind it, which was checked
+        against it: none of them changes anything, in memory or on disk.
+        """
+        with self._changed:
             if self._lock_fd is None:
                 raise KeystoreClosedError("the keystore is closed")
-            new_state = copy.deepcopy(self._state)
-            result = mutate(new_state)
-            self._persist(new_state)
-            self._state = new_state
-            return result
+            if self._broken is not None:
+                raise KeystoreError(f"an earlier write to the keystore in {self._directory} failed "
+                                    f"({self._broken}); close and open it again")
+            change, result = build()
+            if change is None:
+                return result
+            pending = _Pending(change)
+            self._queue.append(pending)
+            self._pending_paths[_path_of(change)] = (pending, len(change) > len(_path_of(change)))
+            while not pending.done and self._writing:
+                self._changed.wait()
+            if pending.done:
+                if pending.error is not None:
+                    raise pending.error[0](pending.error[1])
+                return result
+            batch, self._queue = self._queue, []
+            self._writing = True
+        compact = False
+        try:
+            try:
+                self._append(batch)
+            except BaseException as exc:
+                reason = exc.strerror if isinstance(exc, OSError) else type(exc).__name__
+                error = (KeystoreError, f"cannot write the keystore in {self._directory}: {reason}")
+                with self._changed:
+                    for queued in batch:
+                        queued.done, queued.error = True, error
+                    self._fail_queue(error)
+                if isinstance(exc, OSError):
+                    raise error[0](error[1]) from exc
+                raise
+            with self._changed:
+                for queued in batch:
+                    _apply(self._state, queued.change)
+                    path = _path_of(queued.change)
+                    if self._pending_paths.get(path, (None,))[0] is queued:
+                        del self._pending_paths[path]
+                    queued.done = True
+                self._changed.notify_all()  # the batch is done; compaction, if due, need not hold it up
+                compact = self._log_size > max(_COMPACT_MIN_BYTES, 2 * self._snapshot_size)
+            if compact:
+                try:
+                    self._compact(previous=self._log_id)
+                except OSError as exc:  # before the snapshot's rename the log stays valid: tried again later
+                    log.warning("compacting the keystore in %s failed: %s", self._directory, exc.strerror)
+        finally:
+            with self._changed:
+                self._writing = False
+                self._changed.notify_all()
+        return result
+
+    def _fail_queue(self, error: tuple[type[KeystoreError], str]) -> None:
+        """Fail every queued change (under _mutex): they were checked against changes that will not happen."""
+        for queued in self._queue:
+            queued.done, queued.error = True, error
+        self._queue = []
+        self._pending_paths.clear()
+        self._changed.notify_all()
 
     # --- key pairs -----------------------------------------------------------------------------
 
@@ -412,29 +813,30 @@ class Keystore:
             "ref": ref,
             "created_at": datetime.now(timezone.utc).isoformat(),
         }
+        def add() -> tuple[list[Any], None]:
+            self._pairs[pair.verkey] = pair  # find() hands it out only once the key is in the state
+            return ["k", pair.verkey, entry], None
 
-        def add(state: dict[str, Any]) -> None:
-            state["keys"][pair.verkey] = entry
-
-        with self._mutex:
-            self._commit(add)
-            self._pairs[pair.verkey] = pair
+        try:
+            self._change(add)
+        except BaseException:
+            with self._mutex:
+                self._pairs.pop(pair.verkey, None)
+            raise
         return pair
 
     def find(self, verkey: str) -> KeyPair | None:
         """The key pair for ``verkey`` or None: for callers that expect foreign keys (unpack lookup)."""
-
-        def lookup(state: dict[str, Any]) -> KeyPair | None:
+        with self._mutex:
+            if self._lock_fd is None:
+                raise KeystoreClosedError("the keystore is closed")
+            entry = self._state["keys"].get(verkey)
+            if entry is None:
+                return None
             pair = self._pairs.get(verkey)
             if pair is None:
-                entry = state["keys"].get(verkey)
-                if entry is None:
-                    return None
-                pair = KeyPair(base64.b64decode(entry["seed"]))
-                self._pairs[verkey] = pair
+                pair = self._pairs[verkey] = KeyPair(base64.b64decode(entry["seed"]))
             return pair
-
-        return self._read(lookup)
 
     def get(self, verkey: str) -> KeyPair:
         pair = self.find(verkey)
@@ -457,13 +859,15 @@ class Keystore:
     def delete_key(self, verkey: str) -> None:
         """Forget a key pair for good (a relationship ended); raises KeyNotFoundError if unknown."""
 
-        def remove(state: dict[str, Any]) -> None:
-            if state["keys"].pop(verkey, None) is None:
+        def remove() -> tuple[list[Any], None]:
+            if not self._exists(("k", verkey)):
                 raise KeyNotFoundError(f"no key pair for verkey {verkey}")
+            return ["k", verkey], None
 
+        self._change(remove)
         with self._mutex:
-            self._commit(remove)
-            self._pairs.pop(verkey, None)
+            if verkey not in self._state["keys"]:
+                self._pairs.pop(verkey, None)
 
     # --- secrets -------------------------------------------------------------------------------
 
@@ -473,11 +877,7 @@ class Keystore:
         if not isinstance(value, (bytes, bytearray, memoryview)):
             raise InvalidRecordError("a secret value must be bytes")
         encoded = base64.b64encode(bytes(value)).decode("ascii")
-
-        def put(state: dict[str, Any]) -> None:
-            state["secrets"][name] = encoded
-
-        self._commit(put)
+        self._change(lambda: (["s", name, encoded], None))
 
     def get_secret(self, name: str) -> bytes | None:
         def get(state: dict[str, Any]) -> bytes | None:
@@ -488,10 +888,7 @@ class Keystore:
 
     def delete_secret(self, name: str) -> bool:
         """Forget a named secret; False if there was none."""
-
-        if self._read(lambda state: name not in state["secrets"]):
-            return False
-        return self._commit(lambda state: state["secrets"].pop(name, None) is not None)
+        return self._change(lambda: (["s", name], True) if self._exists(("s", name)) else (None, False))
 
     # --- records -------------------------------------------------------------------------------
 
@@ -506,11 +903,7 @@ class Keystore:
             stored = json.loads(json.dumps(record, allow_nan=False))
         except (TypeError, ValueError) as exc:
             raise InvalidRecordError(f"the {kind} record {record_id!r} is not JSON-serializable") from exc
-
-        def put(state: dict[str, Any]) -> None:
-            state["records"].setdefault(kind, {})[record_id] = stored
-
-        self._commit(put)
+        self._change(lambda: (["r", kind, record_id, stored], None))
 
     def get_record(self, kind: str, record_id: str) -> dict[str, Any] | None:
         def get(state: dict[str, Any]) -> dict[str, Any] | None:
@@ -525,14 +918,6 @@ class Keystore:
 
     def delete_record(self, kind: str, record_id: str) -> bool:
         """Remove a record; False if there was none (deleting twice is not an error)."""
-        if self._read(lambda state: record_id not in state["records"].get(kind, {})):
-            return False
-
-        def remove(state: dict[str, Any]) -> bool:
-            records = state["records"].get(kind, {})
-            found = records.pop(record_id, None) is not None
-            if not records:
-                state["records"].pop(kind, None)
-            return found
-
-        return self._commit(remove)
+        return self._change(
+            lambda: (["r", kind, record_id], True) if self._exists(("r", kind, record_id)) else (None, False)
+        )
