@@ -527,6 +527,69 @@ def test_base64url_decoding_matches_the_reference(length: int) -> None:
             _unb64url(b64e(data, pad=False) + "===", "x")
 
 
+@pytest.mark.parametrize("name", ["protected", "iv", "ciphertext", "tag"])
+def test_standard_alphabet_of_the_same_length_is_malformed(name: str, alice: KeyPair, bob: KeyPair) -> None:
+    # '+' or '/' in place of one character: the length (and padding) stay valid, only the alphabet is wrong.
+    outer, _ = split(pack(SECRET, [bob.verkey], alice))
+    for char in "+/":
+        bad = dict(outer, **{name: char + outer[name][1:]})
+        with pytest.raises(MalformedEnvelopeError):
+            unpack(join(bad), lookup_of(bob))
+
+
+def _load_envelope_without_pybase64(monkeypatch: pytest.MonkeyPatch) -> Any:
+    """A separate copy of the envelope module, imported as if pybase64 were not installed."""
+    import importlib.util
+    import sys
+
+    from zerocomm_spark import envelope
+
+    monkeypatch.setitem(sys.modules, "pybase64", None)  # makes `import pybase64` raise ImportError
+    spec = importlib.util.spec_from_file_location("_envelope_without_pybase64", envelope.__file__)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, module)  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    assert module._pybase64 is None
+    return module
+
+
+_STRICT_CASES = [
+    b"", b"AAAA", b"AA-_", b"AA==", b"AB==", b"AAA=", b"AAAAAA==", b"AA+A", b"AA/A", b"AA=A", b"=AAA",
+    b"AA==AAAA", b"AAA=AAAA", b" AAA", b"AA\nA", b"AA.A", b"\xc3\xa9AA", b"AAAAAAA=", b"AAAA\x00AAA",
+]
+
+
+def test_both_base64url_decoders_are_equally_strict(monkeypatch: pytest.MonkeyPatch) -> None:
+    from zerocomm_spark import envelope
+
+    fallback = _load_envelope_without_pybase64(monkeypatch)
+    rng = random.Random(19)
+    alphabet = b"AB-_+/=. \n"
+    cases = _STRICT_CASES + [bytes(rng.choice(alphabet) for _ in range(4 * rng.randrange(1, 4))) for _ in range(3000)]
+
+    def outcome(decode: Callable[[bytes], bytes], text: bytes) -> bytes | None:
+        try:
+            return decode(text)
+        except binascii.Error:
+            return None
+
+    for text in cases:
+        if text.endswith(b"==="):
+            continue  # never reaches the decoder: _unb64url and the fast path refuse it first
+        assert outcome(envelope._decode_url, text) == outcome(fallback._decode_url, text), text
+    data = os.urandom(100)
+    assert envelope._encode_url(data) == fallback._encode_url(data) == base64.urlsafe_b64encode(data)
+
+
+def test_the_binascii_fallback_round_trips(monkeypatch: pytest.MonkeyPatch, alice: KeyPair, bob: KeyPair) -> None:
+    fallback = _load_envelope_without_pybase64(monkeypatch)
+    for sender in (alice, None):
+        opened = fallback.unpack(pack(SECRET, [bob.verkey], sender), lookup_of(bob))
+        assert opened.message == SECRET
+        assert unpack(fallback.pack(SECRET, [bob.verkey], sender), lookup_of(bob)).message == SECRET
+
+
 SMALL_ORDER_VERKEY = "4uQeVj5tqViQh7yWWGStvkEG1Zmhx6uasJtWCJziofM"  # 0x01 || 0^31: the Ed25519 identity point
 
 
