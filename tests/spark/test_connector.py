@@ -139,9 +139,20 @@ def test_members_publish_and_a_stream_lands_in_delta_in_causal_order(spark, memb
     assert alice.client().latest(None)["committed_offset"] > 0
 
 
-def test_two_queries_on_one_member_commit_their_own_points_and_keep_them_across_restarts(spark, members, group,
-                                                                                       tmp_path):
-    alice, bob = members["alice"], members["bob"]
+def test_two_queries_on_one_member_commit_their_own_points_and_keep_them_across_restarts(spark, tmp_path):
+    # Members of their own: a query's point never passes another group's unconsumed rows, so on the
+    # module's members (with every other test's groups) both points would stop at the same place.
+    alice, bob = start_members(tmp_path / "own", ["alice", "bob"])
+    group = "consumers"
+    try:
+        form_group([alice, bob], group)
+        _two_queries(spark, alice, bob, group, tmp_path)
+    finally:
+        for member in (alice, bob):
+            member.remove()
+
+
+def _two_queries(spark, alice: LocalMember, bob: LocalMember, group: str, tmp_path: Path) -> None:
     publish(bob, group, [f"m{i}" for i in range(200)])
 
     def consumers() -> dict[str, int]:
