@@ -1301,17 +1301,7 @@ class GroupManager:
 
         Runs on the delivery thread in publisher order; returns a function that unregisters it.
         """
-        if not callable(callback):
-            raise ConfigurationError("on_message takes a callable")
-        with self._lock:
-            self._listeners.append(callback)
-
-        def remove() -> None:
-            with self._lock:
-                if callback in self._listeners:
-                    self._listeners.remove(callback)
-
-        return remove
+        return self._listen(self._listeners, callback, "on_message")
 
     def on_messages(self, callback: Callable[[list[Delivered]], None]) -> Callable[[], None]:
         """Call ``callback`` with each delivery batch, before any of it counts as delivered.
@@ -1320,15 +1310,18 @@ class GroupManager:
         instead of per message. Batches hold one group's messages in delivery order (a batch
         released after a join may mix publishers). Returns a function that unregisters it.
         """
+        return self._listen(self._batch_listeners, callback, "on_messages")
+
+    def _listen(self, listeners: list[Any], callback: Any, name: str) -> Callable[[], None]:
         if not callable(callback):
-            raise ConfigurationError("on_messages takes a callable")
+            raise ConfigurationError(f"{name} takes a callable")
         with self._lock:
-            self._batch_listeners.append(callback)
+            listeners.append(callback)
 
         def remove() -> None:
             with self._lock:
-                if callback in self._batch_listeners:
-                    self._batch_listeners.remove(callback)
+                if callback in listeners:
+                    listeners.remove(callback)
 
         return remove
 
