@@ -2,7 +2,7 @@
 
 The question this answers: how much of what Spark + Delta can write does the history ingest
 deliver, once it reads through the member (format("zerocomm") over the agent's API), derives the
-partition date and the origin columns, and commits each micro-batch idempotently (txnAppId)? And
+partition date and the origin columns, and commits each micro-batch idempotently (tagged commits)? And
 how fast does history come back: replay (causal order) and a restore of everything from two
 providers (announce, request or ignore, verify every origin, deliver into a Delta table).
 

@@ -10,13 +10,17 @@ query.stop(); compact(spark, "/lake/history"); vacuum(spark, "/lake/history")
 Why it is built this way:
 
 * **Exactly once into Delta.** The source is replayable (offsets are per-publisher seqs in the
-  member's journal), and every micro-batch is written by ``foreachBatch`` with Delta's idempotent
-  writer options ``txnAppId``/``txnVersion`` = (this query, batch id). If the driver dies after the
+  member's journal), and every micro-batch is one ``foreachBatch`` append whose commit is tagged
+  ``userMetadata = <query id>:<batch id>``, atomically with its rows. If the driver dies after the
   Delta commit but before Spark checkpointed the batch, the restarted query re-runs the same batch
-  id and Delta skips it: nothing is missing, nothing is written twice. The app id is the streaming
-  query's id, which Spark keeps in the checkpoint: a *new* checkpoint gets a new id, so its batch 0
-  is never mistaken for an old one. (A new checkpoint reading from ``earliest`` again would append
-  the same messages again: keep the checkpoint with the table, or start it at ``latest``.)
+  id; the writer finds that batch's tag in the table's log (pipelines/commit_tags.py) and skips
+  it: nothing is missing, nothing is written twice. Only the first batch of a run (or one after a
+  failure) is looked up: a batch that follows the one just written cannot be a replay. (Delta's
+  ``txnAppId``/``txnVersion`` give the same guarantee, but Delta 4.4 reconstructs the table's
+  whole state on every such commit.) The query id is the one Spark keeps in the checkpoint: a
+  *new* checkpoint gets a new id, so its batch 0 is never mistaken for an old one. (A new
+  checkpoint reading from ``earliest`` again would append the same messages again: keep the
+  checkpoint with the table, or start it at ``latest``.)
 * **What history adds is computed in Spark SQL**: the partition date, ``ingested_at``, and the
   origin proof moved from the ``zc-origin`` header into ``origin_sig`` (pipelines/origin.py). Only
   sealing payloads with a history key needs Python (``mapInArrow``, whole Arrow batches at a time).
@@ -37,6 +41,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from zerocomm_spark.errors import ConfigurationError
+from zerocomm_spark.pipelines.commit_tags import commit_tag, last_tagged_batch
 from zerocomm_spark.pipelines.origin import ORIGIN_HEADER, SCHEME
 from zerocomm_spark.pipelines.schema import HISTORY_COLUMNS, PARTITION_COLUMNS, TABLE_PROPERTIES, history_schema
 
@@ -158,59 +163,100 @@ def _sealer(key: HistoryKey) -> Callable[[Iterator[pa.RecordBatch]], Iterator[pa
 _WRITERS = "spark.sql.maxConcurrentOutputFileWriters"
 
 
-def append_history(df: DataFrame, table_path: str, *, app_id: str, version: int) -> None:
-    """Append history rows once: Delta skips a (app_id, version) it already committed.
+def _write(df: DataFrame, table_path: str, options: Mapping[str, str]) -> None:
+    """One Delta append of history rows.
 
-    The commit is tagged ``userMetadata = app_id:version``, so whoever reads the table's history
-    (and :class:`HistoryWriter`) can tell which commit wrote which batch. A micro-batch spans a few
-    (group, date) partitions, so each task writes them side by side instead of sorting its rows by
-    partition first (Spark's default for partitioned writes); the session setting is restored after.
+    A micro-batch spans a few (group, date) partitions, so each task writes them side by side
+    instead of sorting its rows by partition first (Spark's default for partitioned writes); the
+    session setting is restored after.
     """
     spark = df.sparkSession
     previous = spark.conf.get(_WRITERS, "0")
     if previous == "0":
         spark.conf.set(_WRITERS, "16")
     try:
-        (df.select(*HISTORY_COLUMNS).write.format("delta").mode("append")
-         .option("txnAppId", app_id).option("txnVersion", version).option("userMetadata", f"{app_id}:{version}")
-         .save(str(table_path)))
+        writer = df.select(*HISTORY_COLUMNS).write.format("delta").mode("append")
+        for key, value in options.items():
+            writer = writer.option(key, value)
+        writer.save(str(table_path))
     finally:
         if previous == "0":
             spark.conf.set(_WRITERS, previous)
 
 
-def _last_commit(spark: SparkSession, table_path: str) -> tuple[int | None, str | None, int]:
-    """The table's latest version, its commit's userMetadata and rows written (reads the Delta log only)."""
+def append_history(df: DataFrame, table_path: str, *, app_id: str, version: int, look: bool = True,
+                   not_before_ms: int = 0) -> bool:
+    """Append history rows as the commit tagged (app_id, version), unless the table already holds it.
+
+    Returns whether rows were written. ``look`` False skips the lookup, for a caller that knows this
+    cannot be a repeat (the write right after its own previous one succeeded). When the table's log
+    no longer reaches back to the app's commits (log retention, ``not_before_ms`` = when the app
+    began), only rows whose (group, message_id) the table lacks are appended.
+    """
+    tag = commit_tag(app_id, version)
+    if look:
+        found = last_tagged_batch(df.sparkSession, str(table_path), app_id, not_before_ms=not_before_ms)
+        if found.batch is not None and found.batch >= version:
+            return False
+        if not found.complete:
+            _append_missing(df, str(table_path), tag)
+            return True
+    _write(df, str(table_path), {"userMetadata": tag})
+    return True
+
+
+def _append_missing(df: DataFrame, table_path: str, tag: str) -> None:
+    """Append only the rows whose (group, message_id) the table lacks: for when its log cannot tell."""
+    from pyspark.sql import functions as F
+
+    spark = df.sparkSession
+    groups = [r[0] for r in df.select("group").distinct().collect()]
+    held = (spark.read.format("delta").load(table_path).where(F.col("group").isin(groups))
+            .select("group", "date", "message_id"))
+    _write(df.join(held, ["group", "date", "message_id"], "left_anti"), table_path, {"userMetadata": tag})
+
+
+def _our_commit(spark: SparkSession, table_path: str, tag: str) -> tuple[int | None, int]:
+    """The version and row count of the commit tagged ``tag`` among the newest few (for on_batch)."""
     from delta.tables import DeltaTable
 
-    row = (DeltaTable.forPath(spark, table_path).history(1)
-           .select("version", "userMetadata", "operationMetrics").first())
-    if row is None:
-        return None, None, 0
-    metrics = row["operationMetrics"] or {}
-    return int(row["version"]), row["userMetadata"], int(metrics.get("numOutputRows", 0))
+    for row in (DeltaTable.forPath(spark, table_path).history(16)
+                .select("version", "userMetadata", "operationMetrics").collect()):
+        if row["userMetadata"] == tag:
+            return int(row["version"]), int((row["operationMetrics"] or {}).get("numOutputRows", 0))
+    return None, 0
 
 
 # --- the streaming query -----------------------------------------------------------------------
 
 
-def _read_checkpoint_id(spark: SparkSession, checkpoint: str) -> str:
-    """The streaming query's id, which Spark writes into ``<checkpoint>/metadata`` before batch 0."""
+def _read_checkpoint_id(spark: SparkSession, checkpoint: str) -> tuple[str, int]:
+    """The streaming query's id, which Spark writes into ``<checkpoint>/metadata`` before batch 0,
+    and when that file was written (ms since the epoch): the query committed nothing before it."""
     meta = checkpoint.rstrip("/") + "/metadata"
     local = meta[len("file:"):] if meta.startswith("file:") else meta
     if "://" not in local:
         text = Path(local).read_text(encoding="utf-8")
+        written_ms = int(Path(local).stat().st_mtime * 1000)
     else:  # an object store: let Hadoop read it
-        text = "\n".join(r[0] for r in spark.read.text(meta).collect())
+        row = spark.read.format("binaryFile").load(meta).select("content", "modificationTime").first()
+        if row is None:
+            raise ConfigurationError(f"the checkpoint metadata {meta} is missing")
+        text, written_ms = bytes(row["content"]).decode("utf-8"), int(row["modificationTime"].timestamp() * 1000)
     query_id = json.loads(text.splitlines()[0]).get("id")
     if not isinstance(query_id, str) or not query_id:
         raise ConfigurationError(f"the checkpoint metadata {meta} names no query id")
-    return query_id
+    return query_id, written_ms
 
 
 class HistoryWriter:
     """The ``foreachBatch`` function of the ingest query: idempotent appends to the history table.
 
+    Each batch's commit is tagged with (query, batch id) (pipelines/commit_tags.py). A batch that
+    follows the one this writer just wrote cannot be a replay and is appended straight away; any
+    other (the first of a run, or after a failure) is first looked up in the table's log, and
+    skipped if its commit is there. If the log no longer reaches back to the query's commits (it
+    was cleaned while the query was down), only rows the table lacks are appended.
     Also usable on its own with any streaming DataFrame of format("zerocomm")'s schema.
     """
 
@@ -221,32 +267,31 @@ class HistoryWriter:
         self.history_key = history_key
         self.on_batch = on_batch
         self._app_id: str | None = None
+        self._began_ms = 0
+        self._last_written: int | None = None  # the batch this writer last wrote, to the end
 
     def app_id(self, spark: SparkSession) -> str:
         if self._app_id is None:
-            self._app_id = "zerocomm-history-" + _read_checkpoint_id(spark, self.checkpoint)
+            query_id, self._began_ms = _read_checkpoint_id(spark, self.checkpoint)
+            self._app_id = "zerocomm-history-" + query_id
         return self._app_id
 
     def __call__(self, df: DataFrame, batch_id: int) -> None:
         spark = df.sparkSession
         began = time.monotonic()
         app_id = self.app_id(spark)
-        before = _last_commit(spark, self.table_path)[0] if self.on_batch is not None else None
-        append_history(to_history(df, history_key=self.history_key), self.table_path, app_id=app_id, version=batch_id)
+        tag = commit_tag(app_id, batch_id)
+        follows = self._last_written is not None and batch_id == self._last_written + 1
+        self._last_written = None  # until this batch is written to the end: a failure makes the next one look
+        rows = to_history(df, history_key=self.history_key)
+        committed = append_history(rows, self.table_path, app_id=app_id, version=batch_id, look=not follows,
+                                   not_before_ms=self._began_ms)
+        self._last_written = batch_id
         wrote = time.monotonic()
-        if self.on_batch is None:
-            log.debug("history batch %d written in %.3fs", batch_id, wrote - began)
-            return
-        # Ours iff a new commit appeared and it carries this batch's tag. A batch Delta skipped (its
-        # txnVersion was already committed, by an earlier run of this query) leaves the table's
-        # version where it was, even when the newest commit is that earlier run's write of it; a
-        # concurrent OPTIMIZE on top makes a committed batch look skipped, never the other way round.
-        version, tag, rows = _last_commit(spark, self.table_path)
-        committed = version is not None and version != before and tag == f"{app_id}:{batch_id}"
-        log.debug("history batch %d written in %.3fs, checked in %.3fs", batch_id, wrote - began,
-                  time.monotonic() - wrote)
-        self.on_batch(IngestBatch(batch_id, committed, rows if committed else 0, version if committed else None,
-                                  time.monotonic() - began))
+        log.debug("history batch %d %s in %.3fs", batch_id, "written" if committed else "skipped", wrote - began)
+        if self.on_batch is not None:
+            version, count = _our_commit(spark, self.table_path, tag) if committed else (None, 0)
+            self.on_batch(IngestBatch(batch_id, committed, count, version, time.monotonic() - began))
 
 
 def _source(spark: SparkSession, groups: Sequence[str], *, agent: str | None, starting_offsets: str,

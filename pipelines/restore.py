@@ -472,8 +472,8 @@ def restore(group: str, providers: Sequence[HistoryProvider], *, have: Have | No
 class DeltaSink:
     """Deliver restored rows into a (the member's own) history table, sealed again if a key is given.
 
-    Each delivery is one idempotent append (its own ``txnAppId``), so a retried call after a crash
-    in the middle of the write does not write twice.
+    Each delivery is one append tagged (this sink, delivery number); a call retried after a failed
+    one first looks for the failed call's commit in the table's log, so it does not write twice.
     """
 
     def __init__(self, spark: SparkSession, table_path: str, *, history_key: HistoryKey | None = None) -> None:
@@ -482,6 +482,8 @@ class DeltaSink:
         self.history_key = history_key
         self.app_id = "zerocomm-restore-" + uuid.uuid4().hex
         self._version = 0
+        self._unsure = False  # the last call failed: its commit may have landed anyway
+        self._began_ms = int(time.time() * 1000)  # none of this sink's commits is older
 
     def __call__(self, rows: pa.Table) -> None:
         import pyarrow as pa
@@ -500,5 +502,8 @@ class DeltaSink:
                                    rows.schema.field("payload_key_id"),
                                    pa.array([self.history_key.key_id] * rows.num_rows, pa.string()))
         df = self.spark.createDataFrame(rows.select(list(HISTORY_COLUMNS)), schema=history_schema())
-        append_history(df, self.table_path, app_id=self.app_id, version=self._version)
+        retry, self._unsure = self._unsure, True
+        append_history(df, self.table_path, app_id=self.app_id, version=self._version, look=retry,
+                       not_before_ms=self._began_ms)
+        self._unsure = False
         self._version += 1

@@ -202,7 +202,7 @@ def test_ingest_failing_after_the_delta_commit_restarts_without_doubling(spark, 
     assert delta_rows(spark, table).num_rows == 40  # in Delta, not in the checkpoint
 
     resumed = ingest_all(spark, "story", table, checkpoint, members["historian"].agent, max_messages_per_trigger=40)
-    assert (resumed[0].batch_id, resumed[0].committed, resumed[0].rows) == (0, False, 0)  # skipped by txnVersion
+    assert (resumed[0].batch_id, resumed[0].committed, resumed[0].rows) == (0, False, 0)  # its commit is in the log: skipped
     assert [b.batch_id for b in resumed] == list(range(len(resumed))) and sum(b.rows for b in resumed) == 70
     ids = delta_rows(spark, table).column("message_id").to_pylist()
     assert len(ids) == len(set(ids)) == 110 and sorted(ids) == journal_ids(members["historian"], "story")
