@@ -397,3 +397,15 @@ def test_agent_lifecycle_in_process(tmp_path: Path) -> None:
     # Closed and reopened in this process: the directory lock was released.
     with Agent.open(tmp_path / "a") as again:
         assert again.label == "a" and len(again.connections()) == 2
+
+
+def test_round_trips_never_wait_for_the_io_loops_poll_timeout(tmp_path: Path) -> None:
+    """A lost wake-up of a transport's IO thread left every later message waiting for its poll
+    timeout (250 ms, pings of 250-500 ms instead of ~3 ms): sequential trust pings stay fast."""
+    from zerocomm_spark import Agent
+
+    with Agent.open(tmp_path / "a", label="a") as a, Agent.open(tmp_path / "b", label="b") as b:
+        conn = b.accept(a.invite(), timeout=10)
+        rtts = sorted(b.ping(conn.id, timeout=10) for _ in range(60))
+    assert rtts[len(rtts) // 2] < 0.1, f"median trust ping {rtts[len(rtts) // 2] * 1000:.0f} ms"
+    assert rtts[int(len(rtts) * 0.8)] < 0.2, f"80th percentile {rtts[int(len(rtts) * 0.8)] * 1000:.0f} ms"

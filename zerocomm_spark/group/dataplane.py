@@ -1093,13 +1093,17 @@ class DataPlane:
                 timeout = 2 if blocked else (5 if throttled else 100)
                 events = dict((base if throttled else full).poll(timeout))
                 if wake_rx in events:
-                    with self._io_lock:
-                        self._wake_pending = False
+                    # Drain first, then clear the flag: a wake-up sent in between is either drained
+                    # here (its work is already queued and handled below) or still in the socket.
+                    # The other order could swallow one and leave the flag set with nothing to read,
+                    # so every later sender would wait out the poll timeout.
                     while True:
                         try:
                             wake_rx.recv(zmq.NOBLOCK)
                         except zmq.Again:
                             break
+                    with self._io_lock:
+                        self._wake_pending = False
                 for sock in events:
                     sub = by_monitor.get(sock)
                     if sub is not None and sub.monitor is sock:

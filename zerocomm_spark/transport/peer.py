@@ -544,13 +544,17 @@ class PeerTransport:
         return limit
 
     def _drain_wake(self, wake_rx: zmq.Socket[bytes]) -> None:
-        with self._lock:
-            self._wake_pending = False
+        # Drain first, then clear the flag: a wake-up sent in between is drained here (its item is
+        # already in the outbox, flushed in this turn) or still in the socket. The other order could
+        # swallow one and leave the flag set with nothing to read: every later sender would then
+        # wait out the poll timeout (250 ms per message).
         while True:
             try:
                 wake_rx.recv(zmq.NOBLOCK)
             except zmq.Again:
-                return
+                break
+        with self._lock:
+            self._wake_pending = False
 
     def _connect(
         self,
