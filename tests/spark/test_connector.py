@@ -471,7 +471,9 @@ def test_killed_query_restarts_from_its_checkpoint_exactly_once(spark, members, 
                               stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=str(ROOT),
                               start_new_session=True)
     try:
-        wait_for(lambda: (out / "_delta_log").exists() and delta(spark, out).count() >= 200, 200,
+        # The table exists once its first commit file does (Delta makes _delta_log/ before writing it).
+        first_commit = out / "_delta_log" / f"{0:020d}.json"
+        wait_for(lambda: first_commit.exists() and delta(spark, out).count() >= 200, 200,
                  "the killed driver's query to write some batches", interval=2.0)
         os.killpg(driver.pid, signal.SIGKILL)  # the driver and its Python workers, mid-stream
         driver.wait(30)
