@@ -15,9 +15,10 @@ Why it is built this way:
   Delta commit but before Spark checkpointed the batch, the restarted query re-runs the same batch
   id; the writer finds that batch's tag in the table's log (pipelines/commit_tags.py) and skips
   it: nothing is missing, nothing is written twice. Only the first batch of a run (or one after a
-  failure) is looked up: a batch that follows the one just written cannot be a replay. (Delta's
-  ``txnAppId``/``txnVersion`` give the same guarantee, but Delta 4.4 reconstructs the table's
-  whole state on every such commit.) The query id is the one Spark keeps in the checkpoint: a
+  failure) is looked up: a batch that follows the one just written cannot be a replay. A
+  looked-up write also carries Delta's ``txnAppId``/``txnVersion``, so two runs of one query
+  racing on a batch (a zombie driver) cannot both commit it; only there, because Delta 4.4
+  reconstructs the table's whole state for every such commit. The query id is the one Spark keeps in the checkpoint: a
   *new* checkpoint gets a new id, so its batch 0 is never mistaken for an old one. (A new
   checkpoint reading from ``earliest`` again would append the same messages again: keep the
   checkpoint with the table, or start it at ``latest``.)
@@ -62,7 +63,7 @@ _DAY_MICROS = 86_400_000_000
 
 @dataclass(frozen=True)
 class IngestBatch:
-    """What one micro-batch did: ``committed`` False means Delta already had it (a replayed batch)."""
+    """What one micro-batch did: ``committed`` False means the table already had it (a re-run batch)."""
 
     batch_id: int
     committed: bool
@@ -189,35 +190,55 @@ def append_history(df: DataFrame, table_path: str, *, app_id: str, version: int,
     """Append history rows as the commit tagged (app_id, version), unless the table already holds it.
 
     Returns whether rows were written. ``look`` False skips the lookup, for a caller that knows this
-    cannot be a repeat (the write right after its own previous one succeeded). When the table's log
-    no longer reaches back to the app's commits (log retention, ``not_before_ms`` = when the app
-    began), only rows whose (group, message_id) the table lacks are appended.
+    cannot be a repeat (the write right after its own previous one succeeded). A looked-up write
+    also carries Delta's ``txnAppId``/``txnVersion``, so two runs of the same app racing on the same
+    version (a zombie driver) cannot both commit it; it costs Delta a state rebuild, once per run.
+    ``not_before_ms``: no commit of this (app_id, version) can be older (when it was planned). When
+    the table's log no longer reaches back that far (log retention), only rows whose (group, date,
+    message_id) the table lacks are appended.
     """
     tag = commit_tag(app_id, version)
-    if look:
-        found = last_tagged_batch(df.sparkSession, str(table_path), app_id, not_before_ms=not_before_ms)
-        if found.batch is not None and found.batch >= version:
-            return False
-        if not found.complete:
-            _append_missing(df, str(table_path), tag)
-            return True
-    _write(df, str(table_path), {"userMetadata": tag})
+    if not look:
+        _write(df, str(table_path), {"userMetadata": tag})
+        return True
+    found = last_tagged_batch(df.sparkSession, str(table_path), app_id, not_before_ms=not_before_ms)
+    if found.batch is not None and found.batch >= version:
+        return False
+    guard = {"userMetadata": tag, "txnAppId": app_id, "txnVersion": str(int(version))}
+    if found.complete:
+        _write(df, str(table_path), guard)
+    else:
+        append_new_rows(df, str(table_path), guard)
     return True
 
 
-def _append_missing(df: DataFrame, table_path: str, tag: str) -> None:
-    """Append only the rows whose (group, message_id) the table lacks: for when its log cannot tell."""
+def append_new_rows(df: DataFrame, table_path: str, options: Mapping[str, str]) -> None:
+    """Append only the rows whose (group, date, message_id) the table lacks (Delta writer ``options``).
+
+    For when a commit log cannot tell whether rows were written: the batch is evaluated once
+    (persisted), and the table is read only in the batch's (group, date) partitions.
+    """
     from pyspark.sql import functions as F
 
     spark = df.sparkSession
-    groups = [r[0] for r in df.select("group").distinct().collect()]
-    held = (spark.read.format("delta").load(table_path).where(F.col("group").isin(groups))
-            .select("group", "date", "message_id"))
-    _write(df.join(held, ["group", "date", "message_id"], "left_anti"), table_path, {"userMetadata": tag})
+    rows = df.persist()
+    try:
+        keys = rows.select("group", "date").distinct().collect()
+        held = spark.read.format("delta").load(table_path)
+        if keys:
+            held = held.where(F.col("group").isin(sorted({k["group"] for k in keys}))
+                              & F.col("date").isin(sorted({k["date"] for k in keys})))
+        else:
+            held = held.limit(0)
+        _write(rows.join(held.select("group", "date", "message_id"), ["group", "date", "message_id"], "left_anti"),
+               table_path, options)
+    finally:
+        rows.unpersist()
 
 
 def _our_commit(spark: SparkSession, table_path: str, tag: str) -> tuple[int | None, int]:
-    """The version and row count of the commit tagged ``tag`` among the newest few (for on_batch)."""
+    """The version and row count of the commit tagged ``tag`` among the newest 16 (for on_batch: under
+    more concurrent commits than that, a committed batch reports ``committed`` False)."""
     from delta.tables import DeltaTable
 
     for row in (DeltaTable.forPath(spark, table_path).history(16)
@@ -230,23 +251,37 @@ def _our_commit(spark: SparkSession, table_path: str, tag: str) -> tuple[int | N
 # --- the streaming query -----------------------------------------------------------------------
 
 
-def _read_checkpoint_id(spark: SparkSession, checkpoint: str) -> tuple[str, int]:
-    """The streaming query's id, which Spark writes into ``<checkpoint>/metadata`` before batch 0,
-    and when that file was written (ms since the epoch): the query committed nothing before it."""
-    meta = checkpoint.rstrip("/") + "/metadata"
-    local = meta[len("file:"):] if meta.startswith("file:") else meta
+def _read_text(spark: SparkSession, path: str) -> str:
+    local = path[len("file:"):] if path.startswith("file:") else path
     if "://" not in local:
-        text = Path(local).read_text(encoding="utf-8")
-        written_ms = int(Path(local).stat().st_mtime * 1000)
-    else:  # an object store: let Hadoop read it
-        row = spark.read.format("binaryFile").load(meta).select("content", "modificationTime").first()
-        if row is None:
-            raise ConfigurationError(f"the checkpoint metadata {meta} is missing")
-        text, written_ms = bytes(row["content"]).decode("utf-8"), int(row["modificationTime"].timestamp() * 1000)
-    query_id = json.loads(text.splitlines()[0]).get("id")
+        return Path(local).read_text(encoding="utf-8")
+    return "\n".join(r[0] for r in spark.read.text(path).collect())  # an object store: let Hadoop read it
+
+
+def _read_checkpoint_id(spark: SparkSession, checkpoint: str) -> str:
+    """The streaming query's id, which Spark writes into ``<checkpoint>/metadata`` before batch 0."""
+    meta = checkpoint.rstrip("/") + "/metadata"
+    query_id = json.loads(_read_text(spark, meta).splitlines()[0]).get("id")
     if not isinstance(query_id, str) or not query_id:
         raise ConfigurationError(f"the checkpoint metadata {meta} names no query id")
-    return query_id, written_ms
+    return query_id
+
+
+def _batch_planned_ms(spark: SparkSession, checkpoint: str, batch_id: int) -> int:
+    """When Spark planned this batch (``batchTimestampMs`` in ``<checkpoint>/offsets/<id>``, kept
+    when the batch is re-run): no commit of it can be older. 0 (look at the whole log) if unknown.
+
+    Taken from the file's content, not its modification time, so a copied checkpoint keeps it.
+    """
+    path = f"{checkpoint.rstrip('/')}/offsets/{int(batch_id)}"
+    try:
+        lines = _read_text(spark, path).splitlines()
+        planned = json.loads(lines[1]).get("batchTimestampMs")
+    except Exception as exc:  # noqa: BLE001 - only makes the lookup walk further back
+        log.debug("no plan time for batch %d in %s (%s); the lookup reads the whole log", batch_id, path,
+                  type(exc).__name__)
+        return 0
+    return int(planned) if isinstance(planned, int) and planned > 0 else 0
 
 
 class HistoryWriter:
@@ -267,13 +302,11 @@ class HistoryWriter:
         self.history_key = history_key
         self.on_batch = on_batch
         self._app_id: str | None = None
-        self._began_ms = 0
         self._last_written: int | None = None  # the batch this writer last wrote, to the end
 
     def app_id(self, spark: SparkSession) -> str:
         if self._app_id is None:
-            query_id, self._began_ms = _read_checkpoint_id(spark, self.checkpoint)
-            self._app_id = "zerocomm-history-" + query_id
+            self._app_id = "zerocomm-history-" + _read_checkpoint_id(spark, self.checkpoint)
         return self._app_id
 
     def __call__(self, df: DataFrame, batch_id: int) -> None:
@@ -284,14 +317,16 @@ class HistoryWriter:
         follows = self._last_written is not None and batch_id == self._last_written + 1
         self._last_written = None  # until this batch is written to the end: a failure makes the next one look
         rows = to_history(df, history_key=self.history_key)
+        planned_ms = 0 if follows else _batch_planned_ms(spark, self.checkpoint, batch_id)
         committed = append_history(rows, self.table_path, app_id=app_id, version=batch_id, look=not follows,
-                                   not_before_ms=self._began_ms)
+                                   not_before_ms=planned_ms)
         self._last_written = batch_id
         wrote = time.monotonic()
         log.debug("history batch %d %s in %.3fs", batch_id, "written" if committed else "skipped", wrote - began)
         if self.on_batch is not None:
+            # Delta's guard may still skip a looked-up write: committed is whether our commit is there.
             version, count = _our_commit(spark, self.table_path, tag) if committed else (None, 0)
-            self.on_batch(IngestBatch(batch_id, committed, count, version, time.monotonic() - began))
+            self.on_batch(IngestBatch(batch_id, version is not None, count, version, time.monotonic() - began))
 
 
 def _source(spark: SparkSession, groups: Sequence[str], *, agent: str | None, starting_offsets: str,

@@ -472,8 +472,9 @@ def restore(group: str, providers: Sequence[HistoryProvider], *, have: Have | No
 class DeltaSink:
     """Deliver restored rows into a (the member's own) history table, sealed again if a key is given.
 
-    Each delivery is one append tagged (this sink, delivery number); a call retried after a failed
-    one first looks for the failed call's commit in the table's log, so it does not write twice.
+    Each delivery is one append tagged (this sink, delivery number). The call after a failed one
+    (whose commit may have landed anyway) appends only rows the table lacks, so a retried delivery
+    is not written twice, and a different one after the failure is not lost.
     """
 
     def __init__(self, spark: SparkSession, table_path: str, *, history_key: HistoryKey | None = None) -> None:
@@ -483,12 +484,12 @@ class DeltaSink:
         self.app_id = "zerocomm-restore-" + uuid.uuid4().hex
         self._version = 0
         self._unsure = False  # the last call failed: its commit may have landed anyway
-        self._began_ms = int(time.time() * 1000)  # none of this sink's commits is older
 
     def __call__(self, rows: pa.Table) -> None:
         import pyarrow as pa
 
-        from zerocomm_spark.pipelines.history import append_history, ensure_table
+        from zerocomm_spark.pipelines.commit_tags import commit_tag
+        from zerocomm_spark.pipelines.history import append_history, append_new_rows, ensure_table
         from zerocomm_spark.pipelines.schema import history_schema
 
         ensure_table(self.spark, self.table_path)
@@ -503,7 +504,9 @@ class DeltaSink:
                                    pa.array([self.history_key.key_id] * rows.num_rows, pa.string()))
         df = self.spark.createDataFrame(rows.select(list(HISTORY_COLUMNS)), schema=history_schema())
         retry, self._unsure = self._unsure, True
-        append_history(df, self.table_path, app_id=self.app_id, version=self._version, look=retry,
-                       not_before_ms=self._began_ms)
+        if retry:
+            append_new_rows(df, self.table_path, {"userMetadata": commit_tag(self.app_id, self._version)})
+        else:
+            append_history(df, self.table_path, app_id=self.app_id, version=self._version, look=False)
         self._unsure = False
         self._version += 1

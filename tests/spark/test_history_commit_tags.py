@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import os
 import uuid
 from pathlib import Path
 
@@ -38,6 +39,21 @@ def checkpoint(tmp_path: Path) -> Path:
     ck.mkdir()
     (ck / "metadata").write_text(json.dumps({"id": str(uuid.uuid4())}) + "\n")
     return ck
+
+
+def plan(ck: Path, batch_id: int, planned: dt.datetime) -> None:
+    """Spark's offset log entry for a batch, as written when the batch is planned."""
+    (ck / "offsets").mkdir(exist_ok=True)
+    meta = {"batchWatermarkMs": 0, "batchTimestampMs": int(planned.timestamp() * 1000), "conf": {}}
+    (ck / "offsets" / str(batch_id)).write_text("v1\n" + json.dumps(meta) + "\n{}\n")
+
+
+def txn_actions(table: Path) -> list[dict]:
+    """Delta's SetTransaction actions in the table's log."""
+    found = []
+    for path in sorted((table / "_delta_log").glob("*.json")):
+        found += [json.loads(line)["txn"] for line in path.read_text().splitlines() if '"txn"' in line]
+    return found
 
 
 def table_ids(spark, table: Path) -> list[str]:
@@ -70,6 +86,26 @@ def test_a_replayed_first_batch_is_skipped_and_the_next_written(spark, tmp_path)
                                                                  (2, True, 1)]
     assert sorted(table_ids(spark, table)) == ["a", "b", "c", "d", "x"]
     assert last_tagged_batch(spark, str(table), first.app_id(spark)).batch == 2
+    # Looked-up writes (batch 0 of the first run) also carry Delta's guard, so two runs racing on
+    # one batch cannot both commit it; batches that follow their predecessor (1, and 2 after the
+    # skipped re-run of 1) do not pay for it.
+    ours = {t["version"] for t in txn_actions(table) if t["appId"] == first.app_id(spark)}
+    assert ours == {0}
+
+
+def test_the_cut_off_is_when_spark_planned_the_batch_not_a_file_time(spark, tmp_path):
+    table, ck = tmp_path / "t", checkpoint(tmp_path)
+    ensure_table(spark, str(table))
+    plan(ck, 0, dt.datetime.now() - dt.timedelta(seconds=30))
+    HistoryWriter(str(table), str(ck))(source_rows(spark, ["a"]), 0)
+    # The checkpoint was copied a day later (its files' times are new); batch 0 is re-run.
+    later = (dt.datetime.now() + dt.timedelta(days=1)).timestamp()
+    for path in [ck / "metadata", ck / "offsets" / "0"]:
+        os.utime(path, (later, later))
+    seen: list[IngestBatch] = []
+    HistoryWriter(str(table), str(ck), on_batch=seen.append)(source_rows(spark, ["a"]), 0)
+    assert [(b.batch_id, b.committed) for b in seen] == [(0, False)]
+    assert table_ids(spark, table) == ["a"]
 
 
 def test_a_failed_write_makes_the_same_writer_look_again(spark, tmp_path):
@@ -101,11 +137,14 @@ def test_a_query_newer_than_every_commit_stops_looking_early(spark, tmp_path):
 
 
 def test_when_the_log_was_cleaned_only_missing_rows_are_appended(spark, tmp_path):
+    from zerocomm_spark.pipelines.history import append_new_rows, to_history
+
     table, ck = tmp_path / "t", checkpoint(tmp_path)
     ensure_table(spark, str(table))
     spark.sql(f"ALTER TABLE delta.`{table}` SET TBLPROPERTIES ('delta.checkpointInterval' = '2')")
     writer = HistoryWriter(str(table), str(ck))
-    writer(source_rows(spark, ["a", "b"]), 0)
+    writer(source_rows(spark, ["a"]), 0)  # looked up: Delta's guard records batch 0
+    writer(source_rows(spark, ["b", "c"]), 1)  # followed batch 0: tagged only
     others = HistoryWriter(str(table), str(checkpoint(tmp_path)))
     for i in range(4):
         others(source_rows(spark, [f"o{i}"]), i)
@@ -118,12 +157,17 @@ def test_when_the_log_was_cleaned_only_missing_rows_are_appended(spark, tmp_path
     found = last_tagged_batch(spark, str(table), writer.app_id(spark))
     assert (found.batch, found.complete) == (None, False)
 
+    # Spark re-runs batch 1; neither the log nor Delta's guard (it knows batch 0) can tell.
     seen: list[IngestBatch] = []
     restarted = HistoryWriter(str(table), str(ck), on_batch=seen.append)
-    restarted(source_rows(spark, ["a", "b", "c"]), 0)  # a replay the log cannot tell apart, plus a new row
-    assert [(b.batch_id, b.committed, b.rows) for b in seen] == [(0, True, 1)]
+    restarted(source_rows(spark, ["b", "c"]), 1)
+    assert [(b.batch_id, b.rows) for b in seen] == [(1, 0)]
     ids = table_ids(spark, table)
-    assert sorted(ids) == ["a", "b", "c", "o0", "o1", "o2", "o3"] and len(ids) == len(set(ids))
+    assert sorted(ids) == ["a", "b", "c", "o0", "o1", "o2", "o3"]
+    # The rule itself: of rows partly in the table, only the missing ones go in.
+    append_new_rows(to_history(source_rows(spark, ["c", "d"])), str(table), {"userMetadata": "test:0"})
+    ids = table_ids(spark, table)
+    assert sorted(ids) == ["a", "b", "c", "d", "o0", "o1", "o2", "o3"]
 
 
 def test_a_restore_delivery_retried_after_a_failure_is_not_written_twice(spark, tmp_path, monkeypatch):
@@ -137,12 +181,21 @@ def test_a_restore_delivery_retried_after_a_failure_is_not_written_twice(spark, 
         real_write(*args, **kwargs)
         raise ConnectionError("the driver lost its connection right after the commit")
 
-    rows = history.to_history(source_rows(spark, ["a", "b"])).select(*HISTORY_COLUMNS).toArrow()
+    def rows_of(ids: list[str]):
+        return history.to_history(source_rows(spark, ids)).select(*HISTORY_COLUMNS).toArrow()
+
     sink = DeltaSink(spark, str(tmp_path / "restored"))
     monkeypatch.setattr(history, "_write", commit_then_fail)
     with pytest.raises(ConnectionError):
-        sink(rows)
+        sink(rows_of(["a", "b"]))
     monkeypatch.setattr(history, "_write", real_write)
-    sink(rows)  # the caller retries the delivery: its commit is found, nothing is written twice
-    sink(history.to_history(source_rows(spark, ["c"])).select(*HISTORY_COLUMNS).toArrow())
-    assert sorted(table_ids(spark, tmp_path / "restored")) == ["a", "b", "c"]
+    sink(rows_of(["a", "b"]))  # the caller retries the delivery: nothing is written twice
+    sink(rows_of(["c"]))
+    # A failed delivery followed by a different one (the caller moved on): that one is not lost.
+    monkeypatch.setattr(history, "_write", commit_then_fail)
+    with pytest.raises(ConnectionError):
+        sink(rows_of(["d"]))
+    monkeypatch.setattr(history, "_write", real_write)
+    sink(rows_of(["e"]))
+    ids = table_ids(spark, tmp_path / "restored")
+    assert sorted(ids) == ["a", "b", "c", "d", "e"]
