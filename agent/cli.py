@@ -234,6 +234,9 @@ def _add_history(sub: Any, add: Callable[..., argparse.ArgumentParser]) -> None:
                    help="earliest (default), latest or per-publisher JSON, for a new checkpoint")
     p.add_argument("--trigger", default="1 second", metavar="INTERVAL", help="micro-batch interval (default 1 second)")
     p.add_argument("--available-now", action="store_true", help="ingest what is there now, then stop")
+    p.add_argument("--delta-txn", action="store_true",
+                   help="also use Delta's txnAppId/txnVersion on every batch (guards against two live runs of one "
+                        "checkpoint; a state rebuild per batch)")
     p.add_argument("--max-per-trigger", type=int, metavar="N", help="at most N messages per micro-batch")
     p.add_argument("--history-key-file", metavar="FILE", help=key_help + ": store payloads sealed")
     p = add(actions, "replay", "print a group's history from Delta in causal order", _history("replay"))

@@ -65,7 +65,8 @@ def ingest(ctx: Any) -> int:
     spark = _spark()
     query = start(spark, a.groups, table, checkpoint, agent=str(ctx.config.socket_dir),
                   starting_offsets=a.starting_offsets, max_messages_per_trigger=a.max_per_trigger,
-                  trigger="available_now" if a.available_now else a.trigger, history_key=key, on_batch=on_batch)
+                  trigger="available_now" if a.available_now else a.trigger, history_key=key, on_batch=on_batch,
+                  delta_txn=a.delta_txn)
     try:
         while query.isActive:
             query.awaitTermination(1.0)

@@ -8,8 +8,8 @@ question about the newest commit with our app id, answered from the commit infos
 Why not Delta's own ``txnAppId``/``txnVersion`` on every batch: in Delta 4.4 the writer looks the
 version up through a full reconstruction of the table's state (three Spark jobs per commit, growing
 with the table), which costs more than the append itself on a small micro-batch. A query only needs
-the answer once per run, and the log already holds it; the one looked-up write of a run still
-carries Delta's options, as a guard against a second run of the same query racing on that batch.
+the answer once per run, and the log already holds it. (``ingest(..., delta_txn=True)`` adds
+Delta's options back, for deployments where two live runs of one checkpoint could race.)
 """
 
 from __future__ import annotations

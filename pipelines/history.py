@@ -15,10 +15,12 @@ Why it is built this way:
   Delta commit but before Spark checkpointed the batch, the restarted query re-runs the same batch
   id; the writer finds that batch's tag in the table's log (pipelines/commit_tags.py) and skips
   it: nothing is missing, nothing is written twice. Only the first batch of a run (or one after a
-  failure) is looked up: a batch that follows the one just written cannot be a replay. A
-  looked-up write also carries Delta's ``txnAppId``/``txnVersion``, so two runs of one query
-  racing on a batch (a zombie driver) cannot both commit it; only there, because Delta 4.4
-  reconstructs the table's whole state for every such commit. The query id is the one Spark keeps in the checkpoint: a
+  failure) is looked up: a batch that follows the one just written cannot be a replay. What
+  the lookup does not cover is two *live* runs of one checkpoint (a zombie driver on another
+  cluster; Spark refuses a second run within one) both writing the batch they overlap on:
+  ``delta_txn=True`` adds Delta's ``txnAppId``/``txnVersion`` to every commit, which Delta checks
+  atomically, at the price of a rebuild of the table's state per micro-batch in Delta 4.4 (about a
+  second, growing with the table), which is why it is not the default. The query id is the one Spark keeps in the checkpoint: a
   *new* checkpoint gets a new id, so its batch 0 is never mistaken for an old one. (A new
   checkpoint reading from ``earliest`` again would append the same messages again: keep the
   checkpoint with the table, or start it at ``latest``.)
@@ -186,29 +188,31 @@ def _write(df: DataFrame, table_path: str, options: Mapping[str, str]) -> None:
 
 
 def append_history(df: DataFrame, table_path: str, *, app_id: str, version: int, look: bool = True,
-                   not_before_ms: int = 0) -> bool:
+                   not_before_ms: int = 0, delta_txn: bool = False) -> bool:
     """Append history rows as the commit tagged (app_id, version), unless the table already holds it.
 
     Returns whether rows were written. ``look`` False skips the lookup, for a caller that knows this
-    cannot be a repeat (the write right after its own previous one succeeded). A looked-up write
-    also carries Delta's ``txnAppId``/``txnVersion``, so two runs of the same app racing on the same
-    version (a zombie driver) cannot both commit it; it costs Delta a state rebuild, once per run.
-    ``not_before_ms``: no commit of this (app_id, version) can be older (when it was planned). When
-    the table's log no longer reaches back that far (log retention), only rows whose (group, date,
-    message_id) the table lacks are appended.
+    cannot be a repeat (the write right after its own previous one succeeded). ``not_before_ms``: no
+    commit of this (app_id, version) can be older (when it was planned). When the table's log no
+    longer reaches back that far (log retention), only rows whose (group, date, message_id) the
+    table lacks are appended. ``delta_txn`` also passes Delta's ``txnAppId``/``txnVersion``, which
+    Delta checks atomically with the commit (two live writers of one app cannot both commit a
+    version) at the price of a rebuild of the table's state per commit.
     """
     tag = commit_tag(app_id, version)
+    options = {"userMetadata": tag}
+    if delta_txn:
+        options.update(txnAppId=app_id, txnVersion=str(int(version)))
     if not look:
-        _write(df, str(table_path), {"userMetadata": tag})
+        _write(df, str(table_path), options)
         return True
     found = last_tagged_batch(df.sparkSession, str(table_path), app_id, not_before_ms=not_before_ms)
     if found.batch is not None and found.batch >= version:
         return False
-    guard = {"userMetadata": tag, "txnAppId": app_id, "txnVersion": str(int(version))}
     if found.complete:
-        _write(df, str(table_path), guard)
+        _write(df, str(table_path), options)
     else:
-        append_new_rows(df, str(table_path), guard)
+        append_new_rows(df, str(table_path), options)
     return True
 
 
@@ -296,7 +300,8 @@ class HistoryWriter:
     """
 
     def __init__(self, table_path: str, checkpoint: str, *, history_key: HistoryKey | None = None,
-                 on_batch: Callable[[IngestBatch], None] | None = None) -> None:
+                 on_batch: Callable[[IngestBatch], None] | None = None, delta_txn: bool = False) -> None:
+        self.delta_txn = delta_txn
         self.table_path = str(table_path)
         self.checkpoint = str(checkpoint)
         self.history_key = history_key
@@ -319,7 +324,7 @@ class HistoryWriter:
         rows = to_history(df, history_key=self.history_key)
         planned_ms = 0 if follows else _batch_planned_ms(spark, self.checkpoint, batch_id)
         committed = append_history(rows, self.table_path, app_id=app_id, version=batch_id, look=not follows,
-                                   not_before_ms=planned_ms)
+                                   not_before_ms=planned_ms, delta_txn=self.delta_txn)
         self._last_written = batch_id
         wrote = time.monotonic()
         log.debug("history batch %d %s in %.3fs", batch_id, "written" if committed else "skipped", wrote - began)
@@ -348,14 +353,16 @@ def _source(spark: SparkSession, groups: Sequence[str], *, agent: str | None, st
 def ingest(spark: SparkSession, groups: str | Sequence[str], table_path: str, checkpoint: str, *,
            agent: str | None = None, starting_offsets: str = "earliest", max_messages_per_trigger: int | None = None,
            trigger: str = "1 second", history_key: HistoryKey | None = None, query_name: str | None = None,
-           on_batch: Callable[[IngestBatch], None] | None = None,
+           on_batch: Callable[[IngestBatch], None] | None = None, delta_txn: bool = False,
            source_options: Mapping[str, str] | None = None) -> StreamingQuery:
     """Start the streaming query that persists ``groups`` into the history table; returns it running.
 
     ``agent`` is the member to read through (format("zerocomm")'s agent option: socket directory,
     ipc:// endpoint or zerocomm.toml). ``trigger`` is a processing-time interval ("1 second"),
     ``"available_now"`` (everything there now, then stop) or ``"once"``. ``history_key`` stores
-    payloads sealed instead of in clear. ``on_batch`` hears what each micro-batch did.
+    payloads sealed instead of in clear. ``on_batch`` hears what each micro-batch did. ``delta_txn``
+    adds Delta's own idempotence check to every commit (guards against two live runs of one
+    checkpoint; costs a state rebuild per micro-batch).
     """
     names = [groups] if isinstance(groups, str) else list(groups)
     if not names:
@@ -364,7 +371,7 @@ def ingest(spark: SparkSession, groups: str | Sequence[str], table_path: str, ch
     ensure_table(spark, table)
     stream = _source(spark, names, agent=agent, starting_offsets=starting_offsets,
                      max_messages_per_trigger=max_messages_per_trigger, source_options=source_options)
-    writer = HistoryWriter(table, str(checkpoint), history_key=history_key, on_batch=on_batch)
+    writer = HistoryWriter(table, str(checkpoint), history_key=history_key, on_batch=on_batch, delta_txn=delta_txn)
     query = stream.writeStream.foreachBatch(writer).option("checkpointLocation", str(checkpoint))
     if query_name:
         query = query.queryName(query_name)

@@ -86,11 +86,22 @@ def test_a_replayed_first_batch_is_skipped_and_the_next_written(spark, tmp_path)
                                                                  (2, True, 1)]
     assert sorted(table_ids(spark, table)) == ["a", "b", "c", "d", "x"]
     assert last_tagged_batch(spark, str(table), first.app_id(spark)).batch == 2
-    # Looked-up writes (batch 0 of the first run) also carry Delta's guard, so two runs racing on
-    # one batch cannot both commit it; batches that follow their predecessor (1, and 2 after the
-    # skipped re-run of 1) do not pay for it.
-    ours = {t["version"] for t in txn_actions(table) if t["appId"] == first.app_id(spark)}
-    assert ours == {0}
+    assert not txn_actions(table)  # Delta's own check (a state rebuild per commit) was not asked for
+
+
+def test_delta_txn_puts_deltas_own_check_on_every_commit(spark, tmp_path):
+    table, ck = tmp_path / "t", checkpoint(tmp_path)
+    ensure_table(spark, str(table))
+    writer = HistoryWriter(str(table), str(ck), delta_txn=True)
+    writer(source_rows(spark, ["a"]), 0)
+    writer(source_rows(spark, ["b"]), 1)
+    assert sorted(t["version"] for t in txn_actions(table) if t["appId"] == writer.app_id(spark)) == [0, 1]
+    # A second live run that missed the lookup (it ran before the first committed) is stopped by Delta.
+    from zerocomm_spark.pipelines.history import append_history, to_history
+
+    append_history(to_history(source_rows(spark, ["b"])), str(table), app_id=writer.app_id(spark), version=1,
+                   look=False, delta_txn=True)
+    assert sorted(table_ids(spark, table)) == ["a", "b"]
 
 
 def test_the_cut_off_is_when_spark_planned_the_batch_not_a_file_time(spark, tmp_path):
@@ -143,8 +154,8 @@ def test_when_the_log_was_cleaned_only_missing_rows_are_appended(spark, tmp_path
     ensure_table(spark, str(table))
     spark.sql(f"ALTER TABLE delta.`{table}` SET TBLPROPERTIES ('delta.checkpointInterval' = '2')")
     writer = HistoryWriter(str(table), str(ck))
-    writer(source_rows(spark, ["a"]), 0)  # looked up: Delta's guard records batch 0
-    writer(source_rows(spark, ["b", "c"]), 1)  # followed batch 0: tagged only
+    writer(source_rows(spark, ["a"]), 0)
+    writer(source_rows(spark, ["b", "c"]), 1)
     others = HistoryWriter(str(table), str(checkpoint(tmp_path)))
     for i in range(4):
         others(source_rows(spark, [f"o{i}"]), i)
@@ -157,7 +168,7 @@ def test_when_the_log_was_cleaned_only_missing_rows_are_appended(spark, tmp_path
     found = last_tagged_batch(spark, str(table), writer.app_id(spark))
     assert (found.batch, found.complete) == (None, False)
 
-    # Spark re-runs batch 1; neither the log nor Delta's guard (it knows batch 0) can tell.
+    # Spark re-runs batch 1; the log can no longer tell.
     seen: list[IngestBatch] = []
     restarted = HistoryWriter(str(table), str(ck), on_batch=seen.append)
     restarted(source_rows(spark, ["b", "c"]), 1)
