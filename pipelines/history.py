@@ -20,10 +20,10 @@ Why it is built this way:
   cluster; Spark refuses a second run within one) both writing the batch they overlap on:
   ``delta_txn=True`` adds Delta's ``txnAppId``/``txnVersion`` to every commit, which Delta checks
   atomically, at the price of a rebuild of the table's state per micro-batch in Delta 4.4 (about a
-  second, growing with the table), which is why it is not the default. The query id is the one Spark keeps in the checkpoint: a
-  *new* checkpoint gets a new id, so its batch 0 is never mistaken for an old one. (A new
-  checkpoint reading from ``earliest`` again would append the same messages again: keep the
-  checkpoint with the table, or start it at ``latest``.)
+  second, growing with the table), which is why it is not the default. The query id is the one
+  Spark keeps in the checkpoint: a *new* checkpoint gets a new id, so its batch 0 is never mistaken
+  for an old one. (A new checkpoint reading from ``earliest`` again would append the same messages
+  again: keep the checkpoint with the table, or start it at ``latest``.)
 * **What history adds is computed in Spark SQL**: the partition date, ``ingested_at``, and the
   origin proof moved from the ``zc-origin`` header into ``origin_sig`` (pipelines/origin.py). Only
   sealing payloads with a history key needs Python (``mapInArrow``, whole Arrow batches at a time).
@@ -55,8 +55,8 @@ if TYPE_CHECKING:
 
     from zerocomm_spark.pipelines.history_key import HistoryKey
 
-__all__ = ["IngestBatch", "HistoryWriter", "append_history", "compact", "ensure_table", "ingest", "table_exists",
-           "to_history", "vacuum"]
+__all__ = ["IngestBatch", "HistoryWriter", "append_history", "append_new_rows", "compact", "ensure_table", "ingest",
+           "table_exists", "to_history", "vacuum"]
 
 log = logging.getLogger("zerocomm_spark.pipelines.history")
 
