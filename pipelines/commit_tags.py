@@ -25,8 +25,9 @@ __all__ = ["CLOCK_SKEW_MS", "TagLookup", "commit_tag", "last_tagged_batch", "par
 
 log = logging.getLogger("zerocomm_spark.pipelines.commit_tags")
 
-#: Commit timestamps come from the writer's clock; a commit this much older than the query's
-#: checkpoint is still looked at, so drivers on different hosts with skewed clocks agree.
+#: Commit timestamps come from the writer's clock; a commit up to this much older than the
+#: ``not_before_ms`` cut-off (when Spark planned the batch) is still looked at, so writers on hosts
+#: with skewed clocks do not end the walk early.
 CLOCK_SKEW_MS = 3_600_000
 _FIRST_PAGE = 64
 
@@ -47,8 +48,8 @@ def parse_tag(tag: str | None, app_id: str) -> int | None:
 class TagLookup:
     """The newest batch ``app_id`` committed, and where; ``complete`` False when the log was cut first.
 
-    ``batch`` None with ``complete`` True: the app never committed to this table (every commit
-    since the query began was looked at). ``complete`` False: the log kept since then does not go
+    ``batch`` None with ``complete`` True: the app has no commit in this table since the cut-off
+    (every commit since then was looked at). ``complete`` False: the log kept since then does not go
     back far enough (log retention removed commits while the query was down), so the log cannot say.
     """
 
@@ -58,7 +59,7 @@ class TagLookup:
 
 
 def last_tagged_batch(spark: SparkSession, table_path: str, app_id: str, *, not_before_ms: int = 0) -> TagLookup:
-    """Walk the table's commits newest first until one of ``app_id``'s, or one from before the query."""
+    """Walk the table's commits newest first until one of ``app_id``'s, or one from before the cut-off."""
     from delta.tables import DeltaTable
 
     table = DeltaTable.forPath(spark, str(table_path))
