@@ -275,7 +275,7 @@ def main() -> None:
         "cases": cases,
         "machine": {"python": platform.python_version(), "pyarrow": pa.__version__, "cpus": os.cpu_count(),
                     "platform": platform.platform(),
-                    "record_cipher": "AES-256-GCM" if crypto.WRITE_CIPHER == crypto.AES_256_GCM else "XChaCha20",
+                    "record_cipher": crypto.NAMES[crypto.WRITE_CIPHER],
                     "loadavg_1m": [round(load_before, 2), round(os.getloadavg()[0], 2)]},
         "seconds": round(time.perf_counter() - began, 1),
     }, indent=2))

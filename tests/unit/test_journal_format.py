@@ -76,10 +76,11 @@ def _batch(first: int, last: int) -> pa.RecordBatch:
     return pa.RecordBatch.from_arrays([offsets, *data.columns], schema=JOURNAL_SCHEMA)
 
 
-# Version 2 (written now) is AES-256-GCM. Version 1 is XChaCha20-Poly1305, still read: "fast" calls
-# libsodium through pynacl's cffi handle, the other path is pynacl's public binding.
+# Version 3 (written now) is AEGIS-256; version 2 is AES-256-GCM and version 1 XChaCha20-Poly1305, both
+# still read. For v1, "fast" calls libsodium through pynacl's cffi handle, the other path is pynacl's
+# public binding.
 @pytest.mark.parametrize("version, fast_encrypt, fast_decrypt",
-                         [(2, True, True), (1, True, True), (1, False, True), (1, True, False)])
+                         [(3, True, True), (2, True, True), (1, True, True), (1, False, True), (1, True, False)])
 def test_record_codec_round_trip(key: bytes, version: int, fast_encrypt: bool, fast_decrypt: bool,
                                  monkeypatch) -> None:
     batch = _batch(1, 50)
@@ -99,9 +100,29 @@ def test_record_codec_round_trip(key: bytes, version: int, fast_encrypt: bool, f
     assert codec.encode_record(batch, 100, T0 + 1, T0 + 50, key, version=version).body != frame.body
 
 
-def test_new_records_are_aes_gcm_each_under_its_own_key(key: bytes) -> None:
-    assert codec.RECORD_VERSION == crypto.AES_256_GCM
-    assert codec.encode_record(_batch(1, 3), 100, T0, T0, key).record.version == crypto.AES_256_GCM
+def test_new_records_are_aegis_256_with_a_32_byte_tag(key: bytes) -> None:
+    assert codec.RECORD_VERSION == crypto.AEGIS_256
+    frame = codec.encode_record(_batch(1, 3), 100, T0, T0, key)
+    assert frame.record.version == crypto.AEGIS_256
+    assert frame.body.size == frame.record.body_length == _batch(1, 3).serialize().size + 32
+    plain, aad = pa.py_buffer(b"x" * 64), b"aad"
+    nonce, other = bytes(24), bytes([1]) + bytes(23)
+    sealed = pa.py_buffer(crypto.encrypt_aegis(plain, aad, nonce, key).to_pybytes())  # read-only
+    assert sealed.to_pybytes() != crypto.encrypt_aegis(plain, aad, other, key).to_pybytes()
+    assert crypto.decrypt_aegis(sealed, aad, nonce, key).to_pybytes() == b"x" * 64  # into a new buffer
+    assert sealed.to_pybytes()[:64] != b"x" * 64
+    in_place = pa.py_buffer(bytearray(sealed.to_pybytes()))
+    assert crypto.decrypt_aegis(in_place, aad, nonce, key).to_pybytes() == b"x" * 64
+    assert in_place.to_pybytes()[:64] == b"x" * 64  # decrypted where it lay
+    for wrong in ((sealed, aad, other, key), (sealed, b"other aad", nonce, key), (sealed, aad, nonce, bytes(32)),
+                  (sealed.slice(0, 31), aad, nonce, key)):
+        assert crypto.decrypt_aegis(*wrong) is None
+    flipped = bytearray(sealed.to_pybytes())
+    flipped[-1] ^= 1  # the tag's last byte
+    assert crypto.decrypt_aegis(pa.py_buffer(bytes(flipped)), aad, nonce, key) is None
+
+
+def test_aes_gcm_records_are_each_under_their_own_key(key: bytes) -> None:
     # The header's first 12 random bytes pick the record key: same GCM nonce, another key, other bytes.
     plain, aad = pa.py_buffer(b"x" * 64), b"aad"
     nonce = bytes(24)
@@ -121,7 +142,7 @@ def _with_fixed_crc(frame: bytearray) -> bytearray:
     return frame
 
 
-@pytest.mark.parametrize("version", [2, 1])
+@pytest.mark.parametrize("version", [3, 2, 1])
 def test_record_codec_detects_every_kind_of_change(key: bytes, version: int) -> None:
     frame = codec.encode_record(_batch(1, 20), 100, T0, T0 + 20, key, version=version)
     raw = bytearray(frame.header + frame.body.to_pybytes())
@@ -141,16 +162,17 @@ def test_record_codec_detects_every_kind_of_change(key: bytes, version: int) -> 
     forged = codec.parse_record_header(bytes(moved))
     assert forged is not None and codec.crc_ok(forged, body)
     assert codec.decrypt_record(forged, pa.py_buffer(bytearray(body)), key) is None
-    # The cipher byte changed (to the other version) and the crc recomputed: authentication fails.
-    swapped = bytearray(raw)
-    swapped[4] = 3 - version
-    swapped = _with_fixed_crc(swapped)
-    downgraded = codec.parse_record_header(bytes(swapped))
-    assert downgraded is not None and downgraded.version == 3 - version and codec.crc_ok(downgraded, body)
-    assert codec.decrypt_record(downgraded, pa.py_buffer(bytearray(body)), key) is None
+    # The cipher byte changed (to each other version) and the crc recomputed: authentication fails.
+    for other in {1, 2, 3} - {version}:
+        swapped = bytearray(raw)
+        swapped[4] = other
+        swapped = _with_fixed_crc(swapped)
+        downgraded = codec.parse_record_header(bytes(swapped))
+        assert downgraded is not None and downgraded.version == other and codec.crc_ok(downgraded, body)
+        assert codec.decrypt_record(downgraded, pa.py_buffer(bytearray(body)), key) is None
     # An unknown cipher byte is not a record header.
     unknown = bytearray(raw)
-    unknown[4] = 3
+    unknown[4] = 4
     assert codec.parse_record_header(bytes(unknown)) is None
     # Another key: authentication fails, the crc holds.
     assert codec.decrypt_record(header, pa.py_buffer(bytearray(body)), nacl.utils.random(32)) is None
@@ -275,9 +297,9 @@ def test_a_record_whose_cipher_byte_was_changed_is_reported_as_altered(jdir: Pat
     victim = segments(jdir)[0]
     pos, base, length = record_positions(victim)[0]
     data = bytearray(victim.read_bytes())
-    assert data[pos + 4] == crypto.AES_256_GCM
+    assert data[pos + 4] == crypto.AEGIS_256
     frame = bytearray(data[pos:pos + length])
-    frame[4] = crypto.XCHACHA20_POLY1305  # read it as the old cipher
+    frame[4] = crypto.AES_256_GCM  # read it as an older cipher
     data[pos:pos + length] = _with_fixed_crc(frame)
     victim.write_bytes(bytes(data))
     with Journal.open(jdir, key=key, segment_bytes=4096) as j:
@@ -294,22 +316,24 @@ def record_versions(directory: Path) -> list[int]:
     return out
 
 
-def test_records_of_the_xchacha_version_stay_readable_beside_aes_ones(jdir: Path, key: bytes, monkeypatch) -> None:
-    # A journal written before records moved to AES-256-GCM: every record is version 1.
+@pytest.mark.parametrize("old_version", [crypto.XCHACHA20_POLY1305, crypto.AES_256_GCM])
+def test_records_of_older_versions_stay_readable_beside_aegis_ones(jdir: Path, key: bytes, monkeypatch,
+                                                                   old_version: int) -> None:
+    # A journal written by an earlier version: every record is of the older cipher.
     with monkeypatch.context() as patched:
-        patched.setattr(codec.encode_record, "__kwdefaults__", {"version": crypto.XCHACHA20_POLY1305})
+        patched.setattr(codec.encode_record, "__kwdefaults__", {"version": old_version})
         journal_with(jdir, key, 12, segment_bytes=4096)
     old = record_versions(jdir)
-    assert set(old) == {crypto.XCHACHA20_POLY1305}
-    with Journal.open(jdir, key=key) as j:  # the upgraded journal appends AES records (here: to the same segment)
+    assert set(old) == {old_version}
+    with Journal.open(jdir, key=key) as j:  # the upgraded journal appends AEGIS records (here: to the same segment)
         assert seqs(j.read(0)) == list(range(1, 61))
-        result = j.append(rows(1, 70))  # v1 rows still count as duplicates
+        result = j.append(rows(1, 70))  # old rows still count as duplicates
         assert (result.first_offset, result.appended, result.duplicates) == (60, 10, 60)
         j.append(rows(71, 100))
     versions = record_versions(jdir)
-    assert versions[:len(old)] == old and set(versions[len(old):]) == {crypto.AES_256_GCM}
+    assert versions[:len(old)] == old and set(versions[len(old):]) == {crypto.AEGIS_256}
     mixed = [{path.read_bytes()[pos + 4] for pos, _, _ in record_positions(path)} for path in segments(jdir)]
-    assert {crypto.XCHACHA20_POLY1305, crypto.AES_256_GCM} in mixed  # the segment that was active holds both
+    assert {old_version, crypto.AEGIS_256} in mixed  # the segment that was active holds both
     # Without side files every segment is decrypted again at open: both versions, ids and seqs included.
     for side in [*jdir.glob("*.idx"), jdir / "recent.ids"]:
         side.unlink()

@@ -7,13 +7,14 @@ A segment file is a 32-byte segment header followed by records, each::
      4     1    version: the record's cipher (crypto.py): 2 = AES-256-GCM (written), 1 = XChaCha20-Poly1305
      5     1    flags (0)
      6     2    reserved (0)
-     8     4    body length (ciphertext + 16-byte tag), u32
+     8     4    body length (ciphertext + tag: 32 bytes in v3, 16 before), u32
     12     4    crc32 of the header (this field as 0) and the body
     16     8    base offset (of the record's first row), u64
     24     4    row count, u32
     28     8    min received_at, int64 microseconds
     36     8    max received_at, int64 microseconds
-    44    24    random nonce material (v2: record-key input || GCM nonce; v1: XChaCha20 nonce)
+    44    24    random nonce material (v3: AEGIS-256 nonce, zero-padded; v2: record-key input || GCM
+                nonce; v1: XChaCha20 nonce)
     68     -    body: AEAD(Arrow IPC message of the batch) || tag
 
 Everything little-endian. The body is one Arrow IPC record batch message (no schema: it is fixed, see
@@ -21,8 +22,8 @@ Everything little-endian. The body is one Arrow IPC record batch message (no sch
 is ever in clear on disk. Only the offsets, row count and the received_at range are in clear: they
 let the index, retention and timestamp lookups work without the key's help. Those header fields,
 the version (cipher) byte included, are the AEAD's associated data, so moving or editing them is
-detected too. Both versions are read; only v2 is written (v1 records from earlier journals stay
-readable, and a segment may hold both).
+detected too. Every version is read; only v3 is written (v1 and v2 records from earlier journals stay
+readable, and a segment may hold several versions).
 
 The crc32 is for framing: it tells a torn or rotten record (crc fails) from an authentic-looking
 record under a wrong key or tampering (crc holds, authentication fails), and it lets a scan re-find
@@ -110,7 +111,7 @@ def encode_record(batch: pa.RecordBatch, base: int, min_ts: int, max_ts: int, ke
     """
     count = batch.num_rows
     plain = batch.serialize()
-    body_length = plain.size + crypto.TAG_BYTES
+    body_length = plain.size + crypto.tag_bytes(version)
     if body_length > MAX_BODY_BYTES:  # the writer splits appends well below this
         raise ValueError("record too large")
     nonce = crypto.new_nonce()
@@ -127,7 +128,7 @@ def parse_record_header(raw: bytes | memoryview) -> RecordHeader | None:
         return None
     magic, version, flags, reserved, body_length, crc, base, count, min_ts, max_ts, nonce = _RECORD.unpack_from(raw)
     if (magic != RECORD_MAGIC or version not in RECORD_VERSIONS or flags != 0 or reserved != 0
-            or body_length < crypto.TAG_BYTES or body_length > MAX_BODY_BYTES or count == 0
+            or body_length < crypto.tag_bytes(version) or body_length > MAX_BODY_BYTES or count == 0
             or base >= 1 << 63 or min_ts > max_ts):
         return None
     return RecordHeader(body_length, crc, base, count, min_ts, max_ts, bytes(nonce), version)

@@ -1,21 +1,28 @@
-"""The journal's ciphers: AES-256-GCM for records (v2), XChaCha20-Poly1305 for old records and side files.
+"""The journal's ciphers: AEGIS-256 for records (v3); AES-256-GCM and XChaCha20-Poly1305 for older
+records; XChaCha20-Poly1305 for side files.
 
 A record names its cipher in its header's version byte (codec.py), and that byte is authenticated
 (it is part of the associated data), so a record can never be read under another cipher:
 
+``3`` AEGIS-256 (the CFRG's AEGIS draft, libsodium's ``crypto_aead_aegis256`` through pynacl's cffi
+    handle): AES-round based, 2-3x the speed of AES-256-GCM on a CPU with AES-NI (measured here:
+    ~6 GB/s against ~2 GB/s in one thread), which is what lets an encrypted journal keep up with a
+    plain file. 256-bit key (the journal key itself), 256-bit nonce = the header's 24 random bytes
+    followed by 8 zero bytes (a nonce repeats only if 192 random bits do), 32-byte tag. Written by
+    this version; sealed and opened in place where the caller owns the buffer.
 ``2`` AES-256-GCM, through ``cryptography`` (OpenSSL: AES-NI and carry-less multiply where the CPU has
     them, 3-4x the speed of XChaCha20-Poly1305 there; a constant-time software path elsewhere).
-    Written by this version. Nonces: record key = BLAKE2b-256 keyed by the journal key over the
+    Written by the previous version; read. Nonces: record key = BLAKE2b-256 keyed by the journal key over the
     header's first 12 random bytes, GCM nonce = the other 12, so a (key, nonce) pair repeats only
     if 192 random bits do, however many records the journal key ever seals.
 ``1`` XChaCha20-Poly1305 (IETF) with the header's 24 random bytes as nonce, through libsodium (pynacl):
-    what earlier versions wrote; still read, never written.
+    what the first versions wrote; still read, never written.
 
-Both read from and write into Arrow buffers (64-byte aligned, reusable by Arrow's allocator) with no
-extra copy: ``cryptography``'s ``encrypt_into``/``decrypt_into``, and for v1 libsodium through pynacl's
-own cffi handle, decrypting in place (pynacl's public binding, which copies, is the fallback if that
-handle is missing in another pynacl build). Both release the GIL, so records are sealed and opened
-on several cores at once.
+All three read from and write into Arrow buffers (64-byte aligned, reusable by Arrow's allocator)
+with no extra copy: ``cryptography``'s ``encrypt_into``/``decrypt_into``, and libsodium through
+pynacl's own cffi handle, decrypting in place (for v1, pynacl's public binding, which copies, is the
+fallback if that handle is missing in another pynacl build; v3 needs the handle, which every pynacl
+wheel since 1.6 has). All release the GIL, so records are sealed and opened on several cores at once.
 
 Small side files (key check, index, recent ids) keep XChaCha20-Poly1305 with random 24-byte nonces
 through pynacl's public binding (``seal``/``open_sealed``): their speed does not matter.
@@ -36,14 +43,19 @@ from zerocomm_spark.errors import JournalKeyError
 
 KEY_BYTES = 32
 NONCE_BYTES = 24  # the random field of every record header, whatever the cipher
-TAG_BYTES = 16  # both ciphers' tags
+TAG_BYTES = 16  # the tag of v1 and v2 records and of side files
 
 #: Cipher ids: the record header's version byte.
 XCHACHA20_POLY1305 = 1
 AES_256_GCM = 2
-CIPHERS = (XCHACHA20_POLY1305, AES_256_GCM)
+AEGIS_256 = 3
+CIPHERS = (XCHACHA20_POLY1305, AES_256_GCM, AEGIS_256)
 #: The cipher new records are written with.
-WRITE_CIPHER = AES_256_GCM
+WRITE_CIPHER = AEGIS_256
+#: Tag bytes at the end of a record body, by cipher.
+_TAGS = {XCHACHA20_POLY1305: TAG_BYTES, AES_256_GCM: TAG_BYTES, AEGIS_256: 32}
+NAMES = {XCHACHA20_POLY1305: "XChaCha20-Poly1305", AES_256_GCM: "AES-256-GCM", AEGIS_256: "AEGIS-256"}
+_AEGIS_NONCE_PAD = bytes(8)
 
 _RECORD_KEY_PERSON = b"zcj-record-v2"  # BLAKE2b personalisation: record keys are for nothing else
 
@@ -56,6 +68,13 @@ try:  # pynacl's cffi handle to its bundled libsodium (see module docstring)
     FAST = True
 except (ImportError, AttributeError):  # pragma: no cover - depends on the pynacl build
     FAST = False
+_AEGIS_ENCRYPT = getattr(_lib, "crypto_aead_aegis256_encrypt", None) if FAST else None
+_AEGIS_DECRYPT = getattr(_lib, "crypto_aead_aegis256_decrypt", None) if FAST else None
+
+
+def tag_bytes(cipher: int) -> int:
+    """Bytes of tag that end a record body under ``cipher`` (a known cipher id)."""
+    return _TAGS[cipher]
 
 
 def check_key(key: object) -> bytes:
@@ -77,6 +96,37 @@ def _bytes_view(buffer: pa.Buffer) -> memoryview:
 def _record_aead(nonce: bytes, key: bytes) -> AESGCM:
     """The AES-256-GCM instance for one v2 record (its key derived from the header's random bytes)."""
     return AESGCM(hashlib.blake2b(nonce[:12], digest_size=32, key=key, person=_RECORD_KEY_PERSON).digest())
+
+
+# --- records, v3: AEGIS-256 ----------------------------------------------------------------------
+
+
+def _aegis() -> None:
+    if _AEGIS_DECRYPT is None:  # pragma: no cover - every supported pynacl has it
+        raise RuntimeError("this pynacl build lacks AEGIS-256: install pynacl >= 1.6 (pip install -U pynacl)")
+
+
+def encrypt_aegis(plaintext: pa.Buffer, aad: bytes, nonce: bytes, key: bytes) -> pa.Buffer:
+    """Ciphertext || tag of ``plaintext`` in a fresh Arrow buffer (a v3 record body)."""
+    _aegis()
+    size = plaintext.size
+    out = pa.allocate_buffer(size + 32)
+    _AEGIS_ENCRYPT(_ffi.from_buffer(out, require_writable=True), _ffi.NULL, _ffi.from_buffer(plaintext), size,
+                   aad, len(aad), _ffi.NULL, nonce + _AEGIS_NONCE_PAD, key)
+    return out
+
+
+def decrypt_aegis(body: pa.Buffer, aad: bytes, nonce: bytes, key: bytes) -> pa.Buffer | None:
+    """The plaintext of a v3 body, or None if authentication fails. A mutable ``body`` is decrypted in
+    place (the result is a slice of it; on failure libsodium wipes it); a read-only one into a new buffer."""
+    _aegis()
+    size = body.size - 32
+    if size < 0:
+        return None
+    out = body if body.is_mutable else pa.allocate_buffer(max(size, 1))
+    rc = _AEGIS_DECRYPT(_ffi.from_buffer(out, require_writable=True), _ffi.NULL, _ffi.NULL, _ffi.from_buffer(body),
+                        body.size, aad, len(aad), nonce + _AEGIS_NONCE_PAD, key)
+    return out.slice(0, size) if rc == 0 else None
 
 
 # --- records, v2: AES-256-GCM ----------------------------------------------------------------------
@@ -141,6 +191,8 @@ def decrypt_in_place(buffer: pa.Buffer, aad: bytes, nonce: bytes, key: bytes, *,
 
 
 def encrypt_record(cipher: int, plaintext: pa.Buffer, aad: bytes, nonce: bytes, key: bytes) -> pa.Buffer:
+    if cipher == AEGIS_256:
+        return encrypt_aegis(plaintext, aad, nonce, key)
     if cipher == AES_256_GCM:
         return encrypt_gcm(plaintext, aad, nonce, key)
     if cipher == XCHACHA20_POLY1305:
@@ -149,7 +201,10 @@ def encrypt_record(cipher: int, plaintext: pa.Buffer, aad: bytes, nonce: bytes, 
 
 
 def decrypt_record(cipher: int, body: pa.Buffer, aad: bytes, nonce: bytes, key: bytes) -> pa.Buffer | None:
-    """The plaintext, or None if authentication fails. ``body`` may be overwritten (v1 decrypts in place)."""
+    """The plaintext, or None if authentication fails. ``body`` may be overwritten (v1 and v3 decrypt a
+    mutable body in place)."""
+    if cipher == AEGIS_256:
+        return decrypt_aegis(body, aad, nonce, key)
     if cipher == AES_256_GCM:
         return decrypt_gcm(body, aad, nonce, key)
     if cipher == XCHACHA20_POLY1305:

@@ -3,12 +3,16 @@
 A row is a duplicate if its seq is at or below the last seq journaled for its (group, publisher), or
 if its message id is among the last ``dedup_window`` journaled ids (or earlier in the same append).
 Delivery is per-publisher FIFO, so the common append (one delivered data batch) has one publisher
-and rising seqs: that case is checked with a few vectorised calls, never a Python loop per row.
+and rising seqs: that case is checked with a few vectorised calls, never a Python loop per row, and
+so are its ids (hashed by numpy, looked up in bit filters; only a possible hit is compared exactly).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+import bisect
+import hashlib
+import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -17,50 +21,192 @@ import pyarrow as pa
 from zerocomm_spark.journal.index import Key, Run
 
 
+_VECTOR_LEN = 128  # ids up to this many bytes are hashed by numpy; longer ones one by one (BLAKE2b)
+_KEYS = np.frombuffer(os.urandom(8 * (_VECTOR_LEN // 8 + 1)), dtype=np.uint64) | np.uint64(1)  # per process
+_LENGTH_KEY = _KEYS[-1]
+_MASK64 = (1 << 64) - 1
+_C2 = np.uint64(0xC4CEB9FE1A85EC53)
+
+
+def id_hashes(array: pa.Array) -> np.ndarray:
+    """A keyed 64-bit hash of every id of a string column, in a few whole-array numpy calls.
+
+    Multilinear (sum of the id's zero-padded 8-byte words times random odd keys, plus its length
+    times a key): a strongly universal family in its high bits, which are the ones the filter uses.
+    It is only a filter in front of the exact comparison (``RecentIds``): equal hashes are always
+    checked byte for byte, so a collision, chosen or not, can cost time but never drop a message. The
+    keys are random per process and the hashes are never stored.
+    """
+    n = len(array)
+    if n == 0:
+        return np.zeros(0, dtype=np.uint64)
+    _, offsets_buf, data_buf = array.buffers()
+    offsets = np.frombuffer(offsets_buf, dtype=np.int32, count=n + 1, offset=array.offset * 4)
+    data = np.frombuffer(data_buf, dtype=np.uint8) if data_buf is not None else np.zeros(0, dtype=np.uint8)
+    first = int(offsets[0])
+    step = int(offsets[1]) - first
+    if step <= _VECTOR_LEN and _one_width(offsets_buf, array.offset, n, first, step):  # UUIDs...: a reshape
+        if step == 0:
+            return np.full(n, _EMPTY_HASH, dtype=np.uint64)
+        rows = data[first:first + n * step].reshape(n, step)
+        width = (step + 7) & ~7
+        if step == width:
+            matrix = np.ascontiguousarray(rows)
+        else:
+            matrix = np.zeros((n, width), dtype=np.uint8)
+            matrix[:, :step] = rows
+        return matrix.view("<u8") @ _KEYS[:width // 8] + np.uint64(step * int(_LENGTH_KEY) & _MASK64)
+    lengths = np.diff(offsets)
+    longest = int(lengths.max())
+    width = max(8, (min(longest, _VECTOR_LEN) + 7) & ~7)
+    columns = np.arange(width, dtype=np.int64)
+    inside = columns[None, :] < np.minimum(lengths, _VECTOR_LEN)[:, None]
+    at = np.where(inside, offsets[:-1, None].astype(np.int64) + columns[None, :], 0)
+    matrix = np.where(inside, data[at] if len(data) else 0, 0).astype(np.uint8)
+    # Zero words add nothing, so an id's hash does not depend on the width of the batch it came in.
+    h = matrix.view("<u8") @ _KEYS[:width // 8] + lengths.astype(np.uint64) * _LENGTH_KEY
+    if longest > _VECTOR_LEN:
+        key = _KEYS.tobytes()[:32]
+        raw = array.view(pa.binary())
+        for i in np.flatnonzero(lengths > _VECTOR_LEN).tolist():
+            h[i] = int.from_bytes(hashlib.blake2b(raw[i].as_py(), digest_size=8, key=key).digest(), "little")
+    return h
+
+
+_EMPTY_HASH = np.uint64(0)  # the hash of b"": no words, length 0
+_STEPS: dict[tuple[int, int], pa.Buffer] = {}
+
+
+def _one_width(offsets: pa.Buffer, array_offset: int, n: int, first: int, step: int) -> bool:
+    """Do all n ids have ``step`` bytes? One memcmp of the offsets against a cached progression."""
+    if first != 0:  # a slice further into its data: compare the differences instead
+        diffs = np.diff(np.frombuffer(offsets, dtype=np.int32, count=n + 1, offset=array_offset * 4))
+        return bool((diffs == step).all())
+    expected = _STEPS.get((n, step))
+    if expected is None:
+        if len(_STEPS) >= 64:
+            _STEPS.clear()
+        expected = _STEPS[(n, step)] = pa.py_buffer(np.arange(n + 1, dtype=np.int32) * np.int32(step))
+    return offsets.slice(array_offset * 4, (n + 1) * 4).equals(expected)
+
+
+class _Generation:
+    """Up to ``window`` ids: their hashes (for the exact check) and the ids themselves."""
+
+    __slots__ = ("count", "hashes", "arrays", "_starts", "_flat")
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.hashes: list[np.ndarray] = []
+        self.arrays: list[pa.Array] = []
+        self._starts: list[int] = []
+        self._flat: np.ndarray | None = None
+
+    def add(self, h: np.ndarray, array: pa.Array) -> None:
+        self._starts.append(self.count)
+        self.count += len(h)
+        self.hashes.append(h)
+        self.arrays.append(array)
+        self._flat = None
+
+    def all_hashes(self) -> np.ndarray:
+        return np.concatenate(self.hashes) if self.hashes else np.zeros(0, dtype=np.uint64)
+
+    def holds(self, h: int, raw: bytes) -> bool:
+        """Exactly: is the id ``raw`` (hash ``h``) one of this generation's?"""
+        if self._flat is None:
+            self._flat = self.all_hashes()
+        for at in np.flatnonzero(self._flat == np.uint64(h)).tolist():
+            chunk = bisect.bisect_right(self._starts, at) - 1
+            if self.arrays[chunk].view(pa.binary())[at - self._starts[chunk]].as_py() == raw:
+                return True
+        return False
+
+
 class RecentIds:
     """At least the last ``window`` journaled message ids, for the id rule.
 
-    Two generations of plain sets of the ids' UTF-8 bytes (``id_values``: made without decoding,
-    about half the cost of str objects): ids go into the current one; when it holds ``window`` ids
-    it becomes the previous one and the older generation is dropped whole. No per-id bookkeeping or
-    eviction, and membership stays exact; the price is remembering up to 2 x ``window`` ids. Each
-    generation also keeps its ids as compact Arrow arrays, so saving them in a side file at a segment
-    roll costs a concatenation, not a Python loop over 10^5 strings.
+    Two generations: ids go into the current one; when it holds ``window`` ids it becomes the
+    previous one and the older generation is dropped whole, so membership stays exact at the price
+    of remembering up to 2 x ``window`` ids. A check costs a few whole-array numpy calls per append,
+    not a set lookup per id: a byte table (~160 slots per id of the window, 16 MiB for 10^5) marks
+    two slots per remembered id's keyed hash with the id's generation number, so an id whose two
+    slots do not both carry a live generation is surely new (a new id passes with odds of about
+    1 in 2,000), and only the rest are compared byte for byte with the stored ids of equal hash.
+    Dropping a generation is incrementing a number. The ids are kept as compact Arrow arrays, so
+    saving them in a side file at a segment roll costs a concatenation.
     """
 
     def __init__(self, window: int) -> None:
         self.window = window
-        self._current: set[bytes] = set()
-        self._previous: set[bytes] = set()
-        self._current_arrays: list[pa.Array] = []
-        self._previous_arrays: list[pa.Array] = []
+        log2_slots = max(16, (max(1, window) * 160 - 1).bit_length())
+        self._table = np.zeros(1 << log2_slots if window > 0 else 1, dtype=np.uint8)
+        self._table.fill(0)  # touch every page now, not one page fault at a time on the append path
+        self._shift = np.uint64(64 - log2_slots)
+        self._epoch = 1  # the current generation's mark; the previous one's is epoch - 1; 0 is "never"
+        self._current = _Generation()
+        self._previous: _Generation | None = None
+
+    def slots(self, h: np.ndarray) -> np.ndarray:
+        """The two table slots of each hash, as a (2, n) array (pass it on to :meth:`add`)."""
+        out = np.empty((2, len(h)), dtype=np.uint64)
+        np.right_shift(h, self._shift, out=out[0])
+        np.multiply(h, _C2, out=out[1])
+        out[1] >>= self._shift
+        return out
+
+    def maybe(self, slots: np.ndarray) -> bool:
+        """False if every id of these slots is surely new; True if some may be remembered (see :meth:`maybe_each`)."""
+        if self.window <= 0 or slots.shape[1] == 0:
+            return False
+        marks = self._table.take(slots)
+        return bool(np.minimum(marks[0], marks[1]).max() >= max(1, self._epoch - 1))
+
+    def maybe_each(self, slots: np.ndarray) -> np.ndarray:
+        """Per id: False if surely new, True if it may be remembered (then :meth:`holds` decides)."""
+        if self.window <= 0:
+            return np.zeros(slots.shape[1], dtype=bool)
+        marks = self._table.take(slots)
+        return np.minimum(marks[0], marks[1]) >= max(1, self._epoch - 1)
+
+    def holds(self, h: int, raw: bytes) -> bool:
+        """Exactly: is the id ``raw`` (with hash ``h``) remembered?"""
+        return self._current.holds(h, raw) or (self._previous is not None and self._previous.holds(h, raw))
+
+    def holds_any(self, hashes: np.ndarray, slots: np.ndarray, ids: pa.Array) -> bool:
+        """Exactly: is any id of ``ids`` remembered? (Only the few the table lets through are compared.)"""
+        raw = ids.view(pa.binary())
+        return any(self.holds(int(hashes[i]), raw[i].as_py()) for i in np.flatnonzero(self.maybe_each(slots)).tolist())
 
     def __contains__(self, message_id: bytes) -> bool:
-        return message_id in self._current or message_id in self._previous
+        h = id_hashes(pa.array([message_id], pa.binary()))
+        return self.maybe(self.slots(h)) and self.holds(int(h[0]), message_id)
 
-    def isdisjoint(self, ids: set[bytes]) -> bool:
-        return self._current.isdisjoint(ids) and self._previous.isdisjoint(ids)
-
-    def add(self, ids: Iterable[bytes], array: pa.Array) -> None:
-        """Remember ``ids`` (also given as ``array``, which is copied: it may share a record's buffer)."""
+    def add(self, hashes: np.ndarray, array: pa.Array, slots: np.ndarray | None = None) -> None:
+        """Remember the ids of ``array`` (hashes ``hashes``, table slots ``slots`` if known); the
+        array is copied (it may share a record's buffer)."""
         if self.window <= 0 or len(array) == 0:
             return
-        self._current.update(ids)
-        self._current_arrays.append(pa.concat_arrays([array]))
-        if len(self._current) >= self.window:
-            self._previous, self._current = self._current, set()
-            self._previous_arrays, self._current_arrays = self._current_arrays, []
+        self._table[self.slots(hashes) if slots is None else slots] = self._epoch
+        self._current.add(hashes, pa.concat_arrays([array]))
+        if self._current.count >= self.window:
+            self._previous, self._current = self._current, _Generation()
+            self._epoch += 1
+            if self._epoch == 255:  # marks run out: start over from the one generation that stays
+                self._table[:] = 0
+                self._epoch = 2
+                self._table[self.slots(self._previous.all_hashes())] = 1
 
     def add_array(self, array: pa.Array) -> None:
-        self.add(id_values(array), array)
+        self.add(id_hashes(array), array)
 
     def as_array(self) -> pa.Array:
         """Every id remembered, older generation first (what a side file keeps)."""
-        arrays = [*self._previous_arrays, *self._current_arrays]
+        arrays = [*(self._previous.arrays if self._previous is not None else []), *self._current.arrays]
         return pa.concat_arrays(arrays) if arrays else pa.array([], pa.string())
 
     def __len__(self) -> int:
-        return len(self._current) + len(self._previous)
+        return self._current.count + (self._previous.count if self._previous is not None else 0)
 
 
 def id_values(array: pa.Array) -> list[bytes]:
@@ -117,7 +263,8 @@ class Filtered:
     single_key: Key | None  # set when every kept row has the same publisher
     seqs: np.ndarray  # kept rows' seqs
     keys: list[Key] | None  # kept rows' keys when there are several publishers
-    ids: list[bytes]  # kept rows' message ids (UTF-8)
+    hashes: np.ndarray  # kept rows' message id hashes (id_hashes), for RecentIds.add
+    slots: np.ndarray | None  # and their table slots (RecentIds.slots), None without the id rule
 
     def runs(self, start: int, stop: int, first_offset: int) -> list[Run]:
         """Runs of kept rows [start, stop) once row ``start`` is at ``first_offset``."""
@@ -140,6 +287,11 @@ class Filtered:
         return [Run(g, p, a, b, o) for (g, p), (a, b, o) in spans.items()]
 
 
+def _distinct(h: np.ndarray) -> bool:
+    ordered = np.sort(h)
+    return not bool((ordered[1:] == ordered[:-1]).any())
+
+
 def filter_new(batch: pa.RecordBatch, last_seq: Callable[[Key], int | None], pending: dict[Key, int],
                recent: RecentIds, pending_ids: set[bytes] | None) -> Filtered:
     """Apply the idempotence rule against what is journaled and what this group already kept.
@@ -150,8 +302,10 @@ def filter_new(batch: pa.RecordBatch, last_seq: Callable[[Key], int | None], pen
     """
     n = batch.num_rows
     use_ids = recent.window > 0  # dedup_window=0 turns the id rule off (and its per-row cost)
-    ids: list[bytes] = id_values(batch.column("message_id")) if use_ids else []
-    id_set = set(ids)
+    id_column = batch.column("message_id")
+    hashes = id_hashes(id_column) if use_ids else np.zeros(n, dtype=np.uint64)
+    slots = recent.slots(hashes) if use_ids else None
+    ids: list[bytes] | None = None
     seqs = batch.column("seq").to_numpy(zero_copy_only=False)
     group = constant_string(batch.column("group")) if n else None
     publisher = constant_string(batch.column("publisher_did")) if group is not None else None
@@ -161,18 +315,25 @@ def filter_new(batch: pa.RecordBatch, last_seq: Callable[[Key], int | None], pen
         if last is None:
             last = last_seq(key)
         if ((last is None or seqs[0] > last) and (n == 1 or bool(np.all(seqs[1:] > seqs[:-1])))
-                and (not use_ids or (len(id_set) == n and recent.isdisjoint(id_set)
-                                     and (pending_ids is None or pending_ids.isdisjoint(id_set))))):
-            pending[key] = int(seqs[-1])
-            if pending_ids is not None:
-                pending_ids |= id_set
-            return Filtered(batch, 0, key, seqs, None, ids)  # type: ignore[arg-type]
+                and (not use_ids or ((n == 1 or _distinct(hashes))
+                                     and not (recent.maybe(slots) and recent.holds_any(hashes, slots, id_column))))):
+            if pending_ids is not None and use_ids:  # several appends in this group: check among them too
+                ids = id_values(id_column)
+                if pending_ids.isdisjoint(ids):
+                    pending_ids.update(ids)
+                    pending[key] = int(seqs[-1])
+                    return Filtered(batch, 0, key, seqs, None, hashes, slots)  # type: ignore[arg-type]
+            else:
+                pending[key] = int(seqs[-1])
+                return Filtered(batch, 0, key, seqs, None, hashes, slots)  # type: ignore[arg-type]
     # General case: several publishers, or duplicates to drop. Row by row, in order.
     groups = batch.column("group").to_pylist()
     publishers = batch.column("publisher_did").to_pylist()
     keep = np.zeros(n, dtype=bool)
     kept_keys: list[Key] = []
-    kept_ids: list[bytes] = []
+    if use_ids and ids is None:
+        ids = id_values(id_column)
+    maybe = recent.maybe_each(slots) if slots is not None else np.zeros(n, dtype=bool)
     seen: set[bytes] = set() if pending_ids is None else pending_ids
     seq_list = seqs.tolist()
     for i in range(n):
@@ -184,11 +345,10 @@ def filter_new(batch: pa.RecordBatch, last_seq: Callable[[Key], int | None], pen
         if last is not None and seq <= last:
             continue
         if use_ids:
-            message_id = ids[i]
-            if message_id in seen or message_id in recent:
+            message_id = ids[i]  # type: ignore[index]
+            if message_id in seen or (maybe[i] and recent.holds(int(hashes[i]), message_id)):
                 continue
             seen.add(message_id)
-            kept_ids.append(message_id)
         pending[key] = seq
         keep[i] = True
         kept_keys.append(key)
@@ -196,4 +356,5 @@ def filter_new(batch: pa.RecordBatch, last_seq: Callable[[Key], int | None], pen
     kept = batch if kept_count == n else batch.filter(pa.array(keep))
     distinct = set(kept_keys)
     single = next(iter(distinct)) if len(distinct) == 1 else None
-    return Filtered(kept, n - kept_count, single, seqs[keep], None if single is not None else kept_keys, kept_ids)
+    return Filtered(kept, n - kept_count, single, seqs[keep], None if single is not None else kept_keys, hashes[keep],
+                    None if slots is None else slots[:, keep])

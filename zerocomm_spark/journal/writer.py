@@ -1,10 +1,17 @@
 """The writer thread (group commit) and the background syncer.
 
-Appenders hand their batch to one writer thread and wait. The writer takes everything queued at that
-moment, applies the idempotence rule in arrival order, encrypts each append as one record (large
-ones split), and writes them all with one ``writev`` and, under ``fsync="always"``, one fdatasync:
-concurrent appenders share the syscalls and the disk flush. Only then are the records published to
-readers and the appenders released.
+One committer at a time takes everything queued at that moment, applies the idempotence rule in
+arrival order, encrypts each append as one record (large ones split), and writes them all with one
+``writev`` and, under ``fsync="always"``, one fdatasync: concurrent appenders share the syscalls and
+the disk flush. Only then are the records published to readers and the appenders released.
+
+Who commits: an appender that finds nobody committing commits its own append (and whatever else is
+queued by then) in its own thread, so a lone appender pays no hand-off between threads (measured:
+~0.25 ms of ~1 ms per append). Appenders that arrive meanwhile queue and wait, with their deadline;
+when the committing appender is done it hands what is left to the writer thread, which drains the
+queue (so no appender ever commits for others indefinitely) and hands back to inline commits once
+the queue is empty. The committing appender's own wait is its write: local writes do not stall for
+long, and its deadline still bounds every wait for the queue.
 
 Durability: an append returns after ``write(2)`` handed the bytes to the kernel, so it survives the
 process being killed (kill -9) under every policy; it survives power loss only under ``"always"``
@@ -103,7 +110,8 @@ class _RecordMeta:
     """What publishing a record updates besides the offset index."""
 
     runs: list[Run]
-    ids: list[bytes]
+    id_hashes: np.ndarray
+    id_slots: np.ndarray | None
     id_array: pa.Array
 
 
@@ -156,6 +164,8 @@ class Writer:
         self._queue: deque[_Request] = deque()
         self._queued_bytes = 0
         self._stopping = False
+        self._committing = False  # someone (an appender or the writer thread) is committing
+        self._handoff = False  # an inline committer left work queued for the writer thread
         self.failure: BaseException | None = None
         # For the syncer: descriptors of rolled segments to sync and close, and whether work is due.
         self._sync_lock = threading.Lock()
@@ -191,7 +201,11 @@ class Writer:
             self._check_running()
             self._queue.append(request)
             self._queued_bytes += request.nbytes
-            self._cond.notify_all()
+            lead = not self._committing
+            if lead:
+                self._committing = True
+        if lead:
+            self._commit_queued(inline=True)
         if not request.done.wait(max(0.0, deadline - time.monotonic())):
             raise JournalTimeoutError(f"the append was not written within {timeout:g} s")
         if request.error is not None:
@@ -210,9 +224,24 @@ class Writer:
     def _run(self) -> None:
         while True:
             with self._cond:
-                while not self._queue and not self._stopping:
+                while self.failure is None and not (self._queue and (self._handoff or not self._committing)):
+                    if self._stopping and not self._queue and not self._committing:
+                        return
                     self._cond.wait(1.0)
-                if not self._queue:
+                if self.failure is not None:
+                    return
+                self._handoff = False
+                self._committing = True
+            self._commit_queued(inline=False)
+
+    def _commit_queued(self, *, inline: bool) -> None:
+        """Commit queued groups while this thread holds the committer role; then give the role up
+        (an inline committer hands leftover work to the writer thread after one group)."""
+        while True:
+            with self._cond:
+                if not self._queue or self.failure is not None:
+                    self._committing = False
+                    self._cond.notify_all()
                     return
                 group: list[_Request] = []
                 size = 0
@@ -226,6 +255,17 @@ class Writer:
                 self._commit(group)
             except BaseException as exc:  # noqa: BLE001 - anything here stops the journal
                 self._fail(exc, group)
+                with self._cond:
+                    self._committing = False
+                    self._cond.notify_all()
+                return
+            if inline:
+                with self._cond:
+                    if self._queue:
+                        self._handoff = True  # stays "committing": the writer thread takes over
+                    else:
+                        self._committing = False
+                    self._cond.notify_all()
                 return
 
     def _fail(self, exc: BaseException, group: list[_Request]) -> None:
@@ -269,7 +309,8 @@ class Writer:
                     jobs.append((part.add_column(0, _OFFSET_FIELD, offsets), next_offset,
                                  int(received.min()), int(received.max())))
                     metas.append(_RecordMeta(kept.runs(start, stop, next_offset),
-                                             kept.ids if whole else kept.ids[start:stop],
+                                             kept.hashes if whole else kept.hashes[start:stop],
+                                             kept.slots if whole or kept.slots is None else kept.slots[:, start:stop],
                                              id_column if whole else id_column.slice(start, stop - start)))
                     next_offset += stop - start
             request.result = AppendResult(first, first + n - 1, n, kept.duplicates)
@@ -332,7 +373,7 @@ class Writer:
         for frame, meta in todo:
             entries.append((RecordEntry(position, frame.record), meta.runs))
             position += frame.length
-            self._recent.add(meta.ids, meta.id_array)  # only now: the rows are written
+            self._recent.add(meta.id_hashes, meta.id_array, meta.id_slots)  # only now: the rows are written
         self._active_runs.extend((entry.base_offset, runs) for entry, runs in entries)
         self._journal._publish(self._active, entries)  # noqa: SLF001
 

@@ -1,0 +1,144 @@
+"""The id rule's memory (RecentIds) and who commits an append: exactness whatever the filter says."""
+
+from __future__ import annotations
+
+import threading
+import uuid
+from pathlib import Path
+
+import nacl.utils
+import numpy as np
+import pyarrow as pa
+import pytest
+
+from zerocomm_spark.journal import Journal, state, writer
+from zerocomm_spark.journal.state import RecentIds, id_hashes
+
+pytestmark = pytest.mark.timeout(120)
+
+ODD_IDS = ["été/1", "ete/1", "e\u0301te/1", "ÉTÉ/1", " ", "😀", "a" * 300, "", "x" * 128, "y" * 129,
+           "z" * 8, "w" * 9, "a", "a\x00", "abcdefgh12345678", "abcdefgh12345679"]
+
+
+def test_an_ids_hash_depends_on_the_id_alone_not_on_its_batch() -> None:
+    column = pa.array(ODD_IDS)
+    hashes = id_hashes(column)
+    assert len(set(hashes.tolist())) == len(ODD_IDS)
+    for i, one in enumerate(ODD_IDS):  # alone, in every slice, in a batch of equal-width ids
+        assert id_hashes(pa.array([one]))[0] == hashes[i]
+        assert (id_hashes(pa.array([one] * 3)) == hashes[i]).all()
+        for j in range(i + 1, len(ODD_IDS) + 1):
+            assert (id_hashes(column.slice(i, j - i)) == hashes[i:j]).all()
+    # A slice that starts inside its data buffer, of one width, takes the general path and agrees.
+    same_width = pa.array(["aaaa", "bbbb", "cccc", "dddd"])
+    assert (id_hashes(same_width.slice(1, 2)) == id_hashes(pa.array(["bbbb", "cccc"]))).all()
+
+
+def _ids(n: int) -> pa.Array:
+    return pa.array([str(uuid.uuid4()) for _ in range(n)])
+
+
+def _crowded(recent: RecentIds, log2_slots: int = 6) -> RecentIds:
+    """Shrink the table so almost every lookup says "maybe": only the exact comparison decides."""
+    recent._table = np.zeros(1 << log2_slots, dtype=np.uint8)  # noqa: SLF001
+    recent._shift = np.uint64(64 - log2_slots)  # noqa: SLF001
+    return recent
+
+
+@pytest.mark.parametrize("crowded", [False, True])
+def test_recent_ids_remember_exactly_the_last_window(crowded: bool) -> None:
+    recent = RecentIds(1000)
+    if crowded:
+        _crowded(recent)
+    chunks = [_ids(250) for _ in range(12)]
+    for chunk in chunks:
+        recent.add_array(chunk)
+    remembered = {x.encode() for c in chunks[-4:] for x in c.to_pylist()}  # at least the last 1000
+    forgotten = {x.encode() for c in chunks[:4] for x in c.to_pylist()}  # more than 2 x 1000 ago
+    assert all(x in recent for x in remembered)
+    assert not any(x in recent for x in forgotten)
+    fresh = _ids(500)
+    assert not any(x.encode() in recent for x in fresh.to_pylist())
+    if crowded:  # the table lets nearly everything through: the exact comparison did the work
+        assert recent.maybe_each(recent.slots(id_hashes(fresh))).mean() > 0.9
+    assert len(recent.as_array()) == len(recent) >= 1000
+
+
+def test_recent_ids_survive_generation_marks_wrapping_around() -> None:
+    recent = RecentIds(2)  # a generation per two adds: 1,200 adds wrap the 8-bit marks twice
+    ids = [f"id-{i}" for i in range(1200)]
+    for i, one in enumerate(ids):
+        recent.add_array(pa.array([one]))
+        assert one.encode() in recent
+        if i >= 1:
+            assert ids[i - 1].encode() in recent  # the window (2) is always remembered
+        if i >= 3:
+            assert ids[i - 3].encode() not in recent  # and what left both generations is forgotten
+
+
+@pytest.fixture
+def crowded_tables(monkeypatch: pytest.MonkeyPatch) -> None:
+    original = RecentIds.__init__
+
+    def init(self: RecentIds, window: int) -> None:
+        original(self, window)
+        if window > 0:
+            _crowded(self, 4)
+
+    monkeypatch.setattr(RecentIds, "__init__", init)
+
+
+def _rows(seqs: range, ids: list[str]) -> list[dict]:
+    return [{"group": "g", "message_id": m, "publisher_did": "did:peer:2.Ez6LSalice", "seq": s, "lamport_ts": s,
+             "sent_at": 0, "payload": f"p{s}".encode()} for s, m in zip(seqs, ids)]
+
+
+def test_the_id_rule_is_exact_when_the_filter_lets_everything_through(tmp_path: Path, crowded_tables: None) -> None:
+    key = nacl.utils.random(32)
+    ids = [f"msg-{i:05d}" for i in range(400)]
+    with Journal.open(tmp_path / "j", key=key) as j:
+        assert j.append(_rows(range(1, 201), ids[:200])).appended == 200
+        # A re-publish under new seqs (a sink retrying), half old ids and half new: only the new go in.
+        again = j.append(_rows(range(201, 401), ids[100:300]))
+        assert (again.appended, again.duplicates) == (100, 100)
+        # Within one append, an id given twice goes in once.
+        twice = j.append(_rows(range(401, 405), ["dup-a", "dup-b", "dup-a", ids[350]]))
+        assert (twice.appended, twice.duplicates) == (3, 1)
+    with Journal.open(tmp_path / "j", key=key) as j:  # and after a restart, from the side file
+        after = j.append(_rows(range(501, 512), [*ids[295:300], ids[350], *ids[395:400]]))
+        assert (after.appended, after.duplicates) == (5, 6)  # 295..299 and 350 are in, 395..399 are new
+        table = j.read(0)
+    got = table.column("message_id").to_pylist()
+    assert len(got) == len(set(got)) == 308
+
+
+def test_a_lone_appender_commits_in_its_own_thread(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    committers: list[str] = []
+    original = writer.Writer._commit
+
+    def commit(self: writer.Writer, group: list) -> None:
+        committers.append(threading.current_thread().name)
+        original(self, group)
+
+    monkeypatch.setattr(writer.Writer, "_commit", commit)
+    with Journal.open(tmp_path / "j", key=nacl.utils.random(32)) as j:
+        for a in range(5):
+            j.append(_rows(range(a * 10 + 1, a * 10 + 11), [f"m{a}-{i}" for i in range(10)]))
+        assert j.read(0).num_rows == 50
+    assert committers == [threading.current_thread().name] * 5  # no hand-off to the writer thread
+
+
+def test_dedup_state_is_not_touched_by_rows_a_failed_write_lost(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The ids of an append whose write failed must not be remembered: that is what lets the re-send in.
+    key = nacl.utils.random(32)
+    with Journal.open(tmp_path / "j", key=key) as j:
+        j.append(_rows(range(1, 3), ["a", "b"]))
+        monkeypatch.setattr(writer, "_writev_all", lambda fd, buffers: (_ for _ in ()).throw(OSError(28, "No space left")))
+        with pytest.raises(Exception, match="No space left"):
+            j.append(_rows(range(3, 5), ["c", "d"]))
+        assert b"c" not in j._writer._recent  # noqa: SLF001
+    monkeypatch.undo()
+    with Journal.open(tmp_path / "j", key=key) as j:
+        assert j.append(_rows(range(3, 5), ["c", "d"])).appended == 2
+        assert j.read(0).column("message_id").to_pylist() == ["a", "b", "c", "d"]
+    assert state.id_values(pa.array(["x"])) == [b"x"]
