@@ -19,6 +19,10 @@ import numpy as np
 import pyarrow as pa
 
 from zerocomm_spark.journal.index import Key, Run
+from zerocomm_spark.journal.schema import APPEND_SCHEMA
+
+_GROUP, _MESSAGE_ID, _PUBLISHER, _SEQ = (APPEND_SCHEMA.get_field_index(name)
+                                          for name in ("group", "message_id", "publisher_did", "seq"))
 
 
 _VECTOR_LEN = 128  # ids up to this many bytes are hashed by numpy; longer ones one by one (BLAKE2b)
@@ -26,6 +30,7 @@ _KEYS = np.frombuffer(os.urandom(8 * (_VECTOR_LEN // 8 + 1)), dtype=np.uint64) |
 _LENGTH_KEY = _KEYS[-1]
 _MASK64 = (1 << 64) - 1
 _C2 = np.uint64(0xC4CEB9FE1A85EC53)
+_C3 = np.uint64(0xFF51AFD7ED558CCD)
 
 
 def id_hashes(array: pa.Array) -> np.ndarray:
@@ -91,32 +96,33 @@ def _one_width(offsets: pa.Buffer, array_offset: int, n: int, first: int, step: 
 
 
 class _Generation:
-    """Up to ``window`` ids: their hashes (for the exact check) and the ids themselves."""
+    """Up to ``window`` ids: their hashes in one growing array (for the exact check) and the ids."""
 
-    __slots__ = ("count", "hashes", "arrays", "_starts", "_flat")
+    __slots__ = ("count", "flat", "arrays", "_starts")
 
     def __init__(self) -> None:
         self.count = 0
-        self.hashes: list[np.ndarray] = []
+        self.flat = np.zeros(1024, dtype=np.uint64)
         self.arrays: list[pa.Array] = []
         self._starts: list[int] = []
-        self._flat: np.ndarray | None = None
 
     def add(self, h: np.ndarray, array: pa.Array) -> None:
+        end = self.count + len(h)
+        if end > len(self.flat):
+            grown = np.zeros(max(end, 2 * len(self.flat)), dtype=np.uint64)
+            grown[:self.count] = self.flat[:self.count]
+            self.flat = grown
+        self.flat[self.count:end] = h
         self._starts.append(self.count)
-        self.count += len(h)
-        self.hashes.append(h)
         self.arrays.append(array)
-        self._flat = None
+        self.count = end
 
     def all_hashes(self) -> np.ndarray:
-        return np.concatenate(self.hashes) if self.hashes else np.zeros(0, dtype=np.uint64)
+        return self.flat[:self.count]
 
     def holds(self, h: int, raw: bytes) -> bool:
         """Exactly: is the id ``raw`` (hash ``h``) one of this generation's?"""
-        if self._flat is None:
-            self._flat = self.all_hashes()
-        for at in np.flatnonzero(self._flat == np.uint64(h)).tolist():
+        for at in np.flatnonzero(self.flat[:self.count] == np.uint64(h)).tolist():
             chunk = bisect.bisect_right(self._starts, at) - 1
             if self.arrays[chunk].view(pa.binary())[at - self._starts[chunk]].as_py() == raw:
                 return True
@@ -130,9 +136,10 @@ class RecentIds:
     previous one and the older generation is dropped whole, so membership stays exact at the price
     of remembering up to 2 x ``window`` ids. A check costs a few whole-array numpy calls per append,
     not a set lookup per id: a byte table (~160 slots per id of the window, 16 MiB for 10^5) marks
-    two slots per remembered id's keyed hash with the id's generation number, so an id whose two
-    slots do not both carry a live generation is surely new (a new id passes with odds of about
-    1 in 2,000), and only the rest are compared byte for byte with the stored ids of equal hash.
+    three slots per remembered id's keyed hash with the id's generation number, so an id whose
+    three slots do not all carry a live generation is surely new (with both generations full, a new
+    id passes with odds of about 1 in 20,000), and only the rest are compared byte for byte with the
+    stored ids of equal hash (one scan of a generation's hash array).
     Dropping a generation is incrementing a number. The ids are kept as compact Arrow arrays, so
     saving them in a side file at a segment roll costs a concatenation.
     """
@@ -148,26 +155,25 @@ class RecentIds:
         self._previous: _Generation | None = None
 
     def slots(self, h: np.ndarray) -> np.ndarray:
-        """The two table slots of each hash, as a (2, n) array (pass it on to :meth:`add`)."""
-        out = np.empty((2, len(h)), dtype=np.uint64)
+        """The table slots of each hash, as a (3, n) array (pass it on to :meth:`add`)."""
+        out = np.empty((3, len(h)), dtype=np.uint64)
         np.right_shift(h, self._shift, out=out[0])
         np.multiply(h, _C2, out=out[1])
-        out[1] >>= self._shift
+        np.multiply(h, _C3, out=out[2])
+        out[1:] >>= self._shift
         return out
 
     def maybe(self, slots: np.ndarray) -> bool:
         """False if every id of these slots is surely new; True if some may be remembered (see :meth:`maybe_each`)."""
         if self.window <= 0 or slots.shape[1] == 0:
             return False
-        marks = self._table.take(slots)
-        return bool(np.minimum(marks[0], marks[1]).max() >= max(1, self._epoch - 1))
+        return bool(self._table.take(slots).min(axis=0).max() >= max(1, self._epoch - 1))
 
     def maybe_each(self, slots: np.ndarray) -> np.ndarray:
         """Per id: False if surely new, True if it may be remembered (then :meth:`holds` decides)."""
         if self.window <= 0:
             return np.zeros(slots.shape[1], dtype=bool)
-        marks = self._table.take(slots)
-        return np.minimum(marks[0], marks[1]) >= max(1, self._epoch - 1)
+        return self._table.take(slots).min(axis=0) >= max(1, self._epoch - 1)
 
     def holds(self, h: int, raw: bytes) -> bool:
         """Exactly: is the id ``raw`` (with hash ``h``) remembered?"""
@@ -302,13 +308,13 @@ def filter_new(batch: pa.RecordBatch, last_seq: Callable[[Key], int | None], pen
     """
     n = batch.num_rows
     use_ids = recent.window > 0  # dedup_window=0 turns the id rule off (and its per-row cost)
-    id_column = batch.column("message_id")
+    id_column = batch.column(_MESSAGE_ID)
     hashes = id_hashes(id_column) if use_ids else np.zeros(n, dtype=np.uint64)
     slots = recent.slots(hashes) if use_ids else None
     ids: list[bytes] | None = None
-    seqs = batch.column("seq").to_numpy(zero_copy_only=False)
-    group = constant_string(batch.column("group")) if n else None
-    publisher = constant_string(batch.column("publisher_did")) if group is not None else None
+    seqs = batch.column(_SEQ).to_numpy(zero_copy_only=False)
+    group = constant_string(batch.column(_GROUP)) if n else None
+    publisher = constant_string(batch.column(_PUBLISHER)) if group is not None else None
     if publisher is not None:
         key = (group, publisher)
         last = pending.get(key)
