@@ -1,7 +1,7 @@
 """Journal throughput against the disk's limit: the same bytes written to and read from a plain file.
 
 The question this answers: how much of what the disk (page cache included) can take does the journal
-deliver, once it dedups, encrypts (one AES-256-GCM call per record), checksums, frames and
+deliver, once it dedups, encrypts (one AEGIS-256 call per record), checksums, frames and
 indexes every append, and decrypts every read? For each case, prebuilt Arrow batches (8 publishers
 taking turns, UUID message ids) are appended with the default ``fsync="interval"`` policy, then read
 back with ``read_batches`` (the Spark source's path). The baseline writes the *same bytes* - each

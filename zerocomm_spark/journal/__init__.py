@@ -12,12 +12,14 @@ of offsets back as Arrow record batches. Layout of the directory::
     <base offset:020d>.idx       sealed side index of a closed segment (per-publisher seqs)
     recent.ids                   sealed list of the message ids the duplicate check remembers
 
-Speed comes from batches: one record is one Arrow record batch of an append (appends above ~256 KiB
-are split, and their records encrypted in parallel), encrypted whole with one AES-256-GCM call under
-a key of its own (records of earlier versions, XChaCha20-Poly1305, stay readable; see crypto.py), so
-per-row cost is Arrow's, not Python's (the one per-row Python cost left is the message-id duplicate
-check: sets of the ids' bytes). Times are int
-microseconds since the epoch (UTC), Arrow ``timestamp[us, UTC]``.
+Speed comes from batches: one record is one Arrow record batch of an append (appends above ~1 MiB
+are split, and their records encrypted in parallel), encrypted whole with one AEGIS-256 call (records
+of earlier versions, AES-256-GCM and XChaCha20-Poly1305, stay readable; see crypto.py), so per-row
+cost is Arrow's and numpy's, not Python's: the message-id duplicate check hashes a whole append's
+ids in a few numpy calls and compares ids byte for byte only where a filter cannot rule them out
+(state.py). A lone appender writes its append in its own thread; concurrent ones share a write
+(group commit, writer.py). Times are int microseconds since the epoch (UTC), Arrow
+``timestamp[us, UTC]``.
 
 Durability: an append that returned survives the process being killed (even kill -9) under every
 ``fsync`` policy, and power loss only under ``fsync="always"``. On open, a torn tail is cut; no

@@ -329,7 +329,7 @@ class Writer:
             request.done.set()
 
     def _encode(self, jobs: list[tuple[pa.RecordBatch, int, int, int]]) -> list[Frame]:
-        """Encrypt and checksum the records, several at once when there are several (AES-GCM releases
+        """Encrypt and checksum the records, several at once when there are several (libsodium releases
         the GIL, so records of a large append use every core)."""
         key = self._journal._key  # noqa: SLF001
         pool = self._journal._pool() if len(jobs) > 1 else None  # noqa: SLF001
