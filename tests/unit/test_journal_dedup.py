@@ -142,3 +142,27 @@ def test_dedup_state_is_not_touched_by_rows_a_failed_write_lost(tmp_path: Path, 
         assert j.append(_rows(range(3, 5), ["c", "d"])).appended == 2
         assert j.read(0).column("message_id").to_pylist() == ["a", "b", "c", "d"]
     assert state.id_values(pa.array(["x"])) == [b"x"]
+
+
+def test_many_remembered_ids_are_found_in_one_pass_even_with_equal_hashes() -> None:
+    generation = state._Generation()  # noqa: SLF001
+    generation.add(np.array([5, 5, 7], dtype=np.uint64), pa.array(["a", "b", "c"]))  # "a" and "b" collide
+    found = generation.holds_each(np.array([5, 5, 7, 5, 9], dtype=np.uint64), pa.array(["b", "a", "c", "z", "a"]))
+    assert found.tolist() == [True, True, True, False, False]  # "a" under another hash is not "a" here
+
+
+@pytest.mark.parametrize("crowded", [False, True])
+def test_a_large_re_sent_batch_is_recognised_row_by_row(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                         crowded: bool) -> None:
+    if crowded:
+        original = RecentIds.__init__
+        monkeypatch.setattr(RecentIds, "__init__", lambda self, window: (original(self, window), _crowded(self, 7))[0])
+    ids = [f"resend-{i:05d}" for i in range(6000)]
+    with Journal.open(tmp_path / "j", key=nacl.utils.random(32)) as j:
+        assert j.append(_rows(range(1, 5001), ids[:5000])).appended == 5000
+        # The publisher lost its state and re-sends everything under new seqs, with 1,000 new rows.
+        mixed = [*ids[:5000:2], *ids[5000:], *ids[1:5000:2]]
+        again = j.append(_rows(range(5001, 5001 + len(mixed)), mixed))
+        assert (again.appended, again.duplicates) == (1000, 5000)
+        got = j.read(0).column("message_id").to_pylist()
+    assert got == [*ids[:5000], *ids[5000:]]

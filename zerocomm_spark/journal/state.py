@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from zerocomm_spark.journal.index import Key, Run
 from zerocomm_spark.journal.schema import APPEND_SCHEMA
@@ -98,13 +99,14 @@ def _one_width(offsets: pa.Buffer, array_offset: int, n: int, first: int, step: 
 class _Generation:
     """Up to ``window`` ids: their hashes in one growing array (for the exact check) and the ids."""
 
-    __slots__ = ("count", "flat", "arrays", "_starts")
+    __slots__ = ("count", "flat", "arrays", "_starts", "_index")
 
     def __init__(self) -> None:
         self.count = 0
         self.flat = np.zeros(1024, dtype=np.uint64)
         self.arrays: list[pa.Array] = []
         self._starts: list[int] = []
+        self._index: tuple[np.ndarray, np.ndarray, pa.Array] | None = None  # sorted hashes, their positions, ids
 
     def add(self, h: np.ndarray, array: pa.Array) -> None:
         end = self.count + len(h)
@@ -116,17 +118,47 @@ class _Generation:
         self._starts.append(self.count)
         self.arrays.append(array)
         self.count = end
+        self._index = None
 
     def all_hashes(self) -> np.ndarray:
         return self.flat[:self.count]
 
     def holds(self, h: int, raw: bytes) -> bool:
-        """Exactly: is the id ``raw`` (hash ``h``) one of this generation's?"""
+        """Exactly: is the id ``raw`` (hash ``h``) one of this generation's? (One scan: for a few ids.)"""
         for at in np.flatnonzero(self.flat[:self.count] == np.uint64(h)).tolist():
             chunk = bisect.bisect_right(self._starts, at) - 1
             if self.arrays[chunk].view(pa.binary())[at - self._starts[chunk]].as_py() == raw:
                 return True
         return False
+
+    def holds_each(self, hashes: np.ndarray, ids: pa.Array) -> np.ndarray:
+        """Exactly, for many ids at once (a re-sent batch): which of ``ids`` (hashes ``hashes``) are here.
+
+        One sort of the generation's hashes (kept until the next add), one binary search for all,
+        and one vectorised comparison of the ids whose hash is found.
+        """
+        found = np.zeros(len(hashes), dtype=bool)
+        if self.count == 0 or len(hashes) == 0:
+            return found
+        if self._index is None:
+            order = np.argsort(self.flat[:self.count], kind="stable")
+            self._index = (self.flat[:self.count][order], order, pa.concat_arrays(self.arrays).view(pa.binary()))
+        ordered, order, stored = self._index
+        at = np.searchsorted(ordered, hashes)
+        wanted = ids.view(pa.binary())
+        todo = np.flatnonzero(at < self.count)
+        while len(todo):  # equal hashes can be several (a 64-bit collision): walk each run of them
+            same_hash = ordered[at[todo]] == hashes[todo]
+            todo = todo[same_hash]
+            if not len(todo):
+                break
+            equal = pc.equal(stored.take(pa.array(order[at[todo]])), wanted.take(pa.array(todo)))
+            hit = equal.to_numpy(zero_copy_only=False)
+            found[todo[hit]] = True
+            todo = todo[~hit]
+            at[todo] += 1
+            todo = todo[at[todo] < self.count]
+        return found
 
 
 class RecentIds:
@@ -146,7 +178,9 @@ class RecentIds:
 
     def __init__(self, window: int) -> None:
         self.window = window
-        log2_slots = max(16, (max(1, window) * 160 - 1).bit_length())
+        # ~160 slots per id, between 64 KiB and 64 MiB (a larger window only raises the odds of a
+        # false alarm, which costs a comparison, never a wrong answer).
+        log2_slots = min(26, max(16, (max(1, window) * 160 - 1).bit_length()))
         self._table = np.zeros(1 << log2_slots if window > 0 else 1, dtype=np.uint8)
         self._table.fill(0)  # touch every page now, not one page fault at a time on the append path
         self._shift = np.uint64(64 - log2_slots)
@@ -179,10 +213,21 @@ class RecentIds:
         """Exactly: is the id ``raw`` (with hash ``h``) remembered?"""
         return self._current.holds(h, raw) or (self._previous is not None and self._previous.holds(h, raw))
 
-    def holds_any(self, hashes: np.ndarray, slots: np.ndarray, ids: pa.Array) -> bool:
-        """Exactly: is any id of ``ids`` remembered? (Only the few the table lets through are compared.)"""
-        raw = ids.view(pa.binary())
-        return any(self.holds(int(hashes[i]), raw[i].as_py()) for i in np.flatnonzero(self.maybe_each(slots)).tolist())
+    def holds_each(self, hashes: np.ndarray, slots: np.ndarray, ids: pa.Array) -> np.ndarray:
+        """Exactly, per id of ``ids``: is it remembered? Only those the table cannot rule out are compared."""
+        found = np.zeros(len(hashes), dtype=bool)
+        candidates = np.flatnonzero(self.maybe_each(slots))
+        if len(candidates) <= 4:  # the usual case: a false alarm or two, a scan each
+            raw = ids.view(pa.binary())
+            for i in candidates.tolist():
+                found[i] = self.holds(int(hashes[i]), raw[i].as_py())
+            return found
+        picked = ids.take(pa.array(candidates))
+        hit = self._current.holds_each(hashes[candidates], picked)
+        if self._previous is not None:
+            hit |= self._previous.holds_each(hashes[candidates], picked)
+        found[candidates] = hit
+        return found
 
     def __contains__(self, message_id: bytes) -> bool:
         h = id_hashes(pa.array([message_id], pa.binary()))
@@ -322,7 +367,7 @@ def filter_new(batch: pa.RecordBatch, last_seq: Callable[[Key], int | None], pen
             last = last_seq(key)
         if ((last is None or seqs[0] > last) and (n == 1 or bool(np.all(seqs[1:] > seqs[:-1])))
                 and (not use_ids or ((n == 1 or _distinct(hashes))
-                                     and not (recent.maybe(slots) and recent.holds_any(hashes, slots, id_column))))):
+                                     and not (recent.maybe(slots) and recent.holds_each(hashes, slots, id_column).any())))):
             if pending_ids is not None and use_ids:  # several appends in this group: check among them too
                 ids = id_values(id_column)
                 if pending_ids.isdisjoint(ids):
@@ -339,7 +384,7 @@ def filter_new(batch: pa.RecordBatch, last_seq: Callable[[Key], int | None], pen
     kept_keys: list[Key] = []
     if use_ids and ids is None:
         ids = id_values(id_column)
-    maybe = recent.maybe_each(slots) if slots is not None else np.zeros(n, dtype=bool)
+    remembered = recent.holds_each(hashes, slots, id_column) if slots is not None else np.zeros(n, dtype=bool)
     seen: set[bytes] = set() if pending_ids is None else pending_ids
     seq_list = seqs.tolist()
     for i in range(n):
@@ -352,7 +397,7 @@ def filter_new(batch: pa.RecordBatch, last_seq: Callable[[Key], int | None], pen
             continue
         if use_ids:
             message_id = ids[i]  # type: ignore[index]
-            if message_id in seen or (maybe[i] and recent.holds(int(hashes[i]), message_id)):
+            if remembered[i] or message_id in seen:
                 continue
             seen.add(message_id)
         pending[key] = seq
