@@ -558,3 +558,21 @@ def test_a_write_failure_stops_the_journal_and_a_reopen_recovers(jdir: Path, key
         assert table.column("seq").to_pylist()[:acked] == list(range(1, acked + 1))
         assert j.append([dict(group="g", message_id="after", publisher_did="p", seq=5000, lamport_ts=0, sent_at=0,
                               payload=b"")]).appended == 1
+
+
+def test_reads_decrypt_runs_of_consecutive_records_per_task_and_keep_holes_apart() -> None:
+    from zerocomm_spark.journal import reader
+    from zerocomm_spark.journal.codec import RecordHeader
+    from zerocomm_spark.journal.segment import Damage, RecordEntry
+
+    def piece(path: str, base: int, body: int) -> reader.Piece:
+        header = RecordHeader(body, 0, base, 1, 0, 0, bytes(24))
+        return reader.Piece(Path(path), RecordEntry(0, header), 0, 1)
+
+    mib = 1 << 20
+    a = [piece("a", i, mib // 2) for i in range(5)]  # 2.5 MiB in one file
+    hole = reader.Hole(Path("a"), Damage(5, 6, 0))
+    b = [piece("b", 6 + i, mib) for i in range(3)]
+    runs = list(reader._runs([*a, hole, *b]))  # noqa: SLF001
+    assert [len(r) if isinstance(r, list) else "hole" for r in runs] == [4, 1, "hole", 2, 1]
+    assert [p for r in runs if isinstance(r, list) for p in r] == [*a, *b]  # order kept, nothing lost
