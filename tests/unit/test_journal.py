@@ -576,3 +576,91 @@ def test_reads_decrypt_runs_of_consecutive_records_per_task_and_keep_holes_apart
     runs = list(reader._runs([*a, hole, *b]))  # noqa: SLF001
     assert [len(r) if isinstance(r, list) else "hole" for r in runs] == [4, 1, "hole", 2, 1]
     assert [p for r in runs if isinstance(r, list) for p in r] == [*a, *b]  # order kept, nothing lost
+
+
+# --- who writes: an appender in its own thread, or the writer thread ----------------------------
+
+
+def test_ctrl_c_during_an_append_written_inline_comes_after_the_write(jdir: Path, key: bytes, monkeypatch) -> None:
+    import signal
+
+    from zerocomm_spark.journal import writer
+
+    slow = writer._writev_all  # noqa: SLF001
+
+    def slow_writev(fd: int, buffers: list) -> None:
+        time.sleep(0.4)  # a slow disk: the Ctrl-C arrives in the middle of the write
+        slow(fd, buffers)
+
+    with Journal.open(jdir, key=key) as j:
+        monkeypatch.setattr(writer, "_writev_all", slow_writev)
+        threading.Timer(0.1, lambda: os.kill(os.getpid(), signal.SIGINT)).start()
+        with pytest.raises(KeyboardInterrupt):
+            j.append(rows(1, 3))
+        monkeypatch.undo()
+        assert seqs(j.read(0)) == [1, 2, 3]  # the append was written whole before the interrupt surfaced
+        assert j.append(rows(4, 5)).appended == 2  # and the journal goes on
+
+
+def test_an_appender_interrupted_before_it_writes_leaves_its_append_to_the_writer_thread(
+        jdir: Path, key: bytes, monkeypatch) -> None:
+    from zerocomm_spark.journal import writer
+
+    real = writer.Writer._commit_inline  # noqa: SLF001
+    calls = []
+
+    def interrupted(self: writer.Writer) -> None:
+        calls.append(1)
+        if len(calls) == 1:
+            raise KeyboardInterrupt
+        real(self)
+
+    monkeypatch.setattr(writer.Writer, "_commit_inline", interrupted)
+    with Journal.open(jdir, key=key) as j:
+        with pytest.raises(KeyboardInterrupt):
+            j.append(rows(1, 2))
+        deadline = time.monotonic() + 10
+        while j.latest().next_offset < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert seqs(j.read(0)) == [1, 2]  # the writer thread took it over
+        assert j.append(rows(3, 4), timeout=5).appended == 2  # nothing is left waiting on a gone committer
+
+
+def test_close_never_pulls_files_from_under_a_write_still_under_way(jdir: Path, key: bytes, monkeypatch) -> None:
+    from zerocomm_spark.errors import JournalTimeoutError
+    from zerocomm_spark.journal import writer
+
+    real_writev, real_sync = writer._writev_all, writer.Writer.sync  # noqa: SLF001
+    gate, entered, failing = threading.Event(), threading.Event(), threading.Event()
+
+    def held_writev(fd: int, buffers: list) -> None:
+        if threading.current_thread().name == "appender":
+            entered.set()
+            gate.wait(20)
+        real_writev(fd, buffers)
+
+    def sync(self: writer.Writer, *, force: bool = False) -> None:
+        if failing.is_set() and not force:
+            raise OSError(5, "Input/output error")  # the background fsync fails: the journal stops
+        real_sync(self, force=force)
+
+    monkeypatch.setattr(writer, "_writev_all", held_writev)
+    monkeypatch.setattr(writer.Writer, "sync", sync)
+    j = Journal.open(jdir, key=key, fsync="interval", fsync_interval_ms=20)
+    segment = j._writer._active.path  # noqa: SLF001
+    outcome: list[object] = []
+    appender = threading.Thread(target=lambda: outcome.append(j.append(rows(1, 1))), name="appender")
+    appender.start()
+    assert entered.wait(10)
+    failing.set()
+    deadline = time.monotonic() + 10
+    while j._writer.failure is None and time.monotonic() < deadline:  # noqa: SLF001
+        time.sleep(0.01)
+    with pytest.raises(JournalTimeoutError):
+        j.close(timeout=0.5)  # the appender is still writing: close must not close its descriptor
+    with pytest.raises(JournalLockedError):
+        Journal.open(jdir, key=key)  # and the directory stays locked while it does
+    before = segment.stat().st_size
+    gate.set()
+    appender.join(10)
+    assert segment.stat().st_size > before  # the write landed in the segment, not in a reused descriptor

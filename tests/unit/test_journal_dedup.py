@@ -166,3 +166,17 @@ def test_a_large_re_sent_batch_is_recognised_row_by_row(tmp_path: Path, monkeypa
         assert (again.appended, again.duplicates) == (1000, 5000)
         got = j.read(0).column("message_id").to_pylist()
     assert got == [*ids[:5000], *ids[5000:]]
+
+
+def test_hashing_ids_of_mixed_lengths_takes_bounded_memory() -> None:
+    import tracemalloc
+
+    ids = pa.array([f"id-{i}" * (1 + i % 7) for i in range(200_000)] + ["x" * 200])  # one id over 128 bytes
+    tracemalloc.start()
+    try:
+        hashes = id_hashes(ids)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 64 << 20, f"{peak / 2**20:.0f} MiB"  # padding every id to the longest took ~1 GiB
+    assert hashes[5] == id_hashes(pa.array([ids[5].as_py()]))[0]

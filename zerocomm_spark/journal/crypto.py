@@ -7,9 +7,10 @@ A record names its cipher in its header's version byte (codec.py), and that byte
 ``3`` AEGIS-256 (the CFRG's AEGIS draft, libsodium's ``crypto_aead_aegis256`` through pynacl's cffi
     handle): AES-round based, 2-3x the speed of AES-256-GCM on a CPU with AES-NI (measured here:
     ~6 GB/s against ~2 GB/s in one thread), which is what lets an encrypted journal keep up with a
-    plain file. 256-bit key (the journal key itself), 256-bit nonce = the header's 24 random bytes
-    followed by 8 zero bytes (a nonce repeats only if 192 random bits do), 32-byte tag. Written by
-    this version; sealed and opened in place where the caller owns the buffer.
+    plain file. 256-bit key = BLAKE2b-256 keyed by the journal key, personalised for v3 records (the
+    journal key itself keys the side files), 256-bit nonce = the header's 24 random bytes followed by
+    8 zero bytes (a nonce repeats only if 192 random bits do), 32-byte tag. Written by this version;
+    opened in place where the caller owns the buffer.
 ``2`` AES-256-GCM, through ``cryptography`` (OpenSSL: AES-NI and carry-less multiply where the CPU has
     them, 3-4x the speed of XChaCha20-Poly1305 there; a constant-time software path elsewhere).
     Written by the previous version; read. Nonces: record key = BLAKE2b-256 keyed by the journal key over the
@@ -30,6 +31,7 @@ through pynacl's public binding (``seal``/``open_sealed``): their speed does not
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 
@@ -58,6 +60,7 @@ NAMES = {XCHACHA20_POLY1305: "XChaCha20-Poly1305", AES_256_GCM: "AES-256-GCM", A
 _AEGIS_NONCE_PAD = bytes(8)
 
 _RECORD_KEY_PERSON = b"zcj-record-v2"  # BLAKE2b personalisation: record keys are for nothing else
+_AEGIS_KEY_PERSON = b"zcj-record-v3"
 
 try:  # pynacl's cffi handle to its bundled libsodium (see module docstring)
     from nacl._sodium import ffi as _ffi  # type: ignore[import-not-found]
@@ -106,13 +109,21 @@ def _aegis() -> None:
         raise RuntimeError("this pynacl build lacks AEGIS-256: install pynacl >= 1.6 (pip install -U pynacl)")
 
 
+@functools.lru_cache(maxsize=8)
+def _aegis_key(key: bytes) -> bytes:
+    """The v3 record key of a journal key (derived once: records and side files never share a key)."""
+    return hashlib.blake2b(b"", digest_size=32, key=key, person=_AEGIS_KEY_PERSON).digest()
+
+
 def encrypt_aegis(plaintext: pa.Buffer, aad: bytes, nonce: bytes, key: bytes) -> pa.Buffer:
     """Ciphertext || tag of ``plaintext`` in a fresh Arrow buffer (a v3 record body)."""
     _aegis()
     size = plaintext.size
     out = pa.allocate_buffer(size + 32)
-    _AEGIS_ENCRYPT(_ffi.from_buffer(out, require_writable=True), _ffi.NULL, _ffi.from_buffer(plaintext), size,
-                   aad, len(aad), _ffi.NULL, nonce + _AEGIS_NONCE_PAD, key)
+    rc = _AEGIS_ENCRYPT(_ffi.from_buffer(out, require_writable=True), _ffi.NULL, _ffi.from_buffer(plaintext), size,
+                        aad, len(aad), _ffi.NULL, nonce + _AEGIS_NONCE_PAD, _aegis_key(key))
+    if rc != 0:  # pragma: no cover - libsodium only fails on absurd sizes
+        raise MemoryError("record encryption failed")
     return out
 
 
@@ -125,7 +136,7 @@ def decrypt_aegis(body: pa.Buffer, aad: bytes, nonce: bytes, key: bytes) -> pa.B
         return None
     out = body if body.is_mutable else pa.allocate_buffer(max(size, 1))
     rc = _AEGIS_DECRYPT(_ffi.from_buffer(out, require_writable=True), _ffi.NULL, _ffi.NULL, _ffi.from_buffer(body),
-                        body.size, aad, len(aad), nonce + _AEGIS_NONCE_PAD, key)
+                        body.size, aad, len(aad), nonce + _AEGIS_NONCE_PAD, _aegis_key(key))
     return out.slice(0, size) if rc == 0 else None
 
 

@@ -181,19 +181,22 @@ class Journal:
                 return
             self._closed = True
         writer = self._writer
+        abandoned = False  # a write still under way after the timeout: its files stay open and locked
         try:
             if writer is not None:
                 try:
                     writer.stop(self.timeout if timeout is None else timeout)
                 finally:
-                    active, runs, ids = writer.finish()
+                    abandoned = writer.busy()
+                    if not abandoned:
+                        active, runs, ids = writer.finish()
                 if writer.failure is None:
                     with self._lock:
                         self._write_side_index(active, runs, ids)
         finally:
             if self._executor is not None:
                 self._executor.shutdown(wait=False, cancel_futures=True)
-            if self._lock_fd >= 0:
+            if self._lock_fd >= 0 and not abandoned:
                 files.release_lock(self._lock_fd)
                 self._lock_fd = -1
 

@@ -27,6 +27,7 @@ _GROUP, _MESSAGE_ID, _PUBLISHER, _SEQ = (APPEND_SCHEMA.get_field_index(name)
 
 
 _VECTOR_LEN = 128  # ids up to this many bytes are hashed by numpy; longer ones one by one (BLAKE2b)
+_CHUNK_ROWS = 8192  # rows of mixed-length ids padded into one matrix at a time
 _KEYS = np.frombuffer(os.urandom(8 * (_VECTOR_LEN // 8 + 1)), dtype=np.uint64) | np.uint64(1)  # per process
 _LENGTH_KEY = _KEYS[-1]
 _MASK64 = (1 << 64) - 1
@@ -64,13 +65,17 @@ def id_hashes(array: pa.Array) -> np.ndarray:
         return matrix.view("<u8") @ _KEYS[:width // 8] + np.uint64(step * int(_LENGTH_KEY) & _MASK64)
     lengths = np.diff(offsets)
     longest = int(lengths.max())
-    width = max(8, (min(longest, _VECTOR_LEN) + 7) & ~7)
-    columns = np.arange(width, dtype=np.int64)
-    inside = columns[None, :] < np.minimum(lengths, _VECTOR_LEN)[:, None]
-    at = np.where(inside, offsets[:-1, None].astype(np.int64) + columns[None, :], 0)
-    matrix = np.where(inside, data[at] if len(data) else 0, 0).astype(np.uint8)
-    # Zero words add nothing, so an id's hash does not depend on the width of the batch it came in.
-    h = matrix.view("<u8") @ _KEYS[:width // 8] + lengths.astype(np.uint64) * _LENGTH_KEY
+    h = np.empty(n, dtype=np.uint64)
+    for start in range(0, n, _CHUNK_ROWS):  # bounded memory: a chunk's matrix is at most 8192 x 128 bytes
+        part = lengths[start:start + _CHUNK_ROWS]
+        clipped = np.minimum(part, _VECTOR_LEN)
+        width = max(8, (int(clipped.max()) + 7) & ~7)
+        columns = np.arange(width, dtype=np.int64)
+        inside = columns[None, :] < clipped[:, None]
+        at = np.where(inside, offsets[start:start + len(part), None].astype(np.int64) + columns[None, :], 0)
+        matrix = np.where(inside, data[at] if len(data) else 0, 0).astype(np.uint8)
+        # Zero words add nothing, so an id's hash does not depend on the width of the batch it came in.
+        h[start:start + len(part)] = matrix.view("<u8") @ _KEYS[:width // 8] + part.astype(np.uint64) * _LENGTH_KEY
     if longest > _VECTOR_LEN:
         key = _KEYS.tobytes()[:32]
         raw = array.view(pa.binary())

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import struct
 import threading
 import time
@@ -61,6 +62,7 @@ MAX_RECORD_BYTES = 1 << 20
 MAX_GROUP_BYTES = 64 << 20
 #: Bytes queued before appenders wait for the writer (backpressure, with their deadline).
 MAX_QUEUED_BYTES = 256 << 20
+_HANDOFF = object()  # the committer role's value when an inline committer left work for the writer thread
 _IOV_MAX = 512  # buffers per writev (header + body per record); below every platform's IOV_MAX
 
 
@@ -167,8 +169,9 @@ class Writer:
         self._queue: deque[_Request] = deque()
         self._queued_bytes = 0
         self._stopping = False
-        self._committing = False  # someone (an appender or the writer thread) is committing
-        self._handoff = False  # an inline committer left work queued for the writer thread
+        # Who commits: None (nobody), _HANDOFF (work left for the writer thread), or the token of the
+        # appender or writer-thread round that holds the role. Tokens make giving it up idempotent.
+        self._committer: object | None = None
         self.failure: BaseException | None = None
         # For the syncer: descriptors of rolled segments to sync and close, and whether work is due.
         self._sync_lock = threading.Lock()
@@ -194,21 +197,25 @@ class Writer:
     def submit(self, batch: pa.RecordBatch, timeout: float) -> AppendResult:
         deadline = time.monotonic() + timeout
         request = _Request(batch)
-        with self._cond:
-            while self._queued_bytes > 0 and self._queued_bytes + request.nbytes > MAX_QUEUED_BYTES:
+        token: object | None = None
+        try:
+            with self._cond:
+                while self._queued_bytes > 0 and self._queued_bytes + request.nbytes > MAX_QUEUED_BYTES:
+                    self._check_running()
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0:
+                        raise JournalTimeoutError(f"the journal's write queue stayed full for {timeout:g} s")
+                    self._cond.wait(remaining)
                 self._check_running()
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    raise JournalTimeoutError(f"the journal's write queue stayed full for {timeout:g} s")
-                self._cond.wait(remaining)
-            self._check_running()
-            self._queue.append(request)
-            self._queued_bytes += request.nbytes
-            lead = not self._committing
-            if lead:
-                self._committing = True
-        if lead:
-            self._commit_queued(inline=True)
+                self._queue.append(request)
+                self._queued_bytes += request.nbytes
+                if self._committer is None:  # nobody is writing: this appender does
+                    token = self._committer = object()
+            if token is not None:
+                self._commit_inline()
+        finally:
+            if token is not None:
+                self._release(token)  # whatever happened, the role is given up or handed over
         if not request.done.wait(max(0.0, deadline - time.monotonic())):
             raise JournalTimeoutError(f"the append was not written within {timeout:g} s")
         if request.error is not None:
@@ -227,24 +234,57 @@ class Writer:
     def _run(self) -> None:
         while True:
             with self._cond:
-                while self.failure is None and not (self._queue and (self._handoff or not self._committing)):
-                    if self._stopping and not self._queue and not self._committing:
+                while self.failure is None and not (self._queue and self._committer in (None, _HANDOFF)):
+                    if self._stopping and not self._queue and self._committer is None:
                         return
                     self._cond.wait(1.0)
                 if self.failure is not None:
+                    while self._committer not in (None, _HANDOFF):  # an appender still writing: stop() waits on us
+                        self._cond.wait(1.0)
+                    self._committer = None
                     return
-                self._handoff = False
-                self._committing = True
-            self._commit_queued(inline=False)
+                token = self._committer = object()
+            try:
+                self._commit_queued(inline=False)
+            finally:
+                self._release(token)
+
+    def _release(self, token: object) -> None:
+        """Give up the committer role if ``token`` still holds it: to the writer thread if work is left."""
+        with self._cond:
+            if self._committer is token:
+                self._committer = _HANDOFF if self._queue and self.failure is None else None
+                self._cond.notify_all()
+
+    def _commit_inline(self) -> None:
+        """Commit as the appender. In the main thread, a Ctrl-C that arrives meanwhile is held until
+        the commit is done and then raised: a commit cut short would leave the journal's files and
+        its index disagreeing, which only stopping the journal could make safe."""
+        if threading.current_thread() is not threading.main_thread():
+            self._commit_queued(inline=True)
+            return
+        previous = signal.getsignal(signal.SIGINT)
+        held: list[object] = []
+        if previous is None or previous == signal.SIG_IGN:  # no Python-level SIGINT handling to hold back
+            self._commit_queued(inline=True)
+            return
+        signal.signal(signal.SIGINT, lambda signum, frame: held.append(frame))
+        try:
+            self._commit_queued(inline=True)
+        finally:
+            signal.signal(signal.SIGINT, previous)
+        if held:
+            if callable(previous):
+                previous(signal.SIGINT, held[0])
+            elif previous == signal.SIG_DFL:
+                raise KeyboardInterrupt
 
     def _commit_queued(self, *, inline: bool) -> None:
-        """Commit queued groups while this thread holds the committer role; then give the role up
-        (an inline committer hands leftover work to the writer thread after one group)."""
+        """Commit queued groups while this thread holds the committer role (one group when inline);
+        the caller gives the role up (``_release``) whatever happens here."""
         while True:
             with self._cond:
                 if not self._queue or self.failure is not None:
-                    self._committing = False
-                    self._cond.notify_all()
                     return
                 group: list[_Request] = []
                 size = 0
@@ -258,17 +298,8 @@ class Writer:
                 self._commit(group)
             except BaseException as exc:  # noqa: BLE001 - anything here stops the journal
                 self._fail(exc, group)
-                with self._cond:
-                    self._committing = False
-                    self._cond.notify_all()
                 return
             if inline:
-                with self._cond:
-                    if self._queue:
-                        self._handoff = True  # stays "committing": the writer thread takes over
-                    else:
-                        self._committing = False
-                    self._cond.notify_all()
                 return
 
     def _fail(self, exc: BaseException, group: list[_Request]) -> None:
@@ -457,11 +488,23 @@ class Writer:
         self._thread.join(max(0.0, deadline - time.monotonic()))
         if self._thread.is_alive():
             raise JournalTimeoutError(f"the journal writer did not finish within {timeout:g} s")
+        with self._cond:  # an appender may still be committing inline (after a failure the thread left early)
+            while self._committer not in (None, _HANDOFF):
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise JournalTimeoutError(f"an append being written did not finish within {timeout:g} s")
+                self._cond.wait(remaining)
         self._syncer_stop.set()
         if self._syncer is not None:
             self._syncer.join(max(0.0, deadline - time.monotonic()))
             if self._syncer.is_alive():
                 raise JournalTimeoutError(f"the journal syncer did not finish within {timeout:g} s")
+
+    def busy(self) -> bool:
+        """Is a write still under way (a stop that timed out)? Then nothing it uses may be closed: the
+        descriptor number could be reused by another file, and the directory lock must stay held."""
+        with self._cond:
+            return self._committer not in (None, _HANDOFF) or self._thread.is_alive()
 
     def finish(self) -> tuple[Segment, list[tuple[int, list[Run]]], pa.Array]:
         """After stop(): sync (unless "never"), close descriptors; what the side index needs."""
