@@ -15,6 +15,10 @@ then one ``fdatasync``), and reads after the files' pages were dropped from the 
 (``POSIX_FADV_DONTNEED``; a virtual disk may still cache on its host). The target is judged on the
 page-cache figures above, the stricter of the two.
 
+``append_without_id_rule`` repeats the appends with ``dedup_window=0`` (only the per-publisher seq
+rule): what the message-id duplicate check costs, for the reader of the figures; it is not a setting
+anyone should run with.
+
 ``aead`` is the rate of the cipher alone over the same bytes in one thread: a floor on the journal's
 cost that no implementation of this format can go under. ``cpu_seconds_per_gb`` (CPU of all threads,
 best round) is the cost side, steadier than wall time on a loaded machine. Journal and baseline run in alternating
@@ -81,11 +85,11 @@ def make_batches(payload_bytes: int, rows: int, appends: int, seed: int = 1) -> 
 
 
 def journal_round(batches: list[pa.RecordBatch], workdir: Path,
-                  key: bytes) -> tuple[float, float, float, float, int, int]:
+                  key: bytes, **options: int) -> tuple[float, float, float, float, int, int]:
     """Seconds (wall, CPU of all threads) to append all and to read all back; rows read; bytes on disk."""
     directory = Path(tempfile.mkdtemp(prefix="journal-", dir=workdir))
     try:
-        journal = Journal.open(directory, key=key)  # defaults: fsync="interval", 64 MiB segments
+        journal = Journal.open(directory, key=key, **options)  # defaults: fsync="interval", 64 MiB segments
         try:
             start, cpu = time.perf_counter(), time.process_time()
             for batch in batches:
@@ -239,6 +243,7 @@ def main() -> None:
         for _ in range(max(1, args.rounds // 2)):
             disk_best = [min(a, b) for a, b in zip(disk_best, to_disk_round(batches, chunks, workdir, key))]
         d_append, d_write, d_read, d_plain_read = disk_best
+        no_ids = min(journal_round(batches, workdir, key, dedup_window=0)[0] for _ in range(max(1, args.rounds // 2)))
         enc_s, dec_s = aead_rates(chunks, key)
         append_ratio = best["plain_write"] / best["append"]
         read_ratio = best["plain_read"] / best["read"]
@@ -251,6 +256,8 @@ def main() -> None:
             "append": rate(rows, nbytes, best["append"]),
             "plain_write": rate(rows, nbytes, best["plain_write"]),
             "append_ratio": round(append_ratio, 3),
+            "append_without_id_rule": {**rate(rows, nbytes, no_ids),  # what the message-id check costs
+                                       "ratio": round(best["plain_write"] / no_ids, 3)},
             "read": rate(rows, nbytes, best["read"]),
             "plain_read": rate(rows, nbytes, best["plain_read"]),
             "read_ratio": round(read_ratio, 3),
