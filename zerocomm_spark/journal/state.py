@@ -4,7 +4,7 @@ A row is a duplicate if its seq is at or below the last seq journaled for its (g
 if its message id is among the last ``dedup_window`` journaled ids (or earlier in the same append).
 Delivery is per-publisher FIFO, so the common append (one delivered data batch) has one publisher
 and rising seqs: that case is checked with a few vectorised calls, never a Python loop per row, and
-so are its ids (hashed by numpy, looked up in bit filters; only a possible hit is compared exactly).
+so are its ids (hashed by numpy, looked up in a byte table; only a possible hit is compared exactly).
 """
 
 from __future__ import annotations
@@ -39,7 +39,8 @@ def id_hashes(array: pa.Array) -> np.ndarray:
     """A keyed 64-bit hash of every id of a string column, in a few whole-array numpy calls.
 
     Multilinear (sum of the id's zero-padded 8-byte words times random odd keys, plus its length
-    times a key): a strongly universal family in its high bits, which are the ones the filter uses.
+    times a key): with random keys, two different ids collide with small probability whatever they
+    are, and the high bits, which the table uses, are the well-mixed ones.
     It is only a filter in front of the exact comparison (``RecentIds``): equal hashes are always
     checked byte for byte, so a collision, chosen or not, can cost time but never drop a message. The
     keys are random per process and the hashes are never stored.

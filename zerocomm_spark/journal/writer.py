@@ -277,7 +277,7 @@ class Writer:
             if callable(previous):
                 previous(signal.SIGINT, held[0])
             elif previous == signal.SIG_DFL:
-                raise KeyboardInterrupt
+                signal.raise_signal(signal.SIGINT)  # what it would have done: the default action
 
     def _commit_queued(self, *, inline: bool) -> None:
         """Commit queued groups while this thread holds the committer role (one group when inline);
