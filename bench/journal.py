@@ -271,7 +271,8 @@ def main() -> None:
                         "append_ratio": round(d_write / d_append, 3),
                         "read_cold": rate(rows, nbytes, d_read),
                         "plain_read_cold": rate(rows, nbytes, d_plain_read),
-                        "read_ratio": round(d_plain_read / d_read, 3)},
+                        "read_ratio": round(d_plain_read / d_read, 3),
+                        "within_target": {"append": d_write / d_append >= TARGET, "read": d_plain_read / d_read >= TARGET}},
             "target": TARGET,
             "within_target": {"append": append_ratio >= TARGET, "read": read_ratio >= TARGET},
         })
