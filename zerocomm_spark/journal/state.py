@@ -363,6 +363,7 @@ def filter_new(batch: pa.RecordBatch, last_seq: Callable[[Key], int | None], pen
     hashes = id_hashes(id_column) if use_ids else np.zeros(n, dtype=np.uint64)
     slots = recent.slots(hashes) if use_ids else None
     ids: list[bytes] | None = None
+    remembered: np.ndarray | None = None  # per row, exactly: is its id remembered? (computed at most once)
     seqs = batch.column(_SEQ).to_numpy(zero_copy_only=False)
     group = constant_string(batch.column(_GROUP)) if n else None
     publisher = constant_string(batch.column(_PUBLISHER)) if group is not None else None
@@ -371,9 +372,10 @@ def filter_new(batch: pa.RecordBatch, last_seq: Callable[[Key], int | None], pen
         last = pending.get(key)
         if last is None:
             last = last_seq(key)
+        if use_ids and recent.maybe(slots):
+            remembered = recent.holds_each(hashes, slots, id_column)
         if ((last is None or seqs[0] > last) and (n == 1 or bool(np.all(seqs[1:] > seqs[:-1])))
-                and (not use_ids or ((n == 1 or _distinct(hashes))
-                                     and not (recent.maybe(slots) and recent.holds_each(hashes, slots, id_column).any())))):
+                and (not use_ids or ((n == 1 or _distinct(hashes)) and (remembered is None or not remembered.any())))):
             if pending_ids is not None and use_ids:  # several appends in this group: check among them too
                 ids = id_values(id_column)
                 if pending_ids.isdisjoint(ids):
@@ -390,7 +392,8 @@ def filter_new(batch: pa.RecordBatch, last_seq: Callable[[Key], int | None], pen
     kept_keys: list[Key] = []
     if use_ids and ids is None:
         ids = id_values(id_column)
-    remembered = recent.holds_each(hashes, slots, id_column) if slots is not None else np.zeros(n, dtype=bool)
+    if remembered is None:
+        remembered = recent.holds_each(hashes, slots, id_column) if slots is not None else np.zeros(n, dtype=bool)
     seen: set[bytes] = set() if pending_ids is None else pending_ids
     seq_list = seqs.tolist()
     for i in range(n):
