@@ -664,3 +664,79 @@ def test_close_never_pulls_files_from_under_a_write_still_under_way(jdir: Path, 
     gate.set()
     appender.join(10)
     assert segment.stat().st_size > before  # the write landed in the segment, not in a reused descriptor
+
+
+def test_queued_appenders_and_a_close_are_woken_not_left_to_the_writer_poll(
+        jdir: Path, key: bytes, monkeypatch) -> None:
+    """Routine commits notify only threads that wait for something (queue space, a committer to
+    finish, work handed over): with the idle writer's safety-net poll pushed beyond every deadline
+    here, a wake-up that went missing would show as a timeout or a close that hangs."""
+    from zerocomm_spark.journal import writer
+
+    monkeypatch.setattr(writer, "_IDLE_POLL_S", 120.0)
+    monkeypatch.setattr(writer, "MAX_QUEUED_BYTES", 1)  # one append queued at a time: the rest wait for space
+    errors: list[BaseException] = []
+
+    def produce(publisher: str) -> None:
+        try:
+            for a in range(30):
+                assert j.append(rows(a * 2 + 1, a * 2 + 2, publisher), timeout=30).appended == 2
+        except BaseException as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    j = Journal.open(jdir, key=key)
+    threads = [threading.Thread(target=produce, args=(f"did:peer:2.Ez6LSwake{i}",)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors and not any(t.is_alive() for t in threads)
+    assert offsets(j.read(0)) == list(range(240))
+    monkeypatch.setattr(writer, "MAX_QUEUED_BYTES", 256 << 20)
+
+    real_writev = writer._writev_all  # noqa: SLF001
+    gate, entered = threading.Event(), threading.Event()
+
+    def held_writev(fd: int, buffers: list) -> None:
+        if threading.current_thread().name == "appender":
+            entered.set()
+            gate.wait(20)
+        real_writev(fd, buffers)
+
+    monkeypatch.setattr(writer, "_writev_all", held_writev)
+
+    # An append queued behind an appender writing its own: handed to the writer thread, which must
+    # be told (nobody else waits on anything here).
+    appender = threading.Thread(target=lambda: j.append(rows(1, 1, "did:peer:2.Ez6LSfirst")), name="appender")
+    appender.start()
+    assert entered.wait(10)
+    second = threading.Thread(target=lambda: outcome.append(j.append(rows(1, 1, "did:peer:2.Ez6LSsecond"),
+                                                                     timeout=30)))
+    outcome: list[AppendResult] = []
+    second.start()
+    deadline = time.monotonic() + 10
+    while not j._writer._queue and time.monotonic() < deadline:  # noqa: SLF001
+        time.sleep(0.01)
+    gate.set()
+    appender.join(30)
+    second.join(60)
+    assert [r.first_offset for r in outcome] == [241]
+    gate.clear()
+    entered.clear()
+
+    # A close while an appender thread writes its own append: the writer thread, idle, must hear
+    # that the appender is done (it may only stop then) without waiting out its poll.
+    appender = threading.Thread(target=lambda: j.append(rows(1, 1, "did:peer:2.Ez6LSlast")), name="appender")
+    appender.start()
+    assert entered.wait(10)
+    closer = threading.Thread(target=lambda: j.close(timeout=60))
+    closer.start()
+    time.sleep(0.2)
+    gate.set()
+    started = time.monotonic()
+    closer.join(60)
+    appender.join(10)
+    assert not closer.is_alive() and j.closed
+    assert time.monotonic() - started < 30  # not the 120 s poll
+    with Journal.open(jdir, key=key) as again:
+        assert again.latest().next_offset == 243

@@ -44,6 +44,8 @@ APPEND_SCHEMA: pa.Schema = pa.schema([f for f in JOURNAL_SCHEMA if f.name != "of
 
 _REQUIRED = ("group", "message_id", "publisher_did", "seq", "lamport_ts", "sent_at", "payload")
 _NON_NULL = tuple(f.name for f in APPEND_SCHEMA if not f.nullable)
+_NON_NULL_AT = tuple(APPEND_SCHEMA.get_field_index(name) for name in _NON_NULL)
+_SEQ_AT = APPEND_SCHEMA.get_field_index("seq")
 _EPOCH = datetime(1970, 1, 1, tzinfo=timezone.utc)
 
 
@@ -136,8 +138,9 @@ def rows_to_batch(rows: Sequence[Any], received_at: int) -> pa.RecordBatch:
 
 
 def _check_values(batch: pa.RecordBatch) -> None:
-    seq = batch.column("seq")
-    if len(seq) and int(np.min(seq.to_numpy(zero_copy_only=False))) < 0:
+    """Checks beyond the schema (of an APPEND_SCHEMA batch without nulls in ``seq``)."""
+    seq = batch.column(_SEQ_AT)
+    if len(seq) and int(np.frombuffer(seq.buffers()[1], dtype=np.int64, count=len(seq), offset=seq.offset * 8).min()) < 0:
         raise InvalidJournalRowError("seq must be >= 0")
 
 
@@ -152,9 +155,9 @@ def arrow_to_batch(data: pa.RecordBatch | pa.Table, received_at: int) -> pa.Reco
     schema = data.schema
     if schema.equals(APPEND_SCHEMA):
         batch = data
-        for name in _NON_NULL:
-            if batch.column(name).null_count:
-                raise InvalidJournalRowError(f"column {name!r} has {batch.column(name).null_count} null value(s)")
+        for name, at in zip(_NON_NULL, _NON_NULL_AT):
+            if batch.column(at).null_count:
+                raise InvalidJournalRowError(f"column {name!r} has {batch.column(at).null_count} null value(s)")
         received = batch.column("received_at")
         if received.null_count:
             batch = batch.set_column(batch.schema.get_field_index("received_at"), APPEND_SCHEMA.field("received_at"),

@@ -374,7 +374,7 @@ def filter_new(batch: pa.RecordBatch, last_seq: Callable[[Key], int | None], pen
             last = last_seq(key)
         if use_ids and recent.maybe(slots):
             remembered = recent.holds_each(hashes, slots, id_column)
-        if ((last is None or seqs[0] > last) and (n == 1 or bool(np.all(seqs[1:] > seqs[:-1])))
+        if ((last is None or seqs[0] > last) and (n == 1 or bool((seqs[1:] > seqs[:-1]).all()))
                 and (not use_ids or ((n == 1 or _distinct(hashes)) and (remembered is None or not remembered.any())))):
             if pending_ids is not None and use_ids:  # several appends in this group: check among them too
                 ids = id_values(id_column)
