@@ -578,6 +578,33 @@ def test_reads_decrypt_runs_of_consecutive_records_per_task_and_keep_holes_apart
     assert [p for r in runs if isinstance(r, list) for p in r] == [*a, *b]  # order kept, nothing lost
 
 
+def test_the_reading_thread_reads_runs_itself_while_the_pool_is_busy_and_order_is_kept(
+        jdir: Path, key: bytes, monkeypatch) -> None:
+    from zerocomm_spark.journal import reader
+
+    monkeypatch.setattr(reader, "RUN_BYTES", 1)  # one record per run: many runs
+    real = reader._load_run  # noqa: SLF001
+    who: list[tuple[str, int]] = []
+
+    def load(fds, run, key):  # noqa: ANN001, ANN202
+        pool = threading.current_thread().name.startswith("zerocomm-journal-read")
+        if pool:
+            time.sleep(0.02)  # a busy pool thread: the caller should not just wait for it
+        who.append(("pool" if pool else "caller", run[0].entry.base_offset))
+        return real(fds, run, key)
+
+    with Journal.open(jdir, key=key, read_threads=2) as j:
+        for a in range(30):
+            j.append(rows(a * 3 + 1, a * 3 + 3))
+        monkeypatch.setattr(reader, "_load_run", load)
+        got = [offsets(pa.Table.from_batches([b])) for b in j.read_batches(0)]
+        assert [o for batch in got for o in batch] == list(range(90))  # every row once, in order
+        assert {w for w, _ in who} == {"pool", "caller"}  # both read
+        assert sorted(base for _, base in who) == list(range(0, 90, 3))  # each record read once
+        partial = [o for b in j.read_batches(10, 50) for o in offsets(pa.Table.from_batches([b]))]
+        assert partial == list(range(10, 50))
+
+
 # --- who writes: an appender in its own thread, or the writer thread ----------------------------
 
 

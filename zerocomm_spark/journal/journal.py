@@ -102,7 +102,9 @@ class Journal:
         survives: every policy survives the process being killed; only ``"always"`` survives power
         loss. ``dedup_window`` is how many recent message ids the duplicate check remembers (at
         least; 0 turns the id rule off, leaving the seq rule, and saves its per-row cost);
-        ``timeout`` bounds every wait (appends, close, reads).
+        ``timeout`` bounds every wait (appends, close, reads). ``read_threads`` (default: the CPU
+        count, at most 4) is how many threads decrypt a read or a large append: the calling thread
+        and a shared pool of ``read_threads - 1``.
         """
         if fsync not in _POLICIES:
             raise ConfigurationError(f"fsync must be one of {', '.join(_POLICIES)}, not {fsync!r}")
@@ -357,7 +359,9 @@ class Journal:
             return None
         with self._lock:
             if self._executor is None:
-                self._executor = ThreadPoolExecutor(self._read_threads, thread_name_prefix="zerocomm-journal-read")
+                # The calling thread reads and encrypts too (reader.iter_pieces, Writer._encode): it
+                # is one of the read_threads.
+                self._executor = ThreadPoolExecutor(self._read_threads - 1, thread_name_prefix="zerocomm-journal-read")
             return self._executor
 
     def read_batches(self, start_offset: int, end_offset: int | None = None, *,
