@@ -6,6 +6,7 @@ import os
 import shutil
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
@@ -19,11 +20,12 @@ from zerocomm_spark.errors import (
     DataLossError,
     InvalidJournalRowError,
     JournalClosedError,
+    JournalCorruptError,
     JournalKeyError,
     JournalLockedError,
     OffsetOutOfRangeError,
 )
-from zerocomm_spark.journal import APPEND_SCHEMA, JOURNAL_SCHEMA, AppendResult, Journal, journal_key
+from zerocomm_spark.journal import APPEND_SCHEMA, JOURNAL_SCHEMA, AppendResult, Journal, journal_key, reader
 from zerocomm_spark.keys.keystore import Keystore
 
 pytestmark = pytest.mark.timeout(120)
@@ -603,6 +605,114 @@ def test_the_reading_thread_reads_runs_itself_while_the_pool_is_busy_and_order_i
         assert sorted(base for _, base in who) == list(range(0, 90, 3))  # each record read once
         partial = [o for b in j.read_batches(10, 50) for o in offsets(pa.Table.from_batches([b]))]
         assert partial == list(range(10, 50))
+
+
+# Found in review: errors, timeouts and a closed pool while the reading thread reads ahead itself.
+
+
+def _corrupt_body(path: Path, entry) -> None:  # flip one body byte: crc and authentication fail
+    with open(path, "r+b") as f:
+        f.seek(entry.position + reader.RECORD_HEADER_BYTES + 5)
+        b = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([b[0] ^ 0xFF]))
+
+
+def test_a_damaged_record_read_inline_raises_only_where_the_consumer_reaches_it(jdir: Path, key: bytes,
+                                                                                monkeypatch) -> None:
+    monkeypatch.setattr(reader, "RUN_BYTES", 1)  # one record per run
+    real = reader._load_run
+
+    def slow_pool(fds, run, k):
+        if threading.current_thread().name.startswith("pool"):
+            time.sleep(0.3)  # the head run is still being read when the caller looks at it
+        return real(fds, run, k)
+
+    with Journal.open(jdir, key=key) as j:
+        for a in range(3):
+            j.append(rows(a * 3 + 1, a * 3 + 3))
+        plan = j._plan(0, 9)
+        _corrupt_body(plan[1].path, plan[1].entry)  # the second record (offsets 3..5)
+        monkeypatch.setattr(reader, "_load_run", slow_pool)
+        with ThreadPoolExecutor(1, thread_name_prefix="pool") as pool:
+            got = []
+            with pytest.raises(JournalCorruptError):
+                for b in reader.iter_pieces(plan, key, pool, 1, 10.0):
+                    got.extend(offsets(pa.Table.from_batches([b])))
+            assert got == [0, 1, 2]  # the rows before the damaged record all came out
+
+
+def test_a_large_append_is_encrypted_by_read_threads_threads(jdir: Path, key: bytes, monkeypatch) -> None:
+    from zerocomm_spark.journal import codec
+
+    real = codec.encode_record
+    who: list[str] = []
+
+    def enc(*a, **kw):
+        who.append(threading.current_thread().name)
+        time.sleep(0.05)
+        return real(*a, **kw)
+
+    monkeypatch.setattr(codec, "encode_record", enc)
+    with Journal.open(jdir, key=key, read_threads=2) as j:
+        j.append(rows(1, 64, size=200_000))  # ~12.8 MB: 13 records
+        n = len(who)
+        caller = sum(1 for w in who if not w.startswith("zerocomm-journal-read"))
+        assert n == 13 and caller >= n // 2 - 1, (n, caller)  # read_threads=2: the caller shares the work
+
+
+def test_a_head_run_that_times_out_is_waited_for_before_its_descriptors_close(jdir: Path, key: bytes,
+                                                                             monkeypatch) -> None:
+    from zerocomm_spark.errors import JournalTimeoutError
+
+    monkeypatch.setattr(reader, "RUN_BYTES", 1)
+    real = reader._load_run
+    used_after_close: list[bool] = []
+
+    def slow_pool(fds, run, k):
+        if threading.current_thread().name.startswith("pool"):
+            time.sleep(0.5)
+            used_after_close.append(not fds._fds)  # the reader already closed (and forgot) its descriptors
+        return real(fds, run, k)
+
+    with Journal.open(jdir, key=key) as j:
+        for a in range(2):
+            j.append(rows(a * 3 + 1, a * 3 + 3))
+        plan = j._plan(0, 6)
+        monkeypatch.setattr(reader, "_load_run", slow_pool)
+        before = len(os.listdir("/proc/self/fd"))
+        with ThreadPoolExecutor(1, thread_name_prefix="pool") as pool:
+            with pytest.raises(JournalTimeoutError):
+                list(reader.iter_pieces(plan, key, pool, 1, 0.1))
+        assert used_after_close == [False]  # the late task still had its descriptors
+        deadline = time.monotonic() + 5
+        while len(os.listdir("/proc/self/fd")) != before and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert len(os.listdir("/proc/self/fd")) == before  # and they were closed once it ended
+
+
+def test_a_pool_shut_down_during_a_read_raises_journal_closed(jdir: Path, key: bytes, monkeypatch) -> None:
+    from zerocomm_spark.errors import JournalClosedError
+
+    monkeypatch.setattr(reader, "RUN_BYTES", 1)
+    real = reader._load_run
+
+    def slow_pool(fds, run, k):
+        if threading.current_thread().name.startswith("pool"):
+            time.sleep(0.3)
+        return real(fds, run, k)
+
+    with Journal.open(jdir, key=key) as j:
+        for a in range(5):
+            j.append(rows(a * 3 + 1, a * 3 + 3))
+        plan = j._plan(0, 15)
+        monkeypatch.setattr(reader, "_load_run", slow_pool)
+        pool = ThreadPoolExecutor(1, thread_name_prefix="pool")
+        it = reader.iter_pieces(plan, key, pool, 3, 5.0)
+        next(it)
+        pool.shutdown(wait=False, cancel_futures=True)  # what Journal.close() does
+        with pytest.raises(JournalClosedError):  # not concurrent.futures.CancelledError
+            list(it)
 
 
 # --- who writes: an appender in its own thread, or the writer thread ----------------------------

@@ -8,9 +8,10 @@ the run it needs next is not ready yet (order kept, memory bounded).
 from __future__ import annotations
 
 import os
+import threading
 from collections import deque
 from collections.abc import Iterator
-from concurrent.futures import Executor, Future
+from concurrent.futures import CancelledError, Executor, Future
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -135,7 +136,8 @@ def iter_pieces(plan: list[Piece | Hole], key: bytes, executor: Executor | None,
     caller, ~60 us with a pool of 1 and the caller reading too).
     """
     fds = _Fds()
-    # (run or hole, its pool task, or its batches when the calling thread read it)
+    # (run or hole, its pool task, or its batches - or the error - when the calling thread read it).
+    # At most 2 x prefetch runs are held (prefetch queued for the pool, the rest read here).
     window: deque[tuple[list[Piece] | Hole, Future[list[pa.RecordBatch]] | None, list[pa.RecordBatch] | None]] = deque()
     try:
         if executor is None or prefetch < 1 or sum(isinstance(p, Piece) for p in plan) <= 1:
@@ -174,20 +176,29 @@ def iter_pieces(plan: list[Piece | Hole], key: bytes, executor: Executor | None,
                 elif isinstance(run, Hole):
                     window.append((run, None, None))
                 else:
-                    window.append((run, None, _load_run(fds, run, key)))
+                    try:
+                        window.append((run, None, _load_run(fds, run, key)))
+                    except Exception as exc:  # noqa: BLE001 - raised where the consumer reaches it
+                        window.append((run, None, exc))  # type: ignore[arg-type]
+                        exhausted = True  # nothing past a failed run is read
                 continue
-            window.popleft()
             if future is not None:
-                queued -= 1
-                try:
+                try:  # the head stays in the window until done: `finally` waits for it
                     loaded = future.result(timeout=timeout)
                 except TimeoutError:
                     raise JournalTimeoutError(f"reading a record took more than {timeout:g} s") from None
-            elif loaded is None:
+                except CancelledError:  # Journal.close() shut the pool down
+                    raise JournalClosedError("the journal was closed during the read") from None
+                queued -= 1
+            window.popleft()
+            if loaded is None:
                 _raise_hole(head)  # type: ignore[arg-type]
+            if isinstance(loaded, BaseException):
+                raise loaded
             yield from loaded  # type: ignore[misc]
     finally:
         # Let in-flight reads finish before their descriptors close (bounded: at most `prefetch` runs).
+        running = []
         for _, future, _ in window:
             if future is not None:
                 future.cancel()
@@ -195,7 +206,28 @@ def iter_pieces(plan: list[Piece | Hole], key: bytes, executor: Executor | None,
                     future.result(timeout=timeout)
                 except BaseException:
                     pass
-        fds.close()
+                if not future.done():
+                    running.append(future)
+        if running:  # a task outlived its deadline: close only after the last one (never under it)
+            _close_after(running, fds)
+        else:
+            fds.close()
+
+
+def _close_after(futures: list[Future[list[pa.RecordBatch]]], fds: _Fds) -> None:
+    """Close ``fds`` once every one of ``futures`` is done (callbacks run in the pool's threads)."""
+    lock = threading.Lock()
+    left = [len(futures)]
+
+    def one_done(_: Future[list[pa.RecordBatch]]) -> None:
+        with lock:
+            left[0] -= 1
+            last = left[0] == 0
+        if last:
+            fds.close()
+
+    for future in futures:
+        future.add_done_callback(one_done)
 
 
 def _slice(batch: pa.RecordBatch, piece: Piece) -> pa.RecordBatch:

@@ -412,11 +412,18 @@ class Writer:
         if pool is None:
             return [codec.encode_record(b, base, lo, hi, key) for b, base, lo, hi in jobs]
         futures = [pool.submit(codec.encode_record, b, base, lo, hi, key) for b, base, lo, hi in jobs[1:]]
-        first = codec.encode_record(*jobs[0][:4], key)
+        frames: list[Frame | None] = [codec.encode_record(*jobs[0][:4], key), *([None] * len(futures))]
+        # The caller is one of read_threads: it takes back, from the end, the jobs no pool thread started.
+        for i in range(len(futures), 0, -1):
+            if futures[i - 1].cancel():
+                frames[i] = codec.encode_record(*jobs[i][:4], key)
         try:
-            return [first, *(f.result(timeout=self._journal.timeout) for f in futures)]
+            for i, future in enumerate(futures, 1):
+                if frames[i] is None:
+                    frames[i] = future.result(timeout=self._journal.timeout)
         except TimeoutError:
             raise JournalTimeoutError("encrypting records took longer than the journal's timeout") from None
+        return frames  # type: ignore[return-value]
 
     def _write(self, frames: list[tuple[Frame, _RecordMeta]]) -> None:
         j = self._journal
