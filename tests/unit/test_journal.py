@@ -618,22 +618,35 @@ def _corrupt_body(path: Path, entry) -> None:  # flip one body byte: crc and aut
         f.write(bytes([b[0] ^ 0xFF]))
 
 
-def test_a_damaged_record_read_inline_raises_only_where_the_consumer_reaches_it(jdir: Path, key: bytes,
-                                                                                monkeypatch) -> None:
-    monkeypatch.setattr(reader, "RUN_BYTES", 1)  # one record per run
-    real = reader._load_run
+def _slow_pool_reads(monkeypatch, seconds: float, after=None) -> None:  # noqa: ANN001
+    """One record per run; a run read by a thread named ``pool...`` takes ``seconds`` longer, then
+    ``after(fds)`` looks at the read's descriptors."""
+    monkeypatch.setattr(reader, "RUN_BYTES", 1)
+    real = reader._load_run  # noqa: SLF001
 
-    def slow_pool(fds, run, k):
+    def load(fds, run, k):  # noqa: ANN001, ANN202
         if threading.current_thread().name.startswith("pool"):
-            time.sleep(0.3)  # the head run is still being read when the caller looks at it
+            time.sleep(seconds)
+            if after is not None:
+                after(fds)
         return real(fds, run, k)
 
-    with Journal.open(jdir, key=key) as j:
-        for a in range(3):
-            j.append(rows(a * 3 + 1, a * 3 + 3))
-        plan = j._plan(0, 9)
+    monkeypatch.setattr(reader, "_load_run", load)
+
+
+def _journal_of_records(jdir: Path, key: bytes, records: int) -> Journal:
+    j = Journal.open(jdir, key=key)
+    for a in range(records):
+        j.append(rows(a * 3 + 1, a * 3 + 3))
+    return j
+
+
+def test_a_damaged_record_read_inline_raises_only_where_the_consumer_reaches_it(jdir: Path, key: bytes,
+                                                                                monkeypatch) -> None:
+    with _journal_of_records(jdir, key, 3) as j:
+        plan = j._plan(0, 9)  # noqa: SLF001
         _corrupt_body(plan[1].path, plan[1].entry)  # the second record (offsets 3..5)
-        monkeypatch.setattr(reader, "_load_run", slow_pool)
+        _slow_pool_reads(monkeypatch, 0.3)  # the head run is still being read when the caller looks at it
         with ThreadPoolExecutor(1, thread_name_prefix="pool") as pool:
             got = []
             with pytest.raises(JournalCorruptError):
@@ -665,21 +678,10 @@ def test_a_head_run_that_times_out_is_waited_for_before_its_descriptors_close(jd
                                                                              monkeypatch) -> None:
     from zerocomm_spark.errors import JournalTimeoutError
 
-    monkeypatch.setattr(reader, "RUN_BYTES", 1)
-    real = reader._load_run
-    used_after_close: list[bool] = []
-
-    def slow_pool(fds, run, k):
-        if threading.current_thread().name.startswith("pool"):
-            time.sleep(0.5)
-            used_after_close.append(not fds._fds)  # the reader already closed (and forgot) its descriptors
-        return real(fds, run, k)
-
-    with Journal.open(jdir, key=key) as j:
-        for a in range(2):
-            j.append(rows(a * 3 + 1, a * 3 + 3))
-        plan = j._plan(0, 6)
-        monkeypatch.setattr(reader, "_load_run", slow_pool)
+    used_after_close: list[bool] = []  # per late task: had the reader already closed its descriptors?
+    with _journal_of_records(jdir, key, 2) as j:
+        plan = j._plan(0, 6)  # noqa: SLF001
+        _slow_pool_reads(monkeypatch, 0.5, lambda fds: used_after_close.append(not fds._fds))  # noqa: SLF001
         before = len(os.listdir("/proc/self/fd"))
         with ThreadPoolExecutor(1, thread_name_prefix="pool") as pool:
             with pytest.raises(JournalTimeoutError):
@@ -692,21 +694,9 @@ def test_a_head_run_that_times_out_is_waited_for_before_its_descriptors_close(jd
 
 
 def test_a_pool_shut_down_during_a_read_raises_journal_closed(jdir: Path, key: bytes, monkeypatch) -> None:
-    from zerocomm_spark.errors import JournalClosedError
-
-    monkeypatch.setattr(reader, "RUN_BYTES", 1)
-    real = reader._load_run
-
-    def slow_pool(fds, run, k):
-        if threading.current_thread().name.startswith("pool"):
-            time.sleep(0.3)
-        return real(fds, run, k)
-
-    with Journal.open(jdir, key=key) as j:
-        for a in range(5):
-            j.append(rows(a * 3 + 1, a * 3 + 3))
-        plan = j._plan(0, 15)
-        monkeypatch.setattr(reader, "_load_run", slow_pool)
+    with _journal_of_records(jdir, key, 5) as j:
+        plan = j._plan(0, 15)  # noqa: SLF001
+        _slow_pool_reads(monkeypatch, 0.3)
         pool = ThreadPoolExecutor(1, thread_name_prefix="pool")
         it = reader.iter_pieces(plan, key, pool, 3, 5.0)
         next(it)
