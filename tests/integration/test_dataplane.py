@@ -697,6 +697,19 @@ def test_retrying_a_publish_with_the_same_ids_delivers_once(make) -> None:  # ty
     assert bob.dp.positions("g") == {alice.did: 11}  # the seqs of the retry were consumed, not delivered
 
 
+def test_the_same_message_id_in_two_groups_is_two_messages(make) -> None:  # type: ignore[no-untyped-def]
+    """Ids are the publisher's per group: a re-used id in another group is delivered, not dropped and acked."""
+    alice, bob = make("alice"), make("bob")
+    form_group([alice, bob], group="orders-eu")
+    form_group([alice, bob], group="orders-us")
+    alice.dp.publish("orders-eu", [b"eu row"], message_ids=["row-1"]).wait(10)
+    alice.dp.publish("orders-us", [b"us row"], message_ids=["row-1"]).wait(10)
+    assert bob.wait(lambda: len(bob.from_(alice, "orders-us")) == 1, timeout=10)
+    assert [d.payload for d in bob.from_(alice, "orders-eu")] == [b"eu row"]
+    assert [d.payload for d in bob.from_(alice, "orders-us")] == [b"us row"]
+    assert bob.dp.stats()["duplicates_dropped"] == 0
+
+
 def test_a_subscriber_that_stops_reading_cannot_stall_the_group(make) -> None:  # type: ignore[no-untyped-def]
     """carol's process dies but a socket with her key stays connected and never reads (as a frozen
     process would): XPUB_NODROP blocks, and after dead_after the publisher cuts every connection."""

@@ -1538,7 +1538,9 @@ class DataPlane:
     def _deliver(self, g: _Group, did: str, msgs: list[dm.DataMessage]) -> None:
         if msgs:
             now = time.time()
-            dup_flags = self._dedup.check_and_add_many([(did, m.id) for m in msgs])
+            # Keyed by group too: message ids are the publisher's per group (a re-used id in another
+            # group is another message, which must be delivered and acked as such).
+            dup_flags = self._dedup.check_and_add_many([(g.name, did, m.id) for m in msgs])
             callback = self._on_deliver
             many = self._on_deliver_many
             group = g.name
