@@ -32,6 +32,7 @@ from zerocomm_spark.errors import (
 from zerocomm_spark.group import DataPlane, DataPlaneConfig, Delivered, RemoteMember
 from zerocomm_spark.group import datamessage as dm
 from zerocomm_spark.group import topics
+from zerocomm_spark.group.lamport import LamportClock
 from zerocomm_spark.keys.keypair import KeyPair, verkey_bytes
 from zerocomm_spark.keys.keystore import Keystore
 from zerocomm_spark.transport.frames import ProtocolId
@@ -610,6 +611,24 @@ def test_lamport_order_respects_causality(make) -> None:  # type: ignore[no-unty
     assert [p for p in order if not p.startswith(b"noise")] == chain  # the total order keeps causality
     # every member's clock is past everything it delivered
     assert alice.dp.lamport_time >= max(d.lamport_ts for d in alice.got)
+
+
+def test_a_stamp_far_past_the_clock_is_dropped_and_cannot_wedge_the_group(make) -> None:  # type: ignore[no-untyped-def]
+    """One message stamped near 2**63 would drag every member's clock to the wire's limit, where the
+    next stamps overflow it (or all tie): it is dropped and counted, and the group carries on; a big
+    but plausible jump is delivered and observed."""
+    mallory, bob, carol = make("mallory"), make("bob"), make("carol")
+    form_group([mallory, bob, carol], mode="shared")
+    mallory.dp._clock = LamportClock(dm.MAX_SEQ - 1)  # noqa: SLF001 - a member whose clock is hostile
+    mallory.dp.publish("g", [b"poison"]).wait(10)
+    mallory.dp._clock = LamportClock(2**39)  # noqa: SLF001
+    mallory.dp.publish("g", [b"far but plausible"]).wait(10)
+    assert bob.wait(lambda: len(bob.from_(mallory)) == 1)
+    assert [d.payload for d in bob.from_(mallory)] == [b"far but plausible"]
+    assert bob.dp.stats()["rejected_malformed"] == 1
+    assert 2**39 < bob.dp.lamport_time < 2**40
+    bob.dp.publish("g", [b"hello from bob"]).wait(10)  # acked: carol accepted bob's next stamp
+    assert carol.wait(lambda: [d.payload for d in carol.from_(bob)] == [b"hello from bob"])
 
 
 # --- membership changes and restarts -------------------------------------------------------------

@@ -6,7 +6,7 @@ import threading
 
 import pytest
 
-from zerocomm_spark.group.lamport import LamportClock
+from zerocomm_spark.group.lamport import MAX_TIME, LamportClock
 
 
 def test_tick_increments_and_reserves_blocks() -> None:
@@ -61,3 +61,12 @@ def test_rejects_bad_start(bad: object) -> None:
 def test_tick_needs_a_positive_count() -> None:
     with pytest.raises(ValueError):
         LamportClock().tick(0)
+
+
+def test_the_clock_saturates_at_the_wire_limit_instead_of_overflowing_it() -> None:
+    """A stamp past 2**63-1 would be refused by every receiver and stall the publisher's stream."""
+    clock = LamportClock(MAX_TIME - 2)
+    assert clock.tick(5) == MAX_TIME - 1
+    assert clock.time == MAX_TIME
+    assert clock.tick() == MAX_TIME
+    assert clock.time == MAX_TIME

@@ -86,7 +86,7 @@ from zerocomm_spark.errors import (
 from zerocomm_spark.group import datamessage as dm
 from zerocomm_spark.group import topics
 from zerocomm_spark.group.dedup import TTLCache
-from zerocomm_spark.group.lamport import LamportClock
+from zerocomm_spark.group.lamport import MAX_JUMP, LamportClock
 from zerocomm_spark.group.outbox import Outbox, PublishReceipt
 from zerocomm_spark.group.sequencing import PublisherStream
 from zerocomm_spark.keys.keypair import KeyPair
@@ -1547,7 +1547,18 @@ class DataPlane:
             dup_ids = errors = nbytes = 0
             # Observing the batch's highest timestamp before the first callback keeps the Lamport
             # property (anything published from a callback is stamped after what it saw).
-            self._clock.observe(max(m.lamport for m in msgs))
+            top = max(m.lamport for m in msgs)
+            limit = self._clock.time + MAX_JUMP
+            if top > limit:  # a faulty or hostile publisher: never let one stamp drag the clock (lamport.py)
+                kept = [(m, dup) for m, dup in zip(msgs, dup_flags) if m.lamport <= limit]
+                dropped = len(msgs) - len(kept)
+                log.warning("group %r: dropped %d message(s) of %s stamped more than 2**40 past this member's "
+                            "Lamport clock (a faulty or hostile publisher)", g.name, dropped, did)
+                self._stats.add(rejected_malformed=dropped)
+                msgs = [m for m, _ in kept]
+                dup_flags = [dup for _, dup in kept]
+                top = max((m.lamport for m in msgs), default=0)
+            self._clock.observe(top)
             fresh: list[Delivered] = []
             for msg, dup in zip(msgs, dup_flags):
                 if dup:

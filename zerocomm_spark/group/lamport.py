@@ -10,7 +10,16 @@ from __future__ import annotations
 
 import threading
 
-__all__ = ["LamportClock"]
+__all__ = ["MAX_JUMP", "MAX_TIME", "LamportClock"]
+
+#: The largest timestamp (the wire format's int64 limit): the clock stops there rather than stamp a
+#: message no member would accept, which would stall its publisher's stream for good.
+MAX_TIME = 2**63 - 1
+#: How far past its own clock a member lets one received timestamp move it. A stamp further ahead
+#: comes from a faulty or hostile publisher (an honest one would need ~10^12 more events than the
+#: receiver has seen): delivering it would drag every clock towards MAX_TIME, where timestamps tie
+#: and stop telling causal order, so it is dropped instead (``rejected_malformed``).
+MAX_JUMP = 2**40
 
 
 class LamportClock:
@@ -32,13 +41,14 @@ class LamportClock:
     def tick(self, n: int = 1) -> int:
         """Reserve ``n`` consecutive timestamps for sends; returns the first.
 
-        Reserving a block lets a publisher stamp a whole burst under one lock acquisition.
+        Reserving a block lets a publisher stamp a whole burst under one lock acquisition. At
+        MAX_TIME the clock saturates: the stamps repeat MAX_TIME (still valid on the wire).
         """
         if n < 1:
             raise ValueError("tick() reserves at least one timestamp")
         with self._lock:
-            first = self._time + 1
-            self._time += n
+            first = min(self._time + 1, MAX_TIME)
+            self._time = min(self._time + n, MAX_TIME)
             return first
 
     def observe(self, ts: int) -> int:
