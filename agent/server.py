@@ -417,7 +417,12 @@ class ApiServer:
             except zmq.ZMQError as exc:
                 log.warning("API socket read failed: %s", exc.strerror)
                 return
-            self._on_request(where, [f.bytes if len(f) < 65536 else f.buffer for f in frames])
+            try:
+                self._on_request(where, [f.bytes if len(f) < 65536 else f.buffer for f in frames])
+            except Exception as exc:  # noqa: BLE001 - an input nothing above foresaw fails its call, not the server
+                log.error("an API request could not be handled (%s); the agent serves on", type(exc).__name__)
+                if frames:
+                    self._replies.put((where, [frames[0].bytes, encode_header(error_header(None, exc))]))
 
     def _reply(self, where: str, identity: bytes, header: dict[str, Any], bulk: bytes | None = None) -> None:
         frames = [identity, encode_header(header)]

@@ -215,6 +215,8 @@ def decode_header(frame: bytes) -> dict[str, Any]:
         header = json.loads(frame)
     except (ValueError, UnicodeDecodeError):
         raise BadRequestError("the first frame is not a JSON object (expected [json header][arrow ipc]?)") from None
+    except RecursionError:  # "[[[[..." a few thousand deep: refused like any other bad header
+        raise BadRequestError("the JSON header nests too deeply; send a flat object of call arguments") from None
     if not isinstance(header, dict):
         raise BadRequestError(f"the header is JSON {type(header).__name__}, not an object")
     return header

@@ -121,6 +121,9 @@ def test_bad_input_gets_clear_errors_and_the_server_keeps_serving(served: tuple[
          "RequestTooLargeError", f"at most {LIMIT}"),
         ([json.dumps({"id": 14, "call": "fail"}).encode()], "GroupNotFoundError", "no group named 'x'"),
         ([json.dumps({"id": 15, "call": "crash"}).encode()], "ApiError", "failed while handling"),
+        ([b"[" * 5000], "BadRequestError", "nests too deeply"),  # json.loads' RecursionError
+        (['{"id": 18, "call": "echo", "args": {"text": '.encode() + b"[" * 5000 + b"]" * 5000 + b"}}"],
+         "BadRequestError", "nests too deeply"),
     ]
     for frames, error, text in cases:
         reply = _ask(sock, *frames)
@@ -136,6 +139,26 @@ def test_bad_input_gets_clear_errors_and_the_server_keeps_serving(served: tuple[
         reply = json.loads(sock.recv_multipart()[0])
     assert reply == {"v": 1, "id": 17, "ok": True, "result": {"echo": "okok"}}
     assert server.stats["refused"] >= 15
+    sock.close()
+
+
+def test_a_request_that_breaks_the_reading_thread_fails_alone(served: tuple[ApiServer, threading.Event],
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """An input nothing foresaw (here: parsing raises an unexpected error) gets an ApiError reply; the
+    thread that reads every client's requests keeps serving."""
+    server, _ = served
+    sock = _raw(server)
+    real = server.registry.parse
+
+    def parse(header, bulk):  # type: ignore[no-untyped-def]
+        if header.get("call") == "status":
+            raise KeyError("unforeseen")
+        return real(header, bulk)
+
+    monkeypatch.setattr(server.registry, "parse", parse)
+    reply = _ask(sock, json.dumps({"id": 1, "call": "status"}).encode())
+    assert reply["ok"] is False and reply["error"]["type"] == "ApiError" and reply["error"]["hint"]
+    assert _ask(sock, json.dumps({"id": 2, "call": "echo", "args": {"text": "ok"}}).encode())["result"] == {"echo": "ok"}
     sock.close()
 
 
