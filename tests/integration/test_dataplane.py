@@ -25,6 +25,7 @@ from zerocomm_spark.errors import (
     BackpressureError,
     GroupError,
     GroupNotOpenError,
+    MalformedGroupMessageError,
     NotAMemberError,
     PeerTimeoutError,
     ReadOnlyMemberError,
@@ -611,6 +612,28 @@ def test_lamport_order_respects_causality(make) -> None:  # type: ignore[no-unty
     assert [p for p in order if not p.startswith(b"noise")] == chain  # the total order keeps causality
     # every member's clock is past everything it delivered
     assert alice.dp.lamport_time >= max(d.lamport_ts for d in alice.got)
+
+
+def test_a_member_with_an_unusable_key_is_refused_and_a_failed_batch_is_sent_later(make, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """In shared mode one envelope is sealed for every member: a member whose group key cannot be
+    encrypted to would fail every batch, so add_member refuses it; and a batch whose packing fails
+    anyway goes back to unsent (it was dropped, and nothing revealed the gap)."""
+    alice, bob = make("alice"), make("bob")
+    form_group([alice, bob], mode="shared")
+    with pytest.raises(MalformedGroupMessageError, match="group_verkey"):
+        alice.dp.add_member("g", replace(remote(bob, alice, "g"), group_verkey="1" * 44))
+    real = envelope.pack
+    failures = []
+
+    def failing_once(*args, **kwargs):  # type: ignore[no-untyped-def]
+        if not failures:
+            failures.append(1)
+            raise RuntimeError("injected")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(envelope, "pack", failing_once)
+    alice.dp.publish("g", payloads("alice", 3)).wait(10)
+    assert failures and [d.payload for d in bob.from_(alice)] == payloads("alice", 3)
 
 
 def test_a_stamp_far_past_the_clock_is_dropped_and_cannot_wedge_the_group(make) -> None:  # type: ignore[no-untyped-def]

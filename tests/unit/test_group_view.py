@@ -76,6 +76,11 @@ def test_an_entry_cannot_be_reattributed_to_another_did(keys: list[KeyPair]) -> 
     lambda d: d.update(did="did:peer:2.xyz"),
     lambda d: d.update(ticket="not an object"),
     lambda d: d.update(label=7),
+    # keys others encrypt to: one unusable key would fail every shared-mode batch sealed for all members
+    lambda d: d.update(group_verkey="1" * 44),  # base58, 32 bytes, but not a point with an X25519 form
+    lambda d: d.update(group_verkey="0OIl" * 11),  # not base58
+    lambda d: d.update(group_verkey="2" * 300),
+    lambda d: d.update(transport_key="T" * 39),
 ])
 def test_malformed_entries_are_refused_naming_the_field(keys: list[KeyPair], mutate) -> None:  # type: ignore[no-untyped-def]
     data = _entry(keys[0]).to_dict()

@@ -72,11 +72,13 @@ from zerocomm_spark.errors import (
     BackpressureError,
     ConfigurationError,
     DataPlaneClosedError,
+    DIDError,
     FrameTooLargeError,
     GroupAlreadyOpenError,
     GroupError,
     GroupNotOpenError,
     MalformedDataMessageError,
+    MalformedGroupMessageError,
     NotAMemberError,
     PeerTimeoutError,
     ReadOnlyMemberError,
@@ -89,7 +91,7 @@ from zerocomm_spark.group.dedup import TTLCache
 from zerocomm_spark.group.lamport import MAX_JUMP, LamportClock
 from zerocomm_spark.group.outbox import Outbox, PublishReceipt
 from zerocomm_spark.group.sequencing import PublisherStream
-from zerocomm_spark.keys.keypair import KeyPair
+from zerocomm_spark.keys.keypair import KeyPair, verkey_to_x25519
 from zerocomm_spark.transport.frames import ProtocolId
 
 if TYPE_CHECKING:
@@ -283,6 +285,7 @@ class _Group:
         self.pending_restore: dict[str, int] = {}
         self.wire_seq = outbox.last_seq  # highest seq handed to ZeroMQ (set by the IO thread)
         self.pack_lock = threading.Lock()
+        self.pack_failed_logged = 0.0  # monotonic time of the last "packing failed" log line (rate limit)
         self.closed = False
 
 
@@ -626,6 +629,11 @@ class DataPlane:
             raise ConfigurationError("a member does not add itself; its own role is set by open_group/set_role")
         _check_role(member.role)
         server_key = _z85_key(member.transport_key, "the member's transport_key")
+        for name in ("group_verkey", "relationship_verkey"):
+            try:  # checked now: an unusable key would fail every batch sealed for this member (or, shared, for all)
+                verkey_to_x25519(getattr(member, name))
+            except (DIDError, ValueError, TypeError):
+                raise MalformedGroupMessageError(f"the member's {name} is not a base58 Ed25519 public key") from None
         for ep in (member.publish_endpoint, member.peer_endpoint):
             if not isinstance(ep, str) or "://" not in ep:
                 raise ConfigurationError(f"a member endpoint looks like tcp://host:port, got {ep!r}")
@@ -1330,8 +1338,13 @@ class DataPlane:
                 return False
             try:
                 self._send_batch(g, msgs)
-            except Exception:  # noqa: BLE001 - the messages stay buffered; NACK/heartbeats recover
-                log.exception("packing a batch of group %r failed", g.name)
+            except Exception:  # noqa: BLE001 - the batch goes back to unsent and is tried again later
+                g.outbox.untake(msgs[0].seq)
+                now = time.monotonic()
+                if now - g.pack_failed_logged >= 10.0:
+                    g.pack_failed_logged = now
+                    log.exception("packing a batch of group %r failed; it stays queued and is retried", g.name)
+                return False  # no progress: the sender retries at its next wake-up, not in a busy loop
             return True
         finally:
             g.pack_lock.release()

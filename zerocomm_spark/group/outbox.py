@@ -271,6 +271,11 @@ class Outbox:
             self._unsent_seq += len(out)
             return out
 
+    def untake(self, seq: int) -> None:
+        """Put messages from ``seq`` on back to unsent (their batch could not be sent)."""
+        with self._lock:
+            self._unsent_seq = max(self._first_seq, min(self._unsent_seq, seq))
+
     def unsent_count(self) -> int:
         with self._lock:
             return self._last_seq - self._unsent_seq + 1

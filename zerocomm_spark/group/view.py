@@ -37,7 +37,7 @@ from zerocomm_spark.did.peer import did_key, verkey_from_did_key
 from zerocomm_spark.envelope import pack, unpack
 from zerocomm_spark.errors import DIDError, EnvelopeError, MalformedGroupMessageError, SignatureError
 from zerocomm_spark.group.topics import check_group
-from zerocomm_spark.keys.keypair import KeyPair, verify_signature
+from zerocomm_spark.keys.keypair import KeyPair, verify_signature, verkey_to_x25519
 from zerocomm_spark.protocols.message import b64url_decode, b64url_encode
 
 __all__ = [
@@ -94,6 +94,20 @@ def _field_str(data: Mapping[str, Any], name: str, *, allow_empty: bool = False)
 
 def _canonical(value: Any) -> bytes:
     return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+
+
+def _usable_verkey(verkey: str) -> bool:
+    """Can others encrypt to this key (base58, 32 bytes, a point with an X25519 form)?"""
+    return len(verkey) <= 48 and _usable_short_verkey(verkey)  # base58 of 32 bytes is 43-44 characters
+
+
+@lru_cache(maxsize=16384)  # views are re-parsed often and their keys rarely change
+def _usable_short_verkey(verkey: str) -> bool:
+    try:
+        verkey_to_x25519(verkey)
+    except (DIDError, ValueError):
+        return False
+    return True
 
 
 @dataclass(frozen=True)
@@ -167,6 +181,13 @@ class MemberEntry:
             raise MalformedGroupMessageError(f"member entry field 'status' must be one of {', '.join(STATUSES)}")
         if not values["did"].startswith("did:key:"):
             raise MalformedGroupMessageError("member entry field 'did' must be a did:key")
+        # Keys others will encrypt to: one unusable key in a shared-mode group would fail every
+        # batch sealed for all members at once, so it is refused here, where the entry comes in.
+        if not _usable_verkey(values["group_verkey"]):
+            raise MalformedGroupMessageError("member entry field 'group_verkey' must be a base58 Ed25519 public key") from None
+        transport_key = values["transport_key"]
+        if len(transport_key) != 40 or not transport_key.isascii():
+            raise MalformedGroupMessageError("member entry field 'transport_key' must be a 40-character Z85 CURVE key")
         return cls(**values)
 
     def content_key(self) -> tuple[int, bytes]:
