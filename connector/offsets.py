@@ -362,8 +362,10 @@ def limit_rows(start: ZeroCommOffset, latest: ZeroCommOffset, max_rows: int) -> 
     pending = sorted(backlog)
     while budget > 0 and pending:
         share = budget // len(pending)
-        if share == 0:  # fewer messages left than publishers: one each, in key order
-            for key in pending[:budget]:
+        if share == 0:  # fewer messages left than publishers: one each to the longest backlogs
+            # (ties in key order); a publisher passed over now has the longer backlog next batch, so
+            # the budget rotates instead of always going to the keys that sort first.
+            for key in sorted(pending, key=lambda k: (grant[k] - backlog[k], k))[:budget]:
                 grant[key] += 1
             break
         still = []

@@ -108,18 +108,28 @@ def publish_partition(batches: Iterator[pa.RecordBatch], options: SinkOptions, c
             generated = pa.array([f"{prefix}.{i}" for i in range(row, row + chunk.num_rows)], type=pa.string())
             if columns.has_message_id:
                 given = chunk.column("message_id").combine_chunks()
-                ids = pc.if_else(pc.is_null(given), generated, given) if given.null_count else given
+                # A null or empty id gets the derived one: an empty id would be replaced by a random
+                # one downstream, new at every retry (a row delivered twice).
+                missing = pc.or_kleene(pc.is_null(given), pc.equal(given, ""))
+                ids = pc.if_else(missing, generated, given) if pc.any(missing).as_py() else given
             else:
                 ids = generated
             data = {"payload": payload, "message_id": ids}
             if columns.has_headers:
                 data["headers"] = chunk.column("headers").cast(_HEADERS)
-            result = link.publish(options.group, pa.table(data), options.publish_timeout_s)
-            if len(result.message_ids) != chunk.num_rows:
+            table = pa.table(data)
+            repeated = 0
+            if columns.has_message_id:
+                # Given ids dedupe at-least-once input: a repeat within a chunk is dropped here (the
+                # agent refuses a batch naming an id twice), as a repeat in a later chunk is by the
+                # member - both counted as duplicates.
+                table, repeated = _first_of_each_id(table)
+            result = link.publish(options.group, table, options.publish_timeout_s)
+            if len(result.message_ids) != table.num_rows:
                 raise PublishNotAcknowledgedError(
-                    f"the agent acknowledged {len(result.message_ids)} of {chunk.num_rows} messages")
-            published += chunk.num_rows
-            duplicates += int(getattr(result, "duplicates", 0) or 0)
+                    f"the agent acknowledged {len(result.message_ids)} of {table.num_rows} messages")
+            published += chunk.num_rows  # every row acknowledged, or a duplicate of one that was
+            duplicates += repeated + int(getattr(result, "duplicates", 0) or 0)
             seqs = [s for s in result.seqs if isinstance(s, int)]
             if seqs:
                 first_seq = min(seqs) if first_seq is None else min(first_seq, min(seqs))
@@ -131,6 +141,17 @@ def publish_partition(batches: Iterator[pa.RecordBatch], options: SinkOptions, c
             link.close()
     return ZeroCommCommitMessage(partition=partition, messages=published, duplicates=duplicates,
                                  first_seq=first_seq, last_seq=last_seq, publisher_label=label)
+
+
+def _first_of_each_id(table: pa.Table) -> tuple[pa.Table, int]:
+    """The rows whose message id did not occur earlier in ``table`` (order kept), and how many were dropped."""
+    ids = table.column("message_id")
+    if pc.count_distinct(ids).as_py() == table.num_rows:
+        return table, 0
+    firsts = (pa.table({"id": ids, "row": pa.array(range(table.num_rows), pa.int64())})
+              .group_by("id", use_threads=False).aggregate([("row", "min")]).column("row_min"))
+    keep = pc.sort_indices(firsts)
+    return table.take(pc.take(firsts, keep)), table.num_rows - len(firsts)
 
 
 def _first_null(column: pa.ChunkedArray | pa.Array) -> int:

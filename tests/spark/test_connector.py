@@ -334,6 +334,36 @@ def test_a_sink_batch_the_group_does_not_acknowledge_fails_clearly_and_commits_n
         assert len(ids) == len(set(ids)) == 50, member.label
 
 
+def test_sink_task_with_empty_and_repeated_given_ids_delivers_each_id_once_across_retries(members, group):
+    """A task's own rows, published twice (a retry): an empty id gets the derived id like a null one
+    (not a random one, new at every attempt), and an id repeated within a chunk or across chunks is
+    one message, counted as a duplicate - not a refused batch that fails the query for good."""
+    import pyarrow as pa
+
+    from zerocomm_spark.connector.options import SinkOptions
+    from zerocomm_spark.connector.schema import SinkColumns
+    from zerocomm_spark.connector.writer import publish_partition
+
+    alice, bob = members["alice"], members["bob"]
+    columns = SinkColumns(payload_is_string=True, has_message_id=True, has_headers=False)
+    given = ["a1", "", None, "x", "x", "y", "a1"]
+    rows = [pa.record_batch({"payload": pa.array([f"p{i}" for i in range(len(given))]),
+                             "message_id": pa.array(given, pa.string())})]
+    # One chunk (the repeats of x and a1 dropped in the task), then a chunk per row (they meet in the
+    # member; a1, x, y were also published by the first task already); each attempt once more.
+    for size, first_dups in (("2000", 2), ("1", 5)):
+        options = SinkOptions.parse({"group": group, "agent": str(alice.config), "publishBatchSize": size})
+        for attempt in range(2):
+            done = publish_partition(iter(rows), options, columns, f"q.{size}.0", 0)
+            assert done.messages == len(given)
+            assert done.duplicates == (first_dups if attempt == 0 else len(given)), (size, attempt, done)
+    expected = {"a1", "q.2000.0.1", "q.2000.0.2", "x", "y", "q.1.0.1", "q.1.0.2"}
+    wait_for(lambda: bob.client().read(group=group).num_rows >= len(expected), 30, "bob to receive")
+    time.sleep(0.5)
+    ids = bob.client().read(group=group).column("message_id").to_pylist()
+    assert sorted(ids) == sorted(expected)
+
+
 def test_a_query_writes_to_a_group_and_another_member_reads_it_back_in_order(spark, members, group, tmp_path):
     alice, bob, carol = members["alice"], members["bob"], members["carol"]
     # batch write through bob, in 3 partitions; some rows bring their own ids

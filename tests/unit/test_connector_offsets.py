@@ -154,6 +154,20 @@ def test_limit_rows_is_fair_bounded_and_monotonic():
         limit_rows(start, latest, 0)
 
 
+def test_a_budget_smaller_than_the_publishers_rotates_instead_of_starving_the_last_keys():
+    """Five publishers, 3 new messages each per batch, 3 rows per batch: every publisher moves, and
+    no publisher falls behind another by more than a batch's worth."""
+    keys = [("sensors", f"did:key:z{c}") for c in "ABCDE"]
+    start = ZeroCommOffset({k: 1 for k in keys})
+    top = 1
+    for _ in range(50):
+        top += 3
+        start = limit_rows(start, ZeroCommOffset({k: top for k in keys}), 3)
+    read = [start[k] - 1 for k in keys]
+    assert sum(read) == 150
+    assert max(read) - min(read) <= 3, read
+
+
 def test_limit_rows_keeps_introduced_publishers_as_given():
     end = limit_rows(ZeroCommOffset({A: 1}), ZeroCommOffset({A: 10, B: 4}), 5)
     assert end[A] == 6 and end[B] == 4
