@@ -19,6 +19,7 @@ talks to the member on the driver's host; the reading itself happens on executor
 
 from __future__ import annotations
 
+import copy
 import logging
 import uuid
 from collections.abc import Iterator, Sequence
@@ -63,6 +64,7 @@ class ZeroCommMicroBatchStream(DataSourceStreamReader, SupportsTriggerAvailableN
         self._target: ZeroCommOffset | None = None  # availableNow: never read past this
         self._latest: ZeroCommOffset | None = None  # newest positions seen, for progress reports
         self._labels: dict[PublisherKey, str] = {}
+        self._initial: dict | None = None  # initialOffset's answer, given again on every later call
 
     # Pickled into the read UDF for executors: only the options travel.
     def __getstate__(self) -> dict[str, object]:
@@ -90,14 +92,21 @@ class ZeroCommMicroBatchStream(DataSourceStreamReader, SupportsTriggerAvailableN
     # --- offsets ----------------------------------------------------------------------------------
 
     def initialOffset(self) -> dict:
-        """Where a new query starts (a restarted one resumes from its checkpoint instead)."""
-        ranges = self._ranges()
-        link = self._member()
-        offset = self.options.starting.resolve(
-            ranges, lambda key, ts: link.first_sent_at_or_after(key, ts, ranges[key]))
-        offset = offset.with_consumer(f"spark-{uuid.uuid4().hex}")  # this query, to the member's journal
-        log.info("zerocomm source starts at %s", offset.to_json())
-        return offset.to_dict()
+        """Where a new query starts (a restarted one resumes from its checkpoint instead).
+
+        Spark asks more than once for batch 0 (to plan it and to run it): the first answer is kept,
+        or the batch would run from a later start than it was planned with (rows in between lost)
+        and register a second consumer with the member's journal.
+        """
+        if self._initial is None:
+            ranges = self._ranges()
+            link = self._member()
+            offset = self.options.starting.resolve(
+                ranges, lambda key, ts: link.first_sent_at_or_after(key, ts, ranges[key]))
+            offset = offset.with_consumer(f"spark-{uuid.uuid4().hex}")  # this query, to the member's journal
+            log.info("zerocomm source starts at %s", offset.to_json())
+            self._initial = offset.to_dict()
+        return copy.deepcopy(self._initial)
 
     def getDefaultReadLimit(self) -> ReadLimit:
         n = self.options.max_messages_per_trigger

@@ -215,6 +215,29 @@ def test_member_link_reads_a_publishers_range_whether_its_rows_are_dense_or_spar
             assert {r["publisher_did"] for r in rows} == {did} and {r["group"] for r in rows} == {group}
 
 
+def test_the_initial_offset_is_decided_once_per_query(members, group):
+    """Spark calls initialOffset() to plan batch 0 and again to run it: a second answer taken later
+    (newer positions, another journal consumer) would run the batch from past its planned start."""
+    from pyspark.sql.types import StructType
+
+    from zerocomm_spark.connector.micro_batch_stream import ZeroCommMicroBatchStream
+    from zerocomm_spark.connector.options import SourceOptions
+
+    alice, bob = members["alice"], members["bob"]
+    publish(bob, group, ["before"])
+    options = SourceOptions.parse({"group": group, "agent": str(alice.config), "startingOffsets": "latest"},
+                                  mode="stream")
+    stream = ZeroCommMicroBatchStream(options, StructType())
+    try:
+        wait_for(lambda: bool(stream._ranges()), 30, "alice to know bob's stream")  # noqa: SLF001
+        first = stream.initialOffset()
+        publish(bob, group, ["in between"])
+        wait_for(lambda: stream._ranges()[(group, bob.did(group))].next > 2, 30, "alice to have it")  # noqa: SLF001
+        assert stream.initialOffset() == first
+    finally:
+        stream.stop()
+
+
 def test_batch_read_and_offsets_options(spark, members, group):
     alice, bob = members["alice"], members["bob"]
     publish(bob, group, [f"m{i}" for i in range(30)])
