@@ -85,6 +85,18 @@ def held_by(run_dir: Path) -> int | None:
         os.close(fd)
 
 
+_BUSY_RETRY_S = 0.5  # how long a start retries a held lock (a probe holds it for microseconds)
+
+
+def _same_file(fd: int, path: Path) -> bool:
+    """Is ``fd`` still the file at ``path`` (not unlinked or replaced since it was opened)?"""
+    try:
+        here, there = os.fstat(fd), os.stat(path, follow_symlinks=False)
+    except OSError:
+        return False
+    return (here.st_dev, here.st_ino) == (there.st_dev, there.st_ino)
+
+
 class RunLock:
     """The exclusive hold of a run directory by one agent process, for its whole life."""
 
@@ -93,20 +105,36 @@ class RunLock:
         self._fd: int | None = None
 
     def acquire(self) -> "RunLock":
+        """Hold the run directory, or raise AgentAlreadyRunningError.
+
+        Two races are closed here. A probe (``held_by``: ``agent status``, a client deciding whether
+        to spawn) holds a shared lock for a moment, so a refusal is only final after ~0.5 s of
+        retries. And a stopping agent unlinks the pid file before unlocking it, so a lock won on
+        a file that is no longer the one at the path is worthless: it is dropped and tried again on
+        the new file (otherwise two agents could each hold "the" lock, one of them invisible).
+        """
         path = self.run_dir / PID_FILE
-        try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
-        except OSError as exc:
-            raise ConfigurationError(f"cannot open the pid file {path}: {exc.strerror}") from None
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            os.close(fd)
-            pid = read_pid(self.run_dir)
-            raise AgentAlreadyRunningError(
-                f"another agent (pid {pid if pid is not None else 'unknown'}) already serves the API socket "
-                f"directory {self.run_dir}",
-                hint="Stop it with `zerocomm agent stop`, or give this agent its own api.socket_dir") from None
+        deadline = time.monotonic() + _BUSY_RETRY_S
+        while True:
+            try:
+                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+            except OSError as exc:
+                raise ConfigurationError(f"cannot open the pid file {path}: {exc.strerror}") from None
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                os.close(fd)
+                if time.monotonic() < deadline:
+                    time.sleep(0.02)
+                    continue
+                pid = read_pid(self.run_dir)
+                raise AgentAlreadyRunningError(
+                    f"another agent (pid {pid if pid is not None else 'unknown'}) already serves the API socket "
+                    f"directory {self.run_dir}",
+                    hint="Stop it with `zerocomm agent stop`, or give this agent its own api.socket_dir") from None
+            if _same_file(fd, path):
+                break
+            os.close(fd)  # won the lock of an unlinked pid file: try the one at the path now
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()}\n".encode("ascii"), 0)
         os.fsync(fd)
