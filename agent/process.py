@@ -188,7 +188,8 @@ class AgentProcess:
             except OSError:
                 pass
         steps: list[tuple[str, Any]] = [
-            ("api", lambda: self.server.close(timeout=min(timeout, 5.0)) if self.server else None),
+            # Running calls get half the stop timeout to finish and answer; the rest is for the parts below.
+            ("api", lambda: self.server.close(timeout=max(1.0, timeout / 2)) if self.server else None),
             # The member closes its group manager first: no delivery reaches the journal after this.
             ("member", lambda: self.member.close() if self.member else None),
             ("ingest", lambda: self.ingest.close() if self.ingest else None),

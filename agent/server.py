@@ -44,6 +44,7 @@ from zerocomm_spark.client import (
 )
 from zerocomm_spark.errors import (
     AgentBusyError,
+    AgentNotRunningError,
     BadRequestError,
     ConfigurationError,
     InsecurePermissionsError,
@@ -265,6 +266,7 @@ class ApiServer:
         self._in_flight = 0
         self._count_lock = threading.Lock()
         self._stop = threading.Event()
+        self._draining = False  # close() began: running calls finish, new ones are refused
         self._thread: threading.Thread | None = None
         self.ipc_endpoint = ""
         self.tcp_endpoint = ""
@@ -334,13 +336,25 @@ class ApiServer:
         sock.setsockopt(zmq.RCVHWM, 10_000)
 
     def close(self, timeout: float = 5.0) -> None:
-        """Stop accepting calls, let running ones finish for ``timeout`` seconds, close the sockets."""
+        """Stop accepting calls, let running ones finish for ``timeout`` seconds, close the sockets.
+
+        The reading thread keeps running meanwhile, so a call that finishes in time gets its reply
+        (a publish the group acknowledged is reported as such, not as "outcome unknown"); calls
+        that arrive meanwhile are refused with AgentNotRunningError.
+        """
         if self._stop.is_set():
             return
+        deadline = time.monotonic() + timeout
+        self._draining = True
+        while time.monotonic() < deadline:
+            with self._count_lock:
+                if self._in_flight == 0:
+                    break
+            time.sleep(0.01)
         self._stop.set()
         self._wake()
         if self._thread is not None:
-            self._thread.join(timeout)
+            self._thread.join(max(0.5, deadline - time.monotonic()))  # its last act: flush the replies
         self._pool.shutdown(wait=False, cancel_futures=True)
         with self._wake_lock:
             if self._wake_tx is not None:
@@ -464,6 +478,10 @@ class ApiServer:
             want_progress = header.get("progress") is True
         except ZeroCommError as exc:
             self._refuse(where, identity, request_id, exc)
+            return
+        if self._draining:
+            self._refuse(where, identity, request_id, AgentNotRunningError(
+                f"the agent is stopping; {call.name} was not started"))
             return
         with self._count_lock:
             if self._in_flight >= self._pool._max_workers + self.max_pending:  # noqa: SLF001

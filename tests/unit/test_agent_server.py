@@ -242,3 +242,29 @@ def test_a_directory_the_client_cannot_enter_fails_clearly(served: tuple[ApiServ
             Client.connect(server.socket_dir, timeout=2)
     finally:
         os.chmod(server.socket_dir, 0o700)
+
+
+def test_close_lets_running_calls_answer_and_refuses_new_ones(served: tuple[ApiServer, threading.Event]) -> None:
+    """An agent stopping mid-call (SIGTERM during a publish) answers that call if it finishes within
+    the stop timeout, instead of leaving the client with "outcome unknown"."""
+    server, gate = served
+    results: list[Any] = []
+    client = Client.connect(server.socket_dir, timeout=5)
+    caller = threading.Thread(target=lambda: results.append(client.call("slow", timeout=10)))
+    caller.start()
+    deadline = time.monotonic() + 5
+    while server._in_flight == 0 and time.monotonic() < deadline:  # noqa: SLF001
+        time.sleep(0.01)
+    closer = threading.Thread(target=server.close, kwargs={"timeout": 10})
+    closer.start()
+    while not server._draining:  # noqa: SLF001
+        time.sleep(0.01)
+    sock = _raw(server)
+    refused = _ask(sock, json.dumps({"id": 1, "call": "echo", "args": {"text": "late"}}).encode())
+    assert refused["error"]["type"] == "AgentNotRunningError" and "stopping" in refused["error"]["message"]
+    sock.close()
+    gate.set()
+    caller.join(10)
+    closer.join(10)
+    assert results == [{"done": True}] and not closer.is_alive()
+    client.close()
