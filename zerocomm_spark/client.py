@@ -457,6 +457,8 @@ class Client:
                 break
             except (AgentNotRunningError, ApiTimeoutError) as exc:
                 if spawn and not spawned:
+                    if self.socket_dir is not None:
+                        _check_spawn_target(self.socket_dir, config, self.endpoint)
                     _spawn_agent(config, deadline)
                     spawned = True
                     continue
@@ -791,6 +793,20 @@ class Client:
 
 
 # --- spawning an agent on demand ---------------------------------------------------------------
+
+
+def _check_spawn_target(socket_dir: Path, config: str | os.PathLike[str] | None, endpoint: str) -> None:
+    """Refuse to spawn for a socket directory the configuration in force does not serve: the agent
+    started would be another member (the default identity, maybe created on the spot), serving
+    elsewhere and left running. Starting one from the directory alone is no better: the identity's
+    own configuration (its joiner policy, its journal limits) would be silently replaced by defaults."""
+    wanted = socket_dir.expanduser().absolute()
+    if resolve_socket_dir(config).expanduser().absolute() != wanted:
+        raise AgentNotRunningError(
+            f"no agent answers on {endpoint}, and spawn=True cannot start one there: the configuration in force "
+            "serves another socket directory",
+            hint="Connect with the agent's configuration file instead (Client.connect('.../zerocomm.toml', "
+                 "spawn=True), or the connector's agent=<file.toml>), or start that agent yourself") from None
 
 
 def _spawn_agent(config: str | os.PathLike[str] | None, deadline: float) -> None:

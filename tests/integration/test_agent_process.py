@@ -144,6 +144,28 @@ def test_clients_spawn_one_agent_on_demand(tmp_path: Path) -> None:
         m.stop()
 
 
+def test_spawn_for_a_socket_directory_no_configuration_serves_is_refused(tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """spawn=True starts the agent of the configuration in force: for another socket directory that
+    would be another member (here: a new default identity), serving elsewhere and left running."""
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.delenv("ZEROCOMM_CONFIG", raising=False)
+    (tmp_path / "home").mkdir()
+    m = Member(tmp_path, "elsewhere")
+    m.init()
+    started = time.monotonic()
+    with pytest.raises(AgentNotRunningError, match="spawn=True cannot start one there") as info:
+        Client.connect(m.run_dir, spawn=True, timeout=30)
+    assert "zerocomm.toml" in info.value.hint and time.monotonic() - started < 10
+    assert not list((tmp_path / "home").iterdir())  # no default identity was created, no agent started
+    assert m.pid() is None
+    with Client.connect(m.config, spawn=True, timeout=60) as client:  # its configuration: spawned
+        assert client.status()["label"] == "elsewhere"
+    with Client.connect(m.run_dir, spawn=True, timeout=10) as client:  # running: the directory is enough
+        assert client.status()["label"] == "elsewhere"
+    m.stop()
+
+
 def test_bad_input_gets_clear_errors_and_the_agent_keeps_serving(tmp_path: Path) -> None:
     m = Member(tmp_path, "target", "api.max_request_bytes=200000")
     m.init()
