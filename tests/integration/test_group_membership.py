@@ -16,6 +16,8 @@ from zerocomm_spark.errors import GroupExistsError, GroupNotFoundError, JoinRefu
 from zerocomm_spark.group.dataplane import Delivered
 from zerocomm_spark.group.manager import GroupConfig
 from zerocomm_spark.group.policy import InvitationPolicy
+from zerocomm_spark.group.proof import connection_proof
+from zerocomm_spark.protocols.group.v1_0.messages import GroupProblemReport, Subscribe
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.slow]
 
@@ -56,6 +58,30 @@ def test_invitation_policy_admits_only_invited_joiners(agents: tuple[Agent, Agen
     assert info.policy == {"kind": "open"}  # carol's own default
     pids = {p.pid for p in alice.discover("bob")}
     assert "https://didcomm.org/zerocomm-group/1.0" in pids
+
+
+def test_a_replayed_member_entry_cannot_take_over_that_members_pairing(agents: tuple[Agent, Agent, Agent]) -> None:
+    """Entries are public (signed, but every member holds every entry): carol, once a member, replays
+    bob's entry and ticket in a subscribe over a fresh connection. Without bob's proof for that
+    connection she is refused; alice still reaches bob through bob's own key, and bob still acks."""
+    alice, bob, carol = agents
+    alice.groups.create("g", mode="single")
+    bob.groups.join("g", via=bob.accept(alice.invite(), timeout=10), timeout=30)
+    carol.groups.join("g", via=carol.accept(alice.invite(), timeout=10), timeout=30)
+    bob_entry = carol.groups._groups["g"].view.get(bob.groups.did)  # noqa: SLF001 - what carol holds anyway
+    alice_entry = carol.groups._groups["g"].view.get(alice.groups.did)  # noqa: SLF001
+    bob_key = next(m for m in alice.groups.dataplane.members("g") if m.did == bob.groups.did).relationship_verkey
+    fresh = carol.accept(alice_entry.invitation, timeout=10)
+    forged = connection_proof(carol.groups._member_key, "g", bob.groups.did,  # noqa: SLF001 - carol's own key
+                              carol._store.find(fresh.id).my_did)  # noqa: SLF001
+    for proof in ("", forged):
+        reply = carol.request(fresh.id, Subscribe(group="g", member=bob_entry.to_dict(), settings={
+            "mode": "single", "ordered": True, "consistent_join": True}, ticket=bob_entry.ticket, proof=proof),
+            timeout=10)
+        assert isinstance(reply, GroupProblemReport) and "does not prove" in reply.explain, reply
+    assert next(m for m in alice.groups.dataplane.members("g")
+                if m.did == bob.groups.did).relationship_verkey == bob_key
+    alice.groups.publish("g", [b"for bob"]).wait(10)  # acked by bob (and carol)
 
 
 def test_a_missed_status_is_repaired_by_digests(agents: tuple[Agent, Agent, Agent]) -> None:

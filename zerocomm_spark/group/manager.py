@@ -58,6 +58,7 @@ from zerocomm_spark.errors import (
 )
 from zerocomm_spark.group.dataplane import MODES, ROLES, DataPlane, DataPlaneConfig, Delivered, PublishReceipt, RemoteMember
 from zerocomm_spark.group.policy import AdmissionPolicy, AdmissionRequest, OpenPolicy, Ticket, policy_from_dict
+from zerocomm_spark.group.proof import connection_proof, proves_connection
 from zerocomm_spark.group.store import GROUP_KEY_PURPOSE, GroupRecord, GroupStore, Positions
 from zerocomm_spark.group.topics import check_group
 from zerocomm_spark.group.view import (
@@ -99,6 +100,9 @@ if TYPE_CHECKING:
 __all__ = ["GroupConfig", "GroupInfo", "GroupManager", "MemberInfo"]
 
 log = logging.getLogger(__name__)
+
+_NO_PROOF = ("the request does not prove it comes from the entry's member over this connection (entries are "
+             "public: anyone can send one)")
 
 MEMBER_GOAL = "zerocomm.group.member"  # the multi-use invitation each member announces in its entry
 JOIN_GOAL = "zerocomm.group.join"  # invitations issued for a group with invite(group)
@@ -661,7 +665,7 @@ class GroupManager:
         g = _Group(record, GroupView(group), policy, key, _JOINING, self.config.history_max)
         mine = self._bump_own(g, status=JOINING)
         who = acceptor.their_label or acceptor.connection_id
-        request = JoinRequest(group=group, member=mine.to_dict())
+        request = JoinRequest(group=group, member=mine.to_dict(), proof=self._proof(group, acceptor))
         reply = self._agent.request(acceptor.connection_id, request,
                                     min(self._remaining(deadline, "the join request"), self.config.request_timeout_s))
         if isinstance(reply, GroupProblemReport):
@@ -764,7 +768,8 @@ class GroupManager:
                 raise ConnectionNotReadyError(f"the DID exchange with {entry.label} did not complete")
         if admit:
             self.dataplane.add_member(g.name, self._remote(entry, record))
-        request = Subscribe(group=g.name, member=self._own(g).to_dict(), settings=g.settings(), ticket=g.record.ticket)
+        request = Subscribe(group=g.name, member=self._own(g).to_dict(), settings=g.settings(), ticket=g.record.ticket,
+                            proof=self._proof(g.name, record))
         timeout = min(self._remaining(deadline, "a subscribe"), self.config.request_timeout_s)
         reply = self._agent.request(record.connection_id, request, timeout)
         who = entry.label or entry.did
@@ -1019,6 +1024,12 @@ class GroupManager:
             return _problem(request, ProblemCode.NOT_READY, f"the group is {g.phase} here; retry shortly")
         return g
 
+    def _proof(self, group: str, record: ConnectionRecord) -> str:
+        """This member's proof that what it sends over ``record`` for ``group`` comes from it (group/proof.py)."""
+        if not record.my_did:
+            raise ConnectionNotReadyError("the connection has no DID of ours yet; finish the DID exchange first")
+        return connection_proof(self._member_key, group, self.did, record.my_did)
+
     def _on_join_request(self, request: JoinRequest, record: ConnectionRecord) -> AgentMessage:
         g = self._active_group(request, request.group)
         if isinstance(g, GroupProblemReport):
@@ -1029,6 +1040,8 @@ class GroupManager:
             return _problem(request, ProblemCode.INVALID, f"the joiner's entry is invalid ({type(exc).__name__})")
         if entry.did == self.did:
             return _problem(request, ProblemCode.INVALID, "the joiner claims this member's DID")
+        if not proves_connection(request.proof, g.name, entry.did, record.their_did):
+            return _problem(request, ProblemCode.INVALID, _NO_PROOF)
         with self._lock:
             admission = AdmissionRequest(group=g.name, stage="join", member_did=entry.did, label=entry.label,
                                          role=entry.role, connection_did=record.their_did,
@@ -1073,6 +1086,10 @@ class GroupManager:
             return _problem(request, ProblemCode.INVALID, f"the subscriber's entry is invalid ({type(exc).__name__})")
         if entry.did == self.did or entry.status == LEFT:
             return _problem(request, ProblemCode.INVALID, "the subscriber's entry names this member or has left")
+        if not proves_connection(request.proof, g.name, entry.did, record.their_did):
+            log.warning("group %r: refused a subscribe as %s without that member's proof for the connection",
+                        g.name, entry.did)
+            return _problem(request, ProblemCode.INVALID, _NO_PROOF)
         if (mode, ordered) != (g.record.mode, g.record.ordered):
             return _problem(request, ProblemCode.INVALID,
                             f"the group here is {g.record.mode} and {'ordered' if g.record.ordered else 'unordered'}")

@@ -108,6 +108,14 @@ def _checksum(data: Mapping[str, Any], name: str = "checksum") -> str:
     return value
 
 
+def _proof(data: Mapping[str, Any]) -> str:
+    """A member's connection proof: base64url of a 64-byte signature, or absent (then refused later)."""
+    value = data.get("proof", "")
+    if not isinstance(value, str) or len(value) > 128:
+        raise _E("field 'proof' must be a base64url signature")
+    return value
+
+
 class _Threaded(AgentMessage):
     """A reply: must carry the request's @id as ``~thread.thid``."""
 
@@ -128,13 +136,14 @@ class JoinRequest(AgentMessage):
 
     group: str
     member: dict[str, Any]
+    proof: str = ""  # the member key's signature binding the entry to this connection (group/proof.py)
 
     def body(self) -> dict[str, Any]:
-        return {"group": self.group, "member": self.member}
+        return {"group": self.group, "member": self.member, "proof": self.proof}
 
     @classmethod
     def parse_body(cls, data: Mapping[str, Any]) -> dict[str, Any]:
-        return {"group": _group(data), "member": _obj(data, "member")}
+        return {"group": _group(data), "member": _obj(data, "member"), "proof": _proof(data)}
 
 
 @dataclass(kw_only=True)
@@ -174,9 +183,11 @@ class Subscribe(AgentMessage):
     member: dict[str, Any]
     settings: dict[str, Any]
     ticket: dict[str, Any] | None = None
+    proof: str = ""  # the member key's signature binding the entry to this connection (group/proof.py)
 
     def body(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"group": self.group, "member": self.member, "settings": self.settings}
+        out: dict[str, Any] = {"group": self.group, "member": self.member, "settings": self.settings,
+                               "proof": self.proof}
         if self.ticket is not None:
             out["ticket"] = self.ticket
         return out
@@ -184,7 +195,7 @@ class Subscribe(AgentMessage):
     @classmethod
     def parse_body(cls, data: Mapping[str, Any]) -> dict[str, Any]:
         return {"group": _group(data), "member": _obj(data, "member"), "settings": _obj(data, "settings"),
-                "ticket": _obj(data, "ticket", optional=True)}
+                "ticket": _obj(data, "ticket", optional=True), "proof": _proof(data)}
 
 
 @dataclass(kw_only=True)
@@ -280,13 +291,14 @@ class Leave(AgentMessage):
 
     group: str
     member: dict[str, Any]
+    proof: str = ""  # the member key's signature binding the entry to this connection (group/proof.py)
 
     def body(self) -> dict[str, Any]:
-        return {"group": self.group, "member": self.member}
+        return {"group": self.group, "member": self.member, "proof": self.proof}
 
     @classmethod
     def parse_body(cls, data: Mapping[str, Any]) -> dict[str, Any]:
-        return {"group": _group(data), "member": _obj(data, "member")}
+        return {"group": _group(data), "member": _obj(data, "member"), "proof": _proof(data)}
 
 
 @dataclass(kw_only=True)
