@@ -16,8 +16,11 @@ from zerocomm_spark.errors import GroupExistsError, GroupNotFoundError, JoinRefu
 from zerocomm_spark.group.dataplane import Delivered
 from zerocomm_spark.group.manager import GroupConfig
 from zerocomm_spark.group.policy import InvitationPolicy
+from zerocomm_spark.group import manager as manager_module
 from zerocomm_spark.group.proof import connection_proof
-from zerocomm_spark.protocols.group.v1_0.messages import GroupProblemReport, Subscribe
+from zerocomm_spark.group.view import ACTIVE, MemberEntry, member_did_for
+from zerocomm_spark.keys.keypair import KeyPair
+from zerocomm_spark.protocols.group.v1_0.messages import GroupProblemReport, Subscribe, ViewUpdate
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.slow]
 
@@ -82,6 +85,38 @@ def test_a_replayed_member_entry_cannot_take_over_that_members_pairing(agents: t
     assert next(m for m in alice.groups.dataplane.members("g")
                 if m.did == bob.groups.did).relationship_verkey == bob_key
     alice.groups.publish("g", [b"for bob"]).wait(10)  # acked by bob (and carol)
+
+
+def test_entries_heard_second_hand_are_bounded(agents: tuple[Agent, Agent, Agent],
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """A member pushing made-up entries by the thousand: those nobody else vouches for are not kept
+    at all, the rest at most MAX_PENDING per group, oldest out."""
+    alice, bob, _ = agents
+    monkeypatch.setattr(manager_module, "MAX_PENDING", 50)
+    alice.groups.create("g")
+    via = bob.accept(alice.invite(), timeout=10)
+    bob.groups.join("g", via=via, timeout=30)
+    me = bob.groups._own(bob.groups._groups["g"])  # noqa: SLF001
+
+    def made_up(n: int, vouched: bool) -> list[dict[str, Any]]:
+        out = []
+        for _ in range(n):
+            key = KeyPair.generate()
+            did = member_did_for(key.verkey)
+            ticket = {"group": "g", "member": did, "by": bob.groups.did, "issued_at": 1, "signature": "AAAA"}
+            out.append(MemberEntry(did=did, label="x" * 200, role="read_write", status=ACTIVE,
+                                   peer_endpoint=me.peer_endpoint, publish_endpoint=me.publish_endpoint,
+                                   group_verkey=key.verkey, transport_key=me.transport_key, invitation=me.invitation,
+                                   version=1, ticket=ticket if vouched else None).signed(key).to_dict())
+        return out
+
+    pending = alice.groups._groups["g"].pending  # noqa: SLF001
+    bob.deliver(via.id, ViewUpdate(group="g", entries=made_up(300, vouched=False)), timeout=30)
+    assert len(pending) == 0
+    for _ in range(3):
+        bob.deliver(via.id, ViewUpdate(group="g", entries=made_up(40, vouched=True)), timeout=30)
+        assert len(pending) <= 50
+    assert len(pending) == 50 and len(alice.groups._groups["g"].view) == 2  # noqa: SLF001
 
 
 def test_a_missed_status_is_repaired_by_digests(agents: tuple[Agent, Agent, Agent]) -> None:

@@ -101,6 +101,9 @@ __all__ = ["GroupConfig", "GroupInfo", "GroupManager", "MemberInfo"]
 
 log = logging.getLogger(__name__)
 
+#: Entries heard of second-hand (not yet in the view) kept per group for _introduce, at most.
+MAX_PENDING = 1024
+
 _NO_PROOF = ("the request does not prove it comes from the entry's member over this connection (entries are "
              "public: anyone can send one)")
 
@@ -983,8 +986,17 @@ class GroupManager:
                     continue
                 old = g.view.get(entry.did)
                 if old is None and not allow_new:
+                    # Only what _introduce could ever admit is kept (active, vouched for by another
+                    # member's ticket), and at most MAX_PENDING per group, oldest out: a member
+                    # pushing self-made entries by the thousand cannot grow this without bound.
+                    ticket = entry.ticket
+                    if entry.status != ACTIVE or not ticket or ticket.get("by") in (None, entry.did):
+                        continue
                     held = g.pending.get(entry.did)
                     if held is None or held.content_key() < entry.content_key():
+                        g.pending.pop(entry.did, None)
+                        while len(g.pending) >= MAX_PENDING:
+                            g.pending.pop(next(iter(g.pending)))
                         g.pending[entry.did] = entry
                     continue
                 g.pending.pop(entry.did, None)
