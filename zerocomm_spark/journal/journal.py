@@ -150,29 +150,34 @@ class Journal:
                         probe=lambda: key_opens_records(self.directory, self._key))
         recovered = recover(self.directory, self._key, dedup_window=self.dedup_window)
         committed = files.read_commit(self.directory)
+        consumers = ConsumerPoints.load(self.directory, fsync=sync)  # before a descriptor opens: it can fail
         segments = recovered.segments
         if segments:
             active = segments[-1]
             fd = open_for_append(active)
         else:
             active, fd = create_segment(self.directory, 0, now_micros())
-            if sync:
+        try:
+            if not recovered.segments and sync:
                 os.fsync(fd)
                 files.fsync_dir(self.directory)
-            segments = [active]
-        self._segments = segments
-        self._segment_bases = [s.base_offset for s in segments]
-        self._state = recovered.state
-        self._seq_index = recovered.seq_index
-        self._next_offset = active.end_offset
-        if committed > self._next_offset:
-            log.warning("journal %s: commit point %d is beyond the end %d (lost unsynced data?); using the end",
-                        self.directory, committed, self._next_offset)
-            committed = self._next_offset
-        self._committed = committed
-        self._consumers = ConsumerPoints.load(self.directory, fsync=sync)
-        self._consumers.clamp(self._next_offset)
-        self._writer = Writer(self, active, fd, recovered.active_runs, recovered.recent)
+            segments = segments or [active]
+            self._segments = segments
+            self._segment_bases = [s.base_offset for s in segments]
+            self._state = recovered.state
+            self._seq_index = recovered.seq_index
+            self._next_offset = active.end_offset
+            if committed > self._next_offset:
+                log.warning("journal %s: commit point %d is beyond the end %d (lost unsynced data?); using the end",
+                            self.directory, committed, self._next_offset)
+                committed = self._next_offset
+            self._committed = committed
+            self._consumers = consumers
+            self._consumers.clamp(self._next_offset)
+            self._writer = Writer(self, active, fd, recovered.active_runs, recovered.recent)
+        except BaseException:
+            os.close(fd)  # nothing owns it yet: an open that fails must not leak a write descriptor
+            raise
         self._writer.start()
         self.enforce_retention()
 
