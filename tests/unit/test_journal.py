@@ -867,3 +867,27 @@ def test_queued_appenders_and_a_close_are_woken_not_left_to_the_writer_poll(
     assert time.monotonic() - started < 30  # not the 120 s poll
     with Journal.open(jdir, key=key) as again:
         assert again.latest().next_offset == 243
+
+
+def test_sync_under_never_also_syncs_segments_rolled_since(jdir: Path, key: bytes, monkeypatch) -> None:  # noqa: ANN001
+    """Journal.sync() is the promise "on stable storage now": under "never" a roll closes the old
+    segment unsynced, so sync() must still fsync it, not only the segment being written."""
+    synced: list[str] = []
+    real = os.fdatasync
+
+    def spy(fd: int) -> None:
+        synced.append(os.path.basename(os.readlink(f"/proc/self/fd/{fd}")))
+        real(fd)
+
+    with Journal.open(jdir, key=key, segment_bytes=4096, fsync="never") as j:
+        j.append(rows(1, 10, size=200))
+        j.append(rows(11, 20, size=200))  # does not fit: rolls
+        j.append(rows(21, 30, size=200))  # rolls again
+        segments = sorted(p.name for p in jdir.glob("*.zcj"))
+        assert len(segments) == 3
+        monkeypatch.setattr(os, "fdatasync", spy)
+        j.sync()
+        assert set(segments) <= set(synced)
+        synced.clear()
+        j.sync()  # nothing new: the rolled segments are not synced again
+        assert not set(segments[:-1]) & set(synced)

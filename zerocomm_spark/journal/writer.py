@@ -33,6 +33,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
 import numpy as np
@@ -211,6 +212,7 @@ class Writer:
         # For the syncer: descriptors of rolled segments to sync and close, and whether work is due.
         self._sync_lock = threading.Lock()
         self._retired: list[int] = []
+        self._unsynced: list[Path] = []  # segments rolled under fsync="never", for an explicit sync()
         self._dir_dirty = False
         self._written = 0
         self._synced = 0
@@ -484,8 +486,9 @@ class Writer:
                 if j.fsync == "always":
                     os.fdatasync(fd)
                     fsync_dir(j.directory)
-                else:
-                    self._dir_dirty = True  # for an explicit Journal.sync()
+                else:  # "never": an explicit Journal.sync() still owes this segment an fsync
+                    self._dir_dirty = True
+                    self._unsynced.append(old.path)
         self.counters["segments_rolled"] += 1
         j._add_segment(new)  # noqa: SLF001
         j._after_roll()  # noqa: SLF001
@@ -513,10 +516,21 @@ class Writer:
         """fdatasync what was written since the last sync (and close rolled segments' descriptors)."""
         with self._sync_lock:
             retired, self._retired = self._retired, []
+            unsynced, self._unsynced = self._unsynced, []
             fd = self._fd
             dir_dirty, self._dir_dirty = self._dir_dirty, False
             written = self._written
         for old in retired:
+            try:
+                os.fdatasync(old)
+                self.counters["fsyncs"] += 1
+            finally:
+                os.close(old)
+        for path in unsynced:  # segments rolled under "never": their descriptors were closed unsynced
+            try:
+                old = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            except FileNotFoundError:  # retention deleted it meanwhile: nothing to keep
+                continue
             try:
                 os.fdatasync(old)
                 self.counters["fsyncs"] += 1
