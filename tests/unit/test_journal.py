@@ -891,3 +891,25 @@ def test_sync_under_never_also_syncs_segments_rolled_since(jdir: Path, key: byte
         synced.clear()
         j.sync()  # nothing new: the rolled segments are not synced again
         assert not set(segments[:-1]) & set(synced)
+
+
+def test_a_whole_last_record_that_fails_its_checksum_is_damage_not_a_torn_tail(jdir: Path, key: bytes) -> None:
+    """A crash only cuts a record short; a complete one that fails its crc is rot or tampering.
+    Truncating it dropped acknowledged rows and gave their offsets to new rows."""
+    with Journal.open(jdir, key=key, fsync="always") as j:
+        for first in range(1, 6):
+            j.append(rows(first, first))
+        last = j._segments[-1].records[-1]  # noqa: SLF001
+        path = j._segments[-1].path  # noqa: SLF001
+    _corrupt_body(path, last)
+    with Journal.open(jdir, key=key) as j:
+        assert j.next_offset == 5  # nothing truncated, no offset handed out twice
+        assert seqs(j.read(0, 4)) == [1, 2, 3, 4]
+        with pytest.raises(JournalCorruptError, match="damaged|position"):
+            j.read(4, 5)
+        assert j.append(rows(6, 6)).first_offset == 5
+    cut = path.stat().st_size - 7  # and a record cut short is still a torn tail, truncated
+    with open(path, "r+b") as f:
+        f.truncate(cut)
+    with Journal.open(jdir, key=key) as j:
+        assert j.next_offset == 5 and seqs(j.read(0, 4)) == [1, 2, 3, 4]

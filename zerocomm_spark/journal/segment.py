@@ -5,7 +5,8 @@ segment is written to. The scan walks record headers (one small pread per record
 large journal reads almost nothing); where a header does not chain (bad magic, wrong offset, runs
 past the end of the file) it re-synchronises on the next record whose crc holds. What lies between
 is a damaged range: reading it raises JournalCorruptError naming the file and position, and
-everything around it stays readable. Damage with no valid record after it is a torn tail.
+everything around it stays readable. Damage with no valid record after it is a torn tail, unless it
+is a whole record that fails its checksum (a crash only ever cuts a record short): that is damage too.
 """
 
 from __future__ import annotations
@@ -161,6 +162,18 @@ def scan_segment(path: Path, base_offset: int, *, verify_crc: bool) -> ScanResul
                 continue
             found = _resync(fd, pos + 1, size, expected)
             if found is None:
+                if header is not None and header.base_offset == expected and pos + header.frame_length <= size:
+                    # A whole frame that fails its crc: rot or tampering, not a torn write (a write cut
+                    # short by a crash leaves the frame incomplete). Truncating it would drop rows
+                    # that were acknowledged and hand their offsets to new rows; it stays, damaged.
+                    log.warning("journal segment %s: the last record (offsets %d..%d, position %d) fails its "
+                                "checksum", path.name, expected, header.end_offset - 1, pos)
+                    segment.damaged.append(Damage(expected, header.end_offset, pos))
+                    pos += header.frame_length
+                    expected = header.end_offset
+                    segment.size = pos
+                    segment.end_offset = expected
+                    continue
                 tail_damage_at = pos
                 break
             next_pos, next_header = found
