@@ -913,3 +913,35 @@ def test_a_whole_last_record_that_fails_its_checksum_is_damage_not_a_torn_tail(j
         f.truncate(cut)
     with Journal.open(jdir, key=key) as j:
         assert j.next_offset == 5 and seqs(j.read(0, 4)) == [1, 2, 3, 4]
+
+
+def test_a_publisher_whose_rows_retention_deleted_is_remembered_after_a_kill(jdir: Path, key: bytes) -> None:
+    """Once retention has deleted every closed segment, a kill -9 left no record of a publisher whose
+    rows were all in them: its late re-send (seq below its last) was journaled a second time."""
+    import signal
+    import subprocess
+    import sys
+    import textwrap
+
+    code = textwrap.dedent(f"""
+        import os, signal
+        from zerocomm_spark.journal import Journal
+        def row(seq, pub):
+            return dict(group={GROUP!r}, message_id=f"{{pub}}/{{seq}}", publisher_did=pub, seq=seq, lamport_ts=seq,
+                        sent_at=0, payload=b"x" * 20)
+        j = Journal.open({str(jdir)!r}, key=bytes.fromhex({key.hex()!r}), segment_bytes=4096, retention_bytes=1,
+                         dedup_window=0)
+        j.append([row(s, "did:old") for s in range(1, 11)])
+        for s in range(1, 200):  # later traffic rolls many segments; retention deletes all closed ones
+            j.append([row(s, "did:bob")])
+        j.commit(j.next_offset)
+        assert j.append([row(5, "did:old")]).duplicates == 1
+        os.kill(os.getpid(), signal.SIGKILL)
+    """)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == -signal.SIGKILL, done.stderr
+    with Journal.open(jdir, key=key, segment_bytes=4096, retention_bytes=1, dedup_window=0) as j:
+        assert j.earliest_offset() > 10  # old's rows are gone from the disk...
+        assert (GROUP, "did:old") in j.latest().publishers  # ...but not from memory
+        late = dict(row(5, publisher="did:old"), message_id="did:old/5")
+        assert j.append([late]).duplicates == 1

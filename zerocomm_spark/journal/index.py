@@ -102,13 +102,21 @@ class SegmentIndex:
     state: State
 
 
+#: The last positions of publishers whose rows retention deleted entirely, as of the earliest
+#: segment left (a SegmentIndex with no records, sealed like one for base offset 0). Segments' side
+#: files carry the same state, but only closed segments have one: without this file, a crash once
+#: retention had deleted every closed segment forgot those publishers, and their late re-sends were
+#: journaled again.
+BASE_STATE_FILE = "base-state.idx"
+
+
 def _aad(base_offset: int) -> bytes:
     return _INDEX_MAGIC + base_offset.to_bytes(8, "little")
 
 
-def write_index(path: Path, index: SegmentIndex, key: bytes) -> None:
-    """Save a side file, atomically but without fsync: a stale or missing side file only costs a
-    rescan at open (it is checked against the segment), so syncing it would buy nothing."""
+def write_index(path: Path, index: SegmentIndex, key: bytes, *, fsync: bool = False) -> None:
+    """Save a side file, atomically; by default without fsync: a stale or missing side file only
+    costs a rescan at open (it is checked against the segment), so syncing it would buy nothing."""
     doc = {
         "base": index.base_offset,
         "end": index.end_offset,
@@ -118,7 +126,7 @@ def write_index(path: Path, index: SegmentIndex, key: bytes) -> None:
         "state": [[g, p, seq, off] for (g, p), (seq, off) in index.state.items()],
     }
     plain = json.dumps(doc, separators=(",", ":")).encode()
-    write_atomic(path, _INDEX_MAGIC + crypto.seal(plain, _aad(index.base_offset), key), fsync=False)
+    write_atomic(path, _INDEX_MAGIC + crypto.seal(plain, _aad(index.base_offset), key), fsync=fsync)
 
 
 def read_index(path: Path, base_offset: int, key: bytes) -> SegmentIndex | None:

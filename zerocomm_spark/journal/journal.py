@@ -508,9 +508,14 @@ class Journal:
             if not count:
                 return 0
             doomed = self._segments[:count]
+            new_base = self._segments[count].base_offset
+            # Saved before any segment goes (see index.BASE_STATE_FILE): who published what up to here.
+            gone = {k: v for k, v in self._state.items() if v[1] < new_base}
+            index.write_index(self.directory / index.BASE_STATE_FILE,
+                              index.SegmentIndex(0, new_base, 0, [], gone), self._key, fsync=self.fsync != "never")
             del self._segments[:count]
             del self._segment_bases[:count]
-            self._seq_index.prune_below(self._segments[0].base_offset)
+            self._seq_index.prune_below(new_base)
         for segment in doomed:
             log.info("journal %s: retention deletes %s (offsets %d..%d)", self.directory.name,
                      segment.path.name, segment.base_offset, segment.end_offset - 1)

@@ -79,7 +79,8 @@ def recover(directory: Path, key: bytes, *, dedup_window: int) -> Recovered:
         segments.append(segment)
     _check_contiguity(segments)
 
-    state: State = {}
+    base = index.read_index(directory / index.BASE_STATE_FILE, 0, key)
+    state: State = dict(base.state) if base is not None else {}  # publishers retention deleted entirely
     seq_index = SeqIndex()
     active_runs: list[tuple[int, list[Run]]] = []
     scanned_ids: dict[int, pa.Array] = {}  # record base -> its ids, for the newest scanned rows
