@@ -71,6 +71,11 @@ def recover(directory: Path, key: bytes, *, dedup_window: int) -> Recovered:
     for i, (base, path) in enumerate(found):
         last = i == len(found) - 1
         result = scan_segment(path, base, verify_crc=last)
+        if not last and (result.segment.damaged or result.tail_damage_at is not None
+                         or result.segment.end_offset > found[i + 1][0]):
+            # A closed segment is scanned trusting its headers; if they do not add up, one of them may
+            # be the damaged part (a flipped count or length): rescan checking every record's crc.
+            result = scan_segment(path, base, verify_crc=True)
         segment = result.segment
         if last:
             _repair_tail(result.tail_damage_at, result.file_size, result.header_damaged, segment)
@@ -227,6 +232,12 @@ def _check_contiguity(segments: list[Segment]) -> None:
             log.warning("journal: offsets %d..%d are missing between %s and %s",
                         prev.end_offset, cur.base_offset - 1, prev.path.name, cur.path.name)
             prev.damaged.append(Damage(prev.end_offset, cur.base_offset, prev.size))
+            prev.end_offset = cur.base_offset
+        elif prev.damaged and prev.damaged[-1].end_offset == prev.end_offset \
+                and prev.damaged[-1].start_offset <= cur.base_offset:
+            # Its last record is damaged and its header's count overshoots: the next segment says where it ended.
+            last = prev.damaged[-1]
+            prev.damaged[-1] = Damage(last.start_offset, cur.base_offset, last.position)
             prev.end_offset = cur.base_offset
         elif prev.end_offset > cur.base_offset:
             raise JournalCorruptError(
