@@ -569,23 +569,39 @@ class Agent:
 
     def _post(self, endpoint: str, envelope: bytes, what: str,
               on_error: Callable[[BaseException], None] | None = None) -> None:
-        """Deliver from the outbox: handlers must not block a transport worker on another peer."""
+        """Deliver without waiting: handlers must not block a transport worker on another peer.
 
-        def run() -> None:
+        Nothing waits on the answer either (it was a thread per message: a few peers that never
+        answer kept the outbox's threads busy for OUTBOX_TIMEOUT each, and every reply of this
+        agent queued behind them); only a failure is handed to the outbox's threads, for on_error.
+        """
+
+        def failed(exc: BaseException) -> None:
+            log.warning("delivering %s failed: %s", what, type(exc).__name__)
+            if on_error is not None:
+                try:
+                    on_error(exc)
+                except Exception:  # noqa: BLE001
+                    log.exception("cleanup after a failed delivery of %s failed", what)
+
+        def report(error: BaseException) -> None:  # on the outbox's threads, never the caller's or the IO thread
             try:
-                self._deliver(endpoint, envelope, OUTBOX_TIMEOUT)
+                self._outbox.submit(failed, error)
+            except RuntimeError:  # the agent is closing
+                log.info("dropped the failure report of %s: the agent is closing", what)
+
+        def settle(future: Future[bytes]) -> None:  # runs in the transport's IO thread: stays short
+            try:
+                _raise_for_receipt(future.result())
             except Exception as exc:  # noqa: BLE001 - reported through the log and on_error
-                log.warning("delivering %s failed: %s", what, type(exc).__name__)
-                if on_error is not None:
-                    try:
-                        on_error(exc)
-                    except Exception:  # noqa: BLE001
-                        log.exception("cleanup after a failed delivery of %s failed", what)
+                report(exc)
 
         try:
-            self._outbox.submit(run)
-        except RuntimeError:  # the outbox was shut down: the agent is closing
-            log.info("dropped %s: the agent is closing", what)
+            future = self._transport.request_async(endpoint, ProtocolId.DIDCOMM, envelope, timeout=OUTBOX_TIMEOUT)
+        except Exception as exc:  # noqa: BLE001 - a refused endpoint or a closed transport
+            report(exc)
+            return
+        future.add_done_callback(settle)
 
     def _waiter(self, kind: str, thid: str) -> Future[Any]:
         future: Future[Any] = Future()

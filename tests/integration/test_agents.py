@@ -409,3 +409,28 @@ def test_round_trips_never_wait_for_the_io_loops_poll_timeout(tmp_path: Path) ->
         rtts = sorted(b.ping(conn.id, timeout=10) for _ in range(60))
     assert rtts[len(rtts) // 2] < 0.1, f"median trust ping {rtts[len(rtts) // 2] * 1000:.0f} ms"
     assert rtts[int(len(rtts) * 0.8)] < 0.2, f"80th percentile {rtts[int(len(rtts) * 0.8)] * 1000:.0f} ms"
+
+
+def test_peers_that_never_answer_do_not_hold_up_the_agents_other_replies(tmp_path: Path) -> None:
+    """Replies (pings, DID exchange responses...) went out on 4 threads, each blocked until the peer
+    answered or 5 s passed: a peer that never answers, sending 40 pings, stalled every other reply of
+    the agent for ~50 s. Now nothing waits on a reply's delivery."""
+    from zerocomm_spark.member import Agent
+    from zerocomm_spark.protocols.trust_ping.v1_0.messages import Ping
+
+    alice, mallory, bob = (Agent.open(tmp_path / n, label=n) for n in ("alice", "mallory", "bob"))
+    try:
+        record = mallory._resolve(mallory.accept(alice.invite(), timeout=10))  # noqa: SLF001
+        gate = threading.Event()
+        mallory._transport.register(ProtocolId.DIDCOMM,  # noqa: SLF001 - a black hole from now on
+                                    rpc=lambda payload, peer: (gate.wait(20), b'{"ok":true}')[1])
+        for _ in range(40):
+            mallory._deliver_to(record, Ping(response_requested=True), 5)  # noqa: SLF001 - alice takes each at once
+        started = time.monotonic()
+        bob.accept(alice.invite(), timeout=10)  # alice's DID exchange response goes out at once
+        assert bob.ping("alice", timeout=5) < 5
+        assert time.monotonic() - started < 8
+        gate.set()
+    finally:
+        for agent in (bob, alice, mallory):
+            agent.close()

@@ -422,3 +422,58 @@ def test_lifecycle_errors_and_idempotent_close() -> None:
         t.start()
     with pytest.raises(ConfigurationError):
         PeerTransport("tcp://127.0.0.1:notaport").start()
+
+
+# --- what peers choose: endpoints and routing ids (found in review) ------------------------------
+
+
+@pytest.mark.parametrize("endpoint", ["tcp://\ud800:1", "udp://127.0.0.1:9", "tcp://host name:1", "x" * 10,
+                                      "tcp://" + "a" * 2000])
+def test_an_endpoint_a_peer_chose_badly_is_refused_and_the_transport_lives(server: PeerTransport,
+                                                                           endpoint: str) -> None:
+    """A DID document's endpoint is the peer's choice: a lone surrogate made connect() raise a
+    UnicodeEncodeError in the IO thread, which killed it (every later call: TransportNotRunningError)."""
+    with PeerTransport() as t:
+        with pytest.raises(ConfigurationError, match="tcp://host:port"):
+            t.request(endpoint, ECHO, b"x", timeout=1)
+        with pytest.raises(ConfigurationError):
+            t.send(endpoint, ECHO, b"x")
+        assert t.request(server.endpoint, ECHO, b"still here", timeout=5) == b"echo:still here"
+
+
+def test_outbound_sockets_are_capped_least_recently_used_idle_first(server: PeerTransport,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """Peers choose the endpoints we answer: a socket per endpoint for ever let anyone use up the
+    context's 1023 sockets and cut the agent off from new peers."""
+    from zerocomm_spark.transport import peer as peer_module
+
+    monkeypatch.setattr(peer_module, "_MAX_DEALERS", 4)
+    with PeerTransport() as t:
+        for port in range(40001, 40011):  # ten endpoints nobody listens on
+            t.send(f"tcp://127.0.0.1:{port}", ECHO, b"x")
+        for _ in range(3):  # the socket in use with a call waiting is never the one closed
+            assert t.request(server.endpoint, ECHO, b"hi", timeout=5) == b"echo:hi"
+        deadline = time.monotonic() + 5
+        while t.stats()["dealers_evicted"] < 7 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert t.stats()["dealers_evicted"] >= 7  # 11 endpoints, at most 4 sockets
+
+
+def test_a_routing_id_seen_by_one_peer_cannot_take_our_replies_from_another(server: PeerTransport) -> None:
+    """Each outbound connection has its own random routing id: a peer presenting the one it saw to
+    another peer (whose ROUTER hands a route to the newest connection) gets none of our replies."""
+    seen: list[bytes] = []
+    with PeerTransport() as mallory, PeerTransport() as v:
+        mallory.register(ECHO, rpc=lambda payload, peer: (seen.append(peer.identity), b"ok")[1])
+        assert v.request(mallory.endpoint, ECHO, b"hello", timeout=5) == b"ok"
+        squatter = zmq.Context.instance().socket(zmq.DEALER)
+        squatter.setsockopt(zmq.LINGER, 0)
+        squatter.setsockopt(zmq.ROUTING_ID, seen[0])
+        squatter.connect(server.endpoint)
+        squatter.send(encode(Ping(1)))
+        time.sleep(0.2)
+        try:
+            for i in range(10):
+                assert v.request(server.endpoint, ECHO, b"%d" % i, timeout=2) == b"echo:%d" % i
+        finally:
+            squatter.close()

@@ -69,6 +69,7 @@ DEFAULT_PRIORITY = 128
 _CONTROL_PRIORITY = 255  # pings, pongs and refusals jump the queue: they measure or unblock others
 _LINGER_MS = 1000  # bounded so close() never hangs on an unreachable peer
 _HWM = 10_000
+_MAX_DEALERS = 256  # outbound sockets kept at once (one per remote endpoint); the oldest idle one closes
 _MAX_BACKLOG = 10_000  # queued inbound jobs; beyond it the ROUTER is not read (TCP back-pressure)
 _RECV_BATCH = 256  # messages read per socket per loop turn, so no socket starves the others
 _MAX_POLL_MS = 250
@@ -139,6 +140,7 @@ class _Stats:
     handler_errors: int = 0
     timeouts: int = 0
     dropped_out: int = 0
+    dealers_evicted: int = 0  # outbound sockets closed to stay under _MAX_DEALERS
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def add(self, **delta: int) -> None:
@@ -154,9 +156,11 @@ class PeerTransport:
     """One member's network endpoint: serves registered protocols and calls other members.
 
     ``max_frame_bytes`` bounds whole frames, header included, both ways; it should match on every
-    member. ``identity`` is this transport's routing id at other members (random when omitted); two
-    live transports must not share one, since the peer's ROUTER hands the route to the newest.
-    One DEALER is kept per remote endpoint for the transport's lifetime.
+    member. ``identity`` is this transport's routing id at other members; when omitted each outbound
+    connection gets its own random one, so no peer learns an id it could present to another peer
+    (whose ROUTER would hand it our replies). Two live transports must not share a configured one.
+    One DEALER is kept per remote endpoint, at most _MAX_DEALERS (the least recently used idle one
+    is closed to make room).
     """
 
     def __init__(
@@ -171,9 +175,8 @@ class PeerTransport:
             raise ConfigurationError(f"max_frame_bytes must be an integer >= 64, got {max_frame_bytes!r}")
         if not isinstance(workers, int) or workers < 1:
             raise ConfigurationError(f"workers must be a positive integer, got {workers!r}")
-        if identity is None:
-            identity = b"zc-" + secrets.token_hex(8).encode("ascii")
-        if not isinstance(identity, bytes) or not 1 <= len(identity) <= 255 or identity[0] == 0:
+        if identity is not None and (not isinstance(identity, bytes) or not 1 <= len(identity) <= 255
+                                     or identity[0] == 0):
             raise ConfigurationError("identity must be 1-255 bytes and must not start with a zero byte")
         self._bind = bind
         self._max_frame = max_frame_bytes
@@ -237,7 +240,8 @@ class PeerTransport:
             t = threading.Thread(target=self._worker_main, name=f"zerocomm-peer-worker-{i}", daemon=True)
             t.start()
             self._workers.append(t)
-        log.info("peer transport listening on %s as %s", self._endpoint, _fmt_id(self._identity))
+        log.info("peer transport listening on %s as %s", self._endpoint,
+                 _fmt_id(self._identity) if self._identity else "a random id per connection")
         return self
 
     @property
@@ -248,8 +252,8 @@ class PeerTransport:
         return self._endpoint
 
     @property
-    def identity(self) -> bytes:
-        """The routing id peers see as ``PeerInfo.identity`` for messages from this transport."""
+    def identity(self) -> bytes | None:
+        """The configured routing id peers see as ``PeerInfo.identity``; None: random per connection."""
         return self._identity
 
     def close(self, timeout: float = 5.0) -> None:
@@ -406,6 +410,7 @@ class PeerTransport:
                 "handler_errors": s.handler_errors,
                 "timeouts": s.timeouts,
                 "dropped_out": s.dropped_out,
+                "dealers_evicted": s.dealers_evicted,
             }
         with self._lock:
             out["pending"] = len(self._pending)
@@ -563,25 +568,46 @@ class PeerTransport:
         by_socket: dict[zmq.Socket[bytes], str],
         poller: zmq.Poller,
     ) -> zmq.Socket[bytes]:
-        sock = dealers.get(endpoint)
+        sock = dealers.pop(endpoint, None)
         if sock is not None:
+            dealers[endpoint] = sock  # most recently used last: eviction takes the oldest
             return sock
         assert self._ctx is not None
         sock = self._ctx.socket(zmq.DEALER)
         try:
             self._tune(sock)
-            sock.setsockopt(zmq.ROUTING_ID, self._identity)
+            # Our own routing id per connection (unless one was configured): a peer that saw it must
+            # not be able to present it to another peer, whose ROUTER would hand it our replies.
+            sock.setsockopt(zmq.ROUTING_ID, self._identity or b"zc-" + secrets.token_hex(8).encode("ascii"))
             sock.setsockopt(zmq.RECONNECT_IVL, 100)
             sock.setsockopt(zmq.RECONNECT_IVL_MAX, 5000)
             sock.setsockopt(zmq.CONNECT_TIMEOUT, 5000)
             sock.connect(endpoint)
-        except zmq.ZMQError:
+        except Exception as exc:  # noqa: BLE001 - whatever connect() makes of a peer-chosen string
             sock.close(linger=0)
-            raise
+            raise zmq.ZMQError(msg=f"cannot connect to that endpoint ({type(exc).__name__})") from None
+        if len(dealers) >= _MAX_DEALERS:
+            self._evict_dealer(dealers, by_socket, poller)
         dealers[endpoint] = sock
         by_socket[sock] = endpoint
         poller.register(sock, zmq.POLLIN)
         return sock
+
+    def _evict_dealer(self, dealers: dict[str, zmq.Socket[bytes]], by_socket: dict[zmq.Socket[bytes], str],
+                      poller: zmq.Poller) -> None:
+        """Close the least recently used outbound socket with no call waiting on it. Peers choose the
+        endpoints we answer (DID exchange), so one socket per endpoint for ever would let anyone use
+        up the context's sockets (1023) and cut us off from new peers."""
+        with self._lock:
+            busy = {key[0] for key in self._pending}
+        for endpoint in dealers:
+            if endpoint not in busy:
+                sock = dealers.pop(endpoint)
+                by_socket.pop(sock, None)
+                poller.unregister(sock)
+                sock.close(linger=0)
+                self._stats.add(dealers_evicted=1)
+                return
 
     def _flush(
         self,
@@ -602,12 +628,13 @@ class PeerTransport:
                     assert item.endpoint is not None
                     sock = self._connect(item.endpoint, dealers, by_socket, poller)
                     sock.send(item.frame, zmq.NOBLOCK)
-            except zmq.ZMQError as exc:
+            except Exception as exc:  # noqa: BLE001 - one bad item is dropped, the IO thread goes on
                 self._stats.add(dropped_out=1)
                 target = item.endpoint or _fmt_id(item.identity or b"")
-                log.warning("dropped a %d-byte frame to %s: %s", len(item.frame), target, exc.strerror)
+                reason = exc.strerror if isinstance(exc, zmq.ZMQError) else type(exc).__name__
+                log.warning("dropped a %d-byte frame to %.200r: %s", len(item.frame), target, reason)
                 if item.pending is not None and item.key is not None:
-                    error = PeerUnreachableError(f"cannot send to {target}: {exc.strerror}")
+                    error = PeerUnreachableError(f"cannot send to {target[:200]}: {reason}")
                     self._resolve(item.key, item.pending, error)
                 continue
             if item.pending is not None:
@@ -870,9 +897,17 @@ def _check_u8(name: str, value: int) -> None:
         raise ConfigurationError(f"{name} must be an integer 0-255, got {value!r}")
 
 
+_SCHEMES = ("tcp://", "ipc://", "inproc://")
+
+
 def _check_endpoint(endpoint: str) -> None:
-    if not isinstance(endpoint, str) or "://" not in endpoint:
-        raise ConfigurationError(f"a peer endpoint looks like tcp://host:port, got {endpoint!r}")
+    """Endpoints often come from peers (a DID document's service): only plain ZeroMQ addresses pass,
+    so nothing a peer chose can make the IO thread's connect() raise something unexpected."""
+    if (not isinstance(endpoint, str) or not endpoint.startswith(_SCHEMES) or len(endpoint) > 1024
+            or not endpoint.isascii() or not endpoint.isprintable() or " " in endpoint):
+        raise ConfigurationError(f"a peer endpoint looks like tcp://host:port, got {endpoint[:200]!r}"
+                                 if isinstance(endpoint, str) else
+                                 f"a peer endpoint looks like tcp://host:port, got {type(endpoint).__name__}")
 
 
 def _check_timeout(timeout: float) -> None:
