@@ -290,6 +290,10 @@ class AgentCalls:
                 "committed_offset": journal.committed_offset, "consumers": journal.consumers(),
                 "publishers": publishers}
 
+    def superseded(self, req: Request, group: str, publisher: str, first_seq: int, last_seq: int) -> dict[str, Any]:
+        ranges = self.journal.superseded(group, publisher, first_seq, last_seq)
+        return {"ranges": [[a, b] for a, b in ranges]}
+
     def read(self, req: Request, group: str | None, start: int | None, end: int | None, publisher: str | None,
              first_seq: int | None, last_seq: int | None, max_rows: int | None, wait: float | None,
              last: int | None) -> tuple[dict[str, Any], bytes]:
@@ -460,6 +464,9 @@ def build_registry(process: "AgentProcess") -> CallRegistry:
     r.add("read", calls.read, {"group": text, "start": offset, "end": offset, "publisher": text,
                                "first_seq": offset, "last_seq": offset, "max_rows": Param(int, check=positive),
                                "wait": Param(float, check=non_negative), "last": Param(int, check=positive)})
+    r.add("superseded", calls.superseded, {"group": group, "publisher": required_text,
+                                           "first_seq": Param(int, required=True, check=non_negative),
+                                           "last_seq": Param(int, required=True, check=non_negative)})
     r.add("commit", calls.commit, {"offset": Param(int, required=True, check=non_negative), "consumer": text})
     r.add("release", calls.release, {"consumer": required_text})
     return r

@@ -177,6 +177,12 @@ class MemberLink:
             at, width = top + 1, width * 8
         return None
 
+    def superseded(self, group: str, publisher: str, first: int, last: int) -> list[tuple[int, int]]:
+        """The publisher's seqs in ``first..last`` that have no row by design (their ids came first
+        from another publisher: a retried sink task on another host), as inclusive ranges."""
+        ranges: list[tuple[int, int]] = self._call("superseded", group, publisher, first, last)
+        return ranges
+
     def first_seq(self, group: str, publisher: str, at_least: int, last: int) -> int | None:
         """The first seq >= ``at_least`` this member still holds for the publisher (None: nothing)."""
         row = self.first_row(group, publisher, at_least, last)

@@ -59,6 +59,19 @@ class ZeroCommInputPartition(InputPartition):
                 f"seqs {self.first}..{self.end - 1})")
 
 
+def _gone(link: MemberLink, partition: ZeroCommInputPartition, first: int, last: int, why: str) -> None:
+    """Seqs ``first..last`` have no row here: lost, except those superseded (their message ids came
+    first from another publisher, as when a sink task is retried on another host) - those were
+    delivered, under the other publisher."""
+    at = first
+    for a, b in link.superseded(partition.group, partition.publisher, first, last):
+        if a > at:
+            _lost(partition, at, a - 1, why)
+        at = max(at, b + 1)
+    if at <= last:
+        _lost(partition, at, last, why)
+
+
 def _lost(partition: ZeroCommInputPartition, first: int, last: int, why: str) -> None:
     who = partition.label or partition.publisher
     message = (f"messages {first}..{last} of publisher {who} in group {partition.group!r} are not in the journal of "
@@ -87,10 +100,10 @@ def read_partition(partition: ZeroCommInputPartition) -> Iterator[pa.RecordBatch
                     seqs = table.column("seq")
                 lowest = int(seqs[0].as_py())
                 if lowest > expected:  # later seqs are here, so these will never come
-                    _lost(partition, expected, lowest - 1, "deleted by retention or never delivered to it")
+                    _gone(link, partition, expected, lowest - 1, "deleted by retention or never delivered to it")
                 holes = int(seqs[-1].as_py()) - lowest + 1 - table.num_rows
                 if holes > 0:
-                    _report_holes(partition, table)
+                    _report_holes(link, partition, table)
                 yield from to_source_batches(table, labels, target, MAX_BATCH_ROWS)
                 expected = int(seqs[-1].as_py()) + 1
                 progressed = True
@@ -104,11 +117,11 @@ def read_partition(partition: ZeroCommInputPartition) -> Iterator[pa.RecordBatch
                 upto = min(journaled, last)
                 found = link.first_seq(partition.group, partition.publisher, expected, upto)
                 if found is None:
-                    _lost(partition, expected, upto, f"it has journaled up to seq {journaled} without them")
+                    _gone(link, partition, expected, upto, f"it has journaled up to seq {journaled} without them")
                     expected = upto + 1
                 else:
                     if found > expected:
-                        _lost(partition, expected, found - 1, "deleted by retention or never delivered to it")
+                        _gone(link, partition, expected, found - 1, "deleted by retention or never delivered to it")
                     expected = found
                 continue
             if time.monotonic() >= deadline:
@@ -120,8 +133,8 @@ def read_partition(partition: ZeroCommInputPartition) -> Iterator[pa.RecordBatch
             pause = min(pause * 2, 0.5)
 
 
-def _report_holes(partition: ZeroCommInputPartition, table: pa.Table) -> None:
+def _report_holes(link: MemberLink, partition: ZeroCommInputPartition, table: pa.Table) -> None:
     seqs = table.column("seq").to_pylist()
     for a, b in zip(seqs, seqs[1:]):
         if b > a + 1:
-            _lost(partition, a + 1, b - 1, "a gap: the publisher no longer had them when this member asked")
+            _gone(link, partition, a + 1, b - 1, "a gap: the publisher no longer had them when this member asked")

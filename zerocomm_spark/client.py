@@ -739,6 +739,14 @@ class Client:
         result: dict[str, Any] = self.call("latest", group=group, timeout=timeout)
         return result
 
+    def superseded(self, group: str, publisher: str, first_seq: int, last_seq: int, *,
+                   timeout: float | None = None) -> list[tuple[int, int]]:
+        """Seqs of ``publisher`` in ``first_seq..last_seq`` with no row because their message ids
+        came first from another publisher (a sink task retried on another host): not lost."""
+        result: dict[str, Any] = self.call("superseded", group=group, publisher=publisher, first_seq=first_seq,
+                                           last_seq=last_seq, timeout=timeout)
+        return [(int(a), int(b)) for a, b in result["ranges"]]
+
     def read(self, *, group: str | None = None, start: int | None = None, end: int | None = None,
              publisher: str | None = None, first_seq: int | None = None, last_seq: int | None = None,
              max_rows: int | None = None, wait: float | None = None, timeout: float | None = None) -> pa.Table:

@@ -215,6 +215,40 @@ def test_member_link_reads_a_publishers_range_whether_its_rows_are_dense_or_spar
             assert {r["publisher_did"] for r in rows} == {did} and {r["group"] for r in rows} == {group}
 
 
+def test_a_sink_task_retried_through_another_member_is_not_data_loss_for_readers(members, group):
+    """Attempt 1 of a task publishes through alice, attempt 2 (same ids) through bob, with new seqs of
+    bob's: carol's journal drops bob's copies by id, and a reader of bob's seqs there must not take
+    the hole for lost messages (failOnDataLoss killed every query of the group for good)."""
+    import pyarrow as pa
+
+    from zerocomm_spark.connector.batch_reader import ZeroCommBatchReader
+    from zerocomm_spark.connector.options import SinkOptions, SourceOptions
+    from zerocomm_spark.connector.schema import SinkColumns, source_schema
+    from zerocomm_spark.connector.writer import publish_partition
+
+    alice, bob, carol = members["alice"], members["bob"], members["carol"]
+    columns = SinkColumns(payload_is_string=True, has_message_id=False, has_headers=False)
+
+    def rows():
+        return iter([pa.record_batch({"payload": pa.array([f"p{i}" for i in range(3)])})])
+
+    publish(bob, group, ["before"])
+    for member in (alice, bob):  # the same task (query, batch, partition) on two hosts
+        publish_partition(rows(), SinkOptions.parse({"group": group, "agent": str(member.config)}), columns,
+                          "query-1234.7.0", 0)
+    publish(bob, group, ["after"])
+    did = bob.did(group)
+    wait_for(lambda: carol.client().latest(group)["publishers"] and any(
+        p["publisher_did"] == did and p["last_seq"] == 5 for p in carol.client().latest(group)["publishers"]),
+        30, "carol to journal bob's seq 5")
+    assert carol.client().superseded(group, did, 1, 5) == [(2, 4)]
+    reader = ZeroCommBatchReader(SourceOptions.parse({"group": group, "agent": str(carol.config)}, mode="batch"),
+                                 source_schema())
+    got = [r for p in reader.partitions() for b in reader.read(p) for r in pa.Table.from_batches([b]).to_pylist()]
+    payloads = sorted(r["payload"] for r in got)
+    assert payloads == sorted([b"before", b"after", b"p0", b"p1", b"p2"])  # each row once, nothing lost
+
+
 def test_the_initial_offset_is_decided_once_per_query(members, group):
     """Spark calls initialOffset() to plan batch 0 and again to run it: a second answer taken later
     (newer positions, another journal consumer) would run the batch from past its planned start."""

@@ -978,3 +978,21 @@ def test_a_flipped_bit_in_a_closed_segments_record_header_costs_that_record_only
             except JournalCorruptError:
                 bad.append(offset)
         assert bad == [entry.base_offset]
+
+
+def test_new_seqs_dropped_by_the_id_rule_are_remembered_as_superseded(jdir: Path, key: bytes) -> None:
+    """A sink task retried on another host republishes its ids under another publisher with new seqs:
+    those seqs have no row, and a reader walking the publisher's seqs must not take them for lost."""
+    bob = "did:peer:2.Ez6LSbob"
+    with Journal.open(jdir, key=key, fsync="always") as j:
+        j.append([row(s, message_id=f"task-row-{s}") for s in (1, 2)])  # the first attempt, via alice
+        retried = [row(s, bob, message_id=f"task-row-{s - 1}") for s in (2, 3)] + [row(4, bob, message_id="new")]
+        j.append([row(1, bob, message_id="bob-1")])
+        result = j.append(retried)
+        assert (result.appended, result.duplicates) == (1, 2)
+        assert j.superseded(GROUP, bob, 1, 10) == [(2, 3)]
+        assert j.append([row(3, bob, message_id="task-row-2")]).duplicates == 1  # a re-send: the seq rule
+        assert j.superseded(GROUP, bob, 1, 10) == [(2, 3)] and j.superseded(GROUP, ALICE, 1, 10) == []
+    with Journal.open(jdir, key=key) as j:
+        assert j.superseded(GROUP, bob, 3, 3) == [(3, 3)]
+        assert seqs(j.read_by_seq(GROUP, bob, 1, 10)) == [1, 4]

@@ -30,6 +30,7 @@ from zerocomm_spark.journal.reader import Hole, Piece, iter_pieces, load_record,
 from zerocomm_spark.journal.recovery import key_opens_records, recover
 from zerocomm_spark.journal.schema import JOURNAL_SCHEMA, now_micros, to_append_batch, to_micros
 from zerocomm_spark.journal.segment import RecordEntry, Segment, create_segment, open_for_append
+from zerocomm_spark.journal.superseded import Superseded
 from zerocomm_spark.journal.writer import AppendResult, FsyncPolicy, JournalStats, Writer
 
 log = logging.getLogger(__name__)
@@ -151,6 +152,7 @@ class Journal:
         recovered = recover(self.directory, self._key, dedup_window=self.dedup_window)
         committed = files.read_commit(self.directory)
         consumers = ConsumerPoints.load(self.directory, fsync=sync)  # before a descriptor opens: it can fail
+        self._superseded = Superseded(self.directory, self._key, fsync=self.fsync == "always")
         segments = recovered.segments
         if segments:
             active = segments[-1]
@@ -413,6 +415,13 @@ class Journal:
             if picked.num_rows:
                 out.append(picked)
         return pa.Table.from_batches(out, schema=JOURNAL_SCHEMA)
+
+    def superseded(self, group: str, publisher_did: str, seq_from: int, seq_to: int) -> list[tuple[int, int]]:
+        """Seqs of this publisher in ``seq_from..seq_to`` that have no row because their message id
+        was journaled before from another publisher (a retried sink task on another host): not lost."""
+        self._check_open()
+        with self._lock:
+            return self._superseded.within((group, publisher_did), seq_from, seq_to)
 
     def offset_for_timestamp(self, ts: int | datetime) -> int:
         """The first offset received at or after ``ts`` (int microseconds since the epoch, or an aware

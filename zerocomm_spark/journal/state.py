@@ -13,7 +13,7 @@ import bisect
 import hashlib
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import pyarrow as pa
@@ -322,6 +322,7 @@ class Filtered:
     keys: list[Key] | None  # kept rows' keys when there are several publishers
     hashes: np.ndarray  # kept rows' message id hashes (id_hashes), for RecentIds.add
     slots: np.ndarray | None  # and their table slots (RecentIds.slots), None without the id rule
+    superseded: list[tuple[Key, int]] = field(default_factory=list)  # new seqs dropped by the id rule
 
     def runs(self, start: int, stop: int, first_offset: int) -> list[Run]:
         """Runs of kept rows [start, stop) once row ``start`` is at ``first_offset``."""
@@ -396,6 +397,7 @@ def filter_new(batch: pa.RecordBatch, last_seq: Callable[[Key], int | None], pen
         remembered = recent.holds_each(hashes, slots, id_column) if slots is not None else np.zeros(n, dtype=bool)
     seen: set[bytes] = set() if pending_ids is None else pending_ids
     seq_list = seqs.tolist()
+    superseded: list[tuple[Key, int]] = []
     for i in range(n):
         key = (groups[i], publishers[i])
         seq = seq_list[i]
@@ -407,6 +409,7 @@ def filter_new(batch: pa.RecordBatch, last_seq: Callable[[Key], int | None], pen
         if use_ids:
             message_id = ids[i]  # type: ignore[index]
             if remembered[i] or message_id in seen:
+                superseded.append((key, seq))  # a new seq with no row: readers must not call it lost
                 continue
             seen.add(message_id)
         pending[key] = seq
@@ -417,4 +420,4 @@ def filter_new(batch: pa.RecordBatch, last_seq: Callable[[Key], int | None], pen
     distinct = set(kept_keys)
     single = next(iter(distinct)) if len(distinct) == 1 else None
     return Filtered(kept, n - kept_count, single, seqs[keep], None if single is not None else kept_keys, hashes[keep],
-                    None if slots is None else slots[:, keep])
+                    None if slots is None else slots[:, keep], superseded)

@@ -372,8 +372,10 @@ class Writer:
         next_offset = j._next_offset  # noqa: SLF001 - the writer is part of the journal
         jobs: list[tuple[pa.RecordBatch, int, int, int]] = []  # (batch with offsets, base, min ts, max ts)
         metas: list[_RecordMeta] = []
+        superseded: list[tuple[index.Key, int]] = []
         for request in group:
             kept = filter_new(request.batch, j._last_seq, pending, self._recent, pending_ids)  # noqa: SLF001
+            superseded += kept.superseded
             batch = kept.batch
             n = batch.num_rows
             first = next_offset
@@ -402,6 +404,9 @@ class Writer:
         counters["rows_appended"] += next_offset - j._next_offset  # noqa: SLF001
         counters["duplicates"] += sum(r.result.duplicates for r in group if r.result is not None)
         counters["records"] += len(jobs)
+        if superseded:  # saved before the rows are written (superseded.py); rare, so under the lock
+            with j._lock:  # noqa: SLF001
+                j._superseded.add(superseded)  # noqa: SLF001
         self._write(list(zip(self._encode(jobs), metas)))
         for request in group:
             request.done.set()
