@@ -590,11 +590,21 @@ class Agent:
             except RuntimeError:  # the agent is closing
                 log.info("dropped the failure report of %s: the agent is closing", what)
 
-        def settle(future: Future[bytes]) -> None:  # runs in the transport's IO thread: stays short
+        def check(reply: bytes) -> None:  # on the outbox's threads: the receipt is the peer's JSON
             try:
-                _raise_for_receipt(future.result())
+                _raise_for_receipt(reply)
             except Exception as exc:  # noqa: BLE001 - reported through the log and on_error
-                report(exc)
+                failed(exc)
+
+        def settle(future: Future[bytes]) -> None:  # runs in the transport's IO thread: no parsing here
+            error = future.exception()
+            if error is not None:
+                report(error)
+                return
+            try:
+                self._outbox.submit(check, future.result())
+            except RuntimeError:  # the agent is closing
+                pass
 
         try:
             future = self._transport.request_async(endpoint, ProtocolId.DIDCOMM, envelope, timeout=OUTBOX_TIMEOUT)

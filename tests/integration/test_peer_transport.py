@@ -427,7 +427,7 @@ def test_lifecycle_errors_and_idempotent_close() -> None:
 # --- what peers choose: endpoints and routing ids (found in review) ------------------------------
 
 
-@pytest.mark.parametrize("endpoint", ["tcp://\ud800:1", "udp://127.0.0.1:9", "tcp://host name:1", "x" * 10,
+@pytest.mark.parametrize("endpoint", ["tcp://\ud800:1", "udp://127.0.0.1:9", "tcp://host\nname:1", "x" * 10,
                                       "tcp://" + "a" * 2000])
 def test_an_endpoint_a_peer_chose_badly_is_refused_and_the_transport_lives(server: PeerTransport,
                                                                            endpoint: str) -> None:
@@ -439,6 +439,15 @@ def test_an_endpoint_a_peer_chose_badly_is_refused_and_the_transport_lives(serve
         with pytest.raises(ConfigurationError):
             t.send(endpoint, ECHO, b"x")
         assert t.request(server.endpoint, ECHO, b"still here", timeout=5) == b"echo:still here"
+
+
+def test_an_ipc_endpoint_with_a_space_or_non_ascii_path_is_a_good_endpoint(tmp_path) -> None:  # noqa: ANN001
+    """Only what cannot be a ZeroMQ address is refused: an agent in "/home/zoë/my dir" must stay reachable."""
+    where = tmp_path / "zoë dir"
+    where.mkdir()
+    with PeerTransport(f"ipc://{where}/peer.sock") as srv, PeerTransport() as t:
+        srv.register(ECHO, rpc=_echo)
+        assert t.request(srv.endpoint, ECHO, b"hi", timeout=5) == b"echo:hi"
 
 
 def test_outbound_sockets_are_capped_least_recently_used_idle_first(server: PeerTransport,

@@ -286,3 +286,15 @@ def test_compression_pays_off_for_large_groups() -> None:
     blob = seal_status("g", sender.did, entries, _sections(sender, *members))
     raw = zstandard.ZstdDecompressor().decompress(blob)
     assert len(blob) < 0.8 * len(raw)
+
+
+def test_a_view_with_one_unusable_entry_keeps_the_others_where_asked(keys: list[KeyPair]) -> None:
+    """A saved view (or a peer's repair answer) holding one entry an older version accepted must not
+    cost the whole view: loading it refused it all, and the member forgot the group at restart."""
+    good = _entry(keys[0]).to_dict()
+    bad = dict(_entry(keys[1]).to_dict(), group_verkey="1" * 44)
+    with pytest.raises(MalformedGroupMessageError, match="group_verkey"):
+        parse_entries([good, bad])
+    assert [e.did for e in parse_entries([good, bad], skip_invalid=True)] == [good["did"]]
+    forged = dict(_entry(keys[2]).to_dict(), label="forged")
+    assert [e.did for e in parse_entries([forged, good], skip_invalid=True)] == [good["did"]]

@@ -17,8 +17,9 @@ __all__ = ["MAX_JUMP", "MAX_TIME", "LamportClock"]
 MAX_TIME = 2**63 - 1
 #: How far past its own clock a member lets one received timestamp move it. A stamp further ahead
 #: comes from a faulty or hostile publisher (an honest one would need ~10^12 more events than the
-#: receiver has seen): delivering it would drag every clock towards MAX_TIME, where timestamps tie
-#: and stop telling causal order, so it is dropped instead (``rejected_malformed``).
+#: receiver has seen): the message is delivered, but observing all of it would let one message drag
+#: every clock to MAX_TIME, where timestamps tie and stop telling causal order; capped, that takes
+#: millions of such messages.
 MAX_JUMP = 2**40
 
 

@@ -547,7 +547,7 @@ class GroupManager:
             g.saved_positions = positions
 
     def _load(self, record: GroupRecord) -> _Group:
-        view = GroupView(record.group, parse_entries(record.view, verify=False))
+        view = GroupView(record.group, parse_entries(record.view, verify=False, skip_invalid=True))
         key = self._keystore.get(record.group_verkey)
         g = _Group(record, view, policy_from_dict(record.policy), key, _RESUMING, self.config.history_max)
         g.saved_positions = self._store.positions(record.group)
@@ -676,7 +676,7 @@ class GroupManager:
         if not isinstance(reply, JoinResponse) or reply.group != group:
             raise MalformedGroupMessageError(f"{who} answered the join request with something else")
         mode, ordered, consistent = _parse_settings(reply.settings)
-        entries = parse_entries(reply.view)
+        entries = parse_entries(reply.view, skip_invalid=True)
         acceptor_did = reply.acceptor
         ticket = Ticket.from_dict(reply.ticket)
         if ticket.verify(group=group, member=self.did, nonce=request.id) != acceptor_did:
@@ -817,7 +817,7 @@ class GroupManager:
             if len(agreed) == 1 and agreed != {mine} and len(answers) == len(checksums):
                 # Every member agrees on a view we lack (a racing join went active): learn it.
                 for answer in answers.values():
-                    self._apply(g, parse_entries(answer.entries), source=None, allow_new=True)
+                    self._apply(g, parse_entries(answer.entries, skip_invalid=True), source=None, allow_new=True)
                 self._subscribe_round(g, deadline, accepted, checksums)
         with self._lock:
             labels = {e.did: e.label for e in g.view.entries()}
@@ -1164,7 +1164,7 @@ class GroupManager:
             raise GroupNotFoundError("the view update is for a group this member is not in")
         if self._pair_did(g, record) is None:
             raise MalformedGroupMessageError("a view update from a member with no relationship in this group")
-        self._apply(g, parse_entries(message.entries), source=None)
+        self._apply(g, parse_entries(message.entries, skip_invalid=True), source=None)
 
     def _on_leave(self, message: Leave, record: ConnectionRecord) -> None:
         with self._lock:
@@ -1415,7 +1415,7 @@ class GroupManager:
             answer = self._agent.request(connection_id, digest, self.config.request_timeout_s)
             if not isinstance(answer, DigestResponse):
                 return 0
-            changed = self._apply(g, parse_entries(answer.entries), source=None) if answer.entries else 0
+            changed = self._apply(g, parse_entries(answer.entries, skip_invalid=True), source=None) if answer.entries else 0
             if answer.want:
                 with self._lock:
                     wanted = [e.to_dict() for d in answer.want if (e := g.view.get(d)) is not None]

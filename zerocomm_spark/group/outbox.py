@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 from zerocomm_spark.errors import BackpressureError, GroupError, PeerTimeoutError
 from zerocomm_spark.group.datamessage import DataMessage
+from zerocomm_spark.group.lamport import MAX_TIME
 
 __all__ = ["MemberAckState", "Outbox", "PublishReceipt"]
 
@@ -230,14 +231,14 @@ class Outbox:
             first_ts = stamp(n)
             now = time.time()
             first = self._last_seq + 1
+            stamps = tuple(min(first_ts + i, MAX_TIME) for i in range(n))  # a saturated clock repeats MAX_TIME
             msgs = [
-                DataMessage(message_ids[i], first + i, first_ts + i, now, payloads[i], headers)
+                DataMessage(message_ids[i], first + i, stamps[i], now, payloads[i], headers)
                 for i in range(n)
             ]
             self._messages.extend(msgs)
             self._last_seq += n
-            receipt = PublishReceipt(self, tuple(message_ids), tuple(range(first, first + n)),
-                                     tuple(range(first_ts, first_ts + n)))
+            receipt = PublishReceipt(self, tuple(message_ids), tuple(range(first, first + n)), stamps)
             if self._members and n:
                 self._receipts.append(receipt)
             else:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import logging
 import json
 import time
 import uuid
@@ -78,6 +79,9 @@ def next_version(previous: int = 0) -> int:
 def member_did_for(verkey: str) -> str:
     """The member DID of a member key: a did:key, short (it rides in topics and batches) and self-certifying."""
     return did_key(verkey)
+
+
+log = logging.getLogger(__name__)
 
 
 @lru_cache(maxsize=4096)
@@ -195,14 +199,27 @@ class MemberEntry:
         return self.version, _canonical(asdict(self))
 
 
-def parse_entries(raw: Any, *, verify: bool = True) -> list[MemberEntry]:
-    """Entries from a peer: shape-checked and, by default, signature-checked."""
+def parse_entries(raw: Any, *, verify: bool = True, skip_invalid: bool = False) -> list[MemberEntry]:
+    """Entries from a peer: shape-checked and, by default, signature-checked.
+
+    ``skip_invalid`` drops (and logs) the entries that fail instead of refusing the whole list: for
+    views, where one entry an older version accepted (a saved view, a peer's repair answer) must not
+    cost every other member.
+    """
     if not isinstance(raw, list) or len(raw) > MAX_ENTRIES:
         raise MalformedGroupMessageError(f"a view is a list of at most {MAX_ENTRIES} member entries")
-    entries = [MemberEntry.from_dict(item) for item in raw]
-    if verify:
-        for entry in entries:
-            entry.verify()
+    entries = []
+    for item in raw:
+        try:
+            entry = MemberEntry.from_dict(item)
+            if verify:
+                entry.verify()
+        except (MalformedGroupMessageError, SignatureError) as exc:
+            if not skip_invalid:
+                raise
+            log.warning("skipped a member entry of a view: %s", str(exc).split(". ")[0][:200])
+            continue
+        entries.append(entry)
     return entries
 
 

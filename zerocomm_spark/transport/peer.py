@@ -69,7 +69,8 @@ DEFAULT_PRIORITY = 128
 _CONTROL_PRIORITY = 255  # pings, pongs and refusals jump the queue: they measure or unblock others
 _LINGER_MS = 1000  # bounded so close() never hangs on an unreachable peer
 _HWM = 10_000
-_MAX_DEALERS = 256  # outbound sockets kept at once (one per remote endpoint); the oldest idle one closes
+_MAX_DEALERS = 768  # outbound sockets kept at once (one per remote endpoint); the oldest idle one closes
+_EVICT_LINGER_MS = 500
 _MAX_BACKLOG = 10_000  # queued inbound jobs; beyond it the ROUTER is not read (TCP back-pressure)
 _RECV_BATCH = 256  # messages read per socket per loop turn, so no socket starves the others
 _MAX_POLL_MS = 250
@@ -605,7 +606,7 @@ class PeerTransport:
                 sock = dealers.pop(endpoint)
                 by_socket.pop(sock, None)
                 poller.unregister(sock)
-                sock.close(linger=0)
+                sock.close(linger=_EVICT_LINGER_MS)  # what it still queues (acks, answers) may yet go out
                 self._stats.add(dealers_evicted=1)
                 return
 
@@ -904,7 +905,7 @@ def _check_endpoint(endpoint: str) -> None:
     """Endpoints often come from peers (a DID document's service): only plain ZeroMQ addresses pass,
     so nothing a peer chose can make the IO thread's connect() raise something unexpected."""
     if (not isinstance(endpoint, str) or not endpoint.startswith(_SCHEMES) or len(endpoint) > 1024
-            or not endpoint.isascii() or not endpoint.isprintable() or " " in endpoint):
+            or not endpoint.isprintable()):  # no control characters, no lone surrogates (connect() raised)
         raise ConfigurationError(f"a peer endpoint looks like tcp://host:port, got {endpoint[:200]!r}"
                                  if isinstance(endpoint, str) else
                                  f"a peer endpoint looks like tcp://host:port, got {type(endpoint).__name__}")
