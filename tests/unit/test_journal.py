@@ -996,3 +996,27 @@ def test_new_seqs_dropped_by_the_id_rule_are_remembered_as_superseded(jdir: Path
     with Journal.open(jdir, key=key) as j:
         assert j.superseded(GROUP, bob, 3, 3) == [(3, 3)]
         assert seqs(j.read_by_seq(GROUP, bob, 1, 10)) == [1, 4]
+
+
+def test_retention_still_deletes_when_the_disk_is_too_full_to_save_positions(jdir: Path, key: bytes,
+                                                                            monkeypatch) -> None:  # noqa: ANN001
+    """A full disk is what retention is there to fix: failing to save the base positions must not
+    stop it (it stopped retention, then the journal)."""
+    import errno
+
+    from zerocomm_spark.journal import index as index_module
+
+    real = index_module.write_index
+
+    def full(path, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003 - only the retention's file fails
+        if path.name == index_module.BASE_STATE_FILE:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(path, *args, **kwargs)
+
+    with Journal.open(jdir, key=key, segment_bytes=4096, retention_bytes=1) as j:
+        _fill(j, 60)
+        monkeypatch.setattr(index_module, "write_index", full)
+        before = len(list(jdir.glob("*.zcj")))
+        j.commit(j.next_offset)
+        assert len(list(jdir.glob("*.zcj"))) < before
+        assert j.append(rows(10_000, 10_000)).appended == 1

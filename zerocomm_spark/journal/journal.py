@@ -152,7 +152,7 @@ class Journal:
         recovered = recover(self.directory, self._key, dedup_window=self.dedup_window)
         committed = files.read_commit(self.directory)
         consumers = ConsumerPoints.load(self.directory, fsync=sync)  # before a descriptor opens: it can fail
-        self._superseded = Superseded(self.directory, self._key, fsync=self.fsync == "always")
+        self._superseded = Superseded(self.directory, self._key, fsync=self.fsync != "never")
         segments = recovered.segments
         if segments:
             active = segments[-1]
@@ -520,8 +520,13 @@ class Journal:
             new_base = self._segments[count].base_offset
             # Saved before any segment goes (see index.BASE_STATE_FILE): who published what up to here.
             gone = {k: v for k, v in self._state.items() if v[1] < new_base}
-            index.write_index(self.directory / index.BASE_STATE_FILE,
-                              index.SegmentIndex(0, new_base, 0, [], gone), self._key, fsync=self.fsync != "never")
+            try:
+                index.write_index(self.directory / index.BASE_STATE_FILE, index.SegmentIndex(0, new_base, 0, [], gone),
+                                  self._key, fsync=self.fsync != "never")
+            except OSError as exc:  # a full disk is what retention is there to fix: it goes on regardless
+                log.warning("journal %s: could not save the positions of publishers retention removes (%s); "
+                            "after a crash their late re-sends could be journaled again", self.directory.name,
+                            exc.strerror)
             del self._segments[:count]
             del self._segment_bases[:count]
             self._seq_index.prune_below(new_base)
