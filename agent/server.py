@@ -267,6 +267,7 @@ class ApiServer:
         self._count_lock = threading.Lock()
         self._stop = threading.Event()
         self._draining = False  # close() began: running calls finish, new ones are refused
+        self._close_deadline = 0.0
         self._thread: threading.Thread | None = None
         self.ipc_endpoint = ""
         self.tcp_endpoint = ""
@@ -345,7 +346,9 @@ class ApiServer:
         if self._stop.is_set():
             return
         deadline = time.monotonic() + timeout
-        self._draining = True
+        self._close_deadline = deadline
+        with self._count_lock:  # with the check in _on_request: no call starts after this
+            self._draining = True
         while time.monotonic() < deadline:
             with self._count_lock:
                 if self._in_flight == 0:
@@ -405,8 +408,10 @@ class ApiServer:
             self._flush_replies()
         finally:
             wake_rx.close(linger=0)
+            # The last replies were only queued by the flush above: let them go out within close()'s time.
+            linger = int(max(0.0, min(2.0, self._close_deadline - time.monotonic())) * 1000)
             for sock in self._routers.values():
-                sock.close(linger=0)
+                sock.close(linger=linger)
 
     def _flush_replies(self) -> None:
         while True:
@@ -479,16 +484,17 @@ class ApiServer:
         except ZeroCommError as exc:
             self._refuse(where, identity, request_id, exc)
             return
-        if self._draining:
-            self._refuse(where, identity, request_id, AgentNotRunningError(
-                f"the agent is stopping; {call.name} was not started"))
-            return
         with self._count_lock:
-            if self._in_flight >= self._pool._max_workers + self.max_pending:  # noqa: SLF001
+            stopping = self._draining
+            if stopping or self._in_flight >= self._pool._max_workers + self.max_pending:  # noqa: SLF001
                 busy = True
             else:
                 busy = False
                 self._in_flight += 1
+        if stopping:
+            self._refuse(where, identity, request_id, AgentNotRunningError(
+                f"the agent is stopping; {call.name} was not started"))
+            return
         if busy:
             self._refuse(where, identity, request_id, AgentBusyError(
                 f"{self._in_flight} calls are in progress; {call.name} was not started"))
