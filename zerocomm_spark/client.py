@@ -78,6 +78,7 @@ PROTOCOL_VERSION = 1
 SOCKET_NAME = "api.sock"
 HEALTH_FILE = "health.json"
 PID_FILE = "agent.pid"
+_GONE_GRACE_MS = 2000  # how long a reply may still arrive once the local agent stopped listening
 DEFAULT_IDENTITY_DIR = "~/.zerocomm/member"
 USER_CONFIG_FILE = "~/.zerocomm/zerocomm.toml"
 DEFAULT_MAX_REQUEST_BYTES = 64 * 1024 * 1024
@@ -620,16 +621,20 @@ class Client:
                         self._drop_socket()
                         raise ApiPermissionError(f"the agent at {self.endpoint} refused this client's CURVE key")
                     if self._local_agent_gone():
-                        self._drop_socket()
-                        raise AgentNotRunningError(
-                            f"the agent at {self.endpoint} stopped before it answered {name}",
-                            hint="The outcome is unknown: start the agent again and retry (a publish with the same "
-                                 "message ids delivers nothing twice)")
-                    if time.monotonic() < deadline:
+                        # A stopping agent's last replies can still be on their way (a large one takes a
+                        # while through the socket it no longer listens on): a short grace before giving up.
+                        if not sock.poll(_GONE_GRACE_MS, zmq.POLLIN):
+                            self._drop_socket()
+                            raise AgentNotRunningError(
+                                f"the agent at {self.endpoint} stopped before it answered {name}",
+                                hint="The outcome is unknown: start the agent again and retry (a publish with the "
+                                     "same message ids delivers nothing twice)")
+                    elif time.monotonic() < deadline:
                         continue
-                    # A reply may still come; drop the socket so it cannot be mistaken for the next one's.
-                    self._drop_socket()
-                    raise ApiTimeoutError(f"the agent at {self.endpoint} did not answer {name} within {wait:g}s")
+                    else:
+                        # A reply may still come; drop the socket so it cannot be mistaken for the next one's.
+                        self._drop_socket()
+                        raise ApiTimeoutError(f"the agent at {self.endpoint} did not answer {name} within {wait:g}s")
                 reply = sock.recv_multipart()
                 try:
                     head = decode_header(reply[0])

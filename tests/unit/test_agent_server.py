@@ -253,7 +253,8 @@ def test_close_lets_running_calls_answer_and_refuses_new_ones(served: tuple[ApiS
     caller = threading.Thread(target=lambda: results.append(client.call("slow", timeout=10)))
     caller.start()
     deadline = time.monotonic() + 5
-    while server._in_flight == 0 and time.monotonic() < deadline:  # noqa: SLF001
+    # in flight once connect's status call is done and counted: then the one in flight is "slow"
+    while not (server.stats["calls"] >= 1 and server._in_flight == 1) and time.monotonic() < deadline:  # noqa: SLF001
         time.sleep(0.01)
     closer = threading.Thread(target=server.close, kwargs={"timeout": 10})
     closer.start()
@@ -273,21 +274,21 @@ def test_close_lets_running_calls_answer_and_refuses_new_ones(served: tuple[ApiS
 def test_a_large_reply_finished_while_closing_reaches_the_client(tmp_path: Path) -> None:
     """The reading thread's last flush only queues replies in ZeroMQ: its sockets closed with no
     linger threw away a large one (lost about half the time at 30 MB)."""
-    gate = threading.Event()
+    gate, entered = threading.Event(), threading.Event()
     big = os.urandom(1 << 20) * 24
     bulk = table_to_ipc(pa.table({"blob": pa.array([big], pa.large_binary())}))
     registry = CallRegistry()
     registry.add("status", lambda req: {"label": "big"})
-    registry.add("big", lambda req: (gate.wait(10), ({"size": len(big)}, bulk))[1])
+    registry.add("big", lambda req: (entered.set(), gate.wait(10), ({"size": len(big)}, bulk))[2])
     for attempt in range(3):
         gate.clear()
+        entered.clear()
         server = ApiServer(registry, tmp_path / f"run{attempt}", workers=2).start()
         client = Client.connect(server.socket_dir, timeout=5)
         got: list[Any] = []
         caller = threading.Thread(target=lambda: got.append(client.call_bulk("big", timeout=20)))
         caller.start()
-        while server._in_flight == 0:  # noqa: SLF001
-            time.sleep(0.01)
+        assert entered.wait(10)  # the call runs (connect's own status call may still be counted in flight)
         closer = threading.Thread(target=server.close, kwargs={"timeout": 10})
         closer.start()
         while not server._draining:  # noqa: SLF001
