@@ -894,13 +894,15 @@ def test_sync_under_never_also_syncs_segments_rolled_since(jdir: Path, key: byte
 
 
 def test_a_whole_last_record_that_fails_its_checksum_is_damage_not_a_torn_tail(jdir: Path, key: bytes) -> None:
-    """A crash only cuts a record short; a complete one that fails its crc is rot or tampering.
-    Truncating it dropped acknowledged rows and gave their offsets to new rows."""
+    """A complete last record below a commit point (a consumer read it: it was written in full) that
+    fails its crc is rot or tampering. Truncating it dropped acknowledged rows and gave their offsets
+    to new rows. Above every commit point it may be a write a power loss cut short: truncated."""
     with Journal.open(jdir, key=key, fsync="always") as j:
         for first in range(1, 6):
             j.append(rows(first, first))
         last = j._segments[-1].records[-1]  # noqa: SLF001
         path = j._segments[-1].path  # noqa: SLF001
+        j.commit(5, consumer="spark")
     _corrupt_body(path, last)
     with Journal.open(jdir, key=key) as j:
         assert j.next_offset == 5  # nothing truncated, no offset handed out twice
@@ -913,6 +915,12 @@ def test_a_whole_last_record_that_fails_its_checksum_is_damage_not_a_torn_tail(j
         f.truncate(cut)
     with Journal.open(jdir, key=key) as j:
         assert j.next_offset == 5 and seqs(j.read(0, 4)) == [1, 2, 3, 4]
+        j.append(rows(7, 7))
+        last = j._segments[-1].records[-1]  # noqa: SLF001 - offset 5, beyond every commit point
+    _corrupt_body(path, last)  # whole, but nobody read it: maybe a power loss's torn write
+    with Journal.open(jdir, key=key) as j:
+        assert j.next_offset == 5  # truncated: its offset goes to the re-sent row
+        assert j.append(rows(7, 7)).first_offset == 5
 
 
 def test_a_publisher_whose_rows_retention_deleted_is_remembered_after_a_kill(jdir: Path, key: bytes) -> None:

@@ -149,9 +149,12 @@ class Journal:
         files.remove_temp_files(self.directory)
         files.check_key(self.directory, self._key, fsync=sync,
                         probe=lambda: key_opens_records(self.directory, self._key))
-        recovered = recover(self.directory, self._key, dedup_window=self.dedup_window)
         committed = files.read_commit(self.directory)
         consumers = ConsumerPoints.load(self.directory, fsync=sync)  # before a descriptor opens: it can fail
+        # Offsets below a commit point were read by a consumer, so written in full: a last record
+        # there that fails its crc is damage, not a torn write (recovery keeps it).
+        durable_end = max([committed, *consumers.points().values()])
+        recovered = recover(self.directory, self._key, dedup_window=self.dedup_window, durable_end=durable_end)
         self._superseded = Superseded(self.directory, self._key, fsync=self.fsync != "never")
         segments = recovered.segments
         if segments:

@@ -65,12 +65,13 @@ def runs_of(batch: pa.RecordBatch) -> list[Run]:
     return [Run(g, p, a, b, o) for (g, p), (a, b, o) in spans.items()]
 
 
-def recover(directory: Path, key: bytes, *, dedup_window: int) -> Recovered:
+def recover(directory: Path, key: bytes, *, dedup_window: int, durable_end: int = 0) -> Recovered:
+    """``durable_end``: offsets below it were acknowledged and read (a commit point); see scan_segment."""
     found = list_segments(directory)
     segments: list[Segment] = []
     for i, (base, path) in enumerate(found):
         last = i == len(found) - 1
-        result = scan_segment(path, base, verify_crc=last)
+        result = scan_segment(path, base, verify_crc=last, durable_end=durable_end if last else None)
         if not last and (result.segment.damaged or result.tail_damage_at is not None
                          or result.segment.end_offset > found[i + 1][0]):
             # A closed segment is scanned trusting its headers; if they do not add up, one of them may

@@ -6,7 +6,7 @@ large journal reads almost nothing); where a header does not chain (bad magic, w
 past the end of the file) it re-synchronises on the next record whose crc holds. What lies between
 is a damaged range: reading it raises JournalCorruptError naming the file and position, and
 everything around it stays readable. Damage with no valid record after it is a torn tail, unless it
-is a whole record that fails its checksum (a crash only ever cuts a record short): that is damage too.
+is a whole record below a commit point that fails its checksum: that is damage too.
 """
 
 from __future__ import annotations
@@ -140,8 +140,14 @@ class ScanResult:
     header_damaged: bool
 
 
-def scan_segment(path: Path, base_offset: int, *, verify_crc: bool) -> ScanResult:
-    """Rebuild one segment's record index from its file (see the module docstring)."""
+def scan_segment(path: Path, base_offset: int, *, verify_crc: bool, durable_end: int | None = None) -> ScanResult:
+    """Rebuild one segment's record index from its file (see the module docstring).
+
+    ``durable_end`` (the last segment only): a final record that fails its crc but ends at or below
+    it is kept as damage - a consumer read it, so it was written in full and rotted since; above
+    it, it may be a write a power loss cut short (its header on disk, not all its pages), which was
+    never acknowledged as durable: truncated as a torn tail, as before.
+    """
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     try:
         size = os.fstat(fd).st_size
@@ -162,10 +168,11 @@ def scan_segment(path: Path, base_offset: int, *, verify_crc: bool) -> ScanResul
                 continue
             found = _resync(fd, pos + 1, size, expected)
             if found is None:
-                if header is not None and header.base_offset == expected and pos + header.frame_length <= size:
-                    # A whole frame that fails its crc: rot or tampering, not a torn write (a write cut
-                    # short by a crash leaves the frame incomplete). Truncating it would drop rows
-                    # that were acknowledged and hand their offsets to new rows; it stays, damaged.
+                if (header is not None and header.base_offset == expected and pos + header.frame_length <= size
+                        and durable_end is not None and header.end_offset <= durable_end):
+                    # A whole frame that fails its crc below the commit point: rot or tampering, not
+                    # a torn write. Truncating it would drop rows that were acknowledged and read and
+                    # hand their offsets to new rows; it stays, damaged.
                     log.warning("journal segment %s: the last record (offsets %d..%d, position %d) fails its "
                                 "checksum", path.name, expected, header.end_offset - 1, pos)
                     segment.damaged.append(Damage(expected, header.end_offset, pos))
