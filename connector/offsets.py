@@ -362,10 +362,13 @@ def limit_rows(start: ZeroCommOffset, latest: ZeroCommOffset, max_rows: int) -> 
     pending = sorted(backlog)
     while budget > 0 and pending:
         share = budget // len(pending)
-        if share == 0:  # fewer messages left than publishers: one each to the longest backlogs
-            # (ties in key order); a publisher passed over now has the longer backlog next batch, so
-            # the budget rotates instead of always going to the keys that sort first.
-            for key in sorted(pending, key=lambda k: (grant[k] - backlog[k], k))[:budget]:
+        if share == 0:  # fewer messages left than publishers: one each, taking turns
+            # Stateless round robin: the starting key moves with the sum of the start positions,
+            # which grows by the budget every batch - always beginning at the first key in order
+            # starved the keys that sort last for good.
+            keys = sorted(pending)
+            turn = sum(start.get(key) or 0 for key in keys) % len(keys)
+            for key in (keys[turn:] + keys[:turn])[:budget]:
                 grant[key] += 1
             break
         still = []

@@ -166,6 +166,13 @@ def test_a_budget_smaller_than_the_publishers_rotates_instead_of_starving_the_la
     read = [start[k] - 1 for k in keys]
     assert sum(read) == 150
     assert max(read) - min(read) <= 3, read
+    # a budget of 1, one publisher with a long and growing backlog, one with a single message
+    a, b = ("g", "did:key:zA"), ("g", "did:key:zB")
+    start, top_a = ZeroCommOffset({a: 1, b: 1}), 101
+    for _ in range(4):
+        top_a += 1
+        start = limit_rows(start, ZeroCommOffset({a: top_a, b: 2}), 1)
+    assert start[b] == 2  # served within a few batches, not starved behind the longest backlog
 
 
 def test_limit_rows_keeps_introduced_publishers_as_given():
