@@ -164,6 +164,16 @@ class JournalIngest:
         with self._cond:
             self._cond.notify_all()
 
+    def on_superseded(self, group: str, publisher_did: str, seqs: list[int]) -> None:
+        """Seqs the member dropped for a message id it had delivered before: recorded in the journal
+        (before they are acked) so a reader walking the publisher's seqs does not call them lost."""
+        try:
+            self.journal.add_superseded(group, publisher_did, seqs)
+        except Exception as exc:  # noqa: BLE001 - like a failed append: nothing is acked that is not durable
+            if not (isinstance(exc, JournalClosedError) and self._closing):  # closing: the process is exiting
+                self._on_fatal(exc)
+            self._block_forever()
+
     def _append(self, rows: list[dict[str, Any]]) -> Any:
         last: BaseException | None = None
         for attempt in range(_RETRIES):

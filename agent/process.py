@@ -122,6 +122,7 @@ class AgentProcess:
             self.ingest = JournalIngest(self.journal, self.metrics)
         assert self.ingest is not None
         manager.on_messages(self.ingest.on_messages)  # one journal record per delivery batch, before the acks
+        manager.on_superseded(self.ingest.on_superseded)  # seqs re-used for delivered ids, before the acks
 
     def _open_api(self) -> None:
         from zerocomm_spark.agent.calls import build_registry

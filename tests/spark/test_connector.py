@@ -249,6 +249,35 @@ def test_a_sink_task_retried_through_another_member_is_not_data_loss_for_readers
     assert payloads == sorted([b"before", b"after", b"p0", b"p1", b"p2"])  # each row once, nothing lost
 
 
+def test_a_publisher_resending_its_ids_under_new_seqs_after_a_restart_is_not_data_loss(members, group):
+    """A sink task retried on the same host after its agent restarted (the agent's memory of what it
+    published is gone): the same ids go out under new seqs of the same publisher, which members drop
+    as seen before. Those seqs are recorded as superseded, so readers do not call them lost."""
+    import pyarrow as pa
+
+    from zerocomm_spark.connector.batch_reader import ZeroCommBatchReader
+    from zerocomm_spark.connector.options import SourceOptions
+    from zerocomm_spark.connector.schema import source_schema
+
+    bob, carol = members["bob"], members["carol"]
+    ids = ["task-row-0", "task-row-1", "task-row-2"]
+    assert publish(bob, group, ["r0", "r1", "r2"], message_ids=ids) == [1, 2, 3]
+    bob.stop()
+    bob.start()
+    wait_for(lambda: bob.client().info(group)["status"] == "active", 60, "bob back in the group")
+    assert publish(bob, group, ["r0", "r1", "r2"], message_ids=ids) == [4, 5, 6]  # its memory is gone
+    publish(bob, group, ["after"])
+    did = bob.did(group)
+    wait_for(lambda: any(p["publisher_did"] == did and p["last_seq"] == 7
+                         for p in carol.client().latest(group)["publishers"]), 60, "carol to journal bob's seq 7")
+    assert carol.client().superseded(group, did, 1, 7) == [(4, 6)]
+    reader = ZeroCommBatchReader(SourceOptions.parse({"group": group, "agent": str(carol.config)}, mode="batch"),
+                                 source_schema())
+    got = [r["payload"] for p in reader.partitions() for b in reader.read(p)
+           for r in pa.Table.from_batches([b]).to_pylist() if r["publisher_did"] == did]
+    assert got == [b"r0", b"r1", b"r2", b"after"]
+
+
 def test_the_initial_offset_is_decided_once_per_query(members, group):
     """Spark calls initialOffset() to plan batch 0 and again to run it: a second answer taken later
     (newer positions, another journal consumer) would run the batch from past its planned start."""

@@ -398,6 +398,7 @@ class DataPlane:
         on_state: Callable[[str, bytes], None] | None = None,
         config: DataPlaneConfig = DataPlaneConfig(),  # noqa: B008 - frozen, shared safely
         on_deliver_many: Callable[[list[Delivered]], None] | None = None,
+        on_superseded: Callable[[str, str, list[int]], None] | None = None,
     ) -> None:
         self.member_did = topics.check_did(member_did)
         if not callable(on_deliver):
@@ -415,6 +416,10 @@ class DataPlane:
         self._bind = publish_bind
         self._on_deliver = on_deliver
         self._on_deliver_many = on_deliver_many
+        # (group, publisher, seqs): new seqs whose message ids were delivered before - a publisher
+        # re-sending under new seqs (a retried sink task after its agent restarted). Called before
+        # they are acked, so a journal can record that those seqs have no row by design.
+        self._on_superseded = on_superseded
         self._on_state = on_state
         self.config = config
 
@@ -1572,14 +1577,22 @@ class DataPlane:
                 top = limit
             self._clock.observe(top)
             fresh: list[Delivered] = []
+            superseded: list[int] = []
             for msg, dup in zip(msgs, dup_flags):
                 if dup:
                     dup_ids += 1
+                    superseded.append(msg.seq)
                     continue
                 nbytes += len(msg.payload)
                 headers = msg.headers
                 fresh.append(_delivered(group, msg.id, did, msg.seq, msg.lamport, msg.sent_at, now, msg.payload,
                                         dict(headers) if headers else None))
+            if superseded and self._on_superseded is not None:
+                try:
+                    self._on_superseded(group, did, superseded)
+                except Exception:  # noqa: BLE001 - the application's bug must not stop the stream
+                    errors += 1
+                    log.exception("on_superseded raised for %d seq(s) of %s in group %r", len(superseded), did, group)
             if many is not None and fresh:
                 try:  # one call per delivery batch: a durable consumer commits the batch at once
                     many(fresh)

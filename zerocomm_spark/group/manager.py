@@ -268,6 +268,7 @@ class GroupManager:
         self._reserved: set[str] = set()
         self._listeners: list[Callable[[Delivered], None]] = []
         self._batch_listeners: list[Callable[[list[Delivered]], None]] = []
+        self._superseded_listeners: list[Callable[[str, str, list[int]], None]] = []
         self._arrivals = 0
         self._inbox_cond = threading.Condition(self._lock)
         self._control: queue.Queue[Callable[[], None] | None] = queue.Queue()
@@ -334,7 +335,8 @@ class GroupManager:
             plane = DataPlane(member_did=self.did, keystore=self._keystore, transport=self._transport,
                               curve_keypair=(self._identity.curve_public, self._identity.curve_secret),
                               publish_bind=bind, on_deliver=self._on_deliver, on_state=self._on_state,
-                              config=config.dataplane, on_deliver_many=self._on_deliver_many)
+                              config=config.dataplane, on_deliver_many=self._on_deliver_many,
+                              on_superseded=self._on_superseded)
             try:
                 return plane.start()
             except ConfigurationError as exc:
@@ -1212,6 +1214,18 @@ class GroupManager:
 
     def _on_deliver(self, message: Delivered) -> None:
         self._on_deliver_many([message])
+
+    def _on_superseded(self, group: str, publisher_did: str, seqs: list[int]) -> None:
+        with self._lock:
+            listeners = list(self._superseded_listeners)
+        for callback in listeners:  # errors go to the data plane, which logs them
+            callback(group, publisher_did, seqs)
+
+    def on_superseded(self, callback: Callable[[str, str, list[int]], None]) -> Callable[[], None]:
+        """Call ``callback(group, publisher, seqs)`` for new seqs whose message ids this member had
+        delivered already (a publisher re-sending under new seqs), before they are acknowledged:
+        a journal records them, so a reader walking the publisher's seqs does not call them lost."""
+        return self._listen(self._superseded_listeners, callback, "on_superseded")
 
     def _on_deliver_many(self, messages: list[Delivered]) -> None:
         """One delivery batch (one group, one publisher, in seq order) from the data plane."""

@@ -419,6 +419,14 @@ class Journal:
                 out.append(picked)
         return pa.Table.from_batches(out, schema=JOURNAL_SCHEMA)
 
+    def add_superseded(self, group: str, publisher_did: str, seqs: list[int]) -> None:
+        """Record seqs of this publisher that will have no row (their message ids were delivered
+        before, under these or other seqs) - saved before returning, so before they are acked."""
+        self._check_open()
+        if seqs:
+            with self._lock:
+                self._superseded.add([((group, publisher_did), int(seq)) for seq in seqs])
+
     def superseded(self, group: str, publisher_did: str, seq_from: int, seq_to: int) -> list[tuple[int, int]]:
         """Seqs of this publisher in ``seq_from..seq_to`` that have no row because their message id
         was journaled before from another publisher (a retried sink task on another host): not lost."""
