@@ -423,9 +423,7 @@ class ApiServer:
             if sock is None:
                 continue
             try:
-                # Zero-copy for large replies, except once close() began: a zero-copy message handed to
-                # a socket that closes soon after was lost now and then (seen on a process's first ones).
-                sock.send_multipart(frames, zmq.NOBLOCK, copy=self._draining or len(frames[-1]) < 65536)
+                sock.send_multipart(frames, zmq.NOBLOCK, copy=len(frames[-1]) < 65536)
             except zmq.ZMQError:  # the client went away or does not read: nothing to do
                 log.debug("dropped a reply to a client that is gone")
 

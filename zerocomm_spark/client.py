@@ -515,7 +515,12 @@ class Client:
             ctx = zmq.Context.instance()
             sock = ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
-            sock.setsockopt(zmq.IMMEDIATE, 1)  # queue nothing for a peer that is not there yet
+            if not self.endpoint.startswith("ipc://"):
+                # Queue nothing for a remote agent that is not there yet. Not for a local one: with
+                # IMMEDIATE a reply already received but not yet read is dropped when the agent
+                # disconnects (a stopping agent's last answers); a dead local agent is told by a
+                # refused connect before each call instead.
+                sock.setsockopt(zmq.IMMEDIATE, 1)
             sock.setsockopt(zmq.RCVHWM, 0)
             if self._curve is not None:
                 server, public, secret = self._curve
@@ -595,6 +600,9 @@ class Client:
         deadline = time.monotonic() + wait
         with self._lock:
             sock = self._socket()
+            if self._local_agent_gone():  # a refused connect: no agent is there to take the call
+                self._drop_socket()
+                raise AgentNotRunningError(f"no agent listens on {self.endpoint}")
             while True:  # short send attempts, so a dead local agent is reported at once, not at the deadline
                 try:
                     sock.setsockopt(zmq.SNDTIMEO, max(int(min(wait, 0.25) * 1000), 1))

@@ -68,7 +68,7 @@ def test_client_pickles_without_its_socket(tmp_path: Path) -> None:
     client._socket()  # noqa: SLF001 - a live socket must not travel
     copy = pickle.loads(pickle.dumps(client))
     assert copy.endpoint == client.endpoint and copy._sock is None  # noqa: SLF001
-    with pytest.raises(errors.ApiTimeoutError):  # it reconnects lazily (nobody there: a clear timeout)
+    with pytest.raises(errors.AgentNotRunningError):  # it reconnects lazily (nobody there: said at once)
         copy.call("status", timeout=0.2)
     client.close()
     with pytest.raises(errors.ClientClosedError):
