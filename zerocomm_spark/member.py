@@ -597,6 +597,8 @@ class Agent:
                 failed(exc)
 
         def settle(future: Future[bytes]) -> None:  # runs in the transport's IO thread: no parsing here
+            if future.cancelled():  # the transport is closing
+                return
             error = future.exception()
             if error is not None:
                 report(error)
