@@ -67,6 +67,7 @@ MAX_QUEUED_BYTES = 256 << 20
 _SIGINT, _SIG_IGN, _SIG_DFL = int(signal.SIGINT), int(signal.SIG_IGN), int(signal.SIG_DFL)
 _IDLE_POLL_S = 1.0  # the idle writer thread's wait between notifications (a safety net: it is notified)
 _HANDOFF = object()  # the committer role's value when an inline committer left work for the writer thread
+_MAX_RETIRED = 4  # rolled segments' descriptors left for the syncer at most (more are synced at the roll)
 _IOV_MAX = 512  # buffers per writev (header + body per record); below every platform's IOV_MAX
 
 
@@ -480,12 +481,16 @@ class Writer:
             os.fdatasync(old_fd)
         j._write_side_index(old, self._active_runs, self._recent.as_array())  # noqa: SLF001
         new, fd = create_segment(j.directory, old.end_offset, now_micros())
+        overflow: list[int] = []
         with self._sync_lock:
             self._active, self._fd = new, fd
             self._active_runs = []
             if j.fsync == "interval":  # the syncer syncs and closes it, off the append path
                 self._retired.append(old_fd)
                 self._dir_dirty = True
+                # ...unless rolls outpace it (small segments, a slow disk): then the oldest are synced
+                # and closed here, so open descriptors stay bounded.
+                overflow, self._retired = self._retired[:-_MAX_RETIRED], self._retired[-_MAX_RETIRED:]
             else:
                 os.close(old_fd)  # under "always" it was synced above
                 if j.fsync == "always":
@@ -494,6 +499,12 @@ class Writer:
                 else:  # "never": an explicit Journal.sync() still owes this segment an fsync
                     self._dir_dirty = True
                     self._unsynced.append(old.path)
+        for stale in overflow:
+            try:
+                os.fdatasync(stale)
+                self.counters["fsyncs"] += 1
+            finally:
+                os.close(stale)
         self.counters["segments_rolled"] += 1
         j._add_segment(new)  # noqa: SLF001
         j._after_roll()  # noqa: SLF001
