@@ -499,12 +499,7 @@ class Writer:
                 else:  # "never": an explicit Journal.sync() still owes this segment an fsync
                     self._dir_dirty = True
                     self._unsynced.append(old.path)
-        for stale in overflow:
-            try:
-                os.fdatasync(stale)
-                self.counters["fsyncs"] += 1
-            finally:
-                os.close(stale)
+        self._sync_and_close(overflow)
         self.counters["segments_rolled"] += 1
         j._add_segment(new)  # noqa: SLF001
         j._after_roll()  # noqa: SLF001
@@ -528,6 +523,15 @@ class Writer:
                     return
                 log.warning("journal %s: background work failed: %s", j.directory, exc)
 
+    def _sync_and_close(self, fds: list[int]) -> None:
+        """fdatasync and close rolled segments' descriptors (each closed whatever happens)."""
+        for fd in fds:
+            try:
+                os.fdatasync(fd)
+                self.counters["fsyncs"] += 1
+            finally:
+                os.close(fd)
+
     def sync(self, *, force: bool = False) -> None:
         """fdatasync what was written since the last sync (and close rolled segments' descriptors)."""
         with self._sync_lock:
@@ -536,12 +540,7 @@ class Writer:
             fd = self._fd
             dir_dirty, self._dir_dirty = self._dir_dirty, False
             written = self._written
-        for old in retired:
-            try:
-                os.fdatasync(old)
-                self.counters["fsyncs"] += 1
-            finally:
-                os.close(old)
+        self._sync_and_close(retired)
         for path in unsynced:  # segments rolled under "never": their descriptors were closed unsynced
             try:
                 old = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
