@@ -26,6 +26,8 @@ from zerocomm_spark.errors import (
     OffsetOutOfRangeError,
 )
 from zerocomm_spark.journal import APPEND_SCHEMA, JOURNAL_SCHEMA, AppendResult, Journal, journal_key, reader
+from zerocomm_spark.journal import files as files_module
+from zerocomm_spark.journal import writer as writer_module
 from zerocomm_spark.keys.keystore import Keystore
 
 pytestmark = pytest.mark.timeout(120)
@@ -1028,3 +1030,52 @@ def test_retention_still_deletes_when_the_disk_is_too_full_to_save_positions(jdi
         j.commit(j.next_offset)
         assert len(list(jdir.glob("*.zcj"))) < before
         assert j.append(rows(10_000, 10_000)).appended == 1
+
+
+@pytest.mark.skipif(files_module._sync_file_range is None, reason="sync_file_range is Linux-only")
+def test_start_writeback_asks_the_kernel_and_never_raises(tmp_path: Path) -> None:
+    path = tmp_path / "f"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o600)
+    try:
+        os.write(fd, b"x" * 65536)
+        assert files_module.start_writeback(fd, 0, 65536)
+        assert not files_module.start_writeback(fd, 0, 0)  # nothing to start
+    finally:
+        os.close(fd)
+    assert not files_module.start_writeback(fd, 0, 65536)  # a closed descriptor: refused, not raised
+
+
+@pytest.mark.parametrize("policy", ["interval", "always", "never"])
+def test_interval_starts_writeback_of_each_range_once_as_appends_go(jdir: Path, key: bytes, monkeypatch,  # noqa: ANN001
+                                                                    policy: str) -> None:
+    """Under "interval" the syncer starts the disk writing of what was appended (every
+    WRITEBACK_BYTES) instead of leaving it all to the next fdatasync; each range once, in order,
+    within what was written. The other policies sync inline or never, and start nothing."""
+    started: list[tuple[str, int, int]] = []
+    real = files_module.start_writeback
+
+    def spy(fd: int, offset: int, nbytes: int) -> bool:
+        started.append((os.path.basename(os.readlink(f"/proc/self/fd/{fd}")), offset, nbytes))
+        return real(fd, offset, nbytes)
+
+    monkeypatch.setattr(files_module, "start_writeback", spy)
+    monkeypatch.setattr(writer_module, "WRITEBACK_BYTES", 4096)
+    with Journal.open(jdir, key=key, fsync=policy, fsync_interval_ms=60_000, segment_bytes=64 << 10) as j:
+        for first in range(1, 400, 20):
+            j.append(rows(first, first + 19, size=200))  # ~5 kB per append: a wake-up each
+        deadline = time.monotonic() + 10
+        while policy == "interval" and sum(n for _, _, n in started) < j.stats().bytes_written // 2:
+            assert time.monotonic() < deadline, (started, j.stats())
+            time.sleep(0.01)
+        sizes = {p.name: p.stat().st_size for p in jdir.glob("*.zcj")}
+    stats = j.stats()  # closed: the syncer has stopped
+    if policy != "interval":
+        assert not started and stats.writebacks == 0
+        return
+    assert stats.writebacks == len(started) > 0
+    assert len({name for name, _, _ in started}) >= 2  # the roll moved it on to the next segment
+    ends: dict[str, int] = {}
+    for name, offset, nbytes in started:
+        assert offset == ends.get(name, 32) and nbytes > 0  # each range once, in order, from the header on
+        ends[name] = offset + nbytes
+        assert ends[name] <= sizes[name]

@@ -16,6 +16,11 @@ long, and its deadline still bounds every wait for the queue.
 Durability: an append returns after ``write(2)`` handed the bytes to the kernel, so it survives the
 process being killed (kill -9) under every policy; it survives power loss only under ``"always"``
 (``"interval"`` syncs every ``fsync_interval_ms`` in the background, ``"never"`` leaves it to the OS).
+Under ``"interval"`` the background thread also starts the disk writing of every ``WRITEBACK_BYTES``
+appended as soon as they are written (``files.start_writeback``), so the disk works while appends go
+on and each fdatasync (and a ``sync()`` or close) waits for little: without it the kernel holds the
+dirty pages until the fdatasync, which then writes everything at once (measured: 57 MB appended in
+~70 ms, then a 24 ms fdatasync; with it, under 1 ms).
 
 Any write or fsync error stops the journal (later appends raise JournalClosedError): after a failed
 fsync the kernel may have dropped the dirty pages, so carrying on would acknowledge data that is not
@@ -40,7 +45,7 @@ import numpy as np
 import pyarrow as pa
 
 from zerocomm_spark.errors import JournalClosedError, JournalError, JournalTimeoutError
-from zerocomm_spark.journal import codec, index
+from zerocomm_spark.journal import codec, files, index
 from zerocomm_spark.journal.codec import Frame
 from zerocomm_spark.journal.files import fsync_dir
 from zerocomm_spark.journal.index import Run
@@ -69,6 +74,9 @@ _IDLE_POLL_S = 1.0  # the idle writer thread's wait between notifications (a saf
 _HANDOFF = object()  # the committer role's value when an inline committer left work for the writer thread
 _MAX_RETIRED = 4  # rolled segments' descriptors left for the syncer at most (more are synced at the roll)
 _IOV_MAX = 512  # buffers per writev (header + body per record); below every platform's IOV_MAX
+#: Under fsync="interval": bytes appended to the active segment before the syncer is woken to start
+#: their writeback (see the module docstring). Large enough to cost one wake-up per several appends.
+WRITEBACK_BYTES = 4 << 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,6 +121,7 @@ class JournalStats:
     fsyncs: int  # fdatasync of segment files
     bytes_written: int
     segments_rolled: int
+    writebacks: int = 0  # early writeback requests (fsync="interval": start_writeback calls that took)
 
 
 @dataclass(frozen=True, slots=True)
@@ -217,11 +226,17 @@ class Writer:
         self._dir_dirty = False
         self._written = 0
         self._synced = 0
+        # Early writeback (fsync="interval"): where in the active segment it was last started, and
+        # the bytes written since the syncer was last woken for it.
+        self._writeback_from = active.size
+        self._unstarted = 0
+        self._writeback = journal.fsync == "interval"
         self.counters = {"appends": 0, "rows_appended": 0, "duplicates": 0, "records": 0, "writes": 0,
-                         "fsyncs": 0, "bytes_written": 0, "segments_rolled": 0}
+                         "fsyncs": 0, "bytes_written": 0, "segments_rolled": 0, "writebacks": 0}
         self._thread = threading.Thread(target=self._run, name="zerocomm-journal-writer", daemon=True)
         self._syncer: threading.Thread | None = None
         self._syncer_stop = threading.Event()
+        self._syncer_kick = threading.Event()  # set: the syncer has work now (writeback, or stopping)
 
     # --- appender side -------------------------------------------------------------------------
 
@@ -457,8 +472,14 @@ class Writer:
         position = self._active.size
         _writev_all(self._fd, buffers)
         self._written += 1
+        written = sum(frame.length for frame, _ in todo)
         self.counters["writes"] += 1
-        self.counters["bytes_written"] += sum(frame.length for frame, _ in todo)
+        self.counters["bytes_written"] += written
+        if self._writeback:
+            self._unstarted += written
+            if self._unstarted >= WRITEBACK_BYTES:
+                self._unstarted = 0
+                self._syncer_kick.set()
         if self._journal.fsync == "always":
             os.fdatasync(self._fd)
             self.counters["fsyncs"] += 1
@@ -485,6 +506,7 @@ class Writer:
         with self._sync_lock:
             self._active, self._fd = new, fd
             self._active_runs = []
+            self._writeback_from = new.size
             if j.fsync == "interval":  # the syncer syncs and closes it, off the append path
                 self._retired.append(old_fd)
                 self._dir_dirty = True
@@ -509,9 +531,19 @@ class Writer:
     def _background(self) -> None:
         j = self._journal
         period = j.fsync_interval_ms / 1000 if j.fsync == "interval" else 1.0
+        next_round = time.monotonic() + period
         next_retention = time.monotonic() + 1.0
-        while not self._syncer_stop.wait(period):
+        while True:
+            kicked = self._syncer_kick.wait(max(0.0, next_round - time.monotonic()))
+            if self._syncer_stop.is_set():
+                return
             try:
+                if kicked:
+                    self._syncer_kick.clear()
+                    self._start_writeback()
+                if time.monotonic() < next_round:
+                    continue
+                next_round = time.monotonic() + period
                 if j.fsync == "interval":
                     self.sync()
                 if (j.retention_bytes is not None or j.retention_ms is not None) and time.monotonic() >= next_retention:
@@ -522,6 +554,16 @@ class Writer:
                     self._fail(exc, [])
                     return
                 log.warning("journal %s: background work failed: %s", j.directory, exc)
+
+    def _start_writeback(self) -> None:
+        """Start writing what was appended to the active segment since the last call (see WRITEBACK_BYTES)."""
+        with self._sync_lock:  # the roll swaps descriptors under it: this one stays open meanwhile
+            fd, start, end = self._fd, self._writeback_from, self._active.size
+            if fd < 0 or end <= start:
+                return
+            self._writeback_from = end
+            if files.start_writeback(fd, start, end - start):
+                self.counters["writebacks"] += 1
 
     def _sync_and_close(self, fds: list[int]) -> None:
         """fdatasync and close rolled segments' descriptors (each closed whatever happens)."""
@@ -576,6 +618,7 @@ class Writer:
                     raise JournalTimeoutError(f"an append being written did not finish within {timeout:g} s")
                 self._wait_other(remaining)
         self._syncer_stop.set()
+        self._syncer_kick.set()
         if self._syncer is not None:
             self._syncer.join(max(0.0, deadline - time.monotonic()))
             if self._syncer.is_alive():
