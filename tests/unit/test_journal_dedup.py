@@ -76,6 +76,25 @@ def test_recent_ids_survive_generation_marks_wrapping_around() -> None:
             assert ids[i - 3].encode() not in recent  # and what left both generations is forgotten
 
 
+def test_ids_marked_before_a_rotation_and_added_after_it_stay_remembered() -> None:
+    """The writer marks an append's ids in the table right after the check (RecentIds.mark) and
+    adds them once written; if another append of the same group rotated the generations meanwhile,
+    the ids land in the new generation and must carry its mark, or the next rotation would retire
+    them from the table while they are still in the window."""
+    recent = RecentIds(4)
+    late = pa.array(["late-1", "late-2"])
+    hashes = id_hashes(late)
+    slots = recent.slots(hashes)
+    mark = recent.mark(slots)
+    recent.add_array(pa.array(["a", "b", "c", "d"]))  # fills the generation: rotates
+    assert recent.epoch != mark
+    recent.add(hashes, late, slots, mark)  # into the new current generation
+    recent.add_array(pa.array(["e", "f"]))  # current: late-1, late-2, e, f: rotates again
+    assert b"late-1" in recent and b"late-2" in recent  # still within the window (previous generation)
+    recent.add_array(pa.array(["g", "h", "i", "j"]))
+    assert b"late-1" not in recent  # and forgotten once two generations on
+
+
 @pytest.fixture
 def crowded_tables(monkeypatch: pytest.MonkeyPatch) -> None:
     original = RecentIds.__init__

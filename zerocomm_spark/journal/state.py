@@ -239,12 +239,32 @@ class RecentIds:
         h = id_hashes(pa.array([message_id], pa.binary()))
         return self.maybe(self.slots(h)) and self.holds(int(h[0]), message_id)
 
-    def add(self, hashes: np.ndarray, array: pa.Array, slots: np.ndarray | None = None) -> None:
-        """Remember the ids of ``array`` (hashes ``hashes``, table slots ``slots`` if known); the
-        array is copied (it may share a record's buffer)."""
+    @property
+    def epoch(self) -> int:
+        """The current generation's table mark (what :meth:`mark` writes now)."""
+        return self._epoch
+
+    def mark(self, slots: np.ndarray) -> int:
+        """Mark ids in the table ahead of :meth:`add`; returns the mark used (pass it to add).
+
+        Marks are only the filter in front of the exact check: an id marked but not (yet) added
+        costs a comparison, never a wrong answer. Marking right after the check that computed the
+        slots finds their cache lines still loaded; after the record's encryption and write, it
+        paid a cache miss per slot again (measured: ~60 us of a 1000-row append).
+        """
+        if self.window > 0 and slots.shape[1]:
+            self._table[slots] = self._epoch
+        return self._epoch
+
+    def add(self, hashes: np.ndarray, array: pa.Array, slots: np.ndarray | None = None,
+            marked: int | None = None) -> None:
+        """Remember the ids of ``array`` (hashes ``hashes``, table slots ``slots`` if known, already
+        marked with ``marked`` by :meth:`mark` if given); the array is copied (it may share a
+        record's buffer)."""
         if self.window <= 0 or len(array) == 0:
             return
-        self._table[self.slots(hashes) if slots is None else slots] = self._epoch
+        if marked is None or marked != self._epoch:  # a rotation since the mark: mark again
+            self._table[self.slots(hashes) if slots is None else slots] = self._epoch
         self._current.add(hashes, pa.concat_arrays([array]))
         if self._current.count >= self.window:
             self._previous, self._current = self._current, _Generation()

@@ -132,6 +132,7 @@ class _RecordMeta:
     id_hashes: np.ndarray
     id_slots: np.ndarray | None
     id_array: pa.Array
+    id_mark: int | None  # the table mark the ids got right after the check (RecentIds.mark)
 
 
 class _Done:
@@ -391,6 +392,7 @@ class Writer:
         superseded: list[tuple[index.Key, int]] = []
         for request in group:
             kept = filter_new(request.batch, j._last_seq, pending, self._recent, pending_ids)  # noqa: SLF001
+            mark = self._recent.mark(kept.slots) if kept.slots is not None else None
             superseded += kept.superseded
             batch = kept.batch
             n = batch.num_rows
@@ -412,7 +414,7 @@ class Writer:
                     metas.append(_RecordMeta(kept.runs(start, stop, next_offset),
                                              kept.hashes if whole else kept.hashes[start:stop],
                                              kept.slots if whole or kept.slots is None else kept.slots[:, start:stop],
-                                             id_column if whole else id_column.slice(start, stop - start)))
+                                             id_column if whole else id_column.slice(start, stop - start), mark))
                     next_offset += stop - start
             request.result = AppendResult(first, first + n - 1, n, kept.duplicates)
         counters = self.counters
@@ -490,7 +492,7 @@ class Writer:
         for frame, meta in todo:
             entries.append((RecordEntry(position, frame.record), meta.runs))
             position += frame.length
-            self._recent.add(meta.id_hashes, meta.id_array, meta.id_slots)  # only now: the rows are written
+            self._recent.add(meta.id_hashes, meta.id_array, meta.id_slots, meta.id_mark)  # only now: they are written
         self._active_runs.extend((entry.base_offset, runs) for entry, runs in entries)
         self._journal._publish(self._active, entries)  # noqa: SLF001
 
