@@ -20,6 +20,7 @@ from zerocomm_spark.errors import (
     DataLossError,
     InvalidJournalRowError,
     JournalClosedError,
+    JournalError,
     JournalCorruptError,
     JournalKeyError,
     JournalLockedError,
@@ -1079,3 +1080,66 @@ def test_interval_starts_writeback_of_each_range_once_as_appends_go(jdir: Path, 
         assert offset == ends.get(name, 32) and nbytes > 0  # each range once, in order, from the header on
         ends[name] = offset + nbytes
         assert ends[name] <= sizes[name]
+
+
+def test_an_explicit_sync_racing_rolls_and_the_syncer_syncs_its_own_descriptor(jdir: Path, key: bytes,
+                                                                              monkeypatch) -> None:  # noqa: ANN001
+    """Journal.sync() takes the active segment's descriptor, then syncs outside the lock; rolls may
+    retire that descriptor meanwhile and later syncs or rolls close it (the number can even go to
+    the next segment's file). The sync must still sync the file it meant, and not fail."""
+    real = os.fdatasync
+    entered, release = threading.Event(), threading.Event()
+    seen: list[tuple[str, str]] = []
+
+    def spy(fd: int) -> None:
+        if threading.current_thread().name == "explicit-sync" and not entered.is_set():
+            before = os.readlink(f"/proc/self/fd/{fd}")
+            entered.set()
+            assert release.wait(30)
+            try:
+                after = os.readlink(f"/proc/self/fd/{fd}")
+            except OSError as exc:
+                after = f"closed: {exc.strerror}"
+            seen.append((before, after))
+        real(fd)
+
+    errors: list[BaseException] = []
+    with Journal.open(jdir, key=key, fsync="interval", fsync_interval_ms=60_000, segment_bytes=4096) as j:
+        j.append(rows(1, 10, size=200))
+        monkeypatch.setattr(os, "fdatasync", spy)
+
+        def explicit() -> None:
+            try:
+                j.sync()
+            except BaseException as exc:  # noqa: BLE001 - asserted below
+                errors.append(exc)
+
+        syncer = threading.Thread(target=explicit, name="explicit-sync")
+        syncer.start()
+        assert entered.wait(30)
+        for first in range(11, 131, 10):  # a roll per append: the descriptor is retired, then closed
+            j.append(rows(first, first + 9, size=200))
+        j._writer.sync()  # noqa: SLF001 - the syncer's round: syncs and closes what was retired
+        release.set()
+        syncer.join(30)
+        assert not errors, errors
+        assert len(seen) == 1 and seen[0][0] == seen[0][1], seen  # the same file before and after
+
+
+def test_an_explicit_sync_that_fails_stops_the_journal(jdir: Path, key: bytes, monkeypatch) -> None:  # noqa: ANN001
+    """After a failed fdatasync the kernel may have dropped the pages it could not write: carrying
+    on would acknowledge data that is not there, so Journal.sync() stops the journal as a failed
+    write does, and says so."""
+    j = Journal.open(jdir, key=key, fsync="interval", fsync_interval_ms=60_000)
+    try:
+        j.append(rows(1, 5))
+        monkeypatch.setattr(os, "fdatasync", lambda fd: (_ for _ in ()).throw(OSError(5, "Input/output error")))
+        with pytest.raises(JournalError, match="Input/output error"):
+            j.sync()
+        with pytest.raises(JournalClosedError, match="stopped after a write failure"):
+            j.append(rows(6, 7))
+        monkeypatch.undo()
+    finally:
+        j.close()
+    with Journal.open(jdir, key=key) as again:  # reopening recovers what is on disk
+        assert again.read(0).num_rows == 5

@@ -366,6 +366,10 @@ class Writer:
             if inline:
                 return
 
+    def fail(self, exc: BaseException) -> None:
+        """Stop the journal after a failure outside the writer (an explicit sync's fdatasync)."""
+        self._fail(exc, [])
+
     def _fail(self, exc: BaseException, group: list[_Request]) -> None:
         # OS errors say what to fix (disk full...); other exceptions only by type: their text could quote data.
         detail = f"{exc.strerror or exc}" if isinstance(exc, OSError) else type(exc).__name__
@@ -568,22 +572,38 @@ class Writer:
                 self.counters["writebacks"] += 1
 
     def _sync_and_close(self, fds: list[int]) -> None:
-        """fdatasync and close rolled segments' descriptors (each closed whatever happens)."""
+        """fdatasync and close rolled segments' descriptors: every one is closed whatever happens,
+        and the first failure is raised once all were tried."""
+        failure: OSError | None = None
         for fd in fds:
             try:
                 os.fdatasync(fd)
                 self.counters["fsyncs"] += 1
+            except OSError as exc:
+                failure = failure or exc
             finally:
                 os.close(fd)
+        if failure is not None:
+            raise failure
 
     def sync(self, *, force: bool = False) -> None:
         """fdatasync what was written since the last sync (and close rolled segments' descriptors)."""
         with self._sync_lock:
             retired, self._retired = self._retired, []
             unsynced, self._unsynced = self._unsynced, []
-            fd = self._fd
-            dir_dirty, self._dir_dirty = self._dir_dirty, False
             written = self._written
+            # A descriptor of our own: a roll may retire the active one meanwhile, and another sync
+            # (the syncer's, or an explicit one) or a later roll may close it before ours gets to it.
+            fd = os.dup(self._fd) if self._fd >= 0 and (force or written != self._synced) else -1
+            dir_dirty, self._dir_dirty = self._dir_dirty, False
+        try:
+            self._sync_snapshot(retired, unsynced, fd, dir_dirty or force, written)
+        finally:
+            if fd >= 0:
+                os.close(fd)
+
+    def _sync_snapshot(self, retired: list[int], unsynced: list[Path], fd: int, sync_dir: bool, written: int) -> None:
+        """sync() outside the lock: rolled segments, then the directory, then the active segment (``fd``, a dup)."""
         self._sync_and_close(retired)
         for path in unsynced:  # segments rolled under "never": their descriptors were closed unsynced
             try:
@@ -595,9 +615,9 @@ class Writer:
                 self.counters["fsyncs"] += 1
             finally:
                 os.close(old)
-        if dir_dirty or force:
+        if sync_dir:
             fsync_dir(self._journal.directory)
-        if (force or written != self._synced) and fd >= 0:
+        if fd >= 0:
             os.fdatasync(fd)
             self.counters["fsyncs"] += 1
             self._synced = written
