@@ -276,6 +276,105 @@ def test_close_fails_pending_requests(client: PeerTransport) -> None:
         release.set()
 
 
+def _stall_io_thread(closing: PeerTransport, peer: PeerTransport, release: threading.Event) -> None:
+    """Block ``closing``'s IO thread inside a done callback (they run there) until ``release``.
+
+    ``peer`` must answer b"stall" only once the gate opens, so the callback is added before the answer."""
+    stalled = threading.Event()
+    fut = closing.request_async(peer.endpoint, ECHO, b"stall", timeout=10)
+    fut.add_done_callback(lambda f: (stalled.set(), release.wait(10)))
+    peer.stall_gate.set()  # type: ignore[attr-defined]
+    assert stalled.wait(5), "the IO thread never ran the callback"
+
+
+def _recording_peer(received: list[bytes], arrived: threading.Event) -> PeerTransport:
+    gate = threading.Event()
+
+    def record(payload: bytes, peer: PeerInfo) -> bytes:
+        if payload == b"stall":
+            gate.wait(10)
+        else:
+            received.append(payload)
+            arrived.set()
+        return b"ok"
+
+    t = PeerTransport()
+    t.register(ECHO, rpc=record)
+    t.stall_gate = gate  # type: ignore[attr-defined]
+    return t
+
+
+def test_close_still_sends_a_request_queued_before_it() -> None:
+    # An agent's replies are requests of their own (request_async + done callback): one queued
+    # just before close() must go out, not be failed and then skipped by the last flush.
+    received: list[bytes] = []
+    arrived = threading.Event()
+    release = threading.Event()
+    with _recording_peer(received, arrived) as peer:
+        closing = PeerTransport().start()
+        try:
+            _stall_io_thread(closing, peer, release)
+            reply = closing.request_async(peer.endpoint, ECHO, b"reply", timeout=30)  # queued, not yet written
+            closer = threading.Thread(target=closing.close, kwargs={"timeout": 5})
+            start = time.monotonic()
+            closer.start()
+            _wait_until(closing._stopping.is_set)
+            release.set()
+            closer.join(6)
+            assert not closer.is_alive() and time.monotonic() - start < 6
+        finally:
+            release.set()
+            closing.close()
+        assert arrived.wait(3), "the reply queued before close() never reached the peer"
+        assert received == [b"reply"]
+        with pytest.raises(TransportNotRunningError, match="closed while request"):  # its answer is never read
+            reply.result(timeout=1)
+
+
+def test_close_sends_a_response_finished_before_the_last_flush() -> None:
+    # A handler that returns while close() runs, before the IO thread's last flush: its response goes out.
+    received: list[bytes] = []
+    arrived = threading.Event()
+    release = threading.Event()
+    entered = threading.Event()
+    with _recording_peer(received, arrived) as peer:
+        closing = PeerTransport().start()
+
+        def slow(payload: bytes, info: PeerInfo) -> bytes:
+            entered.set()
+            _wait_until(closing._stopping.is_set)
+            return b"answered"
+
+        closing.register(ECHO, rpc=slow)
+        try:
+            answer = peer.request_async(closing.endpoint, ECHO, b"q", timeout=10)
+            assert entered.wait(5)
+            _stall_io_thread(closing, peer, release)
+            closer = threading.Thread(target=closing.close, kwargs={"timeout": 5})
+            closer.start()
+            deadline = time.monotonic() + 3
+            while closing.stats()["outbox"] == 0 and time.monotonic() < deadline:  # the response is queued
+                time.sleep(0.01)
+            release.set()
+            closer.join(6)
+            assert not closer.is_alive()
+        finally:
+            release.set()
+            closing.close()
+        assert answer.result(timeout=3) == b"answered"
+
+
+def test_close_is_bounded_with_queued_requests_to_a_dead_peer() -> None:
+    caller = PeerTransport().start()
+    futures = [caller.request_async(_free_port_endpoint(), ECHO, b"x", timeout=30) for _ in range(20)]
+    start = time.monotonic()
+    caller.close(timeout=2)
+    assert time.monotonic() - start < 3.5  # threads joined by the deadline, LINGER at most 1 s
+    for fut in futures:
+        with pytest.raises(TransportNotRunningError):
+            fut.result(timeout=1)
+
+
 # --- hostile frames from a raw DEALER -----------------------------------------------------------
 
 HOSTILE = [

@@ -198,6 +198,7 @@ class PeerTransport:
         self._started = False
         self._closed = False
         self._io_failed = False
+        self._outbox_closed = False  # the IO thread took its last batch (or died): nothing queued goes out
         self._stopping = threading.Event()
         self._close_deadline = 0.0
 
@@ -258,19 +259,20 @@ class PeerTransport:
         return self._identity
 
     def close(self, timeout: float = 5.0) -> None:
-        """Fail pending calls, flush what is queued (bounded by LINGER) and join every thread."""
+        """Flush what is queued (bounded by LINGER), then fail pending calls and join every thread.
+
+        Requests queued before close() are written by the IO thread's last flush, not dropped: many
+        are replies (an agent answers a peer with its own RpcRequest). Their answers are never read,
+        so their futures fail once the IO thread is done (or close()'s deadline passed).
+        """
         deadline = time.monotonic() + max(timeout, 0.0)
         with self._lock:
             if self._closed:
                 return
             self._closed = True
-            pending = list(self._pending.values())
-            self._pending.clear()
-            self._deadlines.clear()
             self._close_deadline = deadline
-        for p in pending:
-            _fail(p.future, TransportNotRunningError(f"transport closed while {p.what} was pending"))
         if not self._started:
+            self._fail_pending()
             return
         self._stopping.set()
         self._wake()
@@ -278,6 +280,7 @@ class PeerTransport:
         io = self._io
         if io is not None and io is not current:
             io.join(max(deadline - time.monotonic(), 0.0))
+        self._fail_pending()
         for i in range(len(self._workers)):
             self._inbox.put((-1000, i, None))  # sentinels sort before every job: stop promptly
         for t in self._workers:
@@ -454,8 +457,8 @@ class PeerTransport:
 
     def _enqueue(self, priority: int, item: _Outbound) -> None:
         with self._lock:
-            if self._closed and self._stopping.is_set() and self._io is not threading.current_thread():
-                return  # late replies from workers after close: nothing will send them
+            if self._outbox_closed:
+                return  # late replies from workers after the IO thread's last flush: nothing will send them
             heapq.heappush(self._outbox, (-priority, next(self._seq), item))
             self._wake_locked()
 
@@ -522,11 +525,13 @@ class PeerTransport:
                 self._flush(router, dealers, by_socket, poller)
                 self._expire()
             # Orderly stop: push out what was queued before close(), then let LINGER deliver it.
-            self._flush(router, dealers, by_socket, poller)
+            self._flush(router, dealers, by_socket, poller, final=True)
         except Exception:  # noqa: BLE001 - a dead IO thread must not leave callers hanging
             log.exception("peer transport IO thread failed; closing the transport")
             self._fail_all(TransportError("the transport's IO thread failed"))
         finally:
+            with self._lock:
+                self._outbox_closed = True
             linger = int(max(0.0, min(_LINGER_MS / 1000, self._close_deadline - time.monotonic())) * 1000)
             for sock in [*dealers.values(), router]:
                 sock.close(linger=linger)
@@ -616,9 +621,13 @@ class PeerTransport:
         dealers: dict[str, zmq.Socket[bytes]],
         by_socket: dict[zmq.Socket[bytes], str],
         poller: zmq.Poller,
+        *,
+        final: bool = False,
     ) -> None:
         with self._lock:
             batch = [heapq.heappop(self._outbox)[2] for _ in range(len(self._outbox))]  # priority order
+            if final:
+                self._outbox_closed = True  # from now on _enqueue drops: this is the last batch
         for item in batch:
             if item.pending is not None and item.pending.future.done():
                 continue  # expired or cancelled while queued
@@ -669,6 +678,15 @@ class PeerTransport:
             _fail(pending.future, outcome)
         else:
             _succeed(pending.future, value)
+
+    def _fail_pending(self) -> None:
+        """At close: what is still pending was sent (or never will be); its answer will not be read."""
+        with self._lock:
+            pending = list(self._pending.values())
+            self._pending.clear()
+            self._deadlines.clear()
+        for p in pending:
+            _fail(p.future, TransportNotRunningError(f"transport closed while {p.what} was pending"))
 
     def _fail_all(self, exc: TransportError) -> None:
         with self._lock:
