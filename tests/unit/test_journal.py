@@ -1085,8 +1085,8 @@ def test_interval_starts_writeback_of_each_range_once_as_appends_go(jdir: Path, 
 def test_an_explicit_sync_racing_rolls_and_the_syncer_syncs_its_own_descriptor(jdir: Path, key: bytes,
                                                                               monkeypatch) -> None:  # noqa: ANN001
     """Journal.sync() takes the active segment's descriptor, then syncs outside the lock; rolls may
-    retire that descriptor meanwhile and later syncs or rolls close it (the number can even go to
-    the next segment's file). The sync must still sync the file it meant, and not fail."""
+    retire that descriptor meanwhile and later rolls close it (the number can even go to the next
+    segment's file). The sync must still sync the file it meant, and not fail."""
     real = os.fdatasync
     entered, release = threading.Event(), threading.Event()
     seen: list[tuple[str, str]] = []
@@ -1118,8 +1118,7 @@ def test_an_explicit_sync_racing_rolls_and_the_syncer_syncs_its_own_descriptor(j
         syncer.start()
         assert entered.wait(30)
         for first in range(11, 131, 10):  # a roll per append: the descriptor is retired, then closed
-            j.append(rows(first, first + 9, size=200))
-        j._writer.sync()  # noqa: SLF001 - the syncer's round: syncs and closes what was retired
+            j.append(rows(first, first + 9, size=200))  # (rolls close all but the last 4 retired)
         release.set()
         syncer.join(30)
         assert not errors, errors
@@ -1143,3 +1142,102 @@ def test_an_explicit_sync_that_fails_stops_the_journal(jdir: Path, key: bytes, m
         j.close()
     with Journal.open(jdir, key=key) as again:  # reopening recovers what is on disk
         assert again.read(0).num_rows == 5
+
+
+def test_a_sync_after_the_syncer_failed_raises_instead_of_promising(jdir: Path, key: bytes, monkeypatch) -> None:  # noqa: ANN001
+    """Linux reports a writeback error once: after the syncer's fdatasync failed (and stopped the
+    journal), a later fdatasync returns 0 although the pages are gone. sync() must not say "safe"."""
+    j = Journal.open(jdir, key=key, fsync="interval", fsync_interval_ms=20)
+    try:
+        j.append(rows(1, 5))
+        monkeypatch.setattr(os, "fdatasync", lambda fd: (_ for _ in ()).throw(OSError(5, "Input/output error")))
+        j.append(rows(6, 10))
+        deadline = time.monotonic() + 10
+        while j._writer.failure is None:  # noqa: SLF001
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        monkeypatch.undo()  # the retry would "succeed"
+        with pytest.raises(JournalError, match="Input/output error"):
+            j.sync()
+    finally:
+        j.close()
+
+
+def test_an_explicit_sync_waits_for_the_syncers_round_in_flight(jdir: Path, key: bytes, monkeypatch) -> None:  # noqa: ANN001
+    """The syncer's round takes the rolled segments' descriptors and syncs them outside the lock;
+    an explicit sync starting meanwhile must not return before they are on disk."""
+    real = os.fdatasync
+    entered = threading.Event()
+    events: list[str] = []
+
+    def slow(fd: int) -> None:
+        if threading.current_thread().name == "zerocomm-journal-syncer" and not entered.is_set():
+            entered.set()
+            time.sleep(0.5)
+            real(fd)
+            events.append("syncer synced a rolled segment")
+            return
+        real(fd)
+
+    with Journal.open(jdir, key=key, fsync="interval", fsync_interval_ms=50, segment_bytes=4096) as j:
+        j.append(rows(1, 10, size=200))
+        monkeypatch.setattr(os, "fdatasync", slow)
+        j.append(rows(11, 20, size=200))  # rolls: a retired descriptor for the syncer
+        assert entered.wait(10)
+        j.sync()
+        events.append("explicit sync returned")
+    assert events == ["syncer synced a rolled segment", "explicit sync returned"]
+
+
+def test_a_sync_out_of_descriptors_fails_alone_and_loses_nothing(jdir: Path, key: bytes, monkeypatch) -> None:  # noqa: ANN001
+    """sync() needs a descriptor of its own (a dup): without one it says so and leaves the rolled
+    segments' descriptors for the next sync, and the journal keeps working."""
+    before = len(os.listdir("/proc/self/fd"))
+    with Journal.open(jdir, key=key, fsync="interval", fsync_interval_ms=60_000, segment_bytes=4096) as j:
+        j.append(rows(1, 10, size=200))
+        j.append(rows(11, 20, size=200))  # rolls
+        real_dup = os.dup
+        monkeypatch.setattr(os, "dup", lambda fd: (_ for _ in ()).throw(OSError(24, "Too many open files")))
+        with pytest.raises(JournalError, match="Too many open files"):
+            j.sync()
+        monkeypatch.setattr(os, "dup", real_dup)
+        assert j.append(rows(21, 30, size=200)).appended == 10  # not stopped
+        retired = list(j._writer._retired)  # noqa: SLF001
+        assert retired  # still there for the next sync
+        j.sync()
+        assert not j._writer._retired  # noqa: SLF001
+    assert len(os.listdir("/proc/self/fd")) == before
+
+
+def test_a_sync_that_comes_after_close_raises_closed(jdir: Path, key: bytes) -> None:
+    """Under "never" close() does not sync: a sync racing it (past Journal.sync's open check) must
+    not return as if it had synced the segment close() just closed."""
+    j = Journal.open(jdir, key=key, fsync="never")
+    j.append(rows(1, 5))
+    writer = j._writer  # noqa: SLF001
+    j.close()
+    with pytest.raises(JournalClosedError):
+        writer.sync(force=True)
+
+
+def test_a_slow_writeback_request_never_holds_appends_or_rolls_back(jdir: Path, key: bytes, monkeypatch) -> None:  # noqa: ANN001
+    """sync_file_range can wait on a congested device: the syncer makes the call on a descriptor of
+    its own, outside the lock that a roll (on the append path) takes."""
+    inside, release = threading.Event(), threading.Event()
+
+    def stuck(fd: int, offset: int, nbytes: int) -> bool:
+        inside.set()
+        release.wait(10)
+        return True
+
+    monkeypatch.setattr(files_module, "start_writeback", stuck)
+    monkeypatch.setattr(writer_module, "WRITEBACK_BYTES", 1024)
+    with Journal.open(jdir, key=key, fsync="interval", fsync_interval_ms=60_000, segment_bytes=4096) as j:
+        j.append(rows(1, 10, size=200))  # ~2.5 kB: wakes the syncer, which gets stuck
+        assert inside.wait(10)
+        started = time.monotonic()
+        for first in range(11, 61, 10):
+            j.append(rows(first, first + 9, size=200))  # rolls
+        took = time.monotonic() - started
+        release.set()
+    assert took < 2, took

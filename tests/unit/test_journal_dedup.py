@@ -87,12 +87,30 @@ def test_ids_marked_before_a_rotation_and_added_after_it_stay_remembered() -> No
     slots = recent.slots(hashes)
     mark = recent.mark(slots)
     recent.add_array(pa.array(["a", "b", "c", "d"]))  # fills the generation: rotates
-    assert recent.epoch != mark
+    assert recent.rotations != mark
     recent.add(hashes, late, slots, mark)  # into the new current generation
     recent.add_array(pa.array(["e", "f"]))  # current: late-1, late-2, e, f: rotates again
     assert b"late-1" in recent and b"late-2" in recent  # still within the window (previous generation)
     recent.add_array(pa.array(["g", "h", "i", "j"]))
     assert b"late-1" not in recent  # and forgotten once two generations on
+
+
+def test_ids_marked_253_rotations_before_they_are_added_stay_remembered() -> None:
+    """The table's 8-bit marks wrap around (reset to 2 after 254) every 253 rotations: an id marked
+    that many rotations before it is added finds the same mark value, but the reset cleared it."""
+    recent = RecentIds(1)  # a rotation per add
+    for i in range(5):
+        recent.add_array(pa.array([f"warm-{i}"]))  # mark 6: the reset brings it back after 253 more
+    late = pa.array(["late"])
+    hashes = id_hashes(late)
+    slots = recent.slots(hashes)
+    mark = recent.mark(slots)
+    epoch = recent._epoch  # noqa: SLF001
+    for i in range(253):
+        recent.add_array(pa.array([f"between-{i}"]))
+    assert recent._epoch == epoch  # noqa: SLF001 - the 8-bit mark came back to the same value
+    recent.add(hashes, late, slots, mark)
+    assert b"late" in recent
 
 
 @pytest.fixture

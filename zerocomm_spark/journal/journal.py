@@ -259,11 +259,7 @@ class Journal:
         telling someone outside the machine that the data is safe)."""
         self._check_open()
         assert self._writer is not None
-        try:
-            self._writer.sync(force=True)
-        except OSError as exc:  # the kernel may have dropped the pages that failed: stop, as a write error does
-            self._writer.fail(exc)
-            raise self._writer.failure from None  # type: ignore[misc]
+        self._writer.sync(force=True)  # a failed fdatasync stops the journal and raises (see Writer.sync)
 
     def stats(self) -> JournalStats:
         """Counters since open (appends, writes, fsyncs...): is group commit grouping, is fsync keeping up?"""

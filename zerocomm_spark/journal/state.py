@@ -178,7 +178,7 @@ class RecentIds:
     not a set lookup per id: a byte table (~160 slots per id of the window, 16 MiB for 10^5) marks
     four slots per remembered id's keyed hash with the id's generation number, so an id whose
     four slots do not all carry a live generation is surely new (with both generations full, a new
-    id passes with odds of about 1 in 20,000, measured), and only the rest are compared byte for
+    id passes with odds of about 1 in 10,000, measured), and only the rest are compared byte for
     byte with the stored ids of equal hash (one scan of a generation's hash array). An id's four
     slots lie in one 64-byte line of the table (blocked), so a check or a mark costs one cache miss
     per id, not one per slot: that is what a large append pays for (measured, 10,000-row appends:
@@ -196,6 +196,7 @@ class RecentIds:
         self._table.fill(0)  # touch every page now, not one page fault at a time on the append path
         self._shift = np.uint64(64 - log2_slots)
         self._epoch = 1  # the current generation's mark; the previous one's is epoch - 1; 0 is "never"
+        self._rotations = 0
         self._current = _Generation()
         self._previous: _Generation | None = None
 
@@ -256,12 +257,13 @@ class RecentIds:
         return self.maybe(self.slots(h)) and self.holds(int(h[0]), message_id)
 
     @property
-    def epoch(self) -> int:
-        """The current generation's table mark (what :meth:`mark` writes now)."""
-        return self._epoch
+    def rotations(self) -> int:
+        """Generations started so far: what :meth:`mark` returns (unlike the 8-bit table marks, it
+        never comes back to an earlier value)."""
+        return self._rotations
 
     def mark(self, slots: np.ndarray) -> int:
-        """Mark ids in the table ahead of :meth:`add`; returns the mark used (pass it to add).
+        """Mark ids in the table ahead of :meth:`add`; returns the rotation count to pass to add.
 
         Marks are only the filter in front of the exact check: an id marked but not (yet) added
         costs a comparison, never a wrong answer. Marking right after the check that computed the
@@ -270,20 +272,23 @@ class RecentIds:
         """
         if self.window > 0 and slots.shape[1]:
             self._table[slots] = self._epoch
-        return self._epoch
+        return self._rotations
 
     def add(self, hashes: np.ndarray, array: pa.Array, slots: np.ndarray | None = None,
             marked: int | None = None) -> None:
         """Remember the ids of ``array`` (hashes ``hashes``, table slots ``slots`` if known, already
-        marked with ``marked`` by :meth:`mark` if given); the array is copied (it may share a
-        record's buffer)."""
+        marked by :meth:`mark`, which returned ``marked``, if given); the array is copied (it may
+        share a record's buffer)."""
         if self.window <= 0 or len(array) == 0:
             return
-        if marked is None or marked != self._epoch:  # a rotation since the mark: mark again
+        # A rotation since the mark (or the marks' wrap-around reset, which clears the table): mark
+        # again. Compared by rotation count: 253 rotations bring the 8-bit mark back to its value.
+        if marked is None or marked != self._rotations:
             self._table[self.slots(hashes) if slots is None else slots] = self._epoch
         self._current.add(hashes, pa.concat_arrays([array]))
         if self._current.count >= self.window:
             self._previous, self._current = self._current, _Generation()
+            self._rotations += 1
             self._epoch += 1
             if self._epoch == 255:  # marks run out: start over from the one generation that stays
                 self._table[:] = 0

@@ -222,6 +222,7 @@ class Writer:
         self.failure: BaseException | None = None
         # For the syncer: descriptors of rolled segments to sync and close, and whether work is due.
         self._sync_lock = threading.Lock()
+        self._sync_serial = threading.Lock()  # held through a whole sync (see sync)
         self._retired: list[int] = []
         self._unsynced: list[Path] = []  # segments rolled under fsync="never", for an explicit sync()
         self._dir_dirty = False
@@ -366,17 +367,15 @@ class Writer:
             if inline:
                 return
 
-    def fail(self, exc: BaseException) -> None:
-        """Stop the journal after a failure outside the writer (an explicit sync's fdatasync)."""
-        self._fail(exc, [])
-
     def _fail(self, exc: BaseException, group: list[_Request]) -> None:
         # OS errors say what to fix (disk full...); other exceptions only by type: their text could quote data.
         detail = f"{exc.strerror or exc}" if isinstance(exc, OSError) else type(exc).__name__
         log.error("journal %s: writing failed, the journal stops: %s", self._journal.directory, detail)
         error = exc if isinstance(exc, JournalError) else JournalError(f"writing the journal failed: {detail}")
         with self._cond:
-            self.failure = error
+            if self.failure is None:  # the first failure is the one that says what went wrong
+                self.failure = error
+            error = self.failure
             pending = group + list(self._queue)
             self._queue.clear()
             self._queued_bytes = 0
@@ -481,11 +480,6 @@ class Writer:
         written = sum(frame.length for frame, _ in todo)
         self.counters["writes"] += 1
         self.counters["bytes_written"] += written
-        if self._writeback:
-            self._unstarted += written
-            if self._unstarted >= WRITEBACK_BYTES:
-                self._unstarted = 0
-                self._syncer_kick.set()
         if self._journal.fsync == "always":
             os.fdatasync(self._fd)
             self.counters["fsyncs"] += 1
@@ -499,6 +493,11 @@ class Writer:
             self._recent.add(meta.id_hashes, meta.id_array, meta.id_slots, meta.id_mark)  # only now: they are written
         self._active_runs.extend((entry.base_offset, runs) for entry, runs in entries)
         self._journal._publish(self._active, entries)  # noqa: SLF001
+        if self._writeback:  # after _publish: the syncer starts up to the segment's published size
+            self._unstarted += written
+            if self._unstarted >= WRITEBACK_BYTES:
+                self._unstarted = 0
+                self._syncer_kick.set()
 
     def _roll(self) -> None:
         """Close the active segment (saving its side index) and start the next one."""
@@ -558,18 +557,23 @@ class Writer:
             except BaseException as exc:  # noqa: BLE001
                 if isinstance(exc, OSError):
                     self._fail(exc, [])
+                if self.failure is not None:
                     return
                 log.warning("journal %s: background work failed: %s", j.directory, exc)
 
     def _start_writeback(self) -> None:
         """Start writing what was appended to the active segment since the last call (see WRITEBACK_BYTES)."""
-        with self._sync_lock:  # the roll swaps descriptors under it: this one stays open meanwhile
-            fd, start, end = self._fd, self._writeback_from, self._active.size
-            if fd < 0 or end <= start:
+        with self._sync_lock:  # a descriptor of our own: the roll or close may close this one meanwhile
+            start, end = self._writeback_from, self._active.size
+            if self._fd < 0 or end <= start:
                 return
+            fd = os.dup(self._fd)
             self._writeback_from = end
+        try:  # outside the lock: a congested device may hold the call, and appends must not wait
             if files.start_writeback(fd, start, end - start):
                 self.counters["writebacks"] += 1
+        finally:
+            os.close(fd)
 
     def _sync_and_close(self, fds: list[int]) -> None:
         """fdatasync and close rolled segments' descriptors: every one is closed whatever happens,
@@ -587,20 +591,41 @@ class Writer:
             raise failure
 
     def sync(self, *, force: bool = False) -> None:
-        """fdatasync what was written since the last sync (and close rolled segments' descriptors)."""
-        with self._sync_lock:
-            retired, self._retired = self._retired, []
-            unsynced, self._unsynced = self._unsynced, []
-            written = self._written
-            # A descriptor of our own: a roll may retire the active one meanwhile, and another sync
-            # (the syncer's, or an explicit one) or a later roll may close it before ours gets to it.
-            fd = os.dup(self._fd) if self._fd >= 0 and (force or written != self._synced) else -1
-            dir_dirty, self._dir_dirty = self._dir_dirty, False
+        """fdatasync what was written since the last sync (and close rolled segments' descriptors).
+
+        One sync at a time, so a sync is a barrier: an explicit one that starts while the syncer's
+        round is syncing rolled segments waits for it rather than return before they are on disk.
+        An fdatasync that fails stops the journal (the kernel may have dropped the pages it could
+        not write) and raises its failure; so does every sync after it.
+        """
+        timeout = self._journal.timeout
+        if not self._sync_serial.acquire(timeout=timeout):
+            raise JournalTimeoutError(f"a sync in progress did not finish within {timeout:g} s")
         try:
-            self._sync_snapshot(retired, unsynced, fd, dir_dirty or force, written)
+            if self.failure is not None:
+                raise self.failure
+            with self._sync_lock:
+                if self._fd < 0:
+                    raise JournalClosedError("the journal is closed")
+                written = self._written
+                try:  # first, so that a failure takes nothing: a descriptor of our own for the active
+                    # segment (a roll may retire it meanwhile, and a later roll close it)
+                    fd = os.dup(self._fd) if force or written != self._synced else -1
+                except OSError as exc:  # out of descriptors: nothing was lost, nothing is stopped
+                    raise JournalError(f"cannot sync the journal now: {exc.strerror}") from None
+                retired, self._retired = self._retired, []
+                unsynced, self._unsynced = self._unsynced, []
+                dir_dirty, self._dir_dirty = self._dir_dirty, False
+            try:
+                self._sync_snapshot(retired, unsynced, fd, dir_dirty or force, written)
+            except OSError as exc:
+                self._fail(exc, [])
+                raise self.failure from None  # type: ignore[misc]
+            finally:
+                if fd >= 0:
+                    os.close(fd)
         finally:
-            if fd >= 0:
-                os.close(fd)
+            self._sync_serial.release()
 
     def _sync_snapshot(self, retired: list[int], unsynced: list[Path], fd: int, sync_dir: bool, written: int) -> None:
         """sync() outside the lock: rolled segments, then the directory, then the active segment (``fd``, a dup)."""
@@ -650,7 +675,8 @@ class Writer:
         """Is a write still under way (a stop that timed out)? Then nothing it uses may be closed: the
         descriptor number could be reused by another file, and the directory lock must stay held."""
         with self._cond:
-            return self._committer not in (None, _HANDOFF) or self._thread.is_alive()
+            return (self._committer not in (None, _HANDOFF) or self._thread.is_alive()
+                    or (self._syncer is not None and self._syncer.is_alive()))
 
     def finish(self) -> tuple[Segment, list[tuple[int, list[Run]]], pa.Array]:
         """After stop(): sync (unless "never"), close descriptors; what the side index needs."""
