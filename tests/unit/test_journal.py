@@ -1241,3 +1241,22 @@ def test_a_slow_writeback_request_never_holds_appends_or_rolls_back(jdir: Path, 
         took = time.monotonic() - started
         release.set()
     assert took < 2, took
+
+
+def test_a_writeback_without_a_spare_descriptor_is_skipped_not_fatal(jdir: Path, key: bytes, monkeypatch) -> None:  # noqa: ANN001
+    real_dup = os.dup
+    refused = threading.Event()
+
+    def dup(fd: int) -> int:
+        if threading.current_thread().name == "zerocomm-journal-syncer":
+            refused.set()
+            raise OSError(24, "Too many open files")
+        return real_dup(fd)
+
+    monkeypatch.setattr(os, "dup", dup)
+    monkeypatch.setattr(writer_module, "WRITEBACK_BYTES", 1024)
+    with Journal.open(jdir, key=key, fsync="interval", fsync_interval_ms=60_000) as j:
+        j.append(rows(1, 10, size=200))
+        assert refused.wait(10)
+        assert j.append(rows(11, 20, size=200)).appended == 10  # still running
+        assert j._writer.failure is None  # noqa: SLF001

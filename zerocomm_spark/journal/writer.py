@@ -567,7 +567,10 @@ class Writer:
             start, end = self._writeback_from, self._active.size
             if self._fd < 0 or end <= start:
                 return
-            fd = os.dup(self._fd)
+            try:
+                fd = os.dup(self._fd)
+            except OSError:  # out of descriptors: writeback is only advice, the next sync writes it all
+                return
             self._writeback_from = end
         try:  # outside the lock: a congested device may hold the call, and appends must not wait
             if files.start_writeback(fd, start, end - start):
