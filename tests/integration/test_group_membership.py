@@ -15,7 +15,7 @@ from zerocomm_spark import Agent
 from zerocomm_spark.errors import GroupExistsError, GroupNotFoundError, JoinRefusedError, ReceiveTimeoutError
 from zerocomm_spark.group.dataplane import Delivered
 from zerocomm_spark.group.manager import GroupConfig
-from zerocomm_spark.group.policy import InvitationPolicy
+from zerocomm_spark.group.policy import AllowListPolicy, InvitationPolicy, Ticket
 from zerocomm_spark.group import manager as manager_module
 from zerocomm_spark.group.proof import connection_proof
 from zerocomm_spark.group.view import ACTIVE, MemberEntry, member_did_for
@@ -87,36 +87,121 @@ def test_a_replayed_member_entry_cannot_take_over_that_members_pairing(agents: t
     alice.groups.publish("g", [b"for bob"]).wait(10)  # acked by bob (and carol)
 
 
+def _made_up(agent: Agent, n: int, voucher: KeyPair | None, *, forged: bool = False) -> list[dict[str, Any]]:
+    """``n`` invented member entries (each signed by its own fresh key, as entries are), pointing at
+    ``agent``'s endpoints, with a ticket from ``voucher`` (a bogus signature if ``forged``)."""
+    me = agent.groups._own(agent.groups._groups["g"])  # noqa: SLF001
+    out = []
+    for _ in range(n):
+        key = KeyPair.generate()
+        did = member_did_for(key.verkey)
+        ticket = None
+        if voucher is not None:
+            ticket = Ticket.issue("g", did, voucher).to_dict()
+            if forged:
+                ticket["signature"] = ticket["signature"][:-8] + "AAAAAAAA"
+        out.append(MemberEntry(did=did, label="x" * 200, role="read_write", status=ACTIVE,
+                               peer_endpoint=me.peer_endpoint, publish_endpoint=me.publish_endpoint,
+                               group_verkey=key.verkey, transport_key=me.transport_key, invitation=me.invitation,
+                               version=1, ticket=ticket).signed(key).to_dict())
+    return out
+
+
+def _three_in_g(agents: tuple[Agent, Agent, Agent]) -> tuple[str, str]:
+    """alice creates g, bob and carol join through her; alice admits nobody else (so what is set
+    aside stays aside: _introduce refuses it). Returns the connection ids bob and carol push over."""
+    alice, bob, carol = agents
+    alice.groups.create("g")
+    via_bob = bob.accept(alice.invite(), timeout=10)
+    bob.groups.join("g", via=via_bob, timeout=30)
+    via_carol = carol.accept(alice.invite(), timeout=10)
+    carol.groups.join("g", via=via_carol, timeout=30)
+    alice.groups.set_policy("g", AllowListPolicy([bob.groups.did, carol.groups.did]))
+    return via_bob.id, via_carol.id
+
+
+def _key(agent: Agent) -> KeyPair:
+    return agent.groups._member_key  # noqa: SLF001 - a member vouching with its own key
+
+
 def test_entries_heard_second_hand_are_bounded(agents: tuple[Agent, Agent, Agent],
                                                monkeypatch: pytest.MonkeyPatch) -> None:
     """A member pushing made-up entries by the thousand: those nobody else vouches for are not kept
     at all, the rest at most MAX_PENDING per group, oldest out."""
     alice, bob, _ = agents
     monkeypatch.setattr(manager_module, "MAX_PENDING", 50)
-    alice.groups.create("g")
-    via = bob.accept(alice.invite(), timeout=10)
-    bob.groups.join("g", via=via, timeout=30)
-    me = bob.groups._own(bob.groups._groups["g"])  # noqa: SLF001
-
-    def made_up(n: int, vouched: bool) -> list[dict[str, Any]]:
-        out = []
-        for _ in range(n):
-            key = KeyPair.generate()
-            did = member_did_for(key.verkey)
-            ticket = {"group": "g", "member": did, "by": bob.groups.did, "issued_at": 1, "signature": "AAAA"}
-            out.append(MemberEntry(did=did, label="x" * 200, role="read_write", status=ACTIVE,
-                                   peer_endpoint=me.peer_endpoint, publish_endpoint=me.publish_endpoint,
-                                   group_verkey=key.verkey, transport_key=me.transport_key, invitation=me.invitation,
-                                   version=1, ticket=ticket if vouched else None).signed(key).to_dict())
-        return out
-
+    via, _ = _three_in_g(agents)
     pending = alice.groups._groups["g"].pending  # noqa: SLF001
-    bob.deliver(via.id, ViewUpdate(group="g", entries=made_up(300, vouched=False)), timeout=30)
+    bob.deliver(via, ViewUpdate(group="g", entries=_made_up(bob, 300, None)), timeout=30)
     assert len(pending) == 0
     for _ in range(3):
-        bob.deliver(via.id, ViewUpdate(group="g", entries=made_up(40, vouched=True)), timeout=30)
+        bob.deliver(via, ViewUpdate(group="g", entries=_made_up(bob, 40, _key(bob))), timeout=30)
         assert len(pending) <= 50
-    assert len(pending) == 50 and len(alice.groups._groups["g"].view) == 2  # noqa: SLF001
+    assert len(pending) == 50 and len(alice.groups._groups["g"].view) == 3  # noqa: SLF001
+
+
+def test_a_forged_or_unknown_voucher_sets_nothing_aside(agents: tuple[Agent, Agent, Agent]) -> None:
+    """carol claims bob vouched for her inventions (a ticket bob never signed), or vouches for them
+    with a key no member has: none is kept, and bob's genuine one stays."""
+    alice, bob, carol = agents
+    via_bob, via_carol = _three_in_g(agents)
+    pending = alice.groups._groups["g"].pending  # noqa: SLF001
+    genuine = _made_up(bob, 1, _key(bob))
+    bob.deliver(via_bob, ViewUpdate(group="g", entries=genuine), timeout=30)
+    assert list(e.did for e in pending.values()) == [genuine[0]["did"]]
+    stranger = KeyPair.generate()
+    carol.deliver(via_carol, ViewUpdate(group="g", entries=_made_up(bob, 1100, _key(bob), forged=True)), timeout=60)
+    carol.deliver(via_carol, ViewUpdate(group="g", entries=_made_up(carol, 1100, stranger)), timeout=60)
+    assert list(e.did for e in pending.values()) == [genuine[0]["did"]]
+
+
+def test_one_members_vouching_evicts_only_its_own(agents: tuple[Agent, Agent, Agent]) -> None:
+    """bob vouches (with his own key) for inventions by the thousand: he holds at most
+    MAX_PENDING_PER_VOUCHER of the places, oldest of his own out; what carol vouched for stays."""
+    alice, bob, carol = agents
+    via_bob, via_carol = _three_in_g(agents)
+    per_voucher = manager_module.__dict__.get("MAX_PENDING_PER_VOUCHER", 64)
+    pending = alice.groups._groups["g"].pending  # noqa: SLF001
+    carols = _made_up(carol, 3, _key(carol))
+    carol.deliver(via_carol, ViewUpdate(group="g", entries=carols), timeout=30)
+    bobs = []
+    for _ in range(3):
+        bobs += _made_up(bob, 400, _key(bob))
+        bob.deliver(via_bob, ViewUpdate(group="g", entries=bobs[-400:]), timeout=60)
+    held = {e.did: e.ticket["by"] for e in pending.values()}
+    assert {d for d, by in held.items() if by == carol.groups.did} == {e["did"] for e in carols}
+    assert {d for d, by in held.items() if by == bob.groups.did} == {e["did"] for e in bobs[-per_voucher:]}
+
+
+def test_tickets_are_checked_once_per_entry_and_boundedly_per_message(agents: tuple[Agent, Agent, Agent],
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """Setting an entry aside checks its ticket; the same entry again (repair repeats itself) is not
+    checked again, and one message costs at most MAX_PENDING_PER_VOUCHER checks per voucher."""
+    alice, bob, _ = agents
+    via, _ = _three_in_g(agents)
+    monkeypatch.setattr(alice.groups, "_introduce", lambda g: 0)  # only _apply checks tickets here
+    per_voucher = manager_module.__dict__.get("MAX_PENDING_PER_VOUCHER", 64)
+    checked = []
+    verify = Ticket.verify
+
+    def counting(self: Ticket, **kwargs: Any) -> str:
+        checked.append(self.member)
+        return verify(self, **kwargs)
+
+    monkeypatch.setattr(Ticket, "verify", counting)
+    few = _made_up(bob, 10, _key(bob))
+    bob.deliver(via, ViewUpdate(group="g", entries=few), timeout=30)
+    assert sorted(checked) == sorted(e["did"] for e in few)
+    bob.deliver(via, ViewUpdate(group="g", entries=few), timeout=30)
+    assert len(checked) == 10
+    checked.clear()
+    bob.deliver(via, ViewUpdate(group="g", entries=_made_up(bob, 500, _key(bob), forged=True)), timeout=60)
+    assert len(checked) == per_voucher  # forged tickets use up the share of the voucher they name
+    assert len(alice.groups._groups["g"].pending) == 10  # noqa: SLF001
+    checked.clear()
+    bob.deliver(via, ViewUpdate(group="g", entries=_made_up(bob, 500, _key(bob))), timeout=60)
+    assert len(checked) == per_voucher
+    assert len(alice.groups._groups["g"].pending) == per_voucher  # noqa: SLF001
 
 
 def test_a_missed_status_is_repaired_by_digests(agents: tuple[Agent, Agent, Agent]) -> None:

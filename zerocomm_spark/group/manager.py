@@ -103,6 +103,8 @@ log = logging.getLogger(__name__)
 
 #: Entries heard of second-hand (not yet in the view) kept per group for _introduce, at most.
 MAX_PENDING = 1024
+#: ... and at most this many of them vouched for by any one member (so its vouching evicts its own).
+MAX_PENDING_PER_VOUCHER = 64
 
 _NO_PROOF = ("the request does not prove it comes from the entry's member over this connection (entries are "
              "public: anyone can send one)")
@@ -187,6 +189,53 @@ class GroupInfo:
                 f"members=[{members}])")
 
 
+class _Pending:
+    """Entries of members heard of only second-hand, by DID, in arrival order, grouped by the member
+    whose ticket vouches for them (checked on the way in, see GroupManager._apply).
+
+    At most ``per_voucher`` per voucher (its oldest out) and ``total`` in all: when full, the oldest
+    of the voucher holding the most goes, so a voucher holding no more than its fair share
+    (``total`` over the vouchers with entries here) loses none to another's vouching.
+    """
+
+    def __init__(self) -> None:
+        self._entries: dict[str, tuple[MemberEntry, str]] = {}  # DID -> (entry, voucher)
+        self._by: dict[str, dict[str, None]] = {}  # voucher -> its DIDs, oldest first
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def get(self, did: str) -> MemberEntry | None:
+        held = self._entries.get(did)
+        return held[0] if held is not None else None
+
+    def values(self) -> list[MemberEntry]:
+        return [entry for entry, _ in self._entries.values()]
+
+    def pop(self, did: str) -> MemberEntry | None:
+        held = self._entries.pop(did, None)
+        if held is None:
+            return None
+        entry, voucher = held
+        bucket = self._by[voucher]
+        del bucket[did]
+        if not bucket:
+            del self._by[voucher]
+        return entry
+
+    def put(self, entry: MemberEntry, voucher: str, *, per_voucher: int, total: int) -> None:
+        self.pop(entry.did)
+        while len(self._by.get(voucher, ())) >= per_voucher:
+            self.pop(next(iter(self._by[voucher])))
+        while self._entries and len(self._entries) >= total:
+            fullest = max(self._by.values(), key=len)
+            own = self._by.get(voucher)
+            victim = own if own is not None and len(own) >= len(fullest) else fullest
+            self.pop(next(iter(victim)))
+        self._entries[entry.did] = (entry, voucher)
+        self._by.setdefault(voucher, {})[entry.did] = None
+
+
 @dataclass
 class _Pair:
     """A member this member subscribed to during a join, resume or repair."""
@@ -214,7 +263,7 @@ class _Group:
         self.inbox_dropped = 0
         self.pair_after: dict[str, float] = {}  # repair: DID -> when to try connecting again
         # Members heard of only second-hand (repair): kept apart until a member we know vouches for them.
-        self.pending: dict[str, MemberEntry] = {}
+        self.pending = _Pending()
         self.repairing = False
         self.saved_positions: Positions | None = None
         self.quarantine: list[Delivered] = []  # delivered while joining: released once the views check out
@@ -981,27 +1030,23 @@ class GroupManager:
         only set aside (``pending``) unless ``allow_new``: second-hand news of a new member is
         checked by :meth:`_introduce` first, so a byzantine member cannot spread an intruder.
         """
+        listed = [e for e in entries if e.did != self.did and (source is None or e.did == source)]
+        vouched = {} if allow_new else self._to_set_aside(g, listed)
         changes: list[tuple[MemberEntry | None, MemberEntry]] = []
         with self._lock:
-            for entry in entries:
-                if entry.did == self.did or (source is not None and entry.did != source):
-                    continue
+            for entry in listed:
                 old = g.view.get(entry.did)
                 if old is None and not allow_new:
-                    # Only what _introduce could ever admit is kept (active, vouched for by another
-                    # member's ticket), and at most MAX_PENDING per group, oldest out: a member
-                    # pushing self-made entries by the thousand cannot grow this without bound.
-                    ticket = entry.ticket
-                    if entry.status != ACTIVE or not ticket or ticket.get("by") in (None, entry.did):
+                    checked = vouched.get(entry.did)
+                    if checked is None or checked[0] is not entry:
                         continue
+                    voucher = g.view.get(checked[1])
                     held = g.pending.get(entry.did)
-                    if held is None or held.content_key() < entry.content_key():
-                        g.pending.pop(entry.did, None)
-                        while len(g.pending) >= MAX_PENDING:
-                            g.pending.pop(next(iter(g.pending)))
-                        g.pending[entry.did] = entry
+                    if (voucher is not None and voucher.status != LEFT
+                            and (held is None or held.content_key() < entry.content_key())):
+                        g.pending.put(entry, checked[1], per_voucher=MAX_PENDING_PER_VOUCHER, total=MAX_PENDING)
                     continue
-                g.pending.pop(entry.did, None)
+                g.pending.pop(entry.did)
                 if g.view.merge(entry) is not None:
                     changes.append((old, entry))
         for old, new in changes:
@@ -1026,6 +1071,52 @@ class GroupManager:
         if changes:
             self._save(g)
         return len(changes)
+
+    def _to_set_aside(self, g: _Group, entries: Sequence[MemberEntry]) -> dict[str, tuple[MemberEntry, str]]:
+        """Of ``entries``, those about members not in our view that ``pending`` should take: DID ->
+        (entry, voucher). Only what _introduce could ever admit: active, with a genuine ticket from
+        another member in our view. The tickets are checked outside the lock and only for entries
+        that would be kept (at most MAX_PENDING_PER_VOUCHER per voucher, the last ones, and
+        MAX_PENDING in all per call), not for one already held with the same ticket (repair
+        repeats itself): a member pushing made-up entries by the thousand costs a bounded number
+        of checks and, vouching for them itself, can only evict what it vouched for.
+        """
+        candidates: dict[str, tuple[MemberEntry, str]] = {}
+        with self._lock:
+            for entry in entries:
+                by = entry.ticket.get("by") if entry.ticket else None
+                if entry.did in g.view or entry.status != ACTIVE or not isinstance(by, str) or by == entry.did:
+                    continue
+                voucher = g.view.get(by)
+                if voucher is None or voucher.status == LEFT:
+                    continue
+                best = candidates.get(entry.did)
+                held = g.pending.get(entry.did)
+                if best is not None or held is not None:
+                    key = entry.content_key()
+                    if (best is not None and best[0].content_key() >= key) or (
+                            held is not None and held.content_key() >= key):
+                        continue  # nothing newer: in particular, what is held already is not checked again
+                    candidates.pop(entry.did, None)  # re-inserted: its place is its last arrival
+                candidates[entry.did] = (entry, by)
+            held_tickets = {did: held.ticket for did in candidates if (held := g.pending.get(did)) is not None}
+        kept: dict[str, tuple[MemberEntry, str]] = {}
+        tried: dict[str, int] = {}  # per voucher named; a forged ticket uses up that voucher's share too
+        considered = 0
+        for did, (entry, by) in reversed(candidates.items()):  # the later ones would evict the earlier
+            if considered >= MAX_PENDING:
+                break
+            if tried.get(by, 0) >= MAX_PENDING_PER_VOUCHER:
+                continue
+            tried[by] = tried.get(by, 0) + 1
+            considered += 1
+            if held_tickets.get(did) != entry.ticket:
+                try:
+                    Ticket.from_dict(entry.ticket).verify(group=g.name, member=did)
+                except (MalformedGroupMessageError, SignatureError):
+                    continue
+            kept[did] = (entry, by)
+        return kept
 
     # --- inbound membership requests (transport worker threads) --------------------------------------
 
@@ -1122,7 +1213,7 @@ class GroupManager:
                 log.info("group %r: refused the subscribe of %s (%s)", g.name, entry.did, decision.reason)
                 return _problem(request, ProblemCode.SUBSCRIBE_REFUSED, decision.reason)
         with self._lock:
-            g.pending.pop(entry.did, None)
+            g.pending.pop(entry.did)
             g.view.merge(entry)
             current = g.view.get(entry.did) or entry
             g.record.peers[entry.did] = record.connection_id
