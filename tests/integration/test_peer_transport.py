@@ -342,7 +342,7 @@ def test_close_sends_a_response_finished_before_the_last_flush() -> None:
 
         def slow(payload: bytes, info: PeerInfo) -> bytes:
             entered.set()
-            _wait_until(closing._stopping.is_set)
+            _wait_until(lambda: closing._closed)  # close() now waits for handlers before the IO thread stops
             return b"answered"
 
         closing.register(ECHO, rpc=slow)
@@ -362,6 +362,137 @@ def test_close_sends_a_response_finished_before_the_last_flush() -> None:
             release.set()
             closing.close()
         assert answer.result(timeout=3) == b"answered"
+
+
+def test_close_waits_for_a_running_handler_and_sends_its_response(client: PeerTransport) -> None:
+    # A handler still running when close() begins and done before its deadline: its response goes
+    # out, so the caller is answered instead of failing with PeerTimeoutError at its own deadline.
+    entered = threading.Event()
+    closing = PeerTransport(workers=1).start()
+
+    def slow(payload: bytes, info: PeerInfo) -> bytes:
+        entered.set()
+        _wait_until(lambda: closing._closed)
+        time.sleep(0.5)  # long after the IO thread's last flush, had close() not waited for us
+        return b"answered"
+
+    closing.register(ECHO, rpc=slow)
+    try:
+        answer = client.request_async(closing.endpoint, ECHO, b"q", timeout=10)
+        assert entered.wait(5)
+        start = time.monotonic()
+        closing.close(timeout=5)
+        assert time.monotonic() - start < 3
+    finally:
+        closing.close()
+    assert answer.result(timeout=3) == b"answered"
+
+
+def test_close_handles_what_was_received_before_it(client: PeerTransport) -> None:
+    # Requests and one-way messages already read but still waiting for a worker are handled, not dropped.
+    release = threading.Event()
+    entered = threading.Event()
+    handled: list[bytes] = []
+    closing = PeerTransport(workers=1).start()
+
+    def rpc(payload: bytes, info: PeerInfo) -> bytes:
+        if payload == b"first":
+            entered.set()
+            release.wait(10)
+        handled.append(payload)
+        return b"done:" + payload
+
+    def direct(payload: bytes, info: PeerInfo) -> None:
+        handled.append(payload)
+
+    closing.register(ECHO, rpc=rpc, direct=direct)
+    try:
+        first = client.request_async(closing.endpoint, ECHO, b"first", timeout=10)
+        assert entered.wait(5)
+        queued = [client.request_async(closing.endpoint, ECHO, b"q%d" % i, timeout=10) for i in range(3)]
+        client.send(closing.endpoint, ECHO, b"one-way")
+        _wait_until(lambda: closing.stats()["inbox"] == 4)  # read, waiting for the busy worker
+        closer = threading.Thread(target=closing.close, kwargs={"timeout": 5})
+        closer.start()
+        _wait_until(lambda: closing._closed)
+        time.sleep(0.3)  # past the IO thread's last flush, had close() not waited for the worker
+        release.set()
+        closer.join(6)
+        assert not closer.is_alive()
+    finally:
+        release.set()
+        closing.close()
+    assert first.result(timeout=3) == b"done:first"
+    assert [f.result(timeout=3) for f in queued] == [b"done:q0", b"done:q1", b"done:q2"]
+    assert sorted(handled) == sorted([b"first", b"q0", b"q1", b"q2", b"one-way"])
+
+
+def test_close_refuses_what_it_cannot_handle_by_its_deadline(client: PeerTransport) -> None:
+    # The only worker is stuck past close()'s deadline: the request queued behind it is refused, so
+    # its caller fails fast instead of at its own deadline; the stuck one is abandoned as before.
+    release = threading.Event()
+    entered = threading.Event()
+    ran: list[bytes] = []
+    closing = PeerTransport(workers=1).start()
+
+    def stuck(payload: bytes, info: PeerInfo) -> bytes:
+        ran.append(payload)
+        entered.set()
+        release.wait(10)
+        return b"late"
+
+    closing.register(ECHO, rpc=stuck)
+    try:
+        client.request_async(closing.endpoint, ECHO, b"stuck", timeout=10)
+        assert entered.wait(5)
+        waiting = client.request_async(closing.endpoint, ECHO, b"waiting", timeout=10)
+        _wait_until(lambda: closing.stats()["inbox"] == 1)
+        start = time.monotonic()
+        closing.close(timeout=1)
+        assert time.monotonic() - start < 2
+        with pytest.raises(RemoteHandlerError):
+            waiting.result(timeout=3)
+        assert ran == [b"stuck"]
+    finally:
+        release.set()
+        closing.close()
+
+
+def test_requests_arriving_while_close_waits_are_refused_not_handled(client: PeerTransport) -> None:
+    release = threading.Event()
+    entered = threading.Event()
+    ran: list[bytes] = []
+    closing = PeerTransport(workers=2).start()
+
+    def rpc(payload: bytes, info: PeerInfo) -> bytes:
+        ran.append(payload)
+        if payload == b"slow":
+            entered.set()
+            release.wait(10)
+        return b"ok"
+
+    def direct(payload: bytes, info: PeerInfo) -> None:
+        ran.append(payload)
+
+    closing.register(ECHO, rpc=rpc, direct=direct)
+    try:
+        slow = client.request_async(closing.endpoint, ECHO, b"slow", timeout=10)
+        assert entered.wait(5)
+        closer = threading.Thread(target=closing.close, kwargs={"timeout": 5})
+        closer.start()
+        _wait_until(lambda: closing._closed)
+        client.send(closing.endpoint, ECHO, b"late-direct")  # same connection: read before the request
+        late = client.request_async(closing.endpoint, ECHO, b"late", timeout=10)
+        with pytest.raises(RemoteHandlerError):  # at once, not a PeerTimeoutError after 10 s
+            late.result(timeout=3)
+        release.set()
+        closer.join(6)
+        assert not closer.is_alive()
+        assert slow.result(timeout=3) == b"ok"
+        assert ran == [b"slow"]
+    finally:
+        release.set()
+        closing.close()
 
 
 def test_close_is_bounded_with_queued_requests_to_a_dead_peer() -> None:
@@ -585,3 +716,18 @@ def test_a_routing_id_seen_by_one_peer_cannot_take_our_replies_from_another(serv
                 assert v.request(server.endpoint, ECHO, b"%d" % i, timeout=2) == b"echo:%d" % i
         finally:
             squatter.close()
+
+
+def test_close_called_from_a_done_callback_returns_and_the_io_thread_ends(server: PeerTransport) -> None:
+    # Done callbacks run on the IO thread: a close() there must not wait for that thread's own sockets.
+    closing = PeerTransport().start()
+    returned = threading.Event()
+
+    def close_here(_: object) -> None:
+        closing.close(timeout=2)
+        returned.set()
+
+    future = closing.request_async(server.endpoint, ECHO, b"x", timeout=10)
+    future.add_done_callback(close_here)
+    assert returned.wait(10), "close() from the IO thread never returned"
+    _wait_until(lambda: not closing._io.is_alive())  # noqa: SLF001

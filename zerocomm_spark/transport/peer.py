@@ -12,6 +12,9 @@ Why this shape:
   queues the rest for a worker pool ordered by priority, so a slow handler never stalls the listener.
 * Every wait has a deadline: requests and pings expire in the IO loop itself, sockets close with a
   bounded LINGER and close() joins threads with a timeout.
+* close() drains before it stops: what was read before it is handled and answered while its deadline
+  allows (what is left then is refused, so no caller waits for its own deadline), and what arrives
+  during it is refused, not handled.
 """
 
 from __future__ import annotations
@@ -199,6 +202,7 @@ class PeerTransport:
         self._closed = False
         self._io_failed = False
         self._outbox_closed = False  # the IO thread took its last batch (or died): nothing queued goes out
+        self._declining = False  # close()'s deadline for handlers passed: inbound jobs are refused, not run
         self._stopping = threading.Event()
         self._close_deadline = 0.0
 
@@ -259,30 +263,44 @@ class PeerTransport:
         return self._identity
 
     def close(self, timeout: float = 5.0) -> None:
-        """Flush what is queued (bounded by LINGER), then fail pending calls and join every thread.
+        """Answer what was received, flush what is queued (bounded by LINGER), then fail pending calls.
+
+        Inbound messages read before close() are still handled and their responses sent, until the
+        deadline less the time kept for the last flush (min(LINGER, timeout/2)); requests still waiting
+        then, and those arriving meanwhile, are refused with Error(Internal), so their callers fail fast
+        (RemoteHandlerError) rather than time out; one-way messages left then are dropped. A handler
+        still running at that point is abandoned, its response dropped.
 
         Requests queued before close() are written by the IO thread's last flush, not dropped: many
         are replies (an agent answers a peer with its own RpcRequest). Their answers are never read,
         so their futures fail once the IO thread is done (or close()'s deadline passed).
         """
-        deadline = time.monotonic() + max(timeout, 0.0)
+        timeout = max(timeout, 0.0)
+        deadline = time.monotonic() + timeout
         with self._lock:
             if self._closed:
                 return
-            self._closed = True
+            self._closed = True  # under the lock: the IO thread queues no inbound job from now on
             self._close_deadline = deadline
         if not self._started:
             self._fail_pending()
             return
+        current = threading.current_thread()
+        # Workers run what was queued before close(), then stop: sentinels sort after every job.
+        for i in range(len(self._workers)):
+            self._inbox.put((1, i, None))
+        handlers_until = deadline - min(_LINGER_MS / 1000, timeout / 2)  # the rest is for the last flush
+        for t in self._workers:
+            if t is not current:
+                t.join(max(handlers_until - time.monotonic(), 0.0))
+        self._declining = True
+        self._decline_queued()  # left by workers still busy (or by close() called from a worker)
         self._stopping.set()
         self._wake()
-        current = threading.current_thread()
         io = self._io
         if io is not None and io is not current:
             io.join(max(deadline - time.monotonic(), 0.0))
         self._fail_pending()
-        for i in range(len(self._workers)):
-            self._inbox.put((-1000, i, None))  # sentinels sort before every job: stop promptly
         for t in self._workers:
             if t is not current:
                 t.join(max(deadline - time.monotonic(), 0.0))
@@ -294,8 +312,10 @@ class PeerTransport:
         if stuck:
             # Terminating the context now would block until those threads let go of it.
             log.warning("peer transport closed with threads still running: %s", ", ".join(stuck))
-        elif self._ctx is not None:
+        elif self._ctx is not None and io is not current:
             self._ctx.term()
+        # (closed from the IO thread itself - a done callback - its sockets close when the callback
+        # returns and its loop ends; terminating the context here would wait for that forever)
         log.info("peer transport %s closed", self._endpoint)
 
     def __enter__(self) -> PeerTransport:
@@ -511,7 +531,7 @@ class PeerTransport:
         router_polled = True
         try:
             while not self._stopping.is_set():
-                backlog_full = self._inbox.qsize() >= _MAX_BACKLOG
+                backlog_full = not self._closed and self._inbox.qsize() >= _MAX_BACKLOG  # closing: refused
                 if backlog_full == router_polled:  # stop/restart reading inbound under back-pressure
                     poller.modify(router, 0 if backlog_full else zmq.POLLIN)
                     router_polled = not backlog_full
@@ -775,7 +795,12 @@ class PeerTransport:
             reason = f"unexpected {msg.TYPE.name} on the listening socket"
             self._refuse(identity, data, ErrorCode.NOT_SUPPORTED, reason)
             return
-        self._inbox.put((-job.priority, next(self._seq), job))
+        with self._lock:  # close() sets _closed under it: no job is queued after the workers' sentinels
+            queued = not self._closed
+            if queued:
+                self._inbox.put((-job.priority, next(self._seq), job))
+        if not queued:
+            self._decline(job)
 
     @staticmethod
     def _peer(identity: bytes, frame: zmq.Frame) -> PeerInfo:
@@ -854,9 +879,40 @@ class PeerTransport:
             if job is None:
                 return
             try:
-                self._run(job)
+                if self._declining:
+                    self._decline(job)
+                else:
+                    self._run(job)
             except Exception:  # noqa: BLE001 - never lose a worker
                 log.exception("peer transport worker failed")
+
+    def _decline_queued(self) -> None:
+        """At close()'s deadline for handlers: refuse the jobs still queued (workers' sentinels stay)."""
+        sentinels: list[tuple[int, int, _Job | None]] = []
+        declined = 0
+        while True:
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+            if item[2] is None:
+                sentinels.append(item)
+            else:
+                self._decline(item[2])
+                declined += 1
+        for item in sentinels:
+            self._inbox.put(item)
+        if declined:
+            log.warning("closing: %d received message(s) not handled before the deadline", declined)
+
+    def _decline(self, job: _Job) -> None:
+        """Closing: a request we will not handle gets Error(Internal) so its caller fails fast instead
+        of waiting for its deadline; a one-way message expects no answer and is dropped."""
+        log.debug("closing: not handling a %s (protocol %s) from %s", job.kind.name, job.protocol_id,
+                  _fmt_id(job.peer.identity))
+        if job.kind == MessageType.RPC_REQUEST:
+            reply = encode(Error(ErrorCode.INTERNAL, job.head, job.request_id))
+            self._enqueue(_CONTROL_PRIORITY, _Outbound(reply, identity=job.peer.identity))
 
     def _run(self, job: _Job) -> None:
         handlers = self._handlers.get(job.protocol_id, _Handlers())
