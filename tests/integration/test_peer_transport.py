@@ -731,3 +731,79 @@ def test_close_called_from_a_done_callback_returns_and_the_io_thread_ends(server
     future.add_done_callback(close_here)
     assert returned.wait(10), "close() from the IO thread never returned"
     _wait_until(lambda: not closing._io.is_alive())  # noqa: SLF001
+
+
+def test_close_from_a_done_callback_still_sends_what_was_queued_and_keeps_serving_handlers() -> None:
+    # From the IO thread, close() must neither fail a request queued just before it ahead of the
+    # last flush, nor hold the IO thread while handlers drain (a handler waiting on a reply only
+    # that thread can read would fail), and it must still end the context.
+    received: list[bytes] = []
+    arrived = threading.Event()
+    with _recording_peer(received, arrived) as peer, PeerTransport() as far:
+        far.register(ECHO, rpc=lambda payload, info: (time.sleep(0.2), b"far")[1])
+        closing = PeerTransport(workers=1)
+        answers: list[object] = []
+        entered = threading.Event()
+
+        def handler(payload: bytes, info: PeerInfo) -> bytes:
+            pending = closing.request_async(far.endpoint, ECHO, b"ask", timeout=5)  # before close()
+            entered.set()
+            try:
+                answers.append(pending.result(timeout=5))
+            except Exception as exc:  # noqa: BLE001 - asserted below
+                answers.append(exc)
+            return b"done"
+
+        closing.register(ECHO, rpc=handler)
+        closing.start()
+        asker = PeerTransport().start()
+        try:
+            asked = asker.request_async(closing.endpoint, ECHO, b"work", timeout=10)
+            assert entered.wait(5)
+            returned = threading.Event()
+            queued: list[object] = []
+
+            def close_here(_: object) -> None:
+                queued.append(closing.request_async(peer.endpoint, ECHO, b"reply-from-callback", timeout=30))
+                closing.close(timeout=6)
+                returned.set()
+
+            closing.request_async(peer.endpoint, ECHO, b"trigger", timeout=10).add_done_callback(close_here)
+            assert returned.wait(2), "close() held the IO thread"
+            _wait_until(lambda: b"reply-from-callback" in received)
+            assert asked.result(timeout=5) == b"done"
+            assert answers == [b"far"]  # the handler's own request was answered while closing
+            _wait_until(lambda: closing._ctx.closed, timeout=10)  # noqa: SLF001
+        finally:
+            asker.close()
+            closing.close()
+
+
+def test_a_second_close_returns_once_the_first_has_closed() -> None:
+    # close() drains for up to its deadline: a second caller must not return while the endpoint is
+    # still bound (it may rebind it at once).
+    entered, release = threading.Event(), threading.Event()
+
+    def slow(payload: bytes, info: PeerInfo) -> bytes:
+        entered.set()
+        release.wait(1.0)
+        return b"slow"
+
+    endpoint = _free_port_endpoint()
+    closing = PeerTransport(bind=endpoint, workers=1)
+    closing.register(ECHO, rpc=slow)
+    closing.start()
+    asker = PeerTransport().start()
+    try:
+        asker.request_async(closing.endpoint, ECHO, b"x", timeout=10)
+        assert entered.wait(5)
+        first = threading.Thread(target=closing.close, kwargs={"timeout": 5})
+        first.start()
+        _wait_until(lambda: closing._closed)  # noqa: SLF001
+        closing.close(timeout=5)
+        again = PeerTransport(bind=endpoint).start()  # the port is free
+        again.close()
+        first.join(5)
+    finally:
+        release.set()
+        asker.close()

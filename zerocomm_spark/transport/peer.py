@@ -205,6 +205,7 @@ class PeerTransport:
         self._declining = False  # close()'s deadline for handlers passed: inbound jobs are refused, not run
         self._stopping = threading.Event()
         self._close_deadline = 0.0
+        self._close_done = threading.Event()  # set when close() has finished (threads joined, context ended)
 
         self._inbox: queue.PriorityQueue[tuple[int, int, _Job | None]] = queue.PriorityQueue()
         self._stats = _Stats()
@@ -237,6 +238,7 @@ class PeerTransport:
             self._io.join(_START_TIMEOUT)
             if not self._io.is_alive():
                 self._ctx.term()
+            self._close_done.set()  # a later close() has nothing to wait for
             raise ConfigurationError(f"cannot bind the peer transport to {self._bind!r}: {err}") from err
         wake = self._ctx.socket(zmq.PAIR)
         wake.setsockopt(zmq.LINGER, 0)
@@ -269,22 +271,40 @@ class PeerTransport:
         deadline less the time kept for the last flush (min(LINGER, timeout/2)); requests still waiting
         then, and those arriving meanwhile, are refused with Error(Internal), so their callers fail fast
         (RemoteHandlerError) rather than time out; one-way messages left then are dropped. A handler
-        still running at that point is abandoned, its response dropped.
+        still running at that point is abandoned, its response dropped (so is the response of a handler
+        that closes the transport itself). Messages not yet read off the socket are not read. Handlers
+        still running cannot send new requests: the transport refuses new work from the start of close().
 
         Requests queued before close() are written by the IO thread's last flush, not dropped: many
         are replies (an agent answers a peer with its own RpcRequest). Their answers are never read,
         so their futures fail once the IO thread is done (or close()'s deadline passed).
+
+        Called on the IO thread (from a done callback), it returns at once and the rest goes on in a
+        thread of its own: everything above needs the IO thread to keep reading and sending.
         """
         timeout = max(timeout, 0.0)
         deadline = time.monotonic() + timeout
         with self._lock:
-            if self._closed:
-                return
+            closing = self._closed
             self._closed = True  # under the lock: the IO thread queues no inbound job from now on
-            self._close_deadline = deadline
+            if not closing:
+                self._close_deadline = deadline
+        if closing:  # another close() is under way: closed when it is (within this call's deadline)
+            if threading.current_thread() not in (self._io, *self._workers):
+                self._close_done.wait(max(0.0, deadline - time.monotonic()))
+            return
         if not self._started:
             self._fail_pending()
+            self._close_done.set()
             return
+        if self._io is not None and threading.current_thread() is self._io:
+            threading.Thread(target=self._close_started, args=(deadline, timeout), daemon=True,
+                             name="zerocomm-peer-close").start()
+            return
+        self._close_started(deadline, timeout)
+
+    def _close_started(self, deadline: float, timeout: float) -> None:
+        """close() once it marked the transport closed (never on the IO thread)."""
         current = threading.current_thread()
         # Workers run what was queued before close(), then stop: sentinels sort after every job.
         for i in range(len(self._workers)):
@@ -312,10 +332,9 @@ class PeerTransport:
         if stuck:
             # Terminating the context now would block until those threads let go of it.
             log.warning("peer transport closed with threads still running: %s", ", ".join(stuck))
-        elif self._ctx is not None and io is not current:
+        elif self._ctx is not None:
             self._ctx.term()
-        # (closed from the IO thread itself - a done callback - its sockets close when the callback
-        # returns and its loop ends; terminating the context here would wait for that forever)
+        self._close_done.set()
         log.info("peer transport %s closed", self._endpoint)
 
     def __enter__(self) -> PeerTransport:
@@ -477,8 +496,10 @@ class PeerTransport:
 
     def _enqueue(self, priority: int, item: _Outbound) -> None:
         with self._lock:
-            if self._outbox_closed:
-                return  # late replies from workers after the IO thread's last flush: nothing will send them
+            if self._outbox_closed:  # a late reply after the IO thread's last flush: nothing will send it
+                self._stats.add(dropped_out=1)
+                log.debug("closing: a reply finished after the last flush was dropped")
+                return
             heapq.heappush(self._outbox, (-priority, next(self._seq), item))
             self._wake_locked()
 
