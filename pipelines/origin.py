@@ -143,13 +143,18 @@ class OriginSigner:
 
 def verify_origin(group: str, publisher_did: str, message_id: str, payload: bytes,
                   headers: Mapping[str, str] | Iterable[tuple[str, str]] | None, signature: bytes | None) -> bool:
-    """True iff ``signature`` is ``publisher_did``'s member key's signature over this message."""
+    """True iff ``signature`` is ``publisher_did``'s member key's signature over this message.
+
+    Never raises on a malformed row (a null payload or header value, a non-string id): it is False."""
     if signature is None or len(signature) != _SIG_BYTES:
         return False
     public = _public_key(publisher_did)
     if public is None:
         return False
-    digest = origin_digest(group, publisher_did, message_id, payload, headers)
+    try:
+        digest = origin_digest(group, publisher_did, message_id, payload, headers)
+    except (AttributeError, TypeError, ValueError):  # a malformed row (null or mistyped field) is not proven
+        return False
     try:
         nacl.bindings.crypto_sign_open(bytes(signature) + digest, public)
     except _BAD:

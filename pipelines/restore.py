@@ -9,12 +9,14 @@ The exchange follows seed 003's announce / request-or-ignore relaying, so nothin
 1. **announce**: each provider says which messages it offers, keys only (id, publisher, seq,
    Lamport time), no payloads;
 2. **request or ignore**, per key and in the order announcements arrive: a key the member already
-   has (its journal, its positions, its own table) is ignored; a key not seen before is requested
+   has (its journal, its positions, its own table) is ignored (a position match only at the provider
+   that announced that seq: seq is not covered by the origin proof); a key not seen before is requested
    from the provider that announced it first (state "known, payload unknown"); a key already
    requested elsewhere is ignored;
 3. **payloads** come back only for what was requested. Each row's origin is verified (the
    publisher's signature, pipelines/origin.py; sealed payloads are opened with the history key
-   first) and must match what was announced. A row that fails is rejected, never delivered, and its
+   first) and must match what that provider announced; a row of the wrong types (nulls included) is
+   rejected like a forged one. A row that fails is rejected, never delivered, and its
    key is requested from the next provider that announced it (the fallback the seed's comments ask
    for); a key no provider could prove is reported missing.
 4. Only then is anything **delivered**: every verified row once, in causal order
@@ -297,10 +299,35 @@ class RestoreReport:
 _UNKNOWN, _REQUESTED, _DONE, _FAILED = 0, 1, 2, 3
 
 
+def _malformed(mid: Any, did: Any, seq: Any, lamport: Any) -> bool:
+    """A key whose fields do not have their types (a broken or hostile provider)."""
+    return not (isinstance(mid, str) and isinstance(did, str) and type(seq) is int and type(lamport) is int)
+
+
+def _bad_row(group: str, row_group: Any, payload: Any, key_id: Any, headers: Any, sig: Any) -> str | None:
+    """Why a row's fields cannot be checked (wrong types, another group), or None."""
+    if row_group != group:
+        return "row of another group"
+    if not isinstance(payload, bytes) or not (key_id is None or isinstance(key_id, str)) \
+            or not (sig is None or isinstance(sig, bytes)):
+        return "malformed row (payload, key id or origin proof of the wrong type)"
+    if headers is not None:
+        pairs = headers.items() if isinstance(headers, Mapping) else headers
+        try:
+            if not all(isinstance(k, str) and isinstance(v, str) for k, v in pairs):
+                return "malformed row (a header name or value is not a string)"
+        except (TypeError, ValueError):
+            return "malformed row (headers are not name/value pairs)"
+    return None
+
+
 def _check_rows(rows: pa.Table, provider: str, asked: Mapping[str, tuple[str, int, int]],
                 key: HistoryKey | None, require_origin: bool,
-                threads: int) -> tuple[pa.Table, list[Rejection]]:
-    """Open, match against the announcement, verify origin; returns the good rows (clear payloads)."""
+                threads: int, group: str) -> tuple[pa.Table, list[Rejection]]:
+    """Open, match against the announcement, verify origin; returns the good rows (clear payloads).
+
+    A row whose fields have the wrong types (nulls included) is rejected like any other bad row:
+    one broken row never aborts the restore."""
     import pyarrow as pa
 
     rejections: list[Rejection] = []
@@ -312,6 +339,8 @@ def _check_rows(rows: pa.Table, provider: str, asked: Mapping[str, tuple[str, in
     groups = rows.column("group").to_pylist()
     payloads = rows.column("payload").to_pylist()
     key_ids = rows.column("payload_key_id").to_pylist()
+    heads = rows.column("headers").to_pylist()
+    sigs = rows.column("origin_sig").to_pylist()
     ok = [True] * n
     seen: set[str] = set()
     clear: list[bytes] = [b""] * n
@@ -326,6 +355,11 @@ def _check_rows(rows: pa.Table, provider: str, asked: Mapping[str, tuple[str, in
             ok[i] = False
             rejections.append(Rejection(provider, mid, "differs from what the provider announced"))
             continue
+        bad = _bad_row(group, groups[i], payloads[i], key_ids[i], heads[i], sigs[i])
+        if bad is not None:
+            ok[i] = False
+            rejections.append(Rejection(provider, mid, bad))
+            continue
         if key_ids[i] is None:
             clear[i] = payloads[i]
         elif key is None or key_ids[i] != key.key_id:
@@ -334,16 +368,17 @@ def _check_rows(rows: pa.Table, provider: str, asked: Mapping[str, tuple[str, in
         else:
             try:
                 clear[i] = key.open(payloads[i], groups[i], dids[i], mid)
-            except TamperedEnvelopeError:
+            except (TamperedEnvelopeError, TypeError, ValueError):
                 ok[i] = False
                 rejections.append(Rejection(provider, mid, "sealed payload does not open (altered or moved)"))
     if require_origin:
-        verified = verify_rows(rows, payload=clear, threads=threads)
-        for i in range(n):
-            if ok[i] and not verified[i]:
+        live = [i for i in range(n) if ok[i]]
+        verified = verify_rows(rows.take(pa.array(live, pa.int64())), payload=[clear[i] for i in live],
+                               threads=threads)
+        for i, good_origin in zip(live, verified):
+            if not good_origin:
                 ok[i] = False
-                reason = "no origin proof" if rows.column("origin_sig")[i].as_py() is None else \
-                    "origin proof does not verify (forged or altered)"
+                reason = "no origin proof" if sigs[i] is None else "origin proof does not verify (forged or altered)"
                 rejections.append(Rejection(provider, ids[i], reason))
     good = rows.filter(pa.array(ok, type=pa.bool_()))
     good = good.set_column(good.schema.get_field_index("payload"), pa.field("payload", pa.binary(), nullable=False),
@@ -376,7 +411,8 @@ def restore(group: str, providers: Sequence[HistoryProvider], *, have: Have | No
     have = have if have is not None else Have()
     report = RestoreReport(group=group)
     state: dict[str, int] = {}
-    announced: dict[str, tuple[str, int, int]] = {}  # id -> (publisher, seq, lamport) as first announced
+    announced: dict[tuple[int, str], tuple[str, int, int]] = {}  # (provider, id) -> its (publisher, seq, lamport)
+    held_at: set[str] = set()  # ids some provider announced at a position the member holds
     offers: dict[str, list[int]] = {}  # id -> providers that announced it, in order
     plan: list[list[str]] = [[] for _ in providers]
 
@@ -390,22 +426,37 @@ def restore(group: str, providers: Sequence[HistoryProvider], *, have: Have | No
         lamports = keys.column("lamport_ts").to_pylist()
         ignore: list[str] = []
         for mid, did, seq, lamport in zip(ids, dids, seqs, lamports):
-            if (mid, did, seq) in have:
+            if _malformed(mid, did, seq, lamport):
+                report.rejected.append(Rejection(provider.name, mid, "malformed announcement"))
+                continue
+            if mid in have.message_ids:
                 if mid not in state:
                     state[mid] = _DONE
                     report.skipped_have += 1
                 ignore.append(mid)
                 continue
+            if (mid, did, seq) in have:
+                # seq is not covered by the origin proof: a position match only says this provider's
+                # copy is not needed; another provider may still announce it where the member lacks it.
+                held_at.add(mid)
+                ignore.append(mid)
+                continue
+            if (index, mid) in announced:
+                continue  # announced twice by the same provider: the first counts
+            announced[(index, mid)] = (did, seq, lamport)
             offers.setdefault(mid, []).append(index)
             if state.get(mid, _UNKNOWN) == _UNKNOWN:
                 state[mid] = _REQUESTED
-                announced[mid] = (did, seq, lamport)
                 plan[index].append(mid)
             else:
                 ignore.append(mid)
         report.ignored[provider.name] = len(ignore)
         if ignore:
             provider.ignore(group, ignore)
+    for mid in held_at:
+        if mid not in state:  # every provider announced it at a position the member holds
+            state[mid] = _DONE
+            report.skipped_have += 1
 
     # 3. payloads for what was requested; a failed key goes to the next provider that offered it.
     accepted: list[pa.Table] = []
@@ -427,9 +478,9 @@ def restore(group: str, providers: Sequence[HistoryProvider], *, have: Have | No
                     report.refetched += len(chunk)
                 rows = provider.request(group, chunk)
                 report.received[provider.name] = report.received.get(provider.name, 0) + rows.num_rows
-                asked = {mid: announced[mid] for mid in chunk}
+                asked = {mid: announced[(index, mid)] for mid in chunk}
                 good, rejections = _check_rows(rows, provider.name, asked, history_key, require_origin,
-                                               verify_threads)
+                                               verify_threads, group)
                 report.rejected.extend(rejections)
                 good_ids = set(good.column("message_id").to_pylist())
                 for mid in good_ids:
@@ -449,8 +500,9 @@ def restore(group: str, providers: Sequence[HistoryProvider], *, have: Have | No
 
     # 4. deliver: every verified row once, in causal order, after everything was checked.
     if accepted:
+        # providers may type a column differently (e.g. headers all null at one): unify, do not fail
         table = pa.concat_tables([t.select(list(HISTORY_COLUMNS)) for t in accepted if t.num_rows]
-                                 or [accepted[0].select(list(HISTORY_COLUMNS))])
+                                 or [accepted[0].select(list(HISTORY_COLUMNS))], promote_options="permissive")
     else:
         table = None
     if table is not None and table.num_rows:

@@ -64,6 +64,16 @@ def test_fields_cannot_slide_into_each_other(alice):
     assert origin_digest("g", "d", "m", b"", {"a": "bc"}) != origin_digest("g", "d", "m", b"", {"ab": "c"})
 
 
+@pytest.mark.parametrize("field, value", [("payload", None), ("headers", {"topic": None}),
+                                          ("headers", {None: "t"}), ("id", None), ("group", 7)])
+def test_a_malformed_row_is_not_proven_and_does_not_raise(alice, field, value):
+    signer = OriginSigner(alice)
+    sig = signer.sign("g", "m1", b"hello", {"topic": "t"})
+    fields = {"group": "g", "did": signer.publisher_did, "id": "m1", "payload": b"hello", "headers": {"topic": "t"}}
+    fields[field] = value
+    assert not verify_origin(fields["group"], fields["did"], fields["id"], fields["payload"], fields["headers"], sig)
+
+
 def test_a_key_that_is_not_the_members_is_refused(alice):
     with pytest.raises(ConfigurationError):
         OriginSigner(alice, publisher_did=did_key(KeyPair.generate().verkey))

@@ -139,3 +139,104 @@ def test_unsigned_rows_need_an_explicit_opt_out(alice):
         restore("g", [])
     with pytest.raises(ConfigurationError):
         restore("g", [ArrowProvider(table(rows), "p"), ArrowProvider(table(rows), "p")])
+
+
+# --- a dishonest or broken provider cannot hide a message, starve the fallback, or crash restore ----
+
+
+def test_a_seq_lie_at_one_provider_does_not_hide_the_message_from_the_others(alice):
+    rows = make_rows(alice, 6, label="a")                    # seqs 1..6
+    have = Have(frozenset(), {alice.publisher_did: 4})       # the member holds seqs 1..4
+    lie = [dict(r) for r in rows]
+    lie[5]["seq"] = 2                                        # mallory announces a-5 under a seq it holds
+    honest = ArrowProvider(table(rows), "honest")
+    report = restore("g", [ArrowProvider(table(lie), "mallory"), honest], have=have)
+    assert sorted(report.delivered_ids) == ["a-4", "a-5"] and report.missing == []
+    assert report.skipped_have == 4
+    # an id the member holds is still skipped everywhere, whatever seq is announced
+    held = Have(frozenset({"a-5"}), {alice.publisher_did: 4})
+    report = restore("g", [ArrowProvider(table(lie), "mallory"), ArrowProvider(table(rows), "honest")], have=held)
+    assert report.delivered_ids == ["a-4"] and report.skipped_have == 5
+
+
+def test_each_provider_rows_are_matched_against_its_own_announcement(alice, bob):
+    rows = make_rows(alice, 2, label="a")
+    bad = [dict(r) for r in rows]
+    bad[0]["lamport_ts"] += 1000                             # announced elsewhere in the causal order
+    bad[0]["payload"] = b"tampered"                          # and its row fails origin
+    report = restore("g", [ArrowProvider(table(bad), "mallory"), ArrowProvider(table(rows), "honest")])
+    assert sorted(report.delivered_ids) == ["a-0", "a-1"] and report.missing == []
+    assert {(r.provider, r.message_id) for r in report.rejected} == {("mallory", "a-0")}
+    # same id under another publisher at the first provider, sealed with a key the member lacks
+    a_rows = make_rows(alice, 1, label="m", key=HistoryKey.generate())
+    b_rows = make_rows(bob, 1, label="m")
+    b_rows[0]["seq"], b_rows[0]["lamport_ts"] = 7, 9
+    report = restore("g", [ArrowProvider(table(a_rows), "A"), ArrowProvider(table(b_rows), "B")])
+    assert report.delivered_ids == ["m-0"] and report.missing == []
+    assert [r.provider for r in report.rejected] == ["A"]
+
+
+def _loose(rows: list[dict]) -> pa.Table:
+    """The history schema with headers as a map (string -> nullable string), nulls allowed anywhere."""
+    schema = table(make_rows(OriginSigner(KeyPair.generate()), 1)).schema
+    schema = schema.set(schema.get_field_index("headers"), pa.field("headers", pa.map_(pa.string(), pa.string())))
+    schema = schema.set(schema.get_field_index("payload_key_id"), pa.field("payload_key_id", pa.string()))
+    return pa.Table.from_pylist(rows, schema=schema)
+
+
+@pytest.mark.parametrize("field, value", [
+    ("headers", [("k", None)]),                 # null header value
+    ("headers", [("zc-origin", None)]),
+    ("payload", None),                          # null payload
+    ("message_id", None),                       # null id
+    ("publisher_did", None),
+    ("seq", None),
+])
+def test_a_malformed_row_is_rejected_not_fatal(alice, field, value):
+    rows = make_rows(alice, 3, label="h")
+    broken = [dict(r) for r in rows]
+    broken[1][field] = value
+    report = restore("g", [ArrowProvider(_loose(broken), "hostile"), ArrowProvider(_loose(rows), "honest")])
+    assert sorted(report.delivered_ids) == ["h-0", "h-1", "h-2"] and report.missing == []
+    assert len(report.rejected) >= 1 and all(r.provider == "hostile" for r in report.rejected)
+
+
+def test_providers_whose_tables_type_headers_differently_are_merged(alice):
+    rows = make_rows(alice, 3, label="h")
+    broken = [dict(r) for r in rows]
+    broken[1]["headers"] = [("k", None)]                     # hostile: map headers; honest: all-null headers
+    report = restore("g", [ArrowProvider(_loose(broken), "hostile"), ArrowProvider(table(rows), "honest")])
+    assert sorted(report.delivered_ids) == ["h-0", "h-1", "h-2"] and report.missing == []
+    assert [(r.provider, r.message_id) for r in report.rejected] == [("hostile", "h-1")]
+
+
+def test_a_malformed_sealed_row_is_rejected_not_fatal(alice):
+    key = HistoryKey.generate()
+    rows = make_rows(alice, 3, key=key, label="s")
+    for value in (None, b"short"):
+        broken = [dict(r) for r in rows]
+        broken[1]["payload"] = value
+
+        class Hostile(ArrowProvider):                      # announces honestly, serves a broken row
+            def request(self, group, message_ids):
+                return _loose([r for r in broken if r["message_id"] in message_ids])
+
+        report = restore("g", [Hostile(_loose(rows), "hostile"), ArrowProvider(_loose(rows), "honest")],
+                         history_key=key)
+        assert sorted(report.delivered_ids) == ["s-0", "s-1", "s-2"] and report.missing == []
+        assert [(r.provider, r.message_id) for r in report.rejected] == [("hostile", "s-1")]
+
+
+def test_a_row_of_another_group_is_rejected(alice):
+    rows = make_rows(alice, 2, label="a")
+    other = make_rows(alice, 2, label="a")
+    other[0]["group"] = "h"                                  # a genuine row of group h ...
+    other[0]["origin_sig"] = alice.sign("h", "a-0", b"a says 0")
+
+    class Mixer(ArrowProvider):                              # ... served for a request in group g
+        def request(self, group, message_ids):
+            return table([r for r in other if r["message_id"] in message_ids])
+
+    report = restore("g", [Mixer(table(rows), "mixer"), ArrowProvider(table(rows), "honest")])
+    assert sorted(report.delivered_ids) == ["a-0", "a-1"]
+    assert [(r.provider, r.message_id) for r in report.rejected] == [("mixer", "a-0")]
