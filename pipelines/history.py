@@ -296,7 +296,8 @@ class HistoryWriter:
     other (the first of a run, or after a failure) is first looked up in the table's log, and
     skipped if its commit is there. If the log no longer reaches back to the query's commits (it
     was cleaned while the query was down), only rows the table lacks are appended.
-    Also usable on its own with any streaming DataFrame of format("zerocomm")'s schema.
+    Also usable on its own with any streaming DataFrame of format("zerocomm")'s schema: the table
+    is made (:func:`ensure_table`) on first use if it is not there.
     """
 
     def __init__(self, table_path: str, checkpoint: str, *, history_key: HistoryKey | None = None,
@@ -308,6 +309,7 @@ class HistoryWriter:
         self.on_batch = on_batch
         self._app_id: str | None = None
         self._last_written: int | None = None  # the batch this writer last wrote, to the end
+        self._table_ready = False  # ensure_table ran (a writer used on its own makes its table)
 
     def app_id(self, spark: SparkSession) -> str:
         if self._app_id is None:
@@ -318,6 +320,9 @@ class HistoryWriter:
         spark = df.sparkSession
         began = time.monotonic()
         app_id = self.app_id(spark)
+        if not self._table_ready:
+            ensure_table(spark, self.table_path)
+            self._table_ready = True
         tag = commit_tag(app_id, batch_id)
         follows = self._last_written is not None and batch_id == self._last_written + 1
         self._last_written = None  # until this batch is written to the end: a failure makes the next one look

@@ -194,10 +194,10 @@ def _say(cfg: JobConfig, text: str) -> None:
 def run(cfg: JobConfig) -> dict[str, Any]:
     """Run the whole story once; returns the summary (``ok`` False if a check failed)."""
     from zerocomm_spark.connector.session import local_spark
-    from zerocomm_spark.pipelines.history import ingest
+    from zerocomm_spark.pipelines.history import ingest, table_exists
     from zerocomm_spark.pipelines.history_key import HistoryKey
     from zerocomm_spark.pipelines.local_group import LocalGroup
-    from zerocomm_spark.pipelines.replay import replay
+    from zerocomm_spark.pipelines.replay import Since, latest_version, replay
 
     if not 1 <= cfg.publishers <= len(PUBLISHER_NAMES):
         raise SystemExit(f"--publishers must be 1-{len(PUBLISHER_NAMES)}")
@@ -233,6 +233,9 @@ def run(cfg: JobConfig) -> dict[str, Any]:
                                               "seconds": round(p["durationMs"].get("triggerExecution", 0) / 1000, 2)}
             return sum(b["rows"] for b in batches.values())
 
+        # A table reused from an earlier run (--table) holds that run's rows of the group too: only
+        # this run's commits (after the version it starts from) are replayed and checked.
+        since = Since.version(latest_version(spark, table) + 1) if table_exists(spark, table) else None
         _warm_up(spark, work / "warm-up", table, group["historian"].agent, cfg.group)
         query = ingest(spark, [cfg.group], table, checkpoint, agent=group["historian"].agent, trigger=cfg.trigger,
                        history_key=key, query_name="zerocomm_history_main")
@@ -263,7 +266,7 @@ def run(cfg: JobConfig) -> dict[str, Any]:
         _say(cfg, f"ingested {total_in} rows in {len(batches)} micro-batches; replaying in causal order")
 
         t0 = time.monotonic()
-        rows = replay(spark, table, cfg.group, verify=True, history_key=key).select(
+        rows = replay(spark, table, cfg.group, since=since, verify=True, history_key=key).select(
             "message_id", "publisher_label", "publisher_did", "lamport_ts", "sent_at", "received_at",
             "ingested_at", "headers", "origin_ok").toArrow()
         replay_s = time.monotonic() - t0

@@ -101,6 +101,13 @@ def _group_filter(group: str | None) -> Column | None:
     return None if group is None else F.col("group") == F.lit(group)
 
 
+def latest_version(spark: SparkSession, path: str) -> int:
+    """The table's newest Delta version."""
+    from delta.tables import DeltaTable
+
+    return int(DeltaTable.forPath(spark, path).history(1).select("version").first()[0])
+
+
 def replay(spark: SparkSession, table: str, group: str | None = None, *,
            since: Since | datetime | str | None = None, as_of: int | datetime | str | None = None,
            until_lamport: int | None = None, history_key: HistoryKey | None = None, verify: bool = False,
@@ -131,7 +138,10 @@ def replay(spark: SparkSession, table: str, group: str | None = None, *,
                 reader = reader.option("endingVersion", str(as_of))
             else:
                 reader = reader.option("endingTimestamp", _aware(as_of).isoformat())
-        df = reader.load(path).where(F.col("_change_type") == "insert")
+        if start.value > latest_version(spark, path):  # nothing since: Delta would refuse the start
+            df = spark.read.format("delta").load(path).where(F.lit(False))
+        else:
+            df = reader.load(path).where(F.col("_change_type") == "insert")
     else:
         reader = spark.read.format("delta")
         if as_of is not None:

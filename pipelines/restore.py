@@ -524,9 +524,11 @@ def restore(group: str, providers: Sequence[HistoryProvider], *, have: Have | No
 class DeltaSink:
     """Deliver restored rows into a (the member's own) history table, sealed again if a key is given.
 
-    Each delivery is one append tagged (this sink, delivery number). The call after a failed one
-    (whose commit may have landed anyway) appends only rows the table lacks, so a retried delivery
-    is not written twice, and a different one after the failure is not lost.
+    Each delivery is one append tagged (this sink, delivery number) of only the rows whose
+    (group, date, message_id) the table lacks: a restore run again (or a delivery retried after a
+    failure whose commit may have landed anyway) writes nothing twice, and a different delivery
+    after a failure is not lost. Without ``history_key``, rows in clear are refused if the table
+    already holds sealed rows of their groups (pass the group's key to keep the table sealed).
     """
 
     def __init__(self, spark: SparkSession, table_path: str, *, history_key: HistoryKey | None = None) -> None:
@@ -535,16 +537,26 @@ class DeltaSink:
         self.history_key = history_key
         self.app_id = "zerocomm-restore-" + uuid.uuid4().hex
         self._version = 0
-        self._unsure = False  # the last call failed: its commit may have landed anyway
 
     def __call__(self, rows: pa.Table) -> None:
         import pyarrow as pa
 
         from zerocomm_spark.pipelines.commit_tags import commit_tag
-        from zerocomm_spark.pipelines.history import append_history, append_new_rows, ensure_table
+        from pyspark.sql import functions as F
+
+        from zerocomm_spark.pipelines.history import append_new_rows, ensure_table
         from zerocomm_spark.pipelines.schema import history_schema
 
         ensure_table(self.spark, self.table_path)
+        if self.history_key is None and rows.column("payload_key_id").null_count:
+            groups = sorted(set(rows.column("group").to_pylist()))
+            held = (self.spark.read.format("delta").load(self.table_path)
+                    .where(F.col("group").isin(groups) & F.col("payload_key_id").isNotNull()))
+            if held.limit(1).count():
+                raise ConfigurationError(
+                    f"the history table at {self.table_path} holds sealed rows of {', '.join(map(repr, groups))}: "
+                    "refusing to write restored payloads there in clear",
+                    hint="Pass the group's key: DeltaSink(spark, table, history_key=key)")
         if self.history_key is not None:
             sealed = self.history_key.seal_column(rows.column("group").to_pylist(),
                                                   rows.column("publisher_did").to_pylist(),
@@ -555,10 +567,5 @@ class DeltaSink:
                                    rows.schema.field("payload_key_id"),
                                    pa.array([self.history_key.key_id] * rows.num_rows, pa.string()))
         df = self.spark.createDataFrame(rows.select(list(HISTORY_COLUMNS)), schema=history_schema())
-        retry, self._unsure = self._unsure, True
-        if retry:
-            append_new_rows(df, self.table_path, {"userMetadata": commit_tag(self.app_id, self._version)})
-        else:
-            append_history(df, self.table_path, app_id=self.app_id, version=self._version, look=False)
-        self._unsure = False
+        append_new_rows(df, self.table_path, {"userMetadata": commit_tag(self.app_id, self._version)})
         self._version += 1

@@ -40,3 +40,18 @@ def test_main_job_runs_the_whole_story_and_every_check_passes(tmp_path):
     assert 0 <= summary["latency_deliver_s"]["p50"] <= summary["latency_deliver_s"]["p95"]
     assert summary["latency_to_delta_s"]["p50"] > 0 and summary["replay_rows_per_s"] > 0
     assert (tmp_path / "history" / "_delta_log").is_dir()  # the table is where it said
+
+
+def test_main_job_run_again_on_the_same_table_checks_only_its_own_run(tmp_path):
+    table = tmp_path / "shared-history"
+    for run in (1, 2):
+        done = subprocess.run(
+            [sys.executable, "-m", "zerocomm_spark.pipelines.main", "--publishers", "1", "--messages", "5",
+             "--rate", "50", "--reply-fraction", "0", "--json", "--timeout", "600", "--table", str(table),
+             "--work-dir", str(tmp_path / f"run-{run}")],
+            cwd=ROOT, capture_output=True, text=True, timeout=800)
+        lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+        assert lines, f"no summary (exit {done.returncode}):\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}"
+        summary = json.loads(lines[-1])
+        assert done.returncode == 0 and summary["ok"] is True, (run, summary)
+        assert summary["rows"] == summary["published"] == 5 and summary["unexpected"] == 0
