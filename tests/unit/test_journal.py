@@ -1085,8 +1085,8 @@ def test_interval_starts_writeback_of_each_range_once_as_appends_go(jdir: Path, 
 def test_an_explicit_sync_racing_rolls_and_the_syncer_syncs_its_own_descriptor(jdir: Path, key: bytes,
                                                                               monkeypatch) -> None:  # noqa: ANN001
     """Journal.sync() takes the active segment's descriptor, then syncs outside the lock; rolls may
-    retire that descriptor meanwhile and later rolls close it (the number can even go to the next
-    segment's file). The sync must still sync the file it meant, and not fail."""
+    retire that descriptor meanwhile (and, but for the sync in progress, close it: the number could
+    go to the next segment's file). The sync must still sync the file it meant, and not fail."""
     real = os.fdatasync
     entered, release = threading.Event(), threading.Event()
     seen: list[tuple[str, str]] = []
@@ -1117,8 +1117,8 @@ def test_an_explicit_sync_racing_rolls_and_the_syncer_syncs_its_own_descriptor(j
         syncer = threading.Thread(target=explicit, name="explicit-sync")
         syncer.start()
         assert entered.wait(30)
-        for first in range(11, 131, 10):  # a roll per append: the descriptor is retired, then closed
-            j.append(rows(first, first + 9, size=200))  # (rolls close all but the last 4 retired)
+        for first in range(11, 41, 10):  # a roll per append: the descriptor is retired meanwhile (more
+            j.append(rows(first, first + 9, size=200))  # rolls would wait for this sync: the overflow)
         release.set()
         syncer.join(30)
         assert not errors, errors
@@ -1260,3 +1260,53 @@ def test_a_writeback_without_a_spare_descriptor_is_skipped_not_fatal(jdir: Path,
         assert refused.wait(10)
         assert j.append(rows(11, 20, size=200)).appended == 10  # still running
         assert j._writer.failure is None  # noqa: SLF001
+
+
+@pytest.mark.parametrize("policy", ["always", "interval"])
+def test_open_makes_what_recovery_found_durable_before_anything_is_acknowledged(jdir: Path, key: bytes,
+                                                                                 monkeypatch, policy: str) -> None:  # noqa: ANN001
+    """A kill -9 between a write and its fdatasync leaves the record in the page cache only; the
+    reopened journal turns its re-send into duplicates and acknowledges it without writing, so
+    what recovery found must be synced at open (else a power loss then loses acknowledged rows)."""
+    with Journal.open(jdir, key=key, fsync=policy) as j:
+        j.append(rows(1, 5))
+    synced: list[str] = []
+    real = os.fdatasync
+
+    def spy(fd: int) -> None:
+        synced.append(os.path.basename(os.readlink(f"/proc/self/fd/{fd}")))
+        real(fd)
+
+    monkeypatch.setattr(os, "fdatasync", spy)
+    with Journal.open(jdir, key=key, fsync=policy) as j:
+        assert sorted(p.name for p in jdir.glob("*.zcj"))[-1] in synced  # before any append
+        assert j.append(rows(1, 5)).duplicates == 5
+
+
+def test_a_sync_waits_for_the_descriptors_a_roll_is_syncing(jdir: Path, key: bytes, monkeypatch) -> None:  # noqa: ANN001
+    """When rolls outpace the syncer, a roll syncs the oldest retired segments itself; a sync()
+    meanwhile no longer sees them in the retired list and must still wait for them."""
+    real = os.fdatasync
+    lock = threading.Lock()
+    durable: dict[str, int] = {}
+
+    def slow(fd: int) -> None:
+        path, size = os.readlink(f"/proc/self/fd/{fd}"), os.fstat(fd).st_size
+        if threading.current_thread().name == "roller":
+            time.sleep(0.5)
+        real(fd)
+        with lock:
+            durable[path] = max(durable.get(path, 0), size)
+
+    monkeypatch.setattr(os, "fdatasync", slow)
+    with Journal.open(jdir, key=key, fsync="interval", fsync_interval_ms=600_000, segment_bytes=1024) as j:
+        for s in range(1, 6):
+            j.append(rows(s, s, size=700))  # a segment each: 4 retired, unsynced
+        roller = threading.Thread(target=lambda: j.append(rows(6, 6, size=700)), name="roller")
+        roller.start()  # its roll syncs the oldest retired segment itself
+        time.sleep(0.2)
+        j.sync()
+        with lock:
+            behind = {p.name for p in sorted(jdir.glob("*.zcj"))[:-2] if p.stat().st_size > durable.get(str(p), 0)}
+        roller.join(10)
+    assert not behind

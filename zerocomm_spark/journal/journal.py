@@ -163,8 +163,11 @@ class Journal:
         else:
             active, fd = create_segment(self.directory, 0, now_micros())
         try:
-            if not recovered.segments and sync:
-                os.fsync(fd)
+            if sync:
+                # What recovery found past the last sync (a write whose fdatasync a kill -9 cut off,
+                # a truncated torn tail) is made durable before anything is read or acknowledged
+                # against it: a re-send it turns into duplicates is acknowledged without a write.
+                os.fdatasync(fd)
                 files.fsync_dir(self.directory)
             segments = segments or [active]
             self._segments = segments

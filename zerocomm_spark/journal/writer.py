@@ -526,7 +526,15 @@ class Writer:
                 else:  # "never": an explicit Journal.sync() still owes this segment an fsync
                     self._dir_dirty = True
                     self._unsynced.append(old.path)
-        self._sync_and_close(overflow)
+        if overflow:
+            # As a sync would: a sync() that starts meanwhile must not return before these are on
+            # disk (it no longer sees them in _retired). Bounded: past the timeout, sync them anyway.
+            serial = self._sync_serial.acquire(timeout=j.timeout)
+            try:
+                self._sync_and_close(overflow)
+            finally:
+                if serial:
+                    self._sync_serial.release()
         self.counters["segments_rolled"] += 1
         j._add_segment(new)  # noqa: SLF001
         j._after_roll()  # noqa: SLF001
