@@ -427,21 +427,29 @@ def test_close_handles_what_was_received_before_it(client: PeerTransport) -> Non
     assert sorted(handled) == sorted([b"first", b"q0", b"q1", b"q2", b"one-way"])
 
 
+def _blocking_transport(workers: int, blocks_on: bytes) -> tuple[PeerTransport, list[bytes], threading.Event,
+                                                                   threading.Event]:
+    """A started transport whose handlers record every payload; the RPC ``blocks_on`` sets
+    ``entered`` and waits for ``release`` (at most 10 s). Returns (transport, ran, entered, release)."""
+    release, entered = threading.Event(), threading.Event()
+    ran: list[bytes] = []
+    closing = PeerTransport(workers=workers).start()
+
+    def rpc(payload: bytes, info: PeerInfo) -> bytes:
+        ran.append(payload)
+        if payload == blocks_on:
+            entered.set()
+            release.wait(10)
+        return b"ok"
+
+    closing.register(ECHO, rpc=rpc, direct=lambda payload, info: ran.append(payload))
+    return closing, ran, entered, release
+
+
 def test_close_refuses_what_it_cannot_handle_by_its_deadline(client: PeerTransport) -> None:
     # The only worker is stuck past close()'s deadline: the request queued behind it is refused, so
     # its caller fails fast instead of at its own deadline; the stuck one is abandoned as before.
-    release = threading.Event()
-    entered = threading.Event()
-    ran: list[bytes] = []
-    closing = PeerTransport(workers=1).start()
-
-    def stuck(payload: bytes, info: PeerInfo) -> bytes:
-        ran.append(payload)
-        entered.set()
-        release.wait(10)
-        return b"late"
-
-    closing.register(ECHO, rpc=stuck)
+    closing, ran, entered, release = _blocking_transport(1, b"stuck")
     try:
         client.request_async(closing.endpoint, ECHO, b"stuck", timeout=10)
         assert entered.wait(5)
@@ -459,22 +467,7 @@ def test_close_refuses_what_it_cannot_handle_by_its_deadline(client: PeerTranspo
 
 
 def test_requests_arriving_while_close_waits_are_refused_not_handled(client: PeerTransport) -> None:
-    release = threading.Event()
-    entered = threading.Event()
-    ran: list[bytes] = []
-    closing = PeerTransport(workers=2).start()
-
-    def rpc(payload: bytes, info: PeerInfo) -> bytes:
-        ran.append(payload)
-        if payload == b"slow":
-            entered.set()
-            release.wait(10)
-        return b"ok"
-
-    def direct(payload: bytes, info: PeerInfo) -> None:
-        ran.append(payload)
-
-    closing.register(ECHO, rpc=rpc, direct=direct)
+    closing, ran, entered, release = _blocking_transport(2, b"slow")
     try:
         slow = client.request_async(closing.endpoint, ECHO, b"slow", timeout=10)
         assert entered.wait(5)
