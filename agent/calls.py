@@ -39,6 +39,7 @@ log = logging.getLogger(__name__)
 
 _PUBLISHED_MEMORY = 100_000  # message ids remembered for idempotent re-publishes
 _MAX_ID = 256
+_ANSWER_MARGIN_S = 0.25  # a wait that may run to the deadline stops this much short, so the answer arrives in time
 _PAYLOAD_TYPES = (pa.binary(), pa.large_binary(), pa.string(), pa.large_string())
 _HEADERS_TYPE = pa.map_(pa.string(), pa.string())
 
@@ -273,9 +274,11 @@ class AgentCalls:
                                        hint="Publish the same rows again with the same message ids: "
                                             "members drop what they already have")
             receipt.wait(left)
-        for done in journaled:  # own messages are in this member's journal too before we answer
-            done.wait(max(min(req.remaining(), 5.0), 0.0))
-        return {"group": group, "message_ids": ids, "seqs": seqs, "duplicates": duplicates}
+        # Own messages are in this member's journal too before we answer (a reader on this member,
+        # told "published", expects to read them); within the call's deadline, and said if not.
+        in_journal = all([done.wait(max(req.remaining() - _ANSWER_MARGIN_S, 0.0)) for done in journaled])
+        return {"group": group, "message_ids": ids, "seqs": seqs, "duplicates": duplicates,
+                "journaled": in_journal}
 
     # --- the journal ----------------------------------------------------------------------------
 

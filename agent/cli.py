@@ -602,7 +602,7 @@ def cmd_send(ctx: Ctx) -> int:
     with Progress(f"sending to {a.group}", enabled=None if not ctx.json and len(lines) > 1000 else False):
         result = ctx.client().publish(a.group, lines, message_ids=ids, timeout=ctx.timeout)
     value = {"group": a.group, "message_ids": result.message_ids, "seqs": result.seqs,
-             "duplicates": result.duplicates}
+             "duplicates": result.duplicates, "journaled": result.journaled}
     if len(result) == 1:
         human = (f"sent {result.message_ids[0]} (seq {result.seqs[0]}) to {a.group!r}; every member has it"
                  + (" (already sent before)" if result.duplicates else ""))

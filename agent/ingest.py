@@ -9,6 +9,8 @@ recent message id), so nothing is journaled twice either.
 
 If the journal cannot take a message (disk full, I/O error) the agent stops at once rather than
 return from the callback: returning would let the message be acknowledged without being durable.
+A row the journal refuses as invalid (it would be refused again after every restart) is the one
+exception: it is skipped and counted, and the rows delivered with it are still journaled.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import os
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from zerocomm_spark.agent.logging import event
@@ -50,6 +53,15 @@ def _row(message: Any) -> dict[str, Any]:
         "headers": list(headers.items()) if headers else None,
         "payload": message.payload,
     }
+
+
+@dataclass(frozen=True, slots=True)
+class _Outcome:
+    """What one ingest append did: rows journaled, rows the journal already had, rows refused."""
+
+    appended: int
+    duplicates: int
+    rejected: frozenset[int] = frozenset()  # indexes into the rows given
 
 
 class _Own:
@@ -130,9 +142,10 @@ class JournalIngest:
                 rows.extend(e.rows)
             if rows:
                 result = self._append(rows)
-                self.metrics.add(own_journaled=getattr(result, "appended", 0) or 0)
-                for row in rows:
-                    self.metrics.journaled(row["group"], row["publisher_did"], row["seq"])
+                self.metrics.add(own_journaled=result.appended)
+                for i, row in enumerate(rows):
+                    if i not in result.rejected:
+                        self.metrics.journaled(row["group"], row["publisher_did"], row["seq"])
                 with self._cond:
                     self._cond.notify_all()
             for e in take:
@@ -152,15 +165,14 @@ class JournalIngest:
         if not rows:
             return
         result = self._append(rows)
-        appended = getattr(result, "appended", None)
-        duplicates = getattr(result, "duplicates", 0) or 0
-        if duplicates:
-            self.metrics.add(journal_duplicates=duplicates)
-        if appended is None or appended:
-            self.metrics.add(messages_in=appended if appended is not None else len(rows),
-                             bytes_in=sum(len(r["payload"]) for r in rows))
-        for r in rows:
-            self.metrics.journaled(r["group"], r["publisher_did"], r["seq"])
+        if result.duplicates:
+            self.metrics.add(journal_duplicates=result.duplicates)
+        if result.appended:
+            self.metrics.add(messages_in=result.appended,
+                             bytes_in=sum(len(r["payload"]) for i, r in enumerate(rows) if i not in result.rejected))
+        for i, r in enumerate(rows):
+            if i not in result.rejected:
+                self.metrics.journaled(r["group"], r["publisher_did"], r["seq"])
         with self._cond:
             self._cond.notify_all()
 
@@ -174,21 +186,24 @@ class JournalIngest:
                 self._on_fatal(exc)
             self._block_forever()
 
-    def _append(self, rows: list[dict[str, Any]]) -> Any:
+    def _append(self, rows: list[dict[str, Any]]) -> _Outcome:
         last: BaseException | None = None
         for attempt in range(_RETRIES):
             try:
-                return self.journal.append(rows)
+                result = self.journal.append(rows)
+                return _Outcome(result.appended, result.duplicates)
             except JournalTimeoutError as exc:  # outcome unknown: appending again is safe (dedup)
                 last = exc
                 event(log, logging.WARNING, "journal append timed out; retrying", attempt=attempt + 1)
             except InvalidJournalRowError as exc:
+                if len(rows) > 1:  # refused whole: journal the rows that fit, one by one, in order
+                    return self._append_each(rows)
                 # Data that can never fit the journal (it would fail again after every restart, a crash
                 # loop): say so loudly and go on. The data plane validates messages, so this is a bug.
                 event(log, logging.ERROR, "a delivered message cannot be journaled; it was skipped",
                       group=rows[0].get("group"), seq=rows[0].get("seq"), reason=str(exc)[:300])
-                self.metrics.add(journal_rejected=len(rows))
-                return None
+                self.metrics.add(journal_rejected=1)
+                return _Outcome(0, 0, frozenset((0,)))
             except JournalClosedError as exc:
                 if self._closing:
                     # Shutting down: do not return (that would acknowledge); the process is exiting.
@@ -202,6 +217,19 @@ class JournalIngest:
         self._on_fatal(last)
         self._block_forever()
         raise AssertionError("unreachable")
+
+    def _append_each(self, rows: list[dict[str, Any]]) -> _Outcome:
+        """One append per row (a rare path: a batch holding a row the journal refuses), so that
+        returning, which acknowledges them all, acknowledges nothing that was not journaled."""
+        appended = duplicates = 0
+        rejected: set[int] = set()
+        for i, row in enumerate(rows):
+            outcome = self._append([row])
+            appended += outcome.appended
+            duplicates += outcome.duplicates
+            if outcome.rejected:
+                rejected.add(i)
+        return _Outcome(appended, duplicates, frozenset(rejected))
 
     def _block_forever(self) -> None:
         while True:

@@ -351,6 +351,9 @@ class PublishResult:
     message_ids: list[str]
     seqs: list[int]
     duplicates: int = 0  # rows whose message id this agent had already published (not sent again)
+    #: False if this member's own journal did not hold the rows yet when the call answered (a slow
+    #: disk): the group has them; a read on this member shows them once its journal catches up.
+    journaled: bool = True
 
     def __len__(self) -> int:
         return len(self.message_ids)
@@ -743,7 +746,7 @@ class Client:
         table = publish_table(data, message_ids, headers)
         result = self.call("publish", group=group, timeout=timeout, bulk=table_to_ipc(table))
         return PublishResult(group=group, message_ids=list(result["message_ids"]), seqs=list(result["seqs"]),
-                             duplicates=int(result.get("duplicates", 0)))
+                             duplicates=int(result.get("duplicates", 0)), journaled=bool(result.get("journaled", True)))
 
     # --- typed calls: the journal --------------------------------------------------------------
 

@@ -50,6 +50,7 @@ def test_three_members_from_the_command_line(trio: list[Member]) -> None:
     for m in trio:
         result = m.ok("send", "g", f"hello from {m.name}")
         assert result["seqs"] == [1] and len(result["message_ids"]) == 1
+        assert result["journaled"] is True  # in the sender's own journal too: its history shows it at once
         sent[m.name] = result["message_ids"][0]
     bulk = alice.ok("send", "g", "-", input="line one\nline two\nline three\n")
     assert bulk["seqs"] == [2, 3, 4]

@@ -1,0 +1,66 @@
+"""JournalIngest: what returning from the delivery hook (which acknowledges) may mean."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import pytest
+
+from zerocomm_spark.agent.ingest import JournalIngest
+from zerocomm_spark.agent.metrics import Metrics
+from zerocomm_spark.journal import Journal
+
+GROUP = "g1"
+PUBLISHER = "did:peer:2.Ez6LSpublisher"
+
+
+@dataclass
+class Delivered:
+    seq: int
+    payload: bytes
+    headers: dict = field(default_factory=dict)
+    group: str = GROUP
+    publisher_did: str = PUBLISHER
+    lamport_ts: int = 0
+    sent_at: float = field(default_factory=time.time)
+    received_at: float = field(default_factory=time.time)
+
+    @property
+    def message_id(self) -> str:
+        return f"m-{self.seq}"
+
+
+@pytest.fixture
+def ingest(tmp_path):
+    journal = Journal.open(tmp_path / "journal", key=bytes(range(32)), fsync="never")
+    fatal: list[BaseException] = []
+    ingest = JournalIngest(journal, Metrics(), on_fatal=fatal.append)
+    yield ingest
+    ingest.close()
+    journal.close()
+    assert not fatal
+
+
+def test_a_refused_row_does_not_take_the_rows_delivered_with_it(ingest):
+    """The hook's return acknowledges the whole batch: every row that fits must be journaled."""
+    batch = [Delivered(1, b"one"), Delivered(2, b"two", headers={"bad": 5}), Delivered(3, b"three")]
+    ingest.on_messages(batch)
+    rows = ingest.journal.read(0).to_pylist()
+    assert [(r["seq"], r["payload"]) for r in rows] == [(1, b"one"), (3, b"three")]
+    snapshot = ingest.metrics.snapshot()
+    assert snapshot["journal_rejected"] == 1
+    assert snapshot["messages_in"] == 2
+    assert snapshot["bytes_in"] == len(b"one") + len(b"three")
+    ingest.on_messages([Delivered(3, b"three"), Delivered(4, b"four")])  # a re-send: the seq rule holds
+    assert [r["seq"] for r in ingest.journal.read(0).to_pylist()] == [1, 3, 4]
+    assert ingest.metrics.snapshot()["journal_duplicates"] == 1
+
+
+def test_a_refused_lone_row_is_not_reported_journaled(ingest):
+    ingest.on_messages([Delivered(7, b"x", headers={"bad": 5})])
+    snapshot = ingest.metrics.snapshot()
+    assert snapshot["journal_rejected"] == 1
+    assert snapshot["messages_in"] == 0
+    assert snapshot["journaled_seq"] == {}
+    assert ingest.journal.read(0).num_rows == 0
