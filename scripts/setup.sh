@@ -20,9 +20,9 @@ if ! "$venv/bin/python" -m pip --version >/dev/null 2>&1; then
   "$python" -m venv "$venv"
 fi
 
-# Reinstall only when the declared dependencies changed.
+# Reinstall only when the declared dependencies or the native extension's source changed.
 stamp="$venv/.zerocomm-installed"
-want="$(sha256sum pyproject.toml | cut -d' ' -f1)"
+want="$(cat pyproject.toml setup.py zerocomm_spark/journal/_idrule.c | sha256sum | cut -d' ' -f1)"
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   say "installing zerocomm-spark and its pinned dependencies"
   "$venv/bin/python" -m pip install -q --upgrade pip

@@ -217,3 +217,53 @@ def test_hashing_ids_of_mixed_lengths_takes_bounded_memory() -> None:
         tracemalloc.stop()
     assert peak < 64 << 20, f"{peak / 2**20:.0f} MiB"  # padding every id to the longest took ~1 GiB
     assert hashes[5] == id_hashes(pa.array([ids[5].as_py()]))[0]
+
+
+@pytest.mark.skipif(state._native_probe is None, reason="the native probe was not built (no C compiler)")  # noqa: SLF001
+@pytest.mark.parametrize("log2_slots", [None, 4, 6])
+def test_the_native_probe_answers_as_the_numpy_path(log2_slots: int | None) -> None:
+    """Hashes, slots, "maybe remembered" and "distinct" from _idrule.c equal the numpy reference
+    for ids of every length, sliced columns, remembered and re-given ids, small and crowded tables."""
+    recent = RecentIds(500)
+    if log2_slots is not None:
+        _crowded(recent, log2_slots)
+    rng = np.random.default_rng(7)
+    mixed = pa.array(["".join(chr(97 + int(c)) for c in rng.integers(0, 26, int(k))) for k in rng.integers(0, 129, 300)])
+    cases = [_ids(1), _ids(700), pa.array(ODD_IDS[:9]), mixed, mixed.slice(37, 200), _ids(64).slice(3, 1),
+             pa.array(["same", "other", "same"]), pa.array([""] * 3), pa.array([""]), pa.array(["x" * 128] * 2),
+             pa.array(["a", "b"], pa.binary())]
+    for rounds in range(2):
+        for column in cases:
+            native = recent.probe(column)
+            reference = recent.probe(column, native=False)
+            assert (native[0] == reference[0]).all() and native[0].dtype == reference[0].dtype
+            assert (native[1] == reference[1]).all() and native[1].shape == reference[1].shape
+            assert native[2:] == reference[2:], column
+            if rounds == 0:
+                recent.add_array(column)
+    assert recent.probe(pa.array(["same", "same"]))[3] is False
+    assert recent.probe(cases[-1])[2] is True  # remembered (added last)
+    fresh = _ids(50)
+    assert recent.probe(fresh)[2] == recent.probe(fresh, native=False)[2]
+    # An id longer than the native hash takes: the numpy path answers (BLAKE2b for that id).
+    long = pa.array(["y" * 129, "z"])
+    assert (recent.probe(long)[0] == id_hashes(long)).all()
+
+
+
+@pytest.mark.skipif(state._native_probe is None, reason="the native probe was not built (no C compiler)")  # noqa: SLF001
+def test_the_native_probe_refuses_buffers_that_do_not_add_up() -> None:
+    """It reads raw memory: offsets pointing outside the data, or outputs too small, are refused, not read."""
+    recent = RecentIds(100)
+    table = recent._table  # noqa: SLF001
+    log2 = 64 - int(recent._shift)  # noqa: SLF001
+    hashes, slots = np.empty(2, dtype=np.uint64), np.empty((4, 2), dtype=np.int64)
+    data = b"abcdef"
+    good = np.array([0, 3, 6], dtype=np.int32).tobytes()
+    assert state._native_probe(good, data, 0, 2, state._KEY_BYTES, table, log2, 1, hashes, slots) == (False, True)  # noqa: SLF001
+    for offsets, rows, out in ((np.array([0, 3, 7], dtype=np.int32).tobytes(), 2, slots),  # past the data
+                               (np.array([0, 4, 3], dtype=np.int32).tobytes(), 2, slots),  # going backwards
+                               (good, 3, slots),  # more rows than offsets
+                               (good, 2, np.empty((4, 1), dtype=np.int64))):  # slots too small
+        with pytest.raises(ValueError):
+            state._native_probe(offsets, data, 0, rows, state._KEY_BYTES, table, log2, 1, hashes, out)  # noqa: SLF001

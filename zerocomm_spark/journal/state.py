@@ -4,7 +4,8 @@ A row is a duplicate if its seq is at or below the last seq journaled for its (g
 if its message id is among the last ``dedup_window`` journaled ids (or earlier in the same append).
 Delivery is per-publisher FIFO, so the common append (one delivered data batch) has one publisher
 and rising seqs: that case is checked with a few vectorised calls, never a Python loop per row, and
-so are its ids (hashed by numpy, looked up in a byte table; only a possible hit is compared exactly).
+so are its ids (hashed and looked up in a byte table in one native pass, _idrule.c, or by numpy
+where it was not built; only a possible hit is compared exactly).
 """
 
 from __future__ import annotations
@@ -22,6 +23,11 @@ import pyarrow.compute as pc
 from zerocomm_spark.journal.index import Key, Run
 from zerocomm_spark.journal.schema import APPEND_SCHEMA
 
+try:  # the native per-row pass (_idrule.c); optional, the numpy path below gives the same answers
+    from zerocomm_spark.journal._idrule import probe as _native_probe
+except ImportError:  # pragma: no cover - built by the install when a C compiler is present
+    _native_probe = None
+
 _GROUP, _MESSAGE_ID, _PUBLISHER, _SEQ = (APPEND_SCHEMA.get_field_index(name)
                                           for name in ("group", "message_id", "publisher_did", "seq"))
 
@@ -30,6 +36,8 @@ _VECTOR_LEN = 128  # ids up to this many bytes are hashed by numpy; longer ones 
 _CHUNK_ROWS = 8192  # rows of mixed-length ids padded into one matrix at a time
 _KEYS = np.frombuffer(os.urandom(8 * (_VECTOR_LEN // 8 + 1)), dtype=np.uint64) | np.uint64(1)  # per process
 _LENGTH_KEY = _KEYS[-1]
+_KEY_BYTES = _KEYS.tobytes()  # for the native probe: the same keys, so the same hashes
+_NATIVE_TYPES = (pa.string(), pa.binary())  # 32-bit offsets: what the native probe reads
 _MASK64 = (1 << 64) - 1
 # Odd multipliers that pick an id's four byte positions within its table line (see RecentIds).
 _POSITION_KEYS = np.array([0xC4CEB9FE1A85EC53, 0xFF51AFD7ED558CCD, 0x9E3779B97F4A7C15, 0xD6E8FEB86659FD93],
@@ -210,6 +218,26 @@ class RecentIds:
         if log2 > position_bits:
             out += (h >> np.uint64(64 - (log2 - position_bits))) << np.uint64(position_bits)
         return out.view(np.int64)
+
+    def probe(self, array: pa.Array, *, native: bool = True) -> tuple[np.ndarray, np.ndarray, bool, bool]:
+        """For a column of ids: (hashes, slots, might any be remembered, are the hashes all distinct).
+
+        What :func:`id_hashes`, :meth:`slots`, :meth:`maybe` and a distinctness check answer, in one
+        native pass over the ids when the extension is built (``native=False``: the numpy path, the
+        reference the tests compare it with).
+        """
+        n = len(array)
+        if native and _native_probe is not None and n and self.window > 0 and array.type in _NATIVE_TYPES:
+            _, offsets, data = array.buffers()
+            hashes = np.empty(n, dtype=np.uint64)
+            slots = np.empty((4, n), dtype=np.int64)
+            answer = _native_probe(offsets, data if data is not None else b"", array.offset, n, _KEY_BYTES,
+                                   self._table, 64 - int(self._shift), max(1, self._epoch - 1), hashes, slots)
+            if answer is not None:  # None: an id longer than the native hash takes
+                return hashes, slots, answer[0], answer[1]
+        hashes = id_hashes(array)
+        slots = self.slots(hashes)
+        return hashes, slots, self.maybe(slots), n < 2 or _distinct(hashes)
 
     def maybe(self, slots: np.ndarray) -> bool:
         """False if every id of these slots is surely new; True if some may be remembered (see :meth:`maybe_each`)."""
@@ -402,8 +430,10 @@ def filter_new(batch: pa.RecordBatch, last_seq: Callable[[Key], int | None], pen
     n = batch.num_rows
     use_ids = recent.window > 0  # dedup_window=0 turns the id rule off (and its per-row cost)
     id_column = batch.column(_MESSAGE_ID)
-    hashes = id_hashes(id_column) if use_ids else np.zeros(n, dtype=np.uint64)
-    slots = recent.slots(hashes) if use_ids else None
+    if use_ids:
+        hashes, slots, maybe_remembered, distinct = recent.probe(id_column)
+    else:
+        hashes, slots, maybe_remembered, distinct = np.zeros(n, dtype=np.uint64), None, False, True
     ids: list[bytes] | None = None
     remembered: np.ndarray | None = None  # per row, exactly: is its id remembered? (computed at most once)
     seqs = batch.column(_SEQ).to_numpy(zero_copy_only=False)
@@ -414,10 +444,10 @@ def filter_new(batch: pa.RecordBatch, last_seq: Callable[[Key], int | None], pen
         last = pending.get(key)
         if last is None:
             last = last_seq(key)
-        if use_ids and recent.maybe(slots):
+        if maybe_remembered:
             remembered = recent.holds_each(hashes, slots, id_column)
         if ((last is None or seqs[0] > last) and (n == 1 or bool((seqs[1:] > seqs[:-1]).all()))
-                and (not use_ids or ((n == 1 or _distinct(hashes)) and (remembered is None or not remembered.any())))):
+                and (not use_ids or (distinct and (remembered is None or not remembered.any())))):
             if pending_ids is not None and use_ids:  # several appends in this group: check among them too
                 ids = id_values(id_column)
                 if pending_ids.isdisjoint(ids):
