@@ -218,6 +218,44 @@ def test_signed_attachment_verifies_and_detects_forgery(alice: Side) -> None:
         verify_did_doc(peer_did, None, signer=key.verkey, required=True)
 
 
+def test_deeply_nested_attachments_are_refused_as_protocol_errors() -> None:
+    """A peer's JWS header or signed doc nested past the recursion limit is refused, not a RecursionError."""
+    key = KeyPair.generate()
+    deep = Attachment(base64=b64url_encode(b"[" * 100_000))
+    deep.sign(key)  # a valid signature over garbage: the signer is who it says, the content unreadable
+    assert deep.signer() == key.verkey
+    with pytest.raises(ProtocolError, match="not JSON"):
+        deep.json()
+    header = Attachment.from_json({"id": "did:example:1"})
+    header.jws = {"protected": b64url_encode(b"[" * 100_000), "signature": b64url_encode(b"\x00" * 64)}
+    with pytest.raises(SignatureError, match="JSON"):
+        header.signer()
+
+
+def test_response_with_an_unreadable_signed_doc_abandons_the_exchange(alice: Side, bob: Side) -> None:
+    _, received, b_record, request, b_key = _request(alice, bob)
+    _, response, a_key = _accept(alice, request, b_key, received.recipient_key)
+    # Signed by the invitation key (a hostile inviter), but no JSON a parser survives.
+    response.did_doc_attach = Attachment(base64=b64url_encode(b"[" * 100_000))
+    response.did_doc_attach.sign(alice.keystore.get(received.recipient_key))
+    message, unpacked = _transmit(response, b_key.verkey, a_key, bob.keystore)
+    with pytest.raises(ProtocolError):
+        bob.didx.receive_response(message, recipient_verkey=unpacked.recipient_verkey,  # type: ignore[arg-type]
+                                  sender_verkey=unpacked.sender_verkey)
+    assert bob.store.get(b_record.connection_id).state == "abandoned"
+
+
+def test_request_with_a_hostile_did_is_a_protocol_level_refusal(alice: Side, bob: Side) -> None:
+    """The requester's DID is parsed from the wire: a service whose type is a list is a DIDComm error."""
+    _, received, _, request, b_key = _request(alice, bob)
+    service = b64url_encode(json.dumps({"t": ["did-communication"], "s": bob.endpoint}).encode())
+    request.did = request.did.split(".S")[0] + ".S" + service
+    request.did_doc_attach = signed_did_doc(request.did, b_key)
+    with pytest.raises(ProtocolError, match="no service endpoint"):
+        _accept(alice, request, b_key, received.recipient_key)
+    assert len(alice.store) == 0
+
+
 def test_response_signed_by_another_key_is_rejected(alice: Side, bob: Side) -> None:
     _, received, b_record, request, b_key = _request(alice, bob)
     _, response, a_key = _accept(alice, request, b_key, received.recipient_key)

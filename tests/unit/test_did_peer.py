@@ -63,6 +63,13 @@ def b64url_json(value: object) -> str:
     return base64.urlsafe_b64encode(raw).decode().rstrip("=")
 
 
+def nested(depth: int) -> list:
+    value: list = []
+    for _ in range(depth):
+        value = [value]
+    return value
+
+
 def raw_verkey(multikey: str) -> str:
     return b58encode(base58.b58decode(multikey[1:])[2:])
 
@@ -289,6 +296,57 @@ GOOD_V = "V" + SPEC_V
 def test_malformed_dids_are_refused(did: str, message: str) -> None:
     with pytest.raises(DIDError, match=message):
         resolve(did)
+
+
+def test_a_did_with_a_trailing_newline_is_refused() -> None:
+    """'$' also matches before a final newline, and base58 decoding strips it: an alias of the same key."""
+    pair = KeyPair.generate()
+    did = create_peer_did(pair.verkey, ENDPOINT)
+    key_only = "did:peer:2.Vz" + b58encode(b"\xed\x01" + pair.verkey_bytes)
+    for alias in (did + "\n", key_only + "\n"):
+        with pytest.raises(DIDError):
+            resolve(alias)
+    with pytest.raises(DIDError):
+        verkey_from_did_key(did_key(pair.verkey) + "\n")
+
+
+@pytest.mark.parametrize("service", [
+    {"t": ["did-communication"], "s": ENDPOINT, "recipientKeys": ["#key-1"]},
+    {"t": {"a": 1}, "s": ENDPOINT},
+])
+def test_hostile_service_elements_are_did_errors(service: dict) -> None:
+    """A peer's DID is parsed on its say-so (DID exchange, invitations): no TypeError or RecursionError."""
+    did = f"did:peer:2.{GOOD_V}.S" + b64url_json(service)
+    try:
+        doc = resolve(did)
+    except DIDError:
+        return
+    assert doc.service_endpoint is None  # a type that is not a string names no DIDComm service
+
+
+def test_deeply_nested_service_element_is_a_did_error() -> None:
+    """Nesting deep enough to exhaust the recursion limit fits well within a DID's length limit."""
+    for depth in (900, 3000):
+        did = f"did:peer:2.{GOOD_V}.S" + base64.urlsafe_b64encode(
+            b'{"t":"dm","s":' + b"[" * depth + b"]" * depth + b"}").decode().rstrip("=")
+        with pytest.raises(DIDError, match="nested"):
+            resolve(did)
+
+
+@pytest.mark.parametrize("document", [
+    {"id": "did:example:1", "service": [{"type": ["did-communication"], "serviceEndpoint": ENDPOINT}],
+     "verificationMethod": [{"id": "#k", "type": "Ed25519VerificationKey2018", "publicKeyBase58": "1" * 44}]},
+    {"id": "did:example:1", "verificationMethod": [{"id": "#k", "type": ["Ed25519VerificationKey2020"],
+                                                     "publicKeyMultibase": "z" + b58encode(b"\x01" * 32)}],
+     "authentication": ["#k"]},
+    {"id": "did:example:1", "authentication": [nested(2000)]},
+    {"id": "did:example:1", "x": nested(990)},
+])
+def test_hostile_documents_raise_did_error_only(document: dict) -> None:
+    try:
+        DIDDocument.from_dict(document)
+    except DIDError:
+        pass
 
 
 @pytest.mark.parametrize("value", [None, 42, b"did:peer:2"])

@@ -64,7 +64,7 @@ def test_bad_names_and_a_damaged_file_are_clear_errors(tmp_path: Path, key: byte
     jdir = tmp_path / "j"
     with Journal.open(jdir, key=key) as j:
         _fill(j, 20)
-        for bad in ("", "has space", "x" * 201, 7):
+        for bad in ("", "has space", "x" * 201, 7, "ok\n"):  # "ok\n": a name "$" would have let through
             with pytest.raises(ConfigurationError, match="consumer name"):
                 j.commit(5, consumer=bad)  # type: ignore[arg-type]
         j.commit(5, consumer="ok")

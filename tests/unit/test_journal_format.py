@@ -439,3 +439,11 @@ def test_ids_are_remembered_even_without_any_saved_list(jdir: Path, key: bytes) 
         assert j.append([{**rows(101, 101)[0], "message_id": rows(3, 3)[0]["message_id"]}]).duplicates == 1
         assert j.append(rows(101, 101)).appended == 1
     assert (jdir / "recent.ids").exists()
+
+
+def test_only_exact_segment_names_are_segments() -> None:
+    """A stray file whose name ends in a newline must not pass for a segment of the same base offset."""
+    from zerocomm_spark.journal.segment import parse_segment_name
+
+    assert parse_segment_name(f"{7:020d}.zcj") == 7
+    assert parse_segment_name(f"{7:020d}.zcj\n") is None

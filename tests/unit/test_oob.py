@@ -12,6 +12,7 @@ import pytest
 
 from zerocomm_spark.did.peer import did_key, verkey_from_did_key
 from zerocomm_spark.errors import InvitationError, ProtocolError, ReplayError
+from zerocomm_spark.keys import KeyPair, b58encode
 from zerocomm_spark.keys.keystore import Keystore
 from zerocomm_spark.protocols.message import b64url_encode
 from zerocomm_spark.protocols.out_of_band.v1_1.manager import OutOfBandManager
@@ -81,6 +82,29 @@ def test_url_with_a_query_already_and_padded_or_bare_values() -> None:
 def test_malformed_urls_raise_invitation_error(url: str, words: str) -> None:
     with pytest.raises(InvitationError, match=words):
         Invitation.from_url(url)
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "https://[bad?oob=" + b64url_encode(b"{}"),  # urlsplit: "Invalid IPv6 URL" (a ValueError)
+        "https://example.org/?oob=" + b64url_encode(b"[" * 20_000),  # json: RecursionError
+        b64url_encode(b'{"a":' * 8_000),
+    ],
+)
+def test_hostile_urls_raise_invitation_error_only(url: str) -> None:
+    with pytest.raises(InvitationError):
+        Invitation.from_url(url)
+
+
+def test_service_did_with_a_non_string_type_is_an_invitation_error() -> None:
+    """A did:peer:2 service whose type is a list (DID Core allows it) must not crash parse_url."""
+    key = "Vz" + b58encode(b"\xed\x01" + KeyPair.generate().verkey_bytes)
+    service = b64url_encode(json.dumps({"t": ["did-communication"], "s": ENDPOINT}).encode())
+    data = _invitation().to_dict()
+    data["services"] = [f"did:peer:2.{key}.S{service}"]
+    with pytest.raises(InvitationError, match="no usable service"):
+        OutOfBandManager.parse_url(_url_for(data))
 
 
 def test_truncated_url_is_refused() -> None:

@@ -58,12 +58,33 @@ _EXPANSIONS = {v: k for k, v in _ABBREVIATIONS.items()}
 _TYPE_ABBREVIATIONS = {DIDCOMM_V2_SERVICE_TYPE: "dm"}
 _TYPE_EXPANSIONS = {v: k for k, v in _TYPE_ABBREVIATIONS.items()}
 
-_B58 = re.compile(r"^[1-9A-HJ-NP-Za-km-z]+$")
-_B64URL = re.compile(r"^[A-Za-z0-9_-]+$")
-_DID = re.compile(r"^did:([a-z0-9]+):(\S+)$")
+# \Z, not $: '$' also matches before a final newline, which the decoders then drop (an alias DID).
+_B58 = re.compile(r"^[1-9A-HJ-NP-Za-km-z]+\Z")
+_B64URL = re.compile(r"^[A-Za-z0-9_-]+\Z")
+_DID = re.compile(r"^did:([a-z0-9]+):(\S+)\Z")
 _ED25519_TYPES = {"Ed25519VerificationKey2018", "Ed25519VerificationKey2020", "Multikey"}
 _X25519_TYPES = {"X25519KeyAgreementKey2019", "X25519KeyAgreementKey2020", "Multikey"}
 _DIDCOMM_V1_TYPES = {DIDCOMM_V1_SERVICE_TYPE, "IndyAgent"}
+# Documents are a few levels deep; a bound keeps hostile nesting from exhausting the recursion limit.
+_MAX_DEPTH = 32
+
+
+def _too_deep(value: Any, limit: int = _MAX_DEPTH) -> bool:
+    """Whether JSON ``value`` nests lists and objects more than ``limit`` levels (iteratively: no recursion)."""
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, (dict, list)):
+            if depth > limit:
+                return True
+            stack.extend((child, depth + 1) for child in (item.values() if isinstance(item, dict) else item))
+    return False
+
+
+def _type_of(entry: Mapping[str, Any]) -> str | None:
+    """An entry's ``type`` if it is a string; anything else (a list, an object) names no type we know."""
+    kind = entry.get("type")
+    return kind if isinstance(kind, str) else None
 
 
 # --- multibase keys ------------------------------------------------------------------------------
@@ -148,10 +169,14 @@ def _decode_service(encoded: str, index: int) -> dict[str, Any]:
     try:
         raw = base64.urlsafe_b64decode(encoded + "=" * (-len(encoded) % 4))
         service = json.loads(raw.decode("utf-8"))
+    except RecursionError:
+        raise DIDError(f"{where} is nested too deeply") from None
     except (binascii.Error, UnicodeDecodeError, ValueError):
         raise DIDError(f"{where} does not decode to JSON") from None
     if not isinstance(service, dict):
         raise DIDError(f"{where} is not a JSON object")
+    if _too_deep(service):
+        raise DIDError(f"{where} is nested too deeply (more than {_MAX_DEPTH} levels)")
     return _expand(service)
 
 
@@ -319,7 +344,7 @@ def _local_ref(ref: str, did: str) -> str:
 
 def _method_key(method: Mapping[str, Any], where: str) -> tuple[str, bytes]:
     """("ed25519" | "x25519", raw bytes) of a verification method."""
-    kind = method.get("type")
+    kind = _type_of(method)
     if "publicKeyMultibase" in method:
         value = method["publicKeyMultibase"]
         if isinstance(value, str) and value.startswith("z") and len(b58decode(value[1:])) == 32:
@@ -393,6 +418,8 @@ class DIDDocument:
         """
         if not isinstance(document, Mapping):
             raise DIDError("a DID document must be a JSON object")
+        if _too_deep(document):
+            raise DIDError(f"the DID document is nested too deeply (more than {_MAX_DEPTH} levels)")
         doc = copy.deepcopy(dict(document))
         did = doc.get("id")
         if not isinstance(did, str) or not did.startswith("did:"):
@@ -480,8 +507,8 @@ class DIDDocument:
             value = service.get("priority", 0)
             return value if isinstance(value, int) else 0
 
-        v1 = sorted((s for s in services if s.get("type") in _DIDCOMM_V1_TYPES), key=priority)
-        v2 = [s for s in services if s.get("type") == DIDCOMM_V2_SERVICE_TYPE]
+        v1 = sorted((s for s in services if _type_of(s) in _DIDCOMM_V1_TYPES), key=priority)
+        v2 = [s for s in services if _type_of(s) == DIDCOMM_V2_SERVICE_TYPE]
         for service in (v1 or v2)[:1]:
             where = f"service {service.get('id', '')!r}"
             service_endpoint, routing = endpoint_of(service, where)

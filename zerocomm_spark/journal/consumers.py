@@ -24,7 +24,7 @@ __all__ = ["CONSUMERS_FILE", "ConsumerPoints", "check_consumer"]
 
 CONSUMERS_FILE = "consumers.json"
 _MAGIC = b"ZCJN\x01\n"
-_NAME = re.compile(r"^[A-Za-z0-9._:@/+=-]{1,200}$")
+_NAME = re.compile(r"^[A-Za-z0-9._:@/+=-]{1,200}\Z")  # \Z: "$" also matches before a final newline
 MAX_CONSUMERS = 10_000
 
 

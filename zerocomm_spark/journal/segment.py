@@ -25,7 +25,7 @@ log = logging.getLogger(__name__)
 
 SEGMENT_SUFFIX = ".zcj"
 INDEX_SUFFIX = ".idx"
-_NAME = re.compile(r"^(\d{20})\.zcj$")
+_NAME = re.compile(r"^(\d{20})\.zcj\Z")  # \Z: "$" also matches before a final newline
 _RESYNC_CHUNK = 8 << 20
 
 

@@ -253,7 +253,7 @@ class Attachment:
     def json(self) -> Any:
         try:
             return json.loads(self.content())
-        except (ValueError, UnicodeDecodeError):
+        except (ValueError, UnicodeDecodeError, RecursionError):
             raise ProtocolError("field 'data.base64' of an attachment is not JSON") from None
 
     def _signing_input(self, protected: str) -> bytes:
@@ -286,7 +286,7 @@ class Attachment:
         try:
             header = json.loads(b64url_decode(protected))
             sig = b64url_decode(signature)
-        except (ValueError, UnicodeDecodeError):
+        except (ValueError, UnicodeDecodeError, RecursionError):
             raise SignatureError("the attachment's JWS is not valid base64url JSON") from None
         if not isinstance(header, Mapping) or header.get("alg") != "EdDSA":
             raise SignatureError("the attachment's JWS is not an EdDSA signature")

@@ -139,7 +139,10 @@ class Invitation(AgentMessage):
             raise InvitationError(f"the invitation URL is longer than {MAX_URL_LENGTH} characters")
         if not url:
             raise InvitationError("the invitation URL is empty")
-        query = parse_qs(urlsplit(url).query) if "?" in url else {}
+        try:
+            query = parse_qs(urlsplit(url).query) if "?" in url else {}
+        except ValueError:  # urlsplit refuses e.g. an unclosed '[' (an IPv6 host)
+            raise InvitationError("the invitation URL is malformed (check that it was copied whole)") from None
         if "oob" in query:
             encoded = query["oob"][0]
         elif "c_i" in query or "d_m" in query:
@@ -150,6 +153,6 @@ class Invitation(AgentMessage):
             encoded = url
         try:
             data = json.loads(b64url_decode(encoded).decode("utf-8"))
-        except (ValueError, UnicodeDecodeError):
+        except (ValueError, UnicodeDecodeError, RecursionError):
             raise InvitationError("the 'oob' parameter is not base64url-encoded JSON (truncated URL?)") from None
         return cls.from_dict(data)
