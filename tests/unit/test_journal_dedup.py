@@ -130,7 +130,12 @@ def _rows(seqs: range, ids: list[str]) -> list[dict]:
              "sent_at": 0, "payload": f"p{s}".encode()} for s, m in zip(seqs, ids)]
 
 
-def test_the_id_rule_is_exact_when_the_filter_lets_everything_through(tmp_path: Path, crowded_tables: None) -> None:
+@pytest.mark.parametrize("native", [True, False], ids=["native", "numpy"])
+def test_the_id_rule_is_exact_when_the_filter_lets_everything_through(tmp_path: Path, crowded_tables: None,
+                                                                      monkeypatch: pytest.MonkeyPatch,
+                                                                      native: bool) -> None:
+    if not native:  # the path of an install without a C compiler
+        monkeypatch.setattr(state, "_native_probe", None)
     key = nacl.utils.random(32)
     ids = [f"msg-{i:05d}" for i in range(400)]
     with Journal.open(tmp_path / "j", key=key) as j:
