@@ -28,6 +28,7 @@ from zerocomm_spark.errors import (
     PeerTimeoutError,
     ZeroCommError,
 )
+from zerocomm_spark.group.datamessage import MAX_HEADER_LENGTH, MAX_HEADERS
 from zerocomm_spark.journal import JOURNAL_SCHEMA
 
 if TYPE_CHECKING:
@@ -433,9 +434,27 @@ def _publish_rows(table: pa.Table) -> tuple[list[bytes], list[str], list[dict[st
                     and pa.types.is_string(column.type.item_type))):
             raise BadRequestError(f"publish: 'headers' must be map<string, string>, not {column.type}")
         headers = [None if h is None else (dict(h) or None) for h in column.to_pylist()]
+        for i, h in enumerate(headers):
+            _check_headers(i, h)
     else:
         headers = [None] * table.num_rows
     return payloads, ids, headers
+
+
+def _check_headers(row: int, headers: dict[str, str] | None) -> None:
+    """What the data plane would refuse as a ConfigurationError (a hint about settings): bad input here."""
+    if headers is None:
+        return
+    if len(headers) > MAX_HEADERS:
+        raise BadRequestError(f"publish: headers of row {row} have {len(headers)} entries; at most {MAX_HEADERS}")
+    for key, value in headers.items():
+        if value is None:
+            raise BadRequestError(f"publish: headers of row {row} have a null value (for {key[:64]!r})")
+        if not key:
+            raise BadRequestError(f"publish: headers of row {row} have an empty key")
+        if len(key) > MAX_HEADER_LENGTH or len(value) > MAX_HEADER_LENGTH:
+            raise BadRequestError(f"publish: headers of row {row}: a name or value is longer than "
+                                  f"{MAX_HEADER_LENGTH} characters")
 
 
 def build_registry(process: "AgentProcess") -> CallRegistry:

@@ -303,7 +303,7 @@ class Ctx:
         self.args = args
         self.json: bool = bool(getattr(args, "json", False))
         self.timeout: float = float(getattr(args, "timeout", 30.0))
-        if not self.timeout > 0:
+        if not 0 < self.timeout < float("inf"):  # every wait has a deadline
             raise errors.ConfigurationError("--timeout must be a positive number of seconds")
         flags = list(getattr(args, "settings", None) or [])
         for option, name in (("identity_dir", "identity.dir"), ("label", "identity.label"),

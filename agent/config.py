@@ -12,6 +12,7 @@ an unknown ``ZEROCOMM_*`` variable is a warning (the environment is shared with 
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import tomllib
@@ -89,6 +90,8 @@ _POSITIVE = {("peer", "max_frame_bytes"), ("peer", "workers"), ("api", "max_requ
              ("api", "max_pending"), ("api", "max_read_rows"), ("journal", "fsync_interval_ms"),
              ("journal", "segment_bytes"), ("agent", "heartbeat_interval"), ("agent", "start_timeout"),
              ("agent", "stop_timeout"), ("groups", "publish_timeout")}
+# Past this, sizes and counts overflow what ZeroMQ and the journal take (int64, some multiplied).
+_MAX_INT = 2**53
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d|w)?\s*$")
 _UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, "w": 604800.0, None: 1.0}
 
@@ -100,7 +103,10 @@ def parse_duration(text: str, what: str = "duration") -> float | None:
     match = _DURATION.match(text)
     if match is None:
         raise ConfigurationError(f"{what} must be a duration like 7d, 12h, 30m, 90s or 250ms, not {text!r}")
-    return float(match.group(1)) * _UNITS[match.group(2)]
+    seconds = float(match.group(1)) * _UNITS[match.group(2)]
+    if not math.isfinite(seconds) or seconds * 1000 > _MAX_INT:
+        raise ConfigurationError(f"{what} is too long: {text!r}")
+    return seconds
 
 
 @dataclass(frozen=True)
@@ -223,6 +229,10 @@ def _coerce(section: str, key: str, value: Any, origin: str) -> Any:
         value = value.lower() if isinstance(value, str) else value
         if value not in choices:
             raise ConfigurationError(f"{name} (from {origin}) must be one of {', '.join(choices)}, not {value!r}")
+    if isinstance(value, float) and not math.isfinite(value):  # an endless timeout: a wait without a deadline
+        raise ConfigurationError(f"{name} (from {origin}) must be a finite number, not {value!r}")
+    if isinstance(value, int) and not isinstance(value, bool) and value > _MAX_INT:
+        raise ConfigurationError(f"{name} (from {origin}) must be at most {_MAX_INT}, not {value!r}")
     if (section, key) in _POSITIVE and not value > 0:
         raise ConfigurationError(f"{name} (from {origin}) must be positive, not {value!r}")
     if (section, key) == ("journal", "retention_age"):

@@ -79,8 +79,9 @@ def start_detached(config: Config, timeout: float | None = None) -> dict[str, An
         while b"\n" not in buffer:
             left = deadline - time.monotonic()
             if left <= 0:
-                raise AgentStartError(f"the agent (pid {child.pid}) did not report ready within {wait:g}s; "
-                                      f"see {log_path}")
+                _abandon(child)
+                raise AgentStartError(f"the agent (pid {child.pid}) did not report ready within {wait:g}s and was "
+                                      f"stopped; see {log_path}")
             ready, _, _ = select.select([read_fd], [], [], min(left, 0.5))
             if not ready:
                 continue
@@ -97,11 +98,28 @@ def start_detached(config: Config, timeout: float | None = None) -> dict[str, An
     except ValueError:
         raise AgentStartError(f"the agent reported something unreadable at start; see {log_path}") from None
     if not answer.get("ok"):
-        child.wait(timeout=10.0)
+        try:
+            child.wait(timeout=10.0)
+        except subprocess.TimeoutExpired:  # still closing what it opened: its error is what matters
+            pass
         raise_for_error(answer.get("error"))
     health: dict[str, Any] = answer.get("health") or {}
     health["log_file"] = str(log_path)
     return health
+
+
+def _abandon(child: subprocess.Popen[bytes]) -> None:
+    """Stop a child that missed its start deadline: reported as failed, it must not come up later
+    and hold the identity (the next start would be refused as "already running")."""
+    child.terminate()  # graceful: it stops right after its start completes
+    try:
+        child.wait(timeout=5.0)
+    except subprocess.TimeoutExpired:
+        child.kill()  # a kill -9 loses nothing acknowledged
+        try:
+            child.wait(timeout=5.0)
+        except subprocess.TimeoutExpired:
+            pass
 
 
 def _report(fd: int | None, answer: dict[str, Any]) -> None:
@@ -175,7 +193,11 @@ def stop_agent(config: Config, timeout: float | None = None, *, force: bool = Fa
         raise AgentNotRunningError(f"an agent holds {config.socket_dir} but its pid file is unreadable",
                                    hint="Find it with `fuser` on the pid file and stop it by hand")
     started = time.monotonic()
-    os.kill(pid, signal.SIGTERM)
+    try:
+        os.kill(pid, signal.SIGTERM)
+    except ProcessLookupError:  # it exited since we looked (another stop, a crash): nothing left to stop
+        raise AgentNotRunningError(f"the agent for {config.identity_dir} (pid {pid}) exited before it was signalled",
+                                   hint="Nothing to stop; `zerocomm agent status` shows the same") from None
     deadline = started + wait
     while time.monotonic() < deadline:
         if held_by(config.socket_dir) is None and not pid_alive(pid):

@@ -91,6 +91,7 @@ class JournalIngest:
         self._on_fatal = on_fatal or _abort
         self._cond = threading.Condition()
         self._closing = False
+        self._waits_ended = False
         self._own: list[_Own] = []  # in seq order per group: a receipt resolves after all earlier ones
         self._own_cond = threading.Condition()
         self._own_thread = threading.Thread(target=self._own_main, name="zerocomm-journal-own", daemon=True)
@@ -241,10 +242,17 @@ class JournalIngest:
         with self._cond:
             while not predicate():
                 left = deadline - time.monotonic()
-                if left <= 0 or self._closing:
+                if left <= 0 or self._closing or self._waits_ended:
                     return predicate()
                 self._cond.wait(min(left, 1.0))
         return True
+
+    def end_waits(self) -> None:
+        """Answer every long poll now (the agent is stopping): a parked read would otherwise hold the
+        stop for the rest of its wait, or lose its answer when the API closes first."""
+        with self._cond:
+            self._waits_ended = True
+            self._cond.notify_all()
 
     def close(self) -> None:
         self._closing = True

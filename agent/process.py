@@ -189,6 +189,7 @@ class AgentProcess:
             except OSError:
                 pass
         steps: list[tuple[str, Any]] = [
+            ("long polls", lambda: self.ingest.end_waits() if self.ingest else None),
             # Running calls get half the stop timeout to finish and answer; the rest is for the parts below.
             ("api", lambda: self.server.close(timeout=max(1.0, timeout / 2)) if self.server else None),
             # The member closes its group manager first: no delivery reaches the journal after this.

@@ -291,19 +291,39 @@ class ApiServer:
             raise ConfigurationError(f"cannot bind the API socket {path}: {exc.strerror}") from None
         finally:
             os.umask(old_umask)
-        os.chmod(path, 0o600)
         self._routers["ipc"] = ipc
-        self.ipc_endpoint = endpoint
-        if self.tcp_endpoint_config:
-            self._start_tcp(hard_limit)
-        wake_rx = self._ctx.socket(zmq.PAIR)
-        wake_rx.bind(self._wake_addr)
-        self._wake_tx = self._ctx.socket(zmq.PAIR)
-        self._wake_tx.connect(self._wake_addr)
-        self._thread = threading.Thread(target=self._io_main, args=(wake_rx,), name="zerocomm-api-io", daemon=True)
-        self._thread.start()
+        try:
+            os.chmod(path, 0o600)
+            self.ipc_endpoint = endpoint
+            if self.tcp_endpoint_config:
+                self._start_tcp(hard_limit)
+            wake_rx = self._ctx.socket(zmq.PAIR)
+            wake_rx.bind(self._wake_addr)
+            self._wake_tx = self._ctx.socket(zmq.PAIR)
+            self._wake_tx.connect(self._wake_addr)
+            self._thread = threading.Thread(target=self._io_main, args=(wake_rx,), name="zerocomm-api-io",
+                                            daemon=True)
+            self._thread.start()
+        except BaseException:
+            self._abandon_start()
+            raise
         event(log, logging.INFO, "local API serving", endpoint=self.ipc_endpoint, tcp=self.tcp_endpoint or None)
         return self
+
+    def _abandon_start(self) -> None:
+        """Undo a start that failed half-way: no socket file for clients to find stale, no ZAP thread."""
+        self._stop.set()
+        if self._auth is not None:
+            self._auth.stop()
+            self._auth = None
+        try:
+            (self.socket_dir / SOCKET_NAME).unlink()
+        except OSError:
+            pass
+        self._routers.clear()
+        self._wake_tx = None
+        self._pool.shutdown(wait=False)
+        self._ctx.destroy(linger=0)
 
     def _start_tcp(self, hard_limit: int) -> None:
         if self._curve_secret is None:

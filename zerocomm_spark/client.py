@@ -24,7 +24,9 @@ Why it looks like this:
 
 from __future__ import annotations
 
+import contextlib
 import json
+import math
 import os
 import socket
 import stat
@@ -34,7 +36,7 @@ import threading
 import time
 import tomllib
 import uuid
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -372,7 +374,7 @@ class ReadResult:
 def _timeout(value: float | None, default: float) -> float:
     if value is None:
         return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
         raise ConfigurationError(f"timeout must be a positive number of seconds, got {value!r}")
     return float(value)
 
@@ -581,6 +583,19 @@ class Client:
         result, table = self.call_bulk(name, timeout=timeout, bulk=bulk, progress=progress, **args)
         return result if table is None else (result, table)
 
+    @contextlib.contextmanager
+    def _turn(self, name: str, deadline: float, wait: float) -> Iterator[None]:
+        """The socket for one call at a time; waiting behind another thread's call (a long poll)
+        counts against this call's deadline, so it cannot hang past it."""
+        if not self._lock.acquire(timeout=max(deadline - time.monotonic(), 0.0)):
+            raise ApiTimeoutError(f"another call on this client was still in progress when the {name} call's "
+                                  f"deadline of {wait:g}s passed; {name} was not sent",
+                                  hint="Use one Client per thread for concurrent calls, or a longer timeout")
+        try:
+            yield
+        finally:
+            self._lock.release()
+
     def call_bulk(self, name: str, *, timeout: float | None = None, bulk: bytes | None = None,
                   progress: Callable[[dict[str, Any]], None] | None = None,
                   **args: Any) -> tuple[Any, pa.Table | None]:
@@ -601,7 +616,7 @@ class Client:
             raise RequestTooLargeError(f"the {name} request is {size} bytes; the agent takes at most "
                                        f"{self.max_request_bytes}")
         deadline = time.monotonic() + wait
-        with self._lock:
+        with self._turn(name, deadline, wait):
             sock = self._socket()
             if self._local_agent_gone():  # a refused connect: no agent is there to take the call
                 self._drop_socket()

@@ -297,3 +297,43 @@ def test_remote_clients_over_tcp_with_curve(tmp_path: Path) -> None:
         assert m.start()["endpoints"]["api_public_key"] == server_key
     finally:
         m.stop()
+
+
+def test_a_stop_ends_long_polls_at_once(tmp_path: Path) -> None:
+    """A `tail` (or a Spark source) waiting for new rows held `agent stop` for the rest of its wait
+    (up to half the stop timeout), and a wait longer than that lost its answer."""
+    m = Member(tmp_path, "polled")
+    m.init()
+    m.start()
+    got: list[object] = []
+    try:
+        client = Client.connect(m.config, timeout=10)
+        start = int(client.latest()["next_offset"])
+        poll = threading.Thread(target=lambda: got.append(client.fetch(start=start, wait=30, timeout=40)))
+        poll.start()
+        time.sleep(1.0)  # the read is parked in its long poll
+        began = time.monotonic()
+        stopped = m.run("agent", "stop", "--timeout", "30", timeout=40)
+        took = time.monotonic() - began
+        poll.join(10)
+        client.close()
+        assert stopped.code == 0, stopped.stderr
+        assert took < 4.0, took
+        assert len(got) == 1 and got[0].table.num_rows == 0 and got[0].next_offset == start  # type: ignore[attr-defined]
+    finally:
+        m.stop()
+
+
+def test_a_start_that_misses_its_deadline_leaves_no_agent_running(tmp_path: Path) -> None:
+    """`agent start --detach` reported failure (exit 1) while the agent it started came up anyway and
+    kept the identity: the next start was refused as "already running"."""
+    m = Member(tmp_path, "late")
+    m.init()
+    try:
+        late = m.run("agent", "start", "--detach", "--timeout", "0.05", timeout=30)
+        assert late.code == 1 and late.json["error"]["type"] == "AgentStartError", late.stdout
+        time.sleep(3.0)  # long enough for the agent to have come up, had it been left running
+        assert m.run("agent", "status").code == 3
+        assert m.start()["label"] == "late"  # and a start with a sane deadline works
+    finally:
+        m.stop()

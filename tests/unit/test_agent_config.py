@@ -113,3 +113,24 @@ def test_render_toml_round_trips(tmp_path: Path) -> None:
     path = tmp_path / "out.toml"
     path.write_text(cfgmod.render_toml(values))
     assert cfgmod.load(path, env={}).values == values
+
+
+@pytest.mark.parametrize("flag, match", [
+    ("agent.stop_timeout=inf", "agent.stop_timeout .* must be a finite number"),
+    ("agent.start_timeout=Infinity", "agent.start_timeout .* must be a finite number"),
+    ("api.max_request_bytes=100000000000000000000", "api.max_request_bytes .* at most"),
+    ("peer.max_frame_bytes=100000000000000000000", "peer.max_frame_bytes .* at most"),
+    ("journal.retention_age=" + "9" * 400 + "d", "journal.retention_age"),
+])
+def test_values_no_agent_can_use_are_refused_when_loaded(flag: str, match: str) -> None:
+    """An endless timeout means a wait without a deadline (stop_timeout=inf broke the agent's close),
+    and numbers past what ZeroMQ or the journal take crashed the start with an unexplained OverflowError."""
+    with pytest.raises(ConfigurationError, match=match):
+        cfgmod.load(None, env={}, flags=[flag])
+
+
+def test_an_endless_timeout_in_the_file_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "z.toml"
+    path.write_text("[agent]\nstop_timeout = inf\n")  # valid TOML
+    with pytest.raises(ConfigurationError, match="must be a finite number"):
+        cfgmod.load(path, env={})

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import json
 
 import pytest
 
@@ -63,3 +64,13 @@ def test_every_command_takes_json_and_the_common_options() -> None:
     with pytest.raises(SystemExit) as info:
         parser.parse_args(["group", "join", "g"])  # --via is required
     assert info.value.code == 2
+
+
+def test_an_endless_timeout_flag_is_a_usage_error(tmp_path, monkeypatch, capsys) -> None:  # type: ignore[no-untyped-def]
+    from zerocomm_spark.agent.cli import main
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.delenv("ZEROCOMM_CONFIG", raising=False)
+    code = main(["--identity-dir", str(tmp_path / "id"), "--json", "--timeout", "inf", "group", "list"])
+    out = capsys.readouterr().out
+    assert code == 2 and "--timeout" in json.loads(out)["error"]["message"]

@@ -23,6 +23,7 @@ from zerocomm_spark.errors import (
     ApiPermissionError,
     ApiTimeoutError,
     BadRequestError,
+    ConfigurationError,
     GroupNotFoundError,
     RequestTooLargeError,
     UnknownCallError,
@@ -299,3 +300,51 @@ def test_a_large_reply_finished_while_closing_reaches_the_client(tmp_path: Path)
         client.close()
         assert got and got[0][0] == {"size": len(big)}, attempt
         assert got[0][1].column("blob")[0].as_py() == big, attempt
+
+
+def test_a_call_waiting_for_another_threads_call_keeps_its_own_deadline(
+        served: tuple[ApiServer, threading.Event]) -> None:
+    """One Client shared by threads (a notebook, a Spark executor) runs one call at a time; a call
+    queued behind a long one (a read with wait=) must still give up at its own deadline."""
+    server, gate = served
+    client = Client.connect(server.socket_dir, timeout=5)
+    slow = threading.Thread(target=lambda: client.call("slow", timeout=20), daemon=True)
+    slow.start()
+    deadline = time.monotonic() + 5
+    while server._in_flight < 1 and time.monotonic() < deadline:  # noqa: SLF001 - the slow call runs
+        time.sleep(0.01)
+    started = time.monotonic()
+    with pytest.raises(ApiTimeoutError, match="another call on this client"):
+        client.call("echo", text="quick", timeout=0.5)
+    assert time.monotonic() - started < 2.0
+    gate.set()
+    slow.join(10)
+    assert client.call("echo", text="after") == {"echo": "after"}
+    client.close()
+
+
+def test_a_start_that_fails_leaves_no_socket_or_thread_behind(tmp_path: Path) -> None:
+    """A taken api.tcp_endpoint failed the start after the Unix socket was bound: its file stayed
+    (a stale socket for clients to trip on) and the ZAP thread and context kept running."""
+    import socket as pysocket
+
+    taken = pysocket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    port = taken.getsockname()[1]
+    _, server_secret = zmq.curve_keypair()
+    client_public, _ = zmq.curve_keypair()
+    before = set(threading.enumerate())
+    server = ApiServer(_registry(threading.Event()), tmp_path / "run", tcp_endpoint=f"tcp://127.0.0.1:{port}",
+                       curve_secret=server_secret, allowed_clients=[client_public.decode()])
+    try:
+        with pytest.raises(ConfigurationError, match="cannot bind api.tcp_endpoint"):
+            server.start()
+        assert not (tmp_path / "run" / "api.sock").exists()
+        deadline = time.monotonic() + 5
+        while [t for t in threading.enumerate() if t not in before and t.is_alive()] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not [t for t in threading.enumerate() if t not in before and t.is_alive()]
+        assert server._ctx.closed  # noqa: SLF001
+    finally:
+        taken.close()

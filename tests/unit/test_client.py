@@ -91,3 +91,14 @@ def test_finding_no_agent_is_a_clear_error(tmp_path: Path) -> None:
         ipc_endpoint(tmp_path / ("x" * 120))
     with pytest.raises(errors.ConfigurationError, match="CURVE keys"):
         Client("tcp://127.0.0.1:1")
+
+
+def test_an_endless_timeout_is_refused_naming_the_timeout(tmp_path: Path) -> None:
+    """A deadline is a finite number of seconds: inf would be sent as invalid JSON ("the arguments
+    are not JSON-serializable") or, clamped nowhere, wait forever."""
+    with pytest.raises(errors.ConfigurationError, match="timeout must be a positive number"):
+        Client(ipc_endpoint(tmp_path), socket_dir=tmp_path, timeout=float("inf"))
+    client = Client(ipc_endpoint(tmp_path), socket_dir=tmp_path, timeout=3)
+    with pytest.raises(errors.ConfigurationError, match="timeout must be a positive number"):
+        client.call("status", timeout=float("inf"))
+    client.close()
