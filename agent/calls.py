@@ -40,6 +40,7 @@ log = logging.getLogger(__name__)
 
 _PUBLISHED_MEMORY = 100_000  # message ids remembered for idempotent re-publishes
 _MAX_ID = 256
+_TAIL_CHUNK_MAX = 65_536  # rows read at once at most when scanning back for the last rows
 _ANSWER_MARGIN_S = 0.25  # a wait that may run to the deadline stops this much short, so the answer arrives in time
 _PAYLOAD_TYPES = (pa.binary(), pa.large_binary(), pa.string(), pa.large_string())
 _HEADERS_TYPE = pa.map_(pa.string(), pa.string())
@@ -317,12 +318,14 @@ class AgentCalls:
                      "end_offset": journal.next_offset},
                     table_to_ipc(table))
         if last is not None:
-            table, next_offset = self._tail(group, last, limit)
+            table, next_offset = self._tail(group, last, limit, req)
             return ({"rows": table.num_rows, "next_offset": next_offset, "end_offset": next_offset},
                     table_to_ipc(table))
         begin = journal.earliest_offset() if start is None else start
         if end is not None and end < begin:
             raise OffsetOutOfRangeError(f"read: end {end} is before start {begin}")
+        if begin > journal.next_offset:  # at once: waiting would not bring this offset any sooner
+            raise OffsetOutOfRangeError(f"read: offset {begin} is beyond the journal's end ({journal.next_offset})")
         if wait and begin >= journal.next_offset:
             assert self.process.ingest is not None
             self.process.ingest.wait_for(lambda: journal.next_offset > begin, min(wait, req.remaining()))
@@ -360,7 +363,9 @@ class AgentCalls:
                 break
         return (_compact(pa.concat_tables(pieces)) if pieces else _empty()), position
 
-    def _tail(self, group: str | None, count: int, limit: int) -> tuple[pa.Table, int]:
+    def _tail(self, group: str | None, count: int, limit: int, req: Request) -> tuple[pa.Table, int]:
+        """The last ``count`` rows of ``group``, scanning back from the end; fewer if the call's deadline
+        comes first (a rare group in a long journal), never an answer after it."""
         journal = self.journal
         want = min(count, limit)
         end = journal.next_offset
@@ -377,6 +382,9 @@ class AgentCalls:
             pieces.insert(0, table)
             rows += table.num_rows
             upto = frm
+            chunk = max(chunk, min(chunk * 2, _TAIL_CHUNK_MAX))  # a rare group: fewer, larger reads further back
+            if req.remaining() < 1.0:
+                break
         table = _compact(pa.concat_tables(pieces)) if pieces else _empty()
         if table.num_rows > want:
             table = table.slice(table.num_rows - want)

@@ -592,6 +592,9 @@ def cmd_group_role(ctx: Ctx) -> int:
 def cmd_send(ctx: Ctx) -> int:
     a = ctx.args
     if a.message == "-":
+        if a.message_id:  # one id for many lines would publish the first and drop the rest as duplicates
+            raise errors.ConfigurationError("--id names one message; it cannot go with - (lines from stdin)",
+                                            hint="Send each line with its own --id, or leave --id out")
         lines = [line.rstrip("\n") for line in sys.stdin]
         if not lines:
             raise errors.ConfigurationError("stdin had no lines to send")

@@ -32,6 +32,7 @@ from zerocomm_spark.errors import (
 )
 
 __all__ = ["log_file_of", "run_foreground", "start_detached", "stop_agent", "agent_status"]
+_KILL_WAIT_S = 5.0  # after `stop --force` sent SIGKILL: how long the process gets to be gone
 
 
 def log_file_of(config: Config) -> Path:
@@ -208,8 +209,13 @@ def stop_agent(config: Config, timeout: float | None = None, *, force: bool = Fa
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
-        time.sleep(0.2)
-        return {"stopped": True, "pid": pid, "seconds": round(time.monotonic() - started, 3), "forced": True}
+        killed = time.monotonic() + _KILL_WAIT_S  # SIGKILL is not instant either (a process stuck in the kernel)
+        while time.monotonic() < killed:
+            if held_by(config.socket_dir) is None and not pid_alive(pid):
+                return {"stopped": True, "pid": pid, "seconds": round(time.monotonic() - started, 3), "forced": True}
+            time.sleep(0.05)
+        raise ApiTimeoutError(f"the agent (pid {pid}) was killed but had not exited {_KILL_WAIT_S:g}s later",
+                              hint="It may be stuck in the kernel (a hung disk or mount); check `ps -o stat -p PID`")
     raise ApiTimeoutError(f"the agent (pid {pid}) did not stop within {wait:g}s",
                           hint="Wait longer (--timeout), or use `zerocomm agent stop --force` to kill it")
 

@@ -213,6 +213,10 @@ def test_bad_input_gets_clear_errors_and_the_agent_keeps_serving(tmp_path: Path)
                 client.publish("g", [b"x"])
             with pytest.raises(OffsetOutOfRangeError):
                 client.read(start=10**6)
+            began = time.monotonic()
+            with pytest.raises(OffsetOutOfRangeError):  # at once, not after the wait
+                client.read(start=10**6, wait=8)
+            assert time.monotonic() - began < 4
             with pytest.raises(BadRequestError, match="seq range needs both"):
                 client.read(first_seq=1)
             metrics = client.metrics()

@@ -27,3 +27,36 @@ def test_headers_the_group_cannot_carry_are_a_bad_request(rows: list, match: str
 def test_good_headers_pass() -> None:
     table = pa.table({"payload": pa.array([b"x", b"y"]), "headers": pa.array([[("k", "v")], None], type=_HEADERS)})
     assert _publish_rows(table)[2] == [{"k": "v"}, None]
+
+
+class _Process:
+    """What the read call uses of an agent process: a real journal, no member."""
+
+    def __init__(self, journal: object) -> None:
+        self.journal = journal
+        self.ingest = None
+
+
+class _Request:
+    def __init__(self, remaining: float) -> None:
+        self._remaining = remaining
+
+    def remaining(self) -> float:
+        return self._remaining
+
+
+def test_the_last_rows_of_a_rare_group_are_sought_only_within_the_deadline(tmp_path) -> None:
+    """`read(last=N)` scans back from the end; for a group with no recent rows that is the whole
+    journal, so the scan stops when the call's time is nearly up instead of answering after it."""
+    from zerocomm_spark.agent.calls import AgentCalls
+    from zerocomm_spark.journal import Journal
+
+    with Journal.open(tmp_path / "j", key=bytes(32), fsync="never") as journal:
+        rows = [{"group": "busy" if i else "rare", "message_id": f"m{i}", "publisher_did": "did:peer:x", "seq": i + 1,
+                 "lamport_ts": i, "sent_at": 0, "payload": b"p"} for i in range(20_000)]
+        journal.append(rows)
+        calls = AgentCalls(_Process(journal))  # type: ignore[arg-type]
+        table, end = calls._tail("rare", 1, 1000, _Request(60.0))  # noqa: SLF001 - time enough: found
+        assert table.column("message_id").to_pylist() == ["m0"] and end == 20_000
+        table, end = calls._tail("rare", 1, 1000, _Request(0.5))  # noqa: SLF001 - one chunk, then the deadline
+        assert table.num_rows == 0 and end == 20_000

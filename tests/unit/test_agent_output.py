@@ -74,3 +74,17 @@ def test_an_endless_timeout_flag_is_a_usage_error(tmp_path, monkeypatch, capsys)
     code = main(["--identity-dir", str(tmp_path / "id"), "--json", "--timeout", "inf", "group", "list"])
     out = capsys.readouterr().out
     assert code == 2 and "--timeout" in json.loads(out)["error"]["message"]
+
+
+def test_send_from_stdin_with_one_id_is_a_usage_error(tmp_path, monkeypatch, capsys) -> None:  # type: ignore[no-untyped-def]
+    """One --id for many lines: the first line would go out and the rest be dropped as its duplicates."""
+    import io
+
+    from zerocomm_spark.agent.cli import main
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.delenv("ZEROCOMM_CONFIG", raising=False)
+    monkeypatch.setattr("sys.stdin", io.StringIO("one\ntwo\n"))
+    code = main(["--identity-dir", str(tmp_path / "id"), "--json", "send", "g", "-", "--id", "x-1"])
+    out = capsys.readouterr().out
+    assert code == 2 and "--id" in json.loads(out)["error"]["message"]
