@@ -223,29 +223,31 @@ class AgentCalls:
         groups = self.groups
         seqs: list[int | None] = [None] * len(ids)
         waits: list[Any] = []
-        fresh: list[int] = []
-        with self._published_lock:
-            for i, mid in enumerate(ids):
-                known = self._published.get((group, mid))
-                if known is None:
-                    fresh.append(i)
-                else:
-                    seqs[i] = known[0]
-                    waits.append(known[1])
-        duplicates = len(ids) - len(fresh)
-        # One data-plane publish per run of rows with equal headers (headers apply per call).
-        runs: list[list[int]] = []
-        for i in fresh:
-            if runs and headers[runs[-1][-1]] == headers[i]:
-                runs[-1].append(i)
-            else:
-                runs.append([i])
         limit = self.process.config.get("groups", "publish_timeout")
         ingest = self.process.ingest
         journaled: list[threading.Event] = []
-        for run in runs:
-            run_payloads, run_ids = [payloads[i] for i in run], [ids[i] for i in run]
-            with self._group_lock(group):  # seqs are assigned and tracked in the same order
+        # One publish of a group at a time from the id check to the ids' recording: two calls with the
+        # same new ids at once must not both find them new (each would send them under its own seqs).
+        with self._group_lock(group):
+            fresh: list[int] = []
+            with self._published_lock:
+                for i, mid in enumerate(ids):
+                    known = self._published.get((group, mid))
+                    if known is None:
+                        fresh.append(i)
+                    else:
+                        seqs[i] = known[0]
+                        waits.append(known[1])
+            duplicates = len(ids) - len(fresh)
+            # One data-plane publish per run of rows with equal headers (headers apply per call).
+            runs: list[list[int]] = []
+            for i in fresh:
+                if runs and headers[runs[-1][-1]] == headers[i]:
+                    runs[-1].append(i)
+                else:
+                    runs.append([i])
+            for run in runs:
+                run_payloads, run_ids = [payloads[i] for i in run], [ids[i] for i in run]
                 sent_at = time.time()
                 try:
                     receipt = groups.publish(group, run_payloads, message_ids=run_ids, headers=headers[run[0]],
@@ -257,18 +259,18 @@ class AgentCalls:
                     groups.wait_active(group, timeout=max(req.remaining() - 0.5, 0.1))
                     receipt = groups.publish(group, run_payloads, message_ids=run_ids, headers=headers[run[0]],
                                              timeout=min(req.remaining(), limit))
-                if ingest is not None:
+                if ingest is not None:  # seqs are assigned and tracked in the same order (the group lock)
                     journaled.append(ingest.track_own(receipt, group, groups.did, run_payloads, run_ids,
                                                       headers[run[0]], sent_at))
-            with self._published_lock:
-                for i, seq in zip(run, receipt.seqs):
-                    seqs[i] = seq
-                    self._published[(group, ids[i])] = (seq, receipt)
-                while len(self._published) > _PUBLISHED_MEMORY:
-                    self._published.popitem(last=False)
-            waits.append(receipt)
-            self.process.metrics.add(messages_published=len(run),
-                                     bytes_published=sum(len(payloads[i]) for i in run))
+                with self._published_lock:
+                    for i, seq in zip(run, receipt.seqs):
+                        seqs[i] = seq
+                        self._published[(group, ids[i])] = (seq, receipt)
+                    while len(self._published) > _PUBLISHED_MEMORY:
+                        self._published.popitem(last=False)
+                waits.append(receipt)
+                self.process.metrics.add(messages_published=len(run),
+                                         bytes_published=sum(len(payloads[i]) for i in run))
         for receipt in {id(r): r for r in waits}.values():
             left = min(req.remaining(), limit)
             if left <= 0:

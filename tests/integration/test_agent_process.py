@@ -341,3 +341,4 @@ def test_a_start_that_misses_its_deadline_leaves_no_agent_running(tmp_path: Path
         assert m.start()["label"] == "late"  # and a start with a sane deadline works
     finally:
         m.stop()
+

@@ -60,3 +60,80 @@ def test_the_last_rows_of_a_rare_group_are_sought_only_within_the_deadline(tmp_p
         assert table.column("message_id").to_pylist() == ["m0"] and end == 20_000
         table, end = calls._tail("rare", 1, 1000, _Request(0.5))  # noqa: SLF001 - one chunk, then the deadline
         assert table.num_rows == 0 and end == 20_000
+
+
+class _Receipt:
+    def __init__(self, seqs: list[int]) -> None:
+        self.seqs = seqs
+        self.lamport_ts = seqs
+
+    def wait(self, timeout: float) -> None:
+        return None
+
+    def done(self) -> bool:
+        return True
+
+
+class _SlowGroups:
+    """A group whose publish takes a while (a busy data plane), numbering rows as a group does."""
+
+    did = "did:peer:me"
+
+    def __init__(self) -> None:
+        self.sent: list[str] = []
+        self._lock = __import__("threading").Lock()
+
+    def publish(self, group: str, payloads: list[bytes], *, message_ids: list[str], headers: object,
+                timeout: float) -> _Receipt:
+        import time
+
+        time.sleep(0.2)
+        with self._lock:
+            first = len(self.sent) + 1
+            self.sent += message_ids
+        return _Receipt(list(range(first, first + len(message_ids))))
+
+
+class _Config:
+    def get(self, section: str, key: str) -> float:
+        return 30.0
+
+
+class _PublishingProcess:
+    def __init__(self) -> None:
+        from zerocomm_spark.agent.metrics import Metrics
+
+        self.groups = _SlowGroups()
+        self.config = _Config()
+        self.ingest = None
+        self.metrics = Metrics()
+
+
+class _BulkRequest(_Request):
+    def __init__(self, bulk: bytes) -> None:
+        super().__init__(30.0)
+        self.bulk = bulk
+
+
+def test_concurrent_publishes_of_the_same_new_ids_send_them_once() -> None:
+    """A retry racing the call it retries (a client that timed out and re-sent, two task attempts)
+    carries the same ids: both calls found them new and each sent them under its own seqs."""
+    import threading
+
+    from zerocomm_spark.agent.calls import AgentCalls
+    from zerocomm_spark.client import table_to_ipc
+
+    process = _PublishingProcess()
+    calls = AgentCalls(process)  # type: ignore[arg-type]
+    ids = [f"race-{i}" for i in range(5)]
+    bulk = table_to_ipc(pa.table({"payload": pa.array([b"x"] * 5), "message_id": pa.array(ids)}))
+    answers: list[dict] = []
+    threads = [threading.Thread(target=lambda: answers.append(calls.publish(_BulkRequest(bulk), "g")))
+               for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert process.groups.sent == ids  # sent once
+    assert [a["seqs"] for a in answers] == [[1, 2, 3, 4, 5]] * 2
+    assert sorted(a["duplicates"] for a in answers) == [0, 5]
