@@ -51,11 +51,16 @@ LATEST = -1
 PublisherKey = tuple[str, str]  # (group, publisher DID)
 
 
+_MAX_SEQ = (1 << 63) - 1  # seqs are int64 in the journal and on the wire
+
+
 def _check_seq(value: Any, where: str, *, allow_special: bool) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise OffsetFormatError(f"{where}: a position is an integer seq, not {type(value).__name__} {value!r}")
-    if value >= 1 or (allow_special and value in (EARLIEST, LATEST)):
+    if 1 <= value <= _MAX_SEQ or (allow_special and value in (EARLIEST, LATEST)):
         return value
+    if value > _MAX_SEQ:
+        raise OffsetFormatError(f"{where}: {value} is past the largest seq ({_MAX_SEQ})")
     allowed = "a seq >= 1, -2 (earliest) or -1 (latest)" if allow_special else "a seq >= 1"
     raise OffsetFormatError(f"{where}: {value} is not {allowed}")
 
@@ -125,7 +130,7 @@ class ZeroCommOffset:
     def from_json(cls, text: str | bytes) -> "ZeroCommOffset":
         try:
             data = json.loads(text)
-        except (ValueError, UnicodeDecodeError) as exc:
+        except (ValueError, UnicodeDecodeError, RecursionError) as exc:  # nested past the limit: not an offset
             raise OffsetFormatError(f"the offset is not JSON: {exc}") from None
         return cls.from_dict(data)
 
@@ -267,10 +272,13 @@ class EndingOffsets:
         return cls("json", per_group=parsed["per_group"], per_publisher=parsed["per_publisher"])
 
     def resolve(self, known: Mapping[PublisherKey, SeqRange]) -> ZeroCommOffset:
+        """Ends at most at what the member holds now: a batch read is planned once, and a seq past the
+        publisher's latest would have the read wait for messages that may never come (and a huge one
+        had the planner cut billions of slices)."""
         positions: dict[PublisherKey, int] = {}
         for key, span in known.items():
             choice = self.per_publisher.get(key, self.per_group.get(key[0], LATEST))
-            positions[key] = span.next if choice == LATEST else choice
+            positions[key] = span.next if choice == LATEST else min(choice, span.next)
         return ZeroCommOffset(positions)
 
 
@@ -286,7 +294,7 @@ def _parse_json_positions(value: str, groups: set[str], option: str, *, allow_la
     example = '{"sensors": {"did:peer:2.Ez...": 17, "did:peer:2.Ab...": -2}} or {"sensors": "latest"}'
     try:
         data = json.loads(value)
-    except ValueError:
+    except (ValueError, RecursionError):  # nested past the limit: no position JSON either
         raise ConnectorOptionError(
             f"{option} is {value[:80]!r}: not earliest, latest or JSON",
             hint=f"Use earliest, latest, or per-publisher JSON such as {example} (-2 earliest, -1 latest)") from None

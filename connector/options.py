@@ -124,7 +124,7 @@ def _groups(opts: Mapping[str, str], *, single: bool) -> tuple[str, ...]:
     if text.startswith("["):
         try:
             names = json.loads(text)
-        except ValueError:
+        except (ValueError, RecursionError):
             names = None
         if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
             raise ConnectorOptionError(f"option group is {raw!r}: not a JSON list of names",
@@ -139,6 +139,9 @@ def _groups(opts: Mapping[str, str], *, single: bool) -> tuple[str, ...]:
             raise ConnectorOptionError(f"option group: {str(exc).split('. ')[0]}", hint=exc.hint) from None
         if name not in groups:
             groups.append(name)
+    if not groups:  # '[]' would read nothing, forever, without a word
+        raise ConnectorOptionError(f"option group is {raw!r}: it names no group",
+                                   hint='Name at least one group: .option("group", "sensors")')
     if single and len(groups) != 1:
         raise ConnectorOptionError(f"option group names {len(groups)} groups; a write goes to exactly one",
                                    hint="Write the DataFrame once per group, or union the groups' streams when reading")

@@ -7,7 +7,7 @@ host, reads, and closes; ZeroMQ contexts and sockets are made there and never pi
 
 Why it may wait: an executor's member receives the group's messages on its own; when the driver's
 member is ahead, the executor's one will have the same seqs moments later (seqs are per publisher,
-identical on every member), so the reader waits up to ``readTimeoutMs`` before giving up. Seqs the
+identical on every member), so the reader waits up to ``readTimeoutMs`` for each next message before giving up. Seqs the
 member has passed but does not hold are gone (retention, or a range the publisher no longer had):
 that is data loss, handled as ``failOnDataLoss`` says.
 """
@@ -109,7 +109,9 @@ def read_partition(partition: ZeroCommInputPartition) -> Iterator[pa.RecordBatch
                 progressed = True
             if expected > last:
                 break
-            if progressed:
+            if progressed:  # readTimeoutMs bounds each wait for the member, not the whole read
+                deadline = time.monotonic() + partition.read_timeout_s
+                pause = 0.02
                 continue
             journaled = link.last_seqs([partition.group]).get(key, 0)
             if journaled >= expected:

@@ -1,8 +1,11 @@
 """The sink: df.writeStream / df.write .format("zerocomm") publishes rows to a group.
 
 Why it is exactly-once: each row gets a message id derived from where it sits in the query (query
-id, batch id, partition, row index) unless it brings its own. A retried task or a micro-batch re-run
-after a crash publishes the same ids again, and the member (and every receiver, and every journal)
+id, batch id, partition) and from what it is (a hash of its payload and headers, and how many equal
+rows came before it in the partition) unless it brings its own. Not its row index: after a shuffle a
+retried task reads its rows in another order, and an index id would name another row (dropped as a
+duplicate, lost) while the moved row went out twice. A retried task or a micro-batch re-run after a
+crash publishes the same ids again, and the member (and every receiver, and every journal)
 drops ids it has seen, so nothing is delivered twice. A task returns only once the group acknowledged
 all its messages, so a batch commits only when they are all delivered; otherwise the task fails
 with :class:`~zerocomm_spark.errors.PublishNotAcknowledgedError` and Spark retries or fails the query.
@@ -13,6 +16,8 @@ reader sees one task's rows in the order they had in the partition.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import uuid
 from collections.abc import Iterator
@@ -26,14 +31,14 @@ from pyspark.sql.datasource import (
     WriterCommitMessage,
 )
 
-from zerocomm_spark.errors import PublishNotAcknowledgedError
+from zerocomm_spark.errors import PublishNotAcknowledgedError, StreamContextError
 
 from zerocomm_spark.connector.agent_link import MemberLink
 from zerocomm_spark.connector.options import SinkOptions
 from zerocomm_spark.connector.schema import SinkColumns
 
-__all__ = ["ZeroCommBatchWriter", "ZeroCommCommitMessage", "ZeroCommStreamWriter", "message_id_prefix",
-           "publish_partition"]
+__all__ = ["ZeroCommBatchWriter", "ZeroCommCommitMessage", "ZeroCommStreamWriter", "derived_id",
+           "message_id_prefix", "publish_partition"]
 
 log = logging.getLogger("zerocomm_spark.connector")
 
@@ -55,8 +60,40 @@ class ZeroCommCommitMessage(WriterCommitMessage):
 
 
 def message_id_prefix(query_id: str, batch_id: int | str | None, partition: int) -> str:
-    """The id prefix of a task's rows; row ``i`` gets ``<prefix>.<i>``. Same task, same ids."""
+    """The id prefix of a task's rows (see :func:`derived_id`). Same task, same prefix."""
     return f"{query_id}.{batch_id}.{partition}" if batch_id is not None else f"{query_id}.{partition}"
+
+
+def derived_id(prefix: str, payload: bytes, headers: object, occurrence: int) -> str:
+    """``<prefix>.<hash of payload and headers>.<n>``: the id of the n-th (from 0) row of a task with
+    this content, whatever order the task reads its rows in."""
+    return f"{prefix}.{_content_hash(payload, headers).hex()}.{occurrence}"
+
+
+def _content_hash(payload: bytes, headers: object) -> bytes:
+    """A row's payload and headers, hashed; null and empty headers are the same (the agent treats them so)."""
+    digest = hashlib.blake2b(len(payload).to_bytes(8, "big") + payload, digest_size=16)
+    pairs = sorted(dict(headers).items()) if headers else []  # type: ignore[call-overload]
+    if pairs:
+        digest.update(json.dumps(pairs, separators=(",", ":")).encode("utf-8"))
+    return digest.digest()
+
+
+def _derived_ids(prefix: str, payload: pa.ChunkedArray | pa.Array, headers: pa.ChunkedArray | pa.Array | None,
+                 wanted: list[bool] | None, seen: dict[bytes, int]) -> pa.Array:
+    """Derived ids for the rows where ``wanted`` (all when None), null elsewhere; ``seen`` counts
+    the task's rows of each content so far (keyed by the raw digest: a task may hold millions)."""
+    heads = headers.to_pylist() if headers is not None else None
+    out: list[str | None] = []
+    for i, data in enumerate(payload.to_pylist()):
+        if wanted is not None and not wanted[i]:
+            out.append(None)
+            continue
+        key = _content_hash(data, heads[i] if heads is not None else None)
+        n = seen.get(key, 0)
+        seen[key] = n + 1
+        out.append(f"{prefix}.{key.hex()}.{n}")
+    return pa.array(out, type=pa.string())
 
 
 def _chunks(batches: Iterator[pa.RecordBatch], rows: int, size: int) -> Iterator[pa.Table]:
@@ -90,6 +127,7 @@ def publish_partition(batches: Iterator[pa.RecordBatch], options: SinkOptions, c
     first_seq: int | None = None
     last_seq: int | None = None
     row = 0
+    seen: dict[bytes, int] = {}
     link: MemberLink | None = None
     try:
         for chunk in _chunks(batches, options.publish_batch_size, options.publish_batch_bytes):
@@ -105,15 +143,19 @@ def publish_partition(batches: Iterator[pa.RecordBatch], options: SinkOptions, c
                     f"row {row + _first_null(payload)} of partition {partition} has a null payload; nothing from "
                     "this row on was published",
                     hint="Filter out null payloads (df.where('payload IS NOT NULL')) or give them a value")
-            generated = pa.array([f"{prefix}.{i}" for i in range(row, row + chunk.num_rows)], type=pa.string())
+            headers = chunk.column("headers") if columns.has_headers else None
             if columns.has_message_id:
                 given = chunk.column("message_id").combine_chunks()
                 # A null or empty id gets the derived one: an empty id would be replaced by a random
                 # one downstream, new at every retry (a row delivered twice).
-                missing = pc.or_kleene(pc.is_null(given), pc.equal(given, ""))
-                ids = pc.if_else(missing, generated, given) if pc.any(missing).as_py() else given
+                missing = pc.fill_null(pc.or_kleene(pc.is_null(given), pc.equal(given, "")), True)
+                if pc.any(missing).as_py():
+                    generated = _derived_ids(prefix, payload, headers, missing.to_pylist(), seen)
+                    ids = pc.if_else(missing, generated, given)
+                else:
+                    ids = given
             else:
-                ids = generated
+                ids = _derived_ids(prefix, payload, headers, None, seen)
             data = {"payload": payload, "message_id": ids}
             if columns.has_headers:
                 data["headers"] = chunk.column("headers").cast(_HEADERS)
@@ -187,6 +229,9 @@ class ZeroCommStreamWriter(DataSourceStreamArrowWriter):
         if not query_id:
             log.warning("zerocomm sink: no streaming query id on the task; ids are unique to this writer only")
             query_id = self.fallback_id
+        if batch_id is None:
+            raise StreamContextError(f"the streaming write task for partition {partition} has no "
+                                     f"{BATCH_ID_PROPERTY} property; nothing was published")
         prefix = message_id_prefix(query_id, batch_id, partition)
         return publish_partition(iterator, self.options, self.columns, prefix, partition)
 

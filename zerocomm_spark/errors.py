@@ -478,6 +478,13 @@ class SinkSchemaError(ConnectorOptionError):
             "(map<string,string>), e.g. df.selectExpr(\"CAST(value AS STRING) AS payload\")")
 
 
+class StreamContextError(ZeroCommError, RuntimeError):
+    """A streaming write task came without the batch id Spark sets on it: the sink cannot derive message
+    ids that differ between batches (equal rows of a later batch would be dropped as duplicates)."""
+
+    hint = "Run the query on the Spark version this connector supports (pyspark 4.2); report it if you do"
+
+
 class StreamDataLossError(DataLossError):
     """Messages a query should read next are gone from this member's journal (retention, or never received)."""
 

@@ -428,7 +428,7 @@ def test_sink_task_with_empty_and_repeated_given_ids_delivers_each_id_once_acros
 
     from zerocomm_spark.connector.options import SinkOptions
     from zerocomm_spark.connector.schema import SinkColumns
-    from zerocomm_spark.connector.writer import publish_partition
+    from zerocomm_spark.connector.writer import derived_id, publish_partition
 
     alice, bob = members["alice"], members["bob"]
     columns = SinkColumns(payload_is_string=True, has_message_id=True, has_headers=False)
@@ -443,7 +443,8 @@ def test_sink_task_with_empty_and_repeated_given_ids_delivers_each_id_once_acros
             done = publish_partition(iter(rows), options, columns, f"q.{size}.0", 0)
             assert done.messages == len(given)
             assert done.duplicates == (first_dups if attempt == 0 else len(given)), (size, attempt, done)
-    expected = {"a1", "q.2000.0.1", "q.2000.0.2", "x", "y", "q.1.0.1", "q.1.0.2"}
+    expected = {"a1", "x", "y"} | {derived_id(f"q.{size}.0", f"p{i}".encode(), None, 0)
+                                    for size in ("2000", "1") for i in (1, 2)}
     wait_for(lambda: bob.client().read(group=group).num_rows >= len(expected), 30, "bob to receive")
     time.sleep(0.5)
     ids = bob.client().read(group=group).column("message_id").to_pylist()
@@ -451,6 +452,8 @@ def test_sink_task_with_empty_and_repeated_given_ids_delivers_each_id_once_acros
 
 
 def test_a_query_writes_to_a_group_and_another_member_reads_it_back_in_order(spark, members, group, tmp_path):
+    from zerocomm_spark.connector.writer import derived_id
+
     alice, bob, carol = members["alice"], members["bob"], members["carol"]
     # batch write through bob, in 3 partitions; some rows bring their own ids
     frame = spark.range(0, 900, 1, 3).selectExpr(
@@ -485,7 +488,7 @@ def test_a_query_writes_to_a_group_and_another_member_reads_it_back_in_order(spa
     mine = {label: sorted((r for r in rows if r.publisher_label == label), key=lambda r: r.seq)
             for label in ("bob", "carol")}
     assert len(mine["bob"]) == 900 and len(mine["carol"]) == 300
-    # ids: deterministic per (write, partition, row) unless the row brought one
+    # ids: deterministic per (write, partition, content, repeat) unless the row brought one
     own = {r.message_id for r in mine["bob"] if r.message_id.startswith("own-")}
     assert own == {f"own-{i}" for i in range(0, 900, 100)}
     for label in ("bob", "carol"):
@@ -493,19 +496,19 @@ def test_a_query_writes_to_a_group_and_another_member_reads_it_back_in_order(spa
         for r in mine[label]:
             if r.message_id.startswith("own-"):
                 continue
-            prefix, index = r.message_id.rsplit(".", 1)
-            tasks.setdefault(prefix, []).append(int(index))
-            assert int(r.payload) >= 0
+            prefix, _, n = r.message_id.rsplit(".", 2)
+            assert r.message_id == derived_id(prefix, bytes(r.payload), r.headers, int(n))
+            tasks.setdefault(prefix, []).append(int(r.payload))  # payloads grow with the row in each task
         # in order per publisher: within each task, seq order is row order
-        for indexes in tasks.values():
-            assert indexes == sorted(indexes)
+        for payloads in tasks.values():
+            assert payloads == sorted(payloads)
     bob_payloads = [int(r.payload) for r in mine["bob"]]
     for part in range(3):
         chunk = [p for p in bob_payloads if part * 300 <= p < (part + 1) * 300]
         assert chunk == sorted(chunk) and len(chunk) == 300
     assert all(r.headers == {"row": r.payload.decode()} for r in mine["bob"])
     stream_ids = {r.message_id for r in mine["carol"]}
-    assert all(i.startswith(str(query.id)) for i in stream_ids)  # <query id>.<batch>.<partition>.<row>
+    assert all(i.startswith(str(query.id)) for i in stream_ids)  # <query id>.<batch>.<partition>.<hash>.<n>
 
     # a re-run micro-batch publishes the same ids: nothing is delivered twice
     commits = sorted((sink_ck / "commits").iterdir(), key=lambda p: p.name)

@@ -60,6 +60,8 @@ def test_offset_from_newer_connector_says_what_to_do():
     assert "zerocomm-spark version that wrote the checkpoint" in str(info.value)
     with pytest.raises(OffsetFormatError, match="not JSON"):
         ZeroCommOffset.from_json("{nope")
+    with pytest.raises(OffsetFormatError, match="not JSON"):
+        ZeroCommOffset.from_json("[" * 100_000)
 
 
 KNOWN = {A: SeqRange(1, 10), B: SeqRange(4, 9), C: SeqRange(1, 0)}
@@ -98,6 +100,7 @@ def test_starting_json_accepts_an_offset_copied_from_a_checkpoint():
     ('{"g": {"d": 0}}', "seq >= 1"),
     ('{"g": {"d": -3}}', "-2 \\(earliest\\)"),
     ("[1]", "must be an object"),
+    ("[" * 100_000, "not earliest, latest or JSON"),
 ])
 def test_bad_starting_offsets_name_the_option(text, words):
     with pytest.raises(ConnectorOptionError, match=words) as info:
@@ -130,6 +133,10 @@ def test_ending_offsets():
     assert EndingOffsets.parse(None, ["g"]).resolve(KNOWN).positions == {A: 11, B: 10, C: 1}
     spec = EndingOffsets.parse(json.dumps({"g": {A[1]: 5}}), ["g", "h"])
     assert spec.resolve(KNOWN).positions == {A: 5, B: 10, C: 1}
+    beyond = EndingOffsets.parse(json.dumps({"g": {A[1]: 10**15}}), ["g"])  # past the latest: what is there
+    assert beyond.resolve(KNOWN).positions == {A: 11, B: 10, C: 1}
+    with pytest.raises(ConnectorOptionError, match="largest seq"):  # not an int64: no seq can be there
+        EndingOffsets.parse(json.dumps({"g": {A[1]: 1 << 63}}), ["g"])
     with pytest.raises(ConnectorOptionError, match="-2"):
         EndingOffsets.parse(json.dumps({"g": {A[1]: -2}}), ["g"])
     with pytest.raises(ConnectorOptionError, match="read nothing"):

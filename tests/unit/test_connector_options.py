@@ -40,6 +40,8 @@ def test_source_options_are_case_insensitive_and_typed():
     ({"group": " "}, "option group is missing"),
     ({"group": "a:b"}, "option group"),
     ({"group": "[1]"}, "JSON list"),
+    ({"group": "[" * 100_000}, "JSON list"),
+    ({"group": "[]"}, "option group is .*: it names no group"),
     ({"group": "g", "maxMessagePerTrigger": "5"}, "Did you mean 'maxMessagesPerTrigger'"),
     ({"group": "g", "colour": "blue"}, "unknown option 'colour'"),
     ({"group": "g", "maxMessagesPerTrigger": "0"}, "maxMessagesPerTrigger is 0; it must be >= 1"),

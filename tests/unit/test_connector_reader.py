@@ -1,0 +1,97 @@
+"""Reading a partition on an executor against a stand-in member (pure: a fake clock, no agent)."""
+
+from __future__ import annotations
+
+import pyarrow as pa
+import pytest
+
+from zerocomm_spark.connector import partition_reader
+from zerocomm_spark.connector.options import AgentOptions
+from zerocomm_spark.connector.partition_reader import ZeroCommInputPartition, read_partition
+from zerocomm_spark.errors import IncompleteReadError
+from zerocomm_spark.journal import JOURNAL_SCHEMA
+
+GROUP, DID = "g", "did:peer:2.bob"
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.now += seconds
+
+
+class Member:
+    """Holds seqs 1..received(now) of one publisher: it is catching up at ``rate`` messages a second."""
+
+    def __init__(self, clock: Clock, rate: float, total: int) -> None:
+        self.clock, self.rate, self.total = clock, rate, total
+
+    def connect(self, _agent):
+        return self
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        pass
+
+    def received(self) -> int:
+        return min(self.total, int(self.clock.now * self.rate))
+
+    def read_seqs(self, group, publisher, first, last):
+        top = min(last, self.received())
+        if top >= first:
+            yield pa.Table.from_pylist([{
+                "offset": s, "group": group, "message_id": f"m{s}", "publisher_did": publisher, "seq": s,
+                "lamport_ts": s, "sent_at": 1_700_000_000_000_000, "received_at": 1_700_000_000_000_000,
+                "headers": None, "payload": b"x"} for s in range(first, top + 1)], schema=JOURNAL_SCHEMA)
+
+    def last_seqs(self, groups):
+        got = self.received()
+        return {(GROUP, DID): got} if got else {}
+
+    def first_seq(self, group, publisher, at_least, last):
+        return at_least if at_least <= min(last, self.received()) else None
+
+    def superseded(self, group, publisher, first, last):
+        return []
+
+
+@pytest.fixture
+def clock(monkeypatch):
+    fake = Clock()
+    monkeypatch.setattr(partition_reader.time, "monotonic", fake.monotonic)
+    monkeypatch.setattr(partition_reader.time, "sleep", fake.sleep)
+    return fake
+
+
+def partition(first: int, end: int, timeout: float) -> ZeroCommInputPartition:
+    return ZeroCommInputPartition(group=GROUP, publisher=DID, first=first, end=end, label=None, agent=AgentOptions(),
+                                  include_headers=False, fail_on_data_loss=True, read_timeout_s=timeout)
+
+
+def seqs(batches) -> list[int]:
+    return [s for b in batches for s in b.column("seq").to_pylist()]
+
+
+def test_a_member_catching_up_steadily_is_waited_for_past_the_read_timeout(clock, monkeypatch):
+    """readTimeoutMs bounds a wait for the member, not the whole read: a member that keeps
+    delivering (one message every 0.5 s here, timeout 2 s) must not fail a partition whose read takes
+    longer than the timeout in all (the error said it had waited 2 s when it had not waited at all)."""
+    member = Member(clock, rate=2.0, total=20)
+    monkeypatch.setattr(partition_reader.MemberLink, "connect", member.connect)
+    assert seqs(read_partition(partition(1, 21, timeout=2.0))) == list(range(1, 21))
+    assert clock.now >= 9.5
+
+
+def test_a_member_that_stops_delivering_fails_the_read_after_the_timeout(clock, monkeypatch):
+    member = Member(clock, rate=2.0, total=5)
+    monkeypatch.setattr(partition_reader.MemberLink, "connect", member.connect)
+    with pytest.raises(IncompleteReadError, match="only up to seq 5; this partition needs 6..10"):
+        seqs(read_partition(partition(1, 11, timeout=2.0)))
+    assert 4.0 <= clock.now <= 5.5  # the last message came at 2.5 s; then 2 s of waiting
