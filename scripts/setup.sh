@@ -23,7 +23,9 @@ fi
 # Reinstall only when the declared dependencies or the native extension's source changed.
 stamp="$venv/.zerocomm-installed"
 want="$(cat pyproject.toml setup.py zerocomm_spark/journal/_idrule.c | sha256sum | cut -d' ' -f1)"
-if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
+# (and when a C compiler is here now but the optional extension was not built: none was before)
+unbuilt() { command -v cc >/dev/null 2>&1 && ! compgen -G "zerocomm_spark/journal/_idrule*.so" >/dev/null; }
+if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ] || unbuilt; then
   say "installing zerocomm-spark and its pinned dependencies"
   "$venv/bin/python" -m pip install -q --upgrade pip
   "$venv/bin/python" -m pip install -q -e ".[test]"

@@ -269,6 +269,123 @@ def test_the_native_probe_refuses_buffers_that_do_not_add_up() -> None:
     for offsets, rows, out in ((np.array([0, 3, 7], dtype=np.int32).tobytes(), 2, slots),  # past the data
                                (np.array([0, 4, 3], dtype=np.int32).tobytes(), 2, slots),  # going backwards
                                (good, 3, slots),  # more rows than offsets
-                               (good, 2, np.empty((4, 1), dtype=np.int64))):  # slots too small
+                               (good, 2, np.empty((4, 1), dtype=np.int64)),  # slots too small
+                               (good, 2, np.empty(65, dtype=np.uint8)[1:].view(np.int64).reshape(4, 2))):  # misaligned
         with pytest.raises(ValueError):
             state._native_probe(offsets, data, 0, rows, state._KEY_BYTES, table, log2, 1, hashes, out)  # noqa: SLF001
+
+
+def _random_ids(rng: np.random.Generator, n: int, longest: int) -> list[str]:
+    alphabets = [(97, 123), (0x80, 0x800), (0x800, 0xD800), (0x10000, 0x10FFFF)]
+    ids = []
+    for _ in range(n):
+        low, high = alphabets[int(rng.integers(0, len(alphabets)))]
+        text = "".join(map(chr, rng.integers(low, high, int(rng.integers(0, longest + 1)))))
+        ids.append(text.encode()[:longest].decode(errors="ignore"))  # at most ``longest`` UTF-8 bytes
+    return ids
+
+
+@pytest.mark.skipif(state._native_probe is None, reason="the native probe was not built (no C compiler)")  # noqa: SLF001
+@pytest.mark.parametrize("log2_slots", [None, 4, 5, 6, 8])
+def test_the_native_probe_answers_as_the_numpy_path_for_random_columns(log2_slots: int | None) -> None:
+    """Randomised: ids of 0..200 bytes of any script, string and binary, sliced, with nulls (of empty
+    or non-empty spans), one width or mixed, offsets not 4-byte aligned, remembered or not."""
+    rng = np.random.default_rng(1000 + (log2_slots or 0))
+    recent = RecentIds(int(rng.integers(50, 400)))
+    if log2_slots is not None:
+        _crowded(recent, log2_slots)
+    pool: list[str] = []
+    outcomes = set()
+    for _ in range(150):
+        ids = _random_ids(rng, int(rng.integers(0, 70)), int(rng.choice([8, 16, 128, 200])))
+        if pool and rng.random() < 0.5:  # some remembered ids, some given twice
+            ids += [pool[int(i)] for i in rng.integers(0, len(pool), int(rng.integers(1, 8)))]
+        if rng.random() < 0.15:  # one width
+            width = int(rng.integers(0, 129))
+            ids = [c * width for c in rng.choice(["q", "r", "s"], int(rng.integers(1, 30)))]
+        kind = pa.string() if rng.random() < 0.7 else pa.binary()
+        values: list = [x if kind == pa.string() else x.encode() for x in ids]
+        if rng.random() < 0.2:
+            values = [None if rng.random() < 0.2 else x for x in values]
+        column = pa.array(values, kind)
+        if rng.random() < 0.2 and len(column):  # nulls over non-empty spans, offsets at an odd address
+            _, offsets, data = column.buffers()
+            odd = pa.py_buffer(b"\0" + offsets.to_pybytes()).slice(1)
+            validity = pa.py_buffer(np.packbits(rng.random(len(column)) < 0.8, bitorder="little").tobytes())
+            column = pa.Array.from_buffers(kind, len(column), [validity, odd, data])
+        if len(column) and rng.random() < 0.5:
+            start = int(rng.integers(0, len(column)))
+            column = column.slice(start, int(rng.integers(0, len(column) - start + 1)))
+        native, reference = recent.probe(column), recent.probe(column, native=False)
+        assert native[0].dtype == reference[0].dtype and (native[0] == reference[0]).all()
+        assert native[1].shape == reference[1].shape and (native[1] == reference[1]).all()
+        assert native[2:] == reference[2:], column
+        outcomes.add(native[2:])
+        if len(column) and column.null_count == 0 and rng.random() < 0.6:
+            recent.add_array(column)
+            pool += [x.decode() if isinstance(x, bytes) else x for x in column.to_pylist()]
+    assert {maybe for maybe, _ in outcomes} == {False, True}  # both answers were compared
+
+
+@pytest.mark.skipif(state._native_probe is None, reason="the native probe was not built (no C compiler)")  # noqa: SLF001
+@pytest.mark.parametrize("array_offset", [2**63 - 1, 2**63 - 2, 2**63 - 4])
+def test_the_native_probe_refuses_a_row_offset_past_the_end_of_the_offsets(array_offset: int) -> None:
+    """array_offset + n + 1 overflowed: an offset near 2**63 passed the size check and the probe read
+    the bytes before the buffer as offsets (and answered)."""
+    recent = RecentIds(100)
+    table = recent._table  # noqa: SLF001
+    log2 = 64 - int(recent._shift)  # noqa: SLF001
+    hashes, slots = np.empty(3, dtype=np.uint64), np.empty((4, 3), dtype=np.int64)
+    before_and_good = memoryview(np.array([0, 0, 0, 0, 0, 3, 6], dtype=np.int32).tobytes())[16:]
+    with pytest.raises(ValueError):
+        state._native_probe(before_and_good, b"abcdef", array_offset, 3, state._KEY_BYTES, table, log2, 1,  # noqa: SLF001
+                            hashes, slots)
+
+
+_RACE = """
+import threading, numpy as np, pyarrow as pa
+from zerocomm_spark.journal.state import RecentIds
+n = 200_000
+raw = bytearray((np.arange(n + 1, dtype=np.int32) * 4).tobytes())
+offsets = np.frombuffer(raw, dtype=np.int32)
+column = pa.Array.from_buffers(pa.string(), n, [None, pa.py_buffer(raw), pa.py_buffer(b"abcd" * n)])
+recent, stop = RecentIds(1000), threading.Event()
+def rewrite():
+    while not stop.is_set():
+        offsets[n // 2] = 2**31 - 1
+        offsets[n // 2] = 2 * n
+thread = threading.Thread(target=rewrite)
+thread.start()
+try:
+    for _ in range(40):
+        try:
+            recent.probe(column)
+        except (ValueError, IndexError):
+            pass
+finally:
+    stop.set()
+    thread.join()
+"""
+
+
+@pytest.mark.skipif(state._native_probe is None, reason="the native probe was not built (no C compiler)")  # noqa: SLF001
+def test_offsets_rewritten_by_another_thread_during_the_native_probe_are_not_followed() -> None:
+    """The probe checks the offsets, then releases the GIL: a thread writing the column's offsets
+    buffer (a bytearray here) meanwhile made it read 2 GiB past the data (a segfault). A caller's
+    race may give a wrong answer, as on the numpy path, never a crash."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", _RACE], capture_output=True, timeout=100)
+    assert done.returncode == 0, done.stderr.decode()[-2000:]
+
+
+def test_a_null_over_a_long_span_is_hashed_by_its_bytes_as_a_short_one_is() -> None:
+    """Arrow lets a null entry span bytes; the vectorised hash reads them, and so must the BLAKE2b of
+    a long id (it hashed ``None``: a TypeError)."""
+    data = b"s" * 5 + b"L" * 200
+    offsets = pa.py_buffer(np.array([0, 5, 205], dtype=np.int32).tobytes())
+    for null_at in (0, 1):
+        validity = pa.py_buffer(bytes([0b11 ^ (1 << null_at)]))
+        column = pa.Array.from_buffers(pa.string(), 2, [validity, offsets, pa.py_buffer(data)], null_count=1)
+        assert (id_hashes(column) == id_hashes(pa.array(["sssss", "L" * 200]))).all()

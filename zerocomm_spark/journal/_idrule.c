@@ -13,7 +13,8 @@
  *   table: the byte table of RecentIds; floor: the lowest mark that counts as remembered
  *   out_hashes: n uint64 (written); out_slots: 4 x n int64, row-major as RecentIds.slots returns
  *   -> (maybe_any, distinct): might any id be remembered, are the n hashes all different;
- *      None if an id is longer than 128 bytes (state.py hashes those with BLAKE2b: use its path).
+ *      None if an id is longer than 128 bytes (state.py hashes those with BLAKE2b: use its path), or
+ *      if another thread changed the offsets while they were read (use the numpy path too).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -34,6 +35,13 @@ static inline uint64_t load_le64(const unsigned char *p) {
     w = __builtin_bswap64(w);
 #endif
     return w;
+}
+
+/* Offsets are read with memcpy: an Arrow buffer made from Python bytes need not be 4-byte aligned. */
+static inline int32_t load_i32(const unsigned char *p) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    return v;
 }
 
 /* Multilinear: sum of the zero-padded little-endian 8-byte words times their keys, plus the length
@@ -77,15 +85,17 @@ static int all_distinct(const uint64_t *h, Py_ssize_t n, int *failed) {
     return distinct;
 }
 
-/* Offsets [array_offset, array_offset + n] must lie in the offsets buffer and point into data. */
+/* Offsets [array_offset, array_offset + n] must lie in the offsets buffer and point into data
+ * (0 <= n < UINT32_MAX here: no sum below overflows). */
 static int check_offsets(const Py_buffer *offsets_b, const Py_buffer *data_b, Py_ssize_t array_offset, Py_ssize_t n) {
-    if (n < 0 || array_offset < 0 || offsets_b->len / (Py_ssize_t)sizeof(int32_t) < array_offset + n + 1) {
+    if (array_offset < 0 || array_offset > offsets_b->len / (Py_ssize_t)sizeof(int32_t) - 1 - n) {
         PyErr_SetString(PyExc_ValueError, "the offsets buffer is shorter than the rows given");
         return 0;
     }
-    const int32_t *offsets = (const int32_t *)offsets_b->buf + array_offset;
+    const unsigned char *offsets = (const unsigned char *)offsets_b->buf + array_offset * 4;
     for (Py_ssize_t r = 0; r < n; r++) {
-        if (offsets[r] < 0 || offsets[r + 1] < offsets[r] || offsets[r + 1] > data_b->len) {
+        int32_t start = load_i32(offsets + 4 * r), end = load_i32(offsets + 4 * (r + 1));
+        if (start < 0 || end < start || end > data_b->len) {
             PyErr_SetString(PyExc_ValueError, "a value's offsets fall outside its data buffer");
             return 0;
         }
@@ -102,46 +112,57 @@ static PyObject *probe(PyObject *self, PyObject *args) {
                           &log2_slots, &floor_mark, &hashes_b, &slots_b))
         return NULL;
     PyObject *result = NULL;
-    const int32_t *offsets = (const int32_t *)offsets_b.buf;
+    const unsigned char *offsets = (const unsigned char *)offsets_b.buf;
     const unsigned char *data = (const unsigned char *)data_b.buf;
-    const uint64_t *keys = (const uint64_t *)keys_b.buf;
+    const Py_ssize_t data_len = data_b.len;
+    uint64_t keys[VECTOR_LEN / 8 + 1];
     const uint8_t *table = (const uint8_t *)table_b.buf;
     uint64_t *hashes = (uint64_t *)hashes_b.buf;
     int64_t *slots = (int64_t *)slots_b.buf;
-    if (n >= UINT32_MAX || keys_b.len < (VECTOR_LEN / 8 + 1) * (Py_ssize_t)sizeof(uint64_t) ||
-        hashes_b.len < n * (Py_ssize_t)sizeof(uint64_t) || slots_b.len < 4 * n * (Py_ssize_t)sizeof(int64_t) ||
+    if (n < 0 || n >= UINT32_MAX || keys_b.len < (Py_ssize_t)sizeof(keys) ||
+        hashes_b.len / (Py_ssize_t)sizeof(uint64_t) < n || slots_b.len / (4 * (Py_ssize_t)sizeof(int64_t)) < n ||
+        (uintptr_t)hashes_b.buf % sizeof(uint64_t) || (uintptr_t)slots_b.buf % sizeof(int64_t) ||
         log2_slots < 1 || log2_slots > 40 || table_b.len < ((Py_ssize_t)1 << log2_slots)) {
         PyErr_SetString(PyExc_ValueError, "probe: buffers do not match the sizes given");
         goto done;
     }
+    memcpy(keys, keys_b.buf, sizeof(keys));
     if (!check_offsets(&offsets_b, &data_b, array_offset, n)) goto done;
-    offsets += array_offset;
+    offsets += array_offset * 4;
     int too_long = 0;
     for (Py_ssize_t r = 0; r < n; r++)
-        if (offsets[r + 1] - offsets[r] > VECTOR_LEN) too_long = 1;
+        if (load_i32(offsets + 4 * (r + 1)) - load_i32(offsets + 4 * r) > VECTOR_LEN) too_long = 1;
     if (too_long) {
         result = Py_NewRef(Py_None);
         goto done;
     }
     int position_bits = log2_slots < LINE_BITS ? log2_slots : LINE_BITS;
     int line_bits = log2_slots - position_bits;
-    int maybe_any = 0, distinct = 1, failed = 0;
+    uint64_t slot_mask = ((uint64_t)1 << log2_slots) - 1;
+    int maybe_any = 0, distinct = 1, failed = 0, changed = 0;
     Py_BEGIN_ALLOW_THREADS
-    for (Py_ssize_t start = 0; start < n; start += BLOCK) {
+    for (Py_ssize_t start = 0; start < n && !changed; start += BLOCK) {
         Py_ssize_t stop = start + BLOCK < n ? start + BLOCK : n;
         for (Py_ssize_t r = start; r < stop; r++) {
-            uint64_t h = hash_id(data + offsets[r], offsets[r + 1] - offsets[r], keys);
+            /* Checked again as read: without the GIL another thread may be writing the offsets (a
+             * buffer shared with a bytearray or numpy array), and a changed one must not be followed. */
+            int32_t first = load_i32(offsets + 4 * r), end = load_i32(offsets + 4 * (r + 1));
+            if (first < 0 || end < first || end > data_len || end - first > VECTOR_LEN) {
+                changed = 1;
+                break;
+            }
+            uint64_t h = hash_id(data + first, end - first, keys);
             uint64_t line = line_bits > 0 ? (h >> (64 - line_bits)) << position_bits : 0;
             hashes[r] = h;
             for (int k = 0; k < 4; k++)
                 slots[k * n + r] = (int64_t)(((h * POSITION_KEYS[k]) >> (64 - position_bits)) + line);
             __builtin_prefetch(table + line);
         }
-        if (!maybe_any) {
-            for (Py_ssize_t r = start; r < stop; r++) {
-                uint8_t lowest = table[slots[r]];
+        if (!maybe_any && !changed) {
+            for (Py_ssize_t r = start; r < stop; r++) { /* masked: out_slots is the caller's memory too */
+                uint8_t lowest = table[(uint64_t)slots[r] & slot_mask];
                 for (int k = 1; k < 4; k++) {
-                    uint8_t m = table[slots[k * n + r]];
+                    uint8_t m = table[(uint64_t)slots[k * n + r] & slot_mask];
                     if (m < lowest) lowest = m;
                 }
                 if (lowest >= floor_mark) {
@@ -151,8 +172,12 @@ static PyObject *probe(PyObject *self, PyObject *args) {
             }
         }
     }
-    distinct = all_distinct(hashes, n, &failed);
+    if (!changed) distinct = all_distinct(hashes, n, &failed);
     Py_END_ALLOW_THREADS
+    if (changed) { /* the numpy path answers (its own reads are bounds-checked) */
+        result = Py_NewRef(Py_None);
+        goto done;
+    }
     if (failed) {
         PyErr_NoMemory();
         goto done;

@@ -89,9 +89,9 @@ def id_hashes(array: pa.Array) -> np.ndarray:
         h[start:start + len(part)] = matrix.view("<u8") @ _KEYS[:width // 8] + part.astype(np.uint64) * _LENGTH_KEY
     if longest > _VECTOR_LEN:
         key = _KEYS.tobytes()[:32]
-        raw = array.view(pa.binary())
-        for i in np.flatnonzero(lengths > _VECTOR_LEN).tolist():
-            h[i] = int.from_bytes(hashlib.blake2b(raw[i].as_py(), digest_size=8, key=key).digest(), "little")
+        for i in np.flatnonzero(lengths > _VECTOR_LEN).tolist():  # the bytes of its span, as above (a null's too)
+            raw = data[int(offsets[i]):int(offsets[i + 1])].tobytes()
+            h[i] = int.from_bytes(hashlib.blake2b(raw, digest_size=8, key=key).digest(), "little")
     return h
 
 
