@@ -29,6 +29,7 @@ from zerocomm_spark.errors import (
     ZeroCommError,
 )
 from zerocomm_spark.group.datamessage import MAX_HEADER_LENGTH, MAX_HEADERS
+from zerocomm_spark.ipc_limits import DECODED_BYTES_FACTOR
 from zerocomm_spark.journal import JOURNAL_SCHEMA
 
 if TYPE_CHECKING:
@@ -218,7 +219,9 @@ class AgentCalls:
     def publish(self, req: Request, group: str) -> dict[str, Any]:
         """A batch in, message ids and seqs out once every member acknowledged it."""
         assert req.bulk is not None
-        table = ipc_to_table(req.bulk)
+        # A compressed frame may expand on reading: bound what it may take, as the request itself is.
+        decoded_limit = DECODED_BYTES_FACTOR * self.process.config.get("api", "max_request_bytes")
+        table = ipc_to_table(req.bulk, max_bytes=decoded_limit)
         payloads, ids, headers = _publish_rows(table)
         groups = self.groups
         seqs: list[int | None] = [None] * len(ids)

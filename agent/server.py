@@ -11,6 +11,8 @@ Why this shape:
   without bound.
 * Two size limits: ``max_request_bytes`` (a clear RequestTooLargeError reply) and ZeroMQ's
   MAXMSGSIZE at several times that, past which a frame is dropped unread instead of being buffered.
+  A call that reads an Arrow bulk frame bounds what its compressed batches may decompress to (4x
+  ``max_request_bytes``, checked before anything is decompressed: zerocomm_spark/ipc_limits.py).
 * The Unix socket's directory is mode 700: only the agent's user can reach it. TCP is served only
   with CURVE, and a ZAP authenticator admits only the client keys listed in the configuration.
 """

@@ -56,6 +56,7 @@ from zerocomm_spark.errors import (
     RequestTooLargeError,
     ZeroCommError,
 )
+from zerocomm_spark.ipc_limits import DECODED_BYTES_FACTOR, check_decoded_size, input_errors
 
 if TYPE_CHECKING:  # pyarrow costs ~0.4 s to import: only the calls that move Arrow data load it
     import pyarrow as pa
@@ -68,6 +69,7 @@ __all__ = [
     "SOCKET_NAME",
     "DEFAULT_IDENTITY_DIR",
     "DEFAULT_MAX_REQUEST_BYTES",
+    "DEFAULT_MAX_DECODED_BYTES",
     "default_socket_dir",
     "find_config_file",
     "resolve_socket_dir",
@@ -84,6 +86,8 @@ _GONE_GRACE_MS = 2000  # how long a reply may still arrive once the local agent 
 DEFAULT_IDENTITY_DIR = "~/.zerocomm/member"
 USER_CONFIG_FILE = "~/.zerocomm/zerocomm.toml"
 DEFAULT_MAX_REQUEST_BYTES = 64 * 1024 * 1024
+#: What a bulk frame may take once read (decompressed) unless the caller says otherwise.
+DEFAULT_MAX_DECODED_BYTES = DECODED_BYTES_FACTOR * DEFAULT_MAX_REQUEST_BYTES
 DEFAULT_TIMEOUT = 30.0
 #: The agent answers this much before the client's deadline, so its own error arrives first.
 SERVER_MARGIN = 0.25
@@ -266,15 +270,24 @@ def table_to_ipc(data: pa.Table | pa.RecordBatch) -> bytes:
     return sink.getvalue().to_pybytes()
 
 
-def ipc_to_table(frame: bytes | memoryview | pa.Buffer) -> pa.Table:
-    """Parse untrusted Arrow IPC stream bytes; anything else is a BadRequestError, not a crash."""
+def ipc_to_table(frame: bytes | memoryview | pa.Buffer, *,
+                 max_bytes: int | None = DEFAULT_MAX_DECODED_BYTES) -> pa.Table:
+    """Parse untrusted Arrow IPC stream bytes; anything else is a BadRequestError, not a crash.
+
+    ``max_bytes`` bounds what the stream takes once read: a frame whose compressed batches would
+    decompress past it is refused before anything is decompressed (see
+    :func:`zerocomm_spark.ipc_limits.check_decoded_size`). ``None``: no bound.
+    """
     import pyarrow as pa
 
     try:
-        reader = pa.ipc.open_stream(pa.py_buffer(frame) if not isinstance(frame, pa.Buffer) else frame)
+        source = pa.py_buffer(frame) if not isinstance(frame, pa.Buffer) else frame
+        if max_bytes is not None:
+            check_decoded_size(source, max_bytes)
+        reader = pa.ipc.open_stream(source)
         table = reader.read_all()
         table.validate(full=True)
-    except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError, pa.ArrowIOError, OSError) as exc:
+    except input_errors() as exc:
         raise BadRequestError(f"the bulk frame is not an Arrow IPC stream: {str(exc)[:200]}") from None
     return table
 
@@ -678,7 +691,9 @@ class Client:
                 break
         if not head.get("ok"):
             raise_for_error(head.get("error"))
-        table = ipc_to_table(reply[1]) if len(reply) > 1 else None
+        # The agent's replies are uncompressed and may be larger than any request: bound only expansion.
+        table = (ipc_to_table(reply[1], max_bytes=max(DEFAULT_MAX_DECODED_BYTES, len(reply[1])))
+                 if len(reply) > 1 else None)
         return head.get("result"), table
 
     # --- typed calls: identity and connections -------------------------------------------------

@@ -95,8 +95,10 @@ class _SlowGroups:
 
 
 class _Config:
+    max_request_bytes = 64 << 20
+
     def get(self, section: str, key: str) -> float:
-        return 30.0
+        return self.max_request_bytes if (section, key) == ("api", "max_request_bytes") else 30.0
 
 
 class _PublishingProcess:
@@ -137,3 +139,21 @@ def test_concurrent_publishes_of_the_same_new_ids_send_them_once() -> None:
     assert process.groups.sent == ids  # sent once
     assert [a["seqs"] for a in answers] == [[1, 2, 3, 4, 5]] * 2
     assert sorted(a["duplicates"] for a in answers) == [0, 5]
+
+
+def test_a_publish_whose_frame_would_decompress_past_four_times_the_request_limit_is_refused() -> None:
+    from zerocomm_spark.agent.calls import AgentCalls
+
+    process = _PublishingProcess()
+    process.config.max_request_bytes = 1 << 20
+    calls = AgentCalls(process)  # type: ignore[arg-type]
+    table = pa.table({"payload": pa.array([bytes(1000)] * 5000),
+                      "message_id": pa.array([f"z{i}" for i in range(5000)])})
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, table.schema, options=pa.ipc.IpcWriteOptions(compression="zstd")) as writer:
+        writer.write_table(table)  # 5 MB of payloads in a frame of a few kB
+    with pytest.raises(BadRequestError, match="more than 4194304 bytes once decompressed"):
+        calls.publish(_BulkRequest(sink.getvalue().to_pybytes()), "g")
+    assert process.groups.sent == []
+    process.config.max_request_bytes = 2 << 20  # 8 MiB once decompressed: the same frame is taken
+    assert calls.publish(_BulkRequest(sink.getvalue().to_pybytes()), "g")["seqs"][-1] == 5000
