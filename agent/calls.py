@@ -31,6 +31,7 @@ from zerocomm_spark.errors import (
 from zerocomm_spark.group.datamessage import MAX_HEADER_LENGTH, MAX_HEADERS
 from zerocomm_spark.ipc_limits import DECODED_BYTES_FACTOR
 from zerocomm_spark.journal import JOURNAL_SCHEMA
+from zerocomm_spark.journal.schema import rows_within_bytes
 
 if TYPE_CHECKING:
     from zerocomm_spark.agent.process import AgentProcess
@@ -41,6 +42,7 @@ log = logging.getLogger(__name__)
 
 _PUBLISHED_MEMORY = 100_000  # message ids remembered for idempotent re-publishes
 _MAX_ID = 256
+_SCAN_GATHER_ROWS = 4096  # records filtered together when scanning for one group's rows
 _TAIL_CHUNK_MAX = 65_536  # rows read at once at most when scanning back for the last rows
 _ANSWER_MARGIN_S = 0.25  # a wait that may run to the deadline stops this much short, so the answer arrives in time
 _PAYLOAD_TYPES = (pa.binary(), pa.large_binary(), pa.string(), pa.large_string())
@@ -310,20 +312,19 @@ class AgentCalls:
         journal = self.journal
         cap = self.process.config.get("api", "max_read_rows")
         limit = min(max_rows or cap, cap)
+        max_bytes = self.process.config.get("api", "max_read_bytes")
         if publisher is not None or first_seq is not None or last_seq is not None:
             if group is None or publisher is None:
                 raise BadRequestError("read: a seq range needs both 'group' and 'publisher'")
             first = 1 if first_seq is None else first_seq
             final = (1 << 62) if last_seq is None else last_seq
-            table = _compact(journal.read_by_seq(group, publisher, first, final))
-            if table.num_rows > limit:
-                table = table.slice(0, limit)
+            table = _compact(journal.read_by_seq(group, publisher, first, final, max_rows=limit, max_bytes=max_bytes))
             next_seq = int(table.column("seq")[-1].as_py()) + 1 if table.num_rows else first
             return ({"rows": table.num_rows, "next_seq": next_seq, "next_offset": journal.next_offset,
                      "end_offset": journal.next_offset},
                     table_to_ipc(table))
         if last is not None:
-            table, next_offset = self._tail(group, last, limit, req)
+            table, next_offset = self._tail(group, last, limit, max_bytes, req)
             return ({"rows": table.num_rows, "next_offset": next_offset, "end_offset": next_offset},
                     table_to_ipc(table))
         begin = journal.earliest_offset() if start is None else start
@@ -334,13 +335,14 @@ class AgentCalls:
         if wait and begin >= journal.next_offset:
             assert self.process.ingest is not None
             self.process.ingest.wait_for(lambda: journal.next_offset > begin, min(wait, req.remaining()))
-        table, next_offset = self._scan(group, begin, end, limit, req)
+        table, next_offset = self._scan(group, begin, end, limit, max_bytes, req)
         return ({"rows": table.num_rows, "next_offset": next_offset, "end_offset": journal.next_offset},
                 table_to_ipc(table))
 
-    def _scan(self, group: str | None, begin: int, end: int | None, limit: int,
+    def _scan(self, group: str | None, begin: int, end: int | None, limit: int, max_bytes: int,
               req: Request) -> tuple[pa.Table, int]:
-        """Up to ``limit`` rows of ``group`` from ``begin``; the offset to continue from."""
+        """Up to ``limit`` rows (and ``max_bytes`` of payloads, one row at least) of ``group`` from
+        ``begin``; the offset to continue from."""
         journal = self.journal
         stop = journal.next_offset if end is None else min(end, journal.next_offset)
         if begin >= stop:
@@ -350,25 +352,49 @@ class AgentCalls:
             return _empty(), begin
         pieces: list[pa.Table] = []
         rows = 0
+        bytes_left = max_bytes
         position = begin
-        chunk = max(limit, 1024)
-        while position < stop and rows < limit:
-            upto = min(stop, position + chunk)
-            table = _compact(journal.read(position, upto))
+        pending: list[pa.RecordBatch] = []  # records gathered into one filter (records may be tiny)
+
+        def page(batches: list[pa.RecordBatch]) -> bool:
+            """Take rows of these records; True when the page is full. Moves ``position`` past them."""
+            nonlocal rows, bytes_left, position
+            table = _compact(pa.Table.from_batches(batches, schema=JOURNAL_SCHEMA))
             if group is not None:
                 table = table.filter(pc.equal(table.column("group"), group))
-            if rows + table.num_rows > limit:
-                table = table.slice(0, limit - rows)
-                position = int(table.column("offset")[-1].as_py()) + 1
+            take = min(table.num_rows, limit - rows)
+            fit, used = rows_within_bytes(table.column("payload"), take, bytes_left, at_least_one=rows == 0)
+            if fit < table.num_rows:  # full: continue from the first row not taken
+                position = int(table.column("offset")[fit].as_py())
+                table = table.slice(0, fit)
             else:
-                position = upto
-            pieces.append(table)
+                position = int(batches[-1].column(0)[-1].as_py()) + 1  # (offset is the first column)
+            if table.num_rows:
+                pieces.append(table)
             rows += table.num_rows
-            if req.remaining() < 1.0:
-                break
+            bytes_left -= used
+            return fit < take or rows >= limit or bytes_left <= 0
+
+        records = journal.read_batches(begin, stop)
+        try:
+            gathered = 0
+            for batch in records:  # read as the page fills: a full page stops the decryption too
+                pending.append(batch)
+                gathered += batch.num_rows
+                if gathered >= _SCAN_GATHER_ROWS:
+                    full = page(pending)
+                    pending, gathered = [], 0
+                    if full or req.remaining() < 1.0:
+                        break
+            else:
+                if pending:
+                    page(pending)
+                    pending = []
+        finally:
+            records.close()
         return (_compact(pa.concat_tables(pieces)) if pieces else _empty()), position
 
-    def _tail(self, group: str | None, count: int, limit: int, req: Request) -> tuple[pa.Table, int]:
+    def _tail(self, group: str | None, count: int, limit: int, max_bytes: int, req: Request) -> tuple[pa.Table, int]:
         """The last ``count`` rows of ``group``, scanning back from the end; fewer if the call's deadline
         comes first (a rare group in a long journal), never an answer after it."""
         journal = self.journal
@@ -393,6 +419,10 @@ class AgentCalls:
         table = _compact(pa.concat_tables(pieces)) if pieces else _empty()
         if table.num_rows > want:
             table = table.slice(table.num_rows - want)
+        if table.num_rows:  # the last rows that fit in max_bytes (the newest one at least)
+            newest_first = table.take(pa.array(range(table.num_rows - 1, -1, -1)))
+            fit, _ = rows_within_bytes(newest_first.column("payload"), table.num_rows, max_bytes, at_least_one=True)
+            table = table.slice(table.num_rows - fit)
         return table, end
 
     def commit(self, req: Request, offset: int, consumer: str | None = None) -> dict[str, Any]:

@@ -58,6 +58,7 @@ DEFAULTS: dict[str, dict[str, Any]] = {
         "workers": 16,
         "max_pending": 256,
         "max_read_rows": 100_000,
+        "max_read_bytes": 64 * 1024 * 1024,
     },
     "journal": {
         "dir": "",
@@ -87,7 +88,7 @@ _CHOICES: dict[tuple[str, str], tuple[str, ...]] = {
     ("groups", "joiner_policy"): ("open", "allow-list", "invitation"),
 }
 _POSITIVE = {("peer", "max_frame_bytes"), ("peer", "workers"), ("api", "max_request_bytes"), ("api", "workers"),
-             ("api", "max_pending"), ("api", "max_read_rows"), ("journal", "fsync_interval_ms"),
+             ("api", "max_pending"), ("api", "max_read_rows"), ("api", "max_read_bytes"), ("journal", "fsync_interval_ms"),
              ("journal", "segment_bytes"), ("agent", "heartbeat_interval"), ("agent", "start_timeout"),
              ("agent", "stop_timeout"), ("groups", "publish_timeout")}
 # Past this, sizes and counts overflow what ZeroMQ and the journal take (int64, some multiplied).

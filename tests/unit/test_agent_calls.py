@@ -56,9 +56,9 @@ def test_the_last_rows_of_a_rare_group_are_sought_only_within_the_deadline(tmp_p
                  "lamport_ts": i, "sent_at": 0, "payload": b"p"} for i in range(20_000)]
         journal.append(rows)
         calls = AgentCalls(_Process(journal))  # type: ignore[arg-type]
-        table, end = calls._tail("rare", 1, 1000, _Request(60.0))  # noqa: SLF001 - time enough: found
+        table, end = calls._tail("rare", 1, 1000, 1 << 30, _Request(60.0))  # noqa: SLF001 - time enough: found
         assert table.column("message_id").to_pylist() == ["m0"] and end == 20_000
-        table, end = calls._tail("rare", 1, 1000, _Request(0.5))  # noqa: SLF001 - one chunk, then the deadline
+        table, end = calls._tail("rare", 1, 1000, 1 << 30, _Request(0.5))  # noqa: SLF001 - one chunk, then the deadline
         assert table.num_rows == 0 and end == 20_000
 
 
@@ -157,3 +157,85 @@ def test_a_publish_whose_frame_would_decompress_past_four_times_the_request_limi
     assert process.groups.sent == []
     process.config.max_request_bytes = 2 << 20  # 8 MiB once decompressed: the same frame is taken
     assert calls.publish(_BulkRequest(sink.getvalue().to_pybytes()), "g")["seqs"][-1] == 5000
+
+
+class _ReadConfig:
+    def __init__(self, max_read_bytes: int) -> None:
+        self.values = {("api", "max_read_rows"): 100_000, ("api", "max_read_bytes"): max_read_bytes}
+
+    def get(self, section: str, key: str) -> int:
+        return self.values[(section, key)]
+
+
+def _big_rows(n: int, size: int, groups: tuple[str, ...] = ("g",)) -> list[dict]:
+    return [{"group": groups[i % len(groups)], "message_id": f"m{i}", "publisher_did": "did:peer:x", "seq": i // len(groups) + 1,
+             "lamport_ts": i, "sent_at": 0, "payload": bytes([i % 251]) * size} for i in range(n)]
+
+
+def test_reads_come_in_pages_of_at_most_max_read_bytes_and_miss_nothing(tmp_path) -> None:
+    """100,000 rows of large messages in one reply (and in the agent's memory first) could be
+    gigabytes: a page stops at api.max_read_bytes of payloads, and reading on from where it says
+    gives every row once - by offset, by offset for one group, by seq, and the last rows."""
+    from zerocomm_spark.agent.calls import AgentCalls
+    from zerocomm_spark.client import ipc_to_table
+    from zerocomm_spark.journal import Journal
+
+    with Journal.open(tmp_path / "j", key=bytes(32), fsync="never") as journal:
+        for start in range(0, 300, 50):  # records of 50 rows, 10 kB each, two groups interleaved
+            journal.append(_big_rows(300, 10_000, ("g", "h"))[start:start + 50])
+        process = _Process(journal)
+        process.config = _ReadConfig(64_000)  # 6 rows of 10 kB fit
+        calls = AgentCalls(process)  # type: ignore[arg-type]
+
+        def pages(**args: object) -> list[pa.Table]:
+            out, start = [], args.pop("start", 0)
+            while True:
+                info, bulk = calls.read(_Request(60.0), group=args.get("group"), start=start, end=None, publisher=None,
+                                        first_seq=None, last_seq=None, max_rows=None, wait=None, last=None)
+                table = ipc_to_table(bulk)
+                if not table.num_rows:
+                    return out
+                out.append(table)
+                start = info["next_offset"]
+
+        for group, expected in ((None, 300), ("g", 150), ("h", 150)):
+            got = pages(group=group)
+            assert all(t.num_rows <= 6 and sum(len(p) for p in t.column("payload").to_pylist()) <= 64_000 for t in got)
+            offsets = [o for t in got for o in t.column("offset").to_pylist()]
+            assert len(offsets) == expected and offsets == sorted(set(offsets)), group
+            if group is not None:
+                assert {g for t in got for g in t.column("group").to_pylist()} == {group}
+
+        seqs: list[int] = []
+        at = 1
+        while True:
+            info, bulk = calls.read(_Request(60.0), group="g", start=None, end=None, publisher="did:peer:x",
+                                    first_seq=at, last_seq=None, max_rows=None, wait=None, last=None)
+            table = ipc_to_table(bulk)
+            if not table.num_rows:
+                break
+            assert table.num_rows <= 6
+            seqs += table.column("seq").to_pylist()
+            at = info["next_seq"]
+        assert seqs == list(range(1, 151))
+
+        info, bulk = calls.read(_Request(60.0), group="h", start=None, end=None, publisher=None, first_seq=None,
+                                last_seq=None, max_rows=None, wait=None, last=20)
+        assert ipc_to_table(bulk).column("seq").to_pylist() == list(range(145, 151))  # the newest that fit
+
+        process.config = _ReadConfig(1000)  # smaller than one message: it still comes, alone
+        info, bulk = calls.read(_Request(60.0), group=None, start=7, end=None, publisher=None, first_seq=None,
+                                last_seq=None, max_rows=None, wait=None, last=None)
+        assert ipc_to_table(bulk).column("offset").to_pylist() == [7] and info["next_offset"] == 8
+
+
+def test_a_seq_read_returns_no_more_than_its_page(tmp_path) -> None:
+    from zerocomm_spark.journal import Journal
+
+    with Journal.open(tmp_path / "j", key=bytes(32), fsync="never") as journal:
+        for start in range(0, 400, 100):
+            journal.append(_big_rows(400, 100)[start:start + 100])
+        assert journal.read_by_seq("g", "did:peer:x", 1, 400, max_rows=150).column("seq").to_pylist() == list(range(1, 151))
+        assert journal.read_by_seq("g", "did:peer:x", 5, 400, max_bytes=1000).num_rows == 10
+        assert journal.read_by_seq("g", "did:peer:x", 5, 400, max_bytes=10).num_rows == 1  # one at least
+        assert journal.read_by_seq("g", "did:peer:x", 1, 400).num_rows == 400

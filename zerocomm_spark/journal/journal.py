@@ -28,7 +28,7 @@ from zerocomm_spark.journal.consumers import ConsumerPoints, check_consumer
 from zerocomm_spark.journal.index import Key, Run, SegmentIndex, SeqIndex, State
 from zerocomm_spark.journal.reader import Hole, Piece, iter_pieces, load_record, open_segment
 from zerocomm_spark.journal.recovery import key_opens_records, recover
-from zerocomm_spark.journal.schema import JOURNAL_SCHEMA, now_micros, to_append_batch, to_micros
+from zerocomm_spark.journal.schema import JOURNAL_SCHEMA, now_micros, rows_within_bytes, to_append_batch, to_micros
 from zerocomm_spark.journal.segment import RecordEntry, Segment, create_segment, open_for_append
 from zerocomm_spark.journal.superseded import Superseded
 from zerocomm_spark.journal.writer import AppendResult, FsyncPolicy, JournalStats, Writer
@@ -396,11 +396,13 @@ class Journal:
         batches = list(self.read_batches(start_offset, end_offset, max_rows=max_rows))
         return pa.Table.from_batches(batches, schema=JOURNAL_SCHEMA)
 
-    def read_by_seq(self, group: str, publisher_did: str, seq_from: int, seq_to: int) -> pa.Table:
+    def read_by_seq(self, group: str, publisher_did: str, seq_from: int, seq_to: int, *,
+                    max_rows: int | None = None, max_bytes: int | None = None) -> pa.Table:
         """One publisher's retained rows with ``seq_from <= seq <= seq_to``, in offset order.
 
         Served from the seq index, so only the records holding those seqs are decrypted. Rows deleted
-        by retention are simply absent.
+        by retention are simply absent. ``max_rows`` / ``max_bytes`` (payload bytes, at least one row
+        comes back) stop the read early: only the first rows are decrypted and held, whatever the range.
         """
         with self._lock:
             self._check_open()
@@ -412,14 +414,34 @@ class Journal:
                 segment = self._segments[bisect.bisect_right(self._segment_bases, base) - 1]
                 entry = segment.records[segment.locate(base)]
                 plan.append(Piece(segment.path, entry, 0, entry.header.count))
-        out = []
-        for batch in iter_pieces(plan, self._key, self._pool(), 2 * self._read_threads, self.timeout):
-            mask = pc.and_(
-                pc.and_(pc.equal(batch.column("publisher_did"), publisher_did), pc.equal(batch.column("group"), group)),
-                pc.and_(pc.greater_equal(batch.column("seq"), seq_from), pc.less_equal(batch.column("seq"), seq_to)))
-            picked = batch.filter(mask)
-            if picked.num_rows:
-                out.append(picked)
+        out: list[pa.RecordBatch] = []
+        rows_left = max_rows
+        bytes_left = max_bytes
+        pieces = iter_pieces(plan, self._key, self._pool(), 2 * self._read_threads, self.timeout)
+        try:
+            for batch in pieces:
+                mask = pc.and_(
+                    pc.and_(pc.equal(batch.column("publisher_did"), publisher_did),
+                            pc.equal(batch.column("group"), group)),
+                    pc.and_(pc.greater_equal(batch.column("seq"), seq_from), pc.less_equal(batch.column("seq"), seq_to)))
+                picked = batch.filter(mask)
+                if not picked.num_rows:
+                    continue
+                take = picked.num_rows if rows_left is None else min(picked.num_rows, rows_left)
+                full = False
+                if bytes_left is not None:
+                    fit, used = rows_within_bytes(picked.column("payload"), take, bytes_left, at_least_one=not out)
+                    full, take = fit < take, fit
+                    bytes_left -= used
+                if take:
+                    out.append(picked if take == picked.num_rows else picked.slice(0, take))
+                if rows_left is not None:
+                    rows_left -= take
+                    full = full or rows_left <= 0
+                if full:
+                    break
+        finally:
+            pieces.close()  # stopped early: the read-ahead ends and its descriptors close
         return pa.Table.from_batches(out, schema=JOURNAL_SCHEMA)
 
     def add_superseded(self, group: str, publisher_did: str, seqs: list[int]) -> None:

@@ -214,3 +214,22 @@ def to_append_batch(rows: Any, received_at: int | None = None) -> pa.RecordBatch
             raise InvalidJournalRowError(
                 f"append() takes a list of rows or a pyarrow RecordBatch/Table, not {type(rows).__name__}") from None
     return rows_to_batch(rows, now)
+
+
+def rows_within_bytes(payload: pa.Array | pa.ChunkedArray, rows: int, budget: int, *,
+                      at_least_one: bool) -> tuple[int, int]:
+    """How many of the first ``rows`` payloads fit in ``budget`` bytes, and their bytes: a page of a
+    read by size, not only by rows (one row at least when ``at_least_one``, so a huge message still
+    comes back alone)."""
+    if isinstance(payload, pa.ChunkedArray):
+        payload = payload.combine_chunks()
+    rows = min(rows, len(payload))
+    if rows <= 0:
+        return 0, 0
+    offsets = np.frombuffer(payload.buffers()[1], dtype=np.int64 if pa.types.is_large_binary(payload.type) else np.int32,
+                            count=rows + 1, offset=payload.offset * (8 if pa.types.is_large_binary(payload.type) else 4))
+    ends = offsets[1:].astype(np.int64) - int(offsets[0])
+    fit = int(np.searchsorted(ends, max(budget, 0), side="right"))
+    if fit == 0 and at_least_one:
+        fit = 1
+    return fit, int(ends[fit - 1]) if fit else 0
