@@ -221,6 +221,13 @@ class MemberLink:
                 hi = mid
             else:
                 lo = seq + 1
+        # lo may be a seq the member lacks (a gap between the last row before the time and the first at
+        # or after it): start at the row that is there, as Kafka's offsetsForTimes names an existing
+        # record, instead of reporting the gap, whose send times nobody knows, as lost.
+        if lo <= span.last:
+            table = self.first_row(key[0], key[1], lo, span.last)
+            if table is not None:
+                return int(table.column("seq")[0].as_py())
         return lo
 
     # --- reading ----------------------------------------------------------------------------------

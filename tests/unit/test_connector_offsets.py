@@ -208,3 +208,29 @@ def test_split_ranges():
 
 def test_lag():
     assert lag(ZeroCommOffset({A: 5, B: 9}), ZeroCommOffset({A: 10, B: 9, C: 4})) == {A: 5, B: 0, C: 3}
+
+
+def test_starting_timestamp_lands_on_a_row_the_member_holds():
+    """The first message sent at or after the time, among those held: a search ending inside a gap
+    (seqs the member lacks) started the query at a missing seq, reported as data loss."""
+    import pyarrow as pa
+
+    from zerocomm_spark.connector.agent_link import MemberLink
+
+    class Link(MemberLink):
+        def __init__(self, sent_ms: dict[int, int]) -> None:
+            self.sent_ms = sent_ms
+
+        def first_row(self, group, publisher, at_least, last):  # type: ignore[override]
+            held = [s for s in sorted(self.sent_ms) if at_least <= s <= last]
+            if not held:
+                return None
+            return pa.table({"seq": [held[0]], "sent_at": pa.array([self.sent_ms[held[0]] * 1000], pa.int64())})
+
+    sent = {s: s * 1000 for s in range(1, 11) if s not in (5, 6)}  # seqs 5 and 6 are not held
+    link = Link(sent)
+    span = SeqRange(1, 10)
+    assert link.first_sent_at_or_after(A, 5_500, span) == 7
+    assert link.first_sent_at_or_after(A, 4_000, span) == 4
+    assert link.first_sent_at_or_after(A, 1, span) == 1
+    assert link.first_sent_at_or_after(A, 99_000, span) == 11  # after everything: the next seq
