@@ -26,7 +26,7 @@ import logging
 import queue
 import threading
 import time
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeoutError
@@ -72,6 +72,7 @@ from zerocomm_spark.protocols.message import (
 from zerocomm_spark.protocols.out_of_band.v1_1.manager import OutOfBandManager
 from zerocomm_spark.protocols.out_of_band.v1_1.messages import Invitation
 from zerocomm_spark.protocols.trust_ping.v1_0.messages import Ping, PingResponse
+from zerocomm_spark.seen_messages import SeenMessages
 from zerocomm_spark.transport.frames import ProtocolId
 from zerocomm_spark.transport.peer import DEFAULT_MAX_FRAME_BYTES, PeerInfo, PeerTransport
 
@@ -189,7 +190,7 @@ class Agent:
         self._waiters: dict[tuple[str, str], Future[Any]] = {}
         self._inbox: queue.Queue[Any] = queue.Queue()
         self._history: deque[ReceivedMessage] = deque(maxlen=MAX_HISTORY)
-        self._seen: OrderedDict[tuple[str, str], None] = OrderedDict()
+        self._seen = SeenMessages.open(keystore.directory, keystore, MAX_SEEN)  # replay protection
         self._outbox = ThreadPoolExecutor(max_workers=4, thread_name_prefix="zerocomm-outbox")
         self._request_peers: dict[str, str] = {}  # request() thread id -> connection id the answer must come on
         self._protocol_types: dict[str, type[AgentMessage]] = {}  # @type -> class, of register_protocol()
@@ -297,6 +298,7 @@ class Agent:
         self._inbox.put(_CLOSED)
         self._outbox.shutdown(wait=True, cancel_futures=True)
         self._transport.close(timeout=5.0)
+        self._seen.close()
         self._keystore.close()
         log.info("agent %r closed", self._label)
 
@@ -671,21 +673,17 @@ class Agent:
         handler = self._handlers.get(type(message))
         if handler is None:
             raise errors.UnknownMessageTypeError(f"no handler for {message.message_type}")
-        key = (unpacked.sender_verkey or unpacked.recipient_verkey, message.id)
-        with self._lock:
-            if key in self._seen:
-                raise ReplayError(f"message {message.id} was already received")
-            self._seen[key] = None
-            while len(self._seen) > MAX_SEEN:
-                self._seen.popitem(last=False)
+        seen = self._seen.digest(unpacked.sender_verkey or unpacked.recipient_verkey, message.id)
+        if not self._seen.claim(seen):  # also after a restart: handled messages are kept on disk
+            raise ReplayError(f"message {message.id} was already received")
         context = _Inbound(unpacked.recipient_verkey, unpacked.sender_verkey,
                            self._store.by_my_verkey(unpacked.recipient_verkey))
         try:
             handler(message, context)
         except BaseException:
-            with self._lock:  # not processed: a corrected resend with the same id must get through
-                self._seen.pop(key, None)
+            self._seen.release(seen)  # not processed: a corrected resend with the same id must get through
             raise
+        self._seen.handled(seen)
         log.debug("handled %s", message.message_type)
 
     def _parse(self, data: Any) -> AgentMessage:

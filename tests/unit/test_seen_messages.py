@@ -1,0 +1,45 @@
+"""The handled-messages log: replay protection that survives a restart."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from zerocomm_spark.keys.keystore import Keystore
+from zerocomm_spark.seen_messages import SEEN_FILE, SeenMessages
+
+
+def test_handled_messages_are_refused_after_a_reopen_and_failed_ones_are_not(tmp_path: Path) -> None:
+    with Keystore.open(tmp_path / "id") as keystore:
+        seen = SeenMessages.open(keystore.directory, keystore, capacity=100)
+        done, failed = seen.digest("sender-key", "m-1"), seen.digest("sender-key", "m-2")
+        assert seen.claim(done) and not seen.claim(done)  # a second copy while the first is handled
+        seen.handled(done)
+        assert seen.claim(failed)
+        seen.release(failed)  # its handler failed: a corrected re-send must get through
+        seen.close()
+        again = SeenMessages.open(keystore.directory, keystore, capacity=100)
+        assert again.digest("sender-key", "m-1") == done  # the key is kept in the keystore
+        assert not again.claim(done)
+        assert again.claim(failed)
+        assert again.claim(again.digest("other-sender", "m-1"))  # keyed by sender too
+        again.close()
+    raw = (tmp_path / "id" / SEEN_FILE).read_bytes()
+    assert len(raw) == 16 and b"m-1" not in raw and b"sender" not in raw  # names nothing
+
+
+def test_the_log_keeps_the_newest_entries_and_survives_a_torn_write(tmp_path: Path) -> None:
+    path = tmp_path / SEEN_FILE
+    seen = SeenMessages(path, b"k" * 32, capacity=10)
+    digests = [seen.digest("s", f"m-{i}") for i in range(25)]
+    for d in digests:
+        assert seen.claim(d)
+        seen.handled(d)
+    seen.close()
+    assert path.stat().st_size < 20 * 16  # rewritten with the newest once it held twice the capacity
+    with open(path, "ab") as f:
+        f.write(b"\x01" * 7)  # a write cut short by a crash
+    again = SeenMessages(path, b"k" * 32, capacity=10)
+    assert [again.claim(d) for d in digests[-10:]] == [False] * 10  # the newest 10 are remembered
+    assert all(again.claim(d) for d in digests[:10])  # the oldest are forgotten (bounded memory)
+    assert path.stat().st_size % 16 == 0
+    again.close()

@@ -1,0 +1,126 @@
+"""Which inbound DIDComm messages this agent has handled, kept across restarts: replay protection.
+
+Why on disk: DIDComm v1 envelopes carry no time or counter, so a captured envelope stays valid; an
+in-memory set of handled (sender, message id) pairs refuses it only until the process restarts.
+Each handled message appends a 16-byte keyed hash (BLAKE2b under a key sealed in the keystore) to
+``seen-messages.log`` in the identity directory: the file names no sender, id or content, and the
+last ``capacity`` entries are loaded at open. An entry is written once the handler succeeded (a
+message that failed may be re-sent corrected), with ``write(2)``: it survives a kill -9; a power
+loss can cost the last entries, which reopens replay for those few messages only.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import secrets
+import threading
+from collections import OrderedDict
+from pathlib import Path
+
+from zerocomm_spark.keys.keystore import Keystore
+
+__all__ = ["SeenMessages", "SEEN_FILE"]
+
+log = logging.getLogger(__name__)
+
+SEEN_FILE = "seen-messages.log"
+_KEY_NAME = "seen-messages-key"
+_DIGEST = 16
+
+
+class SeenMessages:
+    """A bounded set of handled messages: the newest ``capacity`` in memory, and in a log that is
+    rewritten with only those once it holds twice as many."""
+
+    def __init__(self, path: Path | None, key: bytes, capacity: int) -> None:
+        """``path`` None: memory only (an agent without an identity directory of its own)."""
+        self._path = path
+        self._key = key
+        self._capacity = capacity
+        self._lock = threading.Lock()
+        self._seen: OrderedDict[bytes, None] = OrderedDict()
+        self._logged = 0  # entries in the log file
+        self._fd = -1
+        if path is not None:
+            self._load(path)
+            self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
+
+    @classmethod
+    def open(cls, directory: Path, keystore: Keystore, capacity: int) -> "SeenMessages":
+        key = keystore.get_secret(_KEY_NAME)
+        if key is None:
+            key = secrets.token_bytes(32)
+            keystore.put_secret(_KEY_NAME, key)
+        return cls(directory / SEEN_FILE, key, capacity)
+
+    def _load(self, path: Path) -> None:
+        try:
+            raw = path.read_bytes()
+        except FileNotFoundError:
+            return
+        whole = len(raw) - len(raw) % _DIGEST  # a torn last entry (a crash mid-write) is dropped
+        entries = [raw[i:i + _DIGEST] for i in range(0, whole, _DIGEST)]
+        for digest in entries[-self._capacity:]:
+            self._seen[digest] = None
+        self._logged = len(entries)
+        if whole != len(raw):
+            with open(path, "r+b") as f:
+                f.truncate(whole)
+
+    def digest(self, sender: str, message_id: str) -> bytes:
+        return hashlib.blake2b(f"{sender}\0{message_id}".encode("utf-8", "surrogatepass"), key=self._key,
+                               digest_size=_DIGEST).digest()
+
+    def claim(self, digest: bytes) -> bool:
+        """Mark the message as being handled; False if it was handled (or is being handled) already."""
+        with self._lock:
+            if digest in self._seen:
+                return False
+            self._seen[digest] = None
+            while len(self._seen) > self._capacity:
+                self._seen.popitem(last=False)
+            return True
+
+    def release(self, digest: bytes) -> None:
+        """The handler failed: a corrected re-send with the same id must get through."""
+        with self._lock:
+            self._seen.pop(digest, None)
+
+    def handled(self, digest: bytes) -> None:
+        """The handler succeeded: remember the message across restarts."""
+        with self._lock:
+            if self._fd < 0:
+                return
+            try:
+                os.write(self._fd, digest)
+                self._logged += 1
+                if self._logged >= 2 * self._capacity:
+                    self._compact()
+            except OSError as exc:  # replay protection degrades to memory; handling goes on
+                log.warning("cannot record a handled message in %s: %s", self._path, exc.strerror)
+
+    def _compact(self) -> None:
+        """Rewrite the log with the entries in memory (under the lock), replacing it atomically."""
+        assert self._path is not None
+        tmp = self._path.with_suffix(".tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        try:
+            os.write(fd, b"".join(self._seen))
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, self._path)
+        os.close(self._fd)
+        self._fd = os.open(self._path, os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC)
+        self._logged = len(self._seen)
+
+    def __len__(self) -> int:
+        return len(self._seen)
+
+    def close(self) -> None:
+        with self._lock:
+            if self._fd >= 0:
+                os.close(self._fd)
+                self._fd = -1
