@@ -780,3 +780,54 @@ def test_a_subscriber_that_stops_reading_cannot_stall_the_group(make) -> None:  
     finally:
         frozen.close(0)
         ctx.term()
+
+
+def test_rejoining_publisher_is_heard_by_a_member_that_missed_its_leave(make) -> None:  # type: ignore[no-untyped-def]
+    """A publisher that leaves and joins again in the same process continues its sequence: a member
+    that missed the leave keeps its stream and would take new seqs from 1 for duplicates, drop them
+    and ack them (silent loss)."""
+    alice, bob = make("alice"), make("bob")
+    form_group([alice, bob], mode="shared")
+    alice.dp.publish("g", payloads("alice", 100)).wait(10)
+    assert bob.wait(lambda: len(bob.from_(alice)) == 100)
+    alice.dp.close_group("g")  # alice leaves; the leave never reaches bob
+    alice.dp.open_group("g", mode="shared", ordered=True, group_key=alice.group_keys["g"], role="read_write")
+    alice.dp.add_member("g", remote(bob, alice, "g"))
+    bob.dp.add_member("g", remote(alice, bob, "g"))  # alice's subscribe: known, updated in place
+    alice.dp.probe("g", bob.did, timeout=10)
+    alice.dp.publish("g", payloads("alice", 3, start=100)).wait(10)
+    assert bob.wait(lambda: len(bob.from_(alice)) == 103, timeout=5)
+    assert [d.payload for d in bob.from_(alice)][100:] == payloads("alice", 3, start=100)
+
+
+def test_a_publish_endpoint_that_cannot_be_bound_again_is_retried_not_fatal(make, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Removing a member rebinds the publish socket (every connection re-authenticates); if another
+    process took the port meanwhile, the bind failed past its wait and the exception killed the IO
+    thread: the member never published or received again. Now it retries every second."""
+    from zerocomm_spark.group import dataplane
+
+    monkeypatch.setattr(dataplane, "_REBIND_WAIT_S", 0.2)
+    alice, bob, carol = make("alice"), make("bob"), make("carol")
+    form_group([alice, bob, carol], mode="shared")
+    alice.dp.publish("g", payloads("alice", 5)).wait(10)
+    real_make = alice.dp._make_xpub  # noqa: SLF001
+    refused = {"until": time.monotonic() + 1.5}
+
+    def make_xpub():  # type: ignore[no-untyped-def]
+        sock = real_make()
+        if time.monotonic() < refused["until"]:
+            real_bind = sock.bind
+
+            def bind(endpoint: str) -> None:
+                raise zmq.ZMQError(zmq.EADDRINUSE, "Address already in use (test)")
+
+            sock.bind = bind  # type: ignore[method-assign]
+            del real_bind
+        return sock
+
+    monkeypatch.setattr(alice.dp, "_make_xpub", make_xpub)
+    alice.dp.remove_member("g", carol.did)  # rebinds: refused for 1.5 s
+    assert alice.dp._io_thread.is_alive()  # noqa: SLF001
+    receipt = alice.dp.publish("g", payloads("alice", 3, start=5))
+    receipt.wait(20)  # acknowledged once the endpoint is bound again and bob has reconnected
+    assert bob.wait(lambda: len(bob.from_(alice)) == 8, timeout=10)

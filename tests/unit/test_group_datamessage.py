@@ -225,3 +225,12 @@ def test_only_batches_and_hellos_are_signed_and_dicts_cannot_carry_signatures() 
         dm.decode(raw[:cut] + ack + b"}")
     with pytest.raises(MalformedDataMessageError, match="data-signed"):
         dm.decode(json.loads(raw))
+
+
+def test_recipient_kids_of_a_deeply_nested_protected_header_is_none() -> None:
+    """GROUP_DATA handlers read it from any peer's frame: json raises RecursionError, not ValueError."""
+    from zerocomm_spark.group.dataplane import _recipient_kids
+
+    protected = base64.urlsafe_b64encode(b"[" * 100_000).rstrip(b"=")
+    assert _recipient_kids(b'{"protected":"' + protected + b'"}') is None
+    assert _recipient_kids(json.dumps({"protected": protected.decode()}).encode().replace(b'{"', b'{ "', 1)) is None

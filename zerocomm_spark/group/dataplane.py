@@ -123,6 +123,7 @@ _SUB_MAX_MSG = 64 * 1024 * 1024  # a SUB refuses bigger frames: bounds memory pe
 _LINGER_MS = 500
 _START_TIMEOUT = 10.0
 _CMD_TIMEOUT = 10.0
+_REBIND_WAIT_S = 5.0  # how long a rebind of the publish endpoint retries before the IO thread goes on without it
 _READ_BATCH = 128  # frames read per socket per IO turn, so one busy publisher starves nobody
 _MONITOR_EVENTS = (zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_HANDSHAKE_FAILED_AUTH
                    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
@@ -358,8 +359,8 @@ def _recipient_kids(env: bytes) -> list[str] | None:
         raw = protected.rstrip(b"=").translate(_URL_TO_STD)
         header = json.loads(binascii.a2b_base64(raw + b"=" * (-len(raw) % 4)))
         return [r["header"]["kid"] for r in header["recipients"]]
-    except (ValueError, KeyError, TypeError, AttributeError, binascii.Error, UnicodeError):
-        return None
+    except (ValueError, KeyError, TypeError, AttributeError, binascii.Error, UnicodeError, RecursionError):
+        return None  # RecursionError: a deeply nested header (json raises it, not ValueError)
 
 
 def _check_role(role: str) -> str:
@@ -425,6 +426,9 @@ class DataPlane:
 
         self._lock = threading.RLock()  # groups, members, key maps, ACL
         self._groups: dict[str, _Group] = {}
+        # Last seq published in each group closed here: a rejoin continues after it, since a member
+        # that missed the leave keeps its stream and would drop reused seqs as duplicates (and ack them).
+        self._closed_seqs: dict[str, int] = {}
         self._rel_keys: dict[str, KeyPair] = {}  # our relationship verkey -> key pair
         self._clock = LamportClock()
         self._jump_logged = 0.0  # monotonic time of the last "stamp too far ahead" warning (rate limit)
@@ -585,6 +589,7 @@ class DataPlane:
         ``group_key`` is this member's group key (shared-mode envelopes are authcrypted with it);
         ``ordered`` selects per-publisher FIFO delivery (hold-back) over delivery on arrival;
         ``first_seq`` lets a restarted member continue its own sequence (persist it: store.py).
+        A group closed on this plane continues after its last seq whatever ``first_seq`` says.
         """
         topics.check_group(group)
         if mode not in MODES:
@@ -598,6 +603,7 @@ class DataPlane:
         with self._lock:
             if group in self._groups:
                 raise GroupAlreadyOpenError(f"group {group!r} is already open on this data plane")
+            first_seq = max(first_seq, self._closed_seqs.get(group, 0) + 1)
             outbox = Outbox(group, window=self.config.window, retention_max=self.config.retention_max,
                             first_seq=first_seq)
             self._groups[group] = _Group(group, mode, bool(ordered), group_key, role, outbox)
@@ -612,6 +618,7 @@ class DataPlane:
             if g is None:
                 raise GroupNotOpenError(f"group {group!r} is not open on this data plane")
             g.closed = True
+            self._closed_seqs[group] = max(self._closed_seqs.get(group, 0), g.outbox.last_seq)
             dids = list(g.members)
             self._update_access_locked()
         for did in dids:
@@ -1187,21 +1194,34 @@ class DataPlane:
         except Exception as exc:  # noqa: BLE001 - reported to the caller
             fut.set_exception(exc)
 
-    def _rebind(self, state: dict[str, Any]) -> None:
-        """Close and re-bind the XPUB on the same endpoint: every connection re-authenticates."""
+    def _rebind(self, state: dict[str, Any], *, wait: float | None = None) -> None:
+        """Close and re-bind the XPUB on the same endpoint: every connection re-authenticates.
+
+        If the endpoint cannot be bound again within ``wait`` (default ``_REBIND_WAIT_S``; another process took the port), the
+        IO thread keeps an unbound XPUB and retries every second (``_io_timers``) rather than die:
+        publishes go unacknowledged meanwhile and are re-sent once members reconnect.
+        """
         assert self._endpoint is not None
         state["xpub"].close(linger=0)
-        deadline = time.monotonic() + 5.0
+        deadline = time.monotonic() + (_REBIND_WAIT_S if wait is None else wait)
         while True:
             xpub = self._make_xpub()
             try:
                 xpub.bind(self._endpoint)
                 break
-            except zmq.ZMQError:
-                xpub.close(linger=0)
+            except zmq.ZMQError as exc:
                 if time.monotonic() > deadline:
-                    raise
+                    state["xpub"], state["dirty"] = xpub, True  # unbound: polled, never reached
+                    if state.get("rebind_at") is None:
+                        log.error("cannot bind the group publish endpoint %s again (%s); retrying every second",
+                                  self._endpoint, exc.strerror)
+                    state["rebind_at"] = time.monotonic() + 1.0
+                    return
+                xpub.close(linger=0)
                 time.sleep(0.01)
+        if state.get("rebind_at") is not None:
+            log.warning("group publish endpoint %s bound again", self._endpoint)
+        state["rebind_at"] = None
         state["xpub"] = xpub
         state["dirty"] = True
 
@@ -1286,6 +1306,8 @@ class DataPlane:
             self._rebind(state)
             state["blocked_since"] = None
             self._stats.add(publish_resets=1)
+        elif state.get("rebind_at") is not None and now >= state["rebind_at"]:
+            self._rebind(state, wait=0.0)  # a rebind that failed: one attempt a second, off the hot path
         for sub in subs.values():
             if sub.sock is None:
                 if now >= sub.down_until:
