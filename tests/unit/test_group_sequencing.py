@@ -186,3 +186,30 @@ def test_an_announced_tail_waits_longer_than_a_hole() -> None:
     assert s.due_nacks(0.1, 0.0, tail_after=1.0) == [(2, 2)]  # the hole only, not the tail
     clock.now += 1.0
     assert s.due_nacks(0.1, 0.0, tail_after=1.0) == [(2, 2), (4, 4)]
+
+
+def test_hold_back_is_bounded_by_bytes_too() -> None:
+    """A publisher (a hostile member) that leaves seq 1 out and sends large messages after it:
+    counting messages alone let 100,000 of them (gigabytes) wait in memory."""
+    s, _ = stream(hold_bytes_max=1000, size_of=len)
+    for seq in (2, 3, 4):
+        assert s.offer(seq, "x" * 300)[0] is Offer.HELD
+    assert s.held_bytes == 900
+    assert s.offer(5, "x" * 300) == (Offer.OVERFLOW, [])  # not acked: sent again after the gap fills
+    assert s.offer(6, "y")[0] is Offer.HELD  # a small one still fits
+    status, out = s.offer(1, "a")
+    assert status is Offer.DELIVER and out == ["a", "x" * 300, "x" * 300, "x" * 300]
+    assert s.held_bytes == 1  # seq 6 waits for 5
+    assert s.offer(5, "x" * 300)[1] == ["x" * 300, "y"] and s.held_bytes == 0
+    lone, _ = stream(hold_bytes_max=10, size_of=len)
+    assert lone.offer(3, "z" * 50)[0] is Offer.HELD  # one item alone is always taken
+
+
+def test_held_bytes_follow_baselines_and_skips() -> None:
+    s, _ = stream(next_seq=None, hold_bytes_max=10_000, size_of=len)
+    for seq in (3, 4, 9):
+        s.offer(seq, "m" * 100)  # before the baseline: set aside
+    assert s.held_bytes == 300
+    assert s.set_baseline(2) == ["m" * 100, "m" * 100]  # 3, 4 released; 9 held (5..8 missing)
+    assert s.held_bytes == 100
+    assert s.skip(5, 8) == ["m" * 100] and s.held_bytes == 0

@@ -177,6 +177,11 @@ _new = object.__new__
 _SEQ_OF = operator.itemgetter(1)  # DataMessage.seq (a NamedTuple field)
 
 
+def _HELD_SIZE(message: dm.DataMessage) -> int:  # noqa: N802 - a constant-like helper beside _SEQ_OF
+    """A held message's bytes, about: its payload and ~128 for the other fields."""
+    return len(message.payload) + 128
+
+
 def _delivered(group: str, message_id: str, publisher_did: str, seq: int, lamport_ts: int, sent_at: float,
                received_at: float, payload: bytes, headers: dict[str, str] | None) -> Delivered:
     """Build a Delivered without the frozen-dataclass __init__ (one setattr per field): this runs
@@ -215,12 +220,14 @@ class DataPlaneConfig:
     dead_after_ms: float = 10_000.0
     probe_interval_ms: float = 50.0
     hold_max: int = 100_000  # held-back messages per publisher
+    hold_bytes_max: int = 256 * 1024 * 1024  # and their payload bytes (a publisher's gap must not hold gigabytes)
     dedup_ttl_s: float = 600.0
     dedup_max: int = 200_000
 
     def __post_init__(self) -> None:
         for name in ("batch_max", "batch_max_bytes", "window", "retention_max", "max_message_bytes", "sndhwm",
-                     "rcvhwm", "recv_queue_max", "ack_every", "resend_max", "hold_max", "dedup_max"):
+                     "rcvhwm", "recv_queue_max", "ack_every", "resend_max", "hold_max", "hold_bytes_max",
+                     "dedup_max"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigurationError(f"DataPlaneConfig.{name} must be a positive integer, got {value!r}")
@@ -1538,7 +1545,8 @@ class DataPlane:
     def _stream(self, g: _Group, did: str) -> PublisherStream[dm.DataMessage]:
         stream = g.streams.get(did)
         if stream is None:
-            stream = PublisherStream(ordered=g.ordered, hold_max=self.config.hold_max, clock=time.monotonic)
+            stream = PublisherStream(ordered=g.ordered, hold_max=self.config.hold_max, clock=time.monotonic,
+                                     hold_bytes_max=self.config.hold_bytes_max, size_of=_HELD_SIZE)
             g.streams[did] = stream
         return stream
 

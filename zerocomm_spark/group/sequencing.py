@@ -45,10 +45,13 @@ class PublisherStream(Generic[T]):
         "_gap_since",
         "_tail_since",
         "_held",
+        "_held_bytes",
+        "_size_of",
         "_last_nack",
         "announced",
         "duplicates",
         "highest",
+        "hold_bytes_max",
         "hold_max",
         "lost",
         "next_seq",
@@ -63,11 +66,20 @@ class PublisherStream(Generic[T]):
         hold_max: int = 100_000,
         next_seq: int | None = None,
         clock: Callable[[], float],
+        hold_bytes_max: int | None = None,
+        size_of: Callable[[T], int] | None = None,
     ) -> None:
+        """``hold_bytes_max`` (with ``size_of``) bounds the bytes of items waiting, as ``hold_max``
+        bounds their number: a publisher leaving a gap open must not make us hold 100,000 large
+        messages. Past either bound a new early item is refused (OVERFLOW: not acked, so it is sent
+        again once the gap is filled); one item alone is always taken."""
         if hold_max < 1:
             raise ValueError("hold_max must be at least 1")
         self.ordered = ordered
         self.hold_max = hold_max
+        self.hold_bytes_max = hold_bytes_max
+        self._size_of = size_of
+        self._held_bytes = 0
         self.next_seq: int | None = next_seq  # first seq not yet delivered; None: baseline unknown
         self._held: dict[int, T | None] = {}  # ordered: early items; unordered: delivered markers (None)
         self._aside: dict[int, T] = {}  # received before the baseline was known
@@ -101,6 +113,20 @@ class PublisherStream(Generic[T]):
         """Messages received but not delivered: held back or set aside before the baseline."""
         return (len(self._held) if self.ordered else 0) + len(self._aside)
 
+    @property
+    def held_bytes(self) -> int:
+        """Bytes (by ``size_of``) of the items held back or set aside."""
+        return self._held_bytes
+
+    def _size(self, item: T) -> int:
+        return self._size_of(item) if self._size_of is not None else 0
+
+    def _too_big(self, item: T) -> bool:
+        """Would holding ``item`` pass ``hold_bytes_max``? (Never when nothing is held.)"""
+        if self.hold_bytes_max is None or self._held_bytes == 0:
+            return False
+        return self._held_bytes + self._size(item) > self.hold_bytes_max
+
     def lag(self) -> int:
         """How many seqs the publisher is known to have beyond what was delivered."""
         return max(0, max(self.highest, self.announced) - self.delivered)
@@ -114,10 +140,11 @@ class PublisherStream(Generic[T]):
             if seq in self._aside:
                 self.duplicates += 1
                 return Offer.DUPLICATE, []
-            if len(self._aside) >= self.hold_max:
+            if len(self._aside) >= self.hold_max or self._too_big(item):
                 self.overflows += 1
                 return Offer.OVERFLOW, []
             self._aside[seq] = item
+            self._held_bytes += self._size(item)
             if seq > self.highest:
                 self.highest = seq
             return Offer.NO_BASELINE, []
@@ -136,16 +163,19 @@ class PublisherStream(Generic[T]):
                 nxt += 1
                 held = self._held
                 while nxt in held:
-                    out.append(held.pop(nxt))  # type: ignore[arg-type]
+                    released = held.pop(nxt)
+                    self._held_bytes -= self._size(released)  # type: ignore[arg-type]
+                    out.append(released)  # type: ignore[arg-type]
                     nxt += 1
                 self.next_seq = nxt
                 self._update_gap()
                 return Offer.DELIVER, out
-            if len(self._held) >= self.hold_max:
+            if len(self._held) >= self.hold_max or self._too_big(item):
                 self.overflows += 1
                 self._update_gap()
                 return Offer.OVERFLOW, []
             self._held[seq] = item
+            self._held_bytes += self._size(item)
             self._update_gap()
             return Offer.HELD, []
         # Unordered: deliver now, remember the seq so a duplicate is recognised and acks stay contiguous.
@@ -200,6 +230,7 @@ class PublisherStream(Generic[T]):
         if self.highest < base:
             self.highest = base
         aside, self._aside = self._aside, {}
+        self._held_bytes -= sum(self._size(item) for item in aside.values())  # offered again below
         out: list[T] = []
         for seq in sorted(aside):
             if seq <= base:
@@ -231,6 +262,7 @@ class PublisherStream(Generic[T]):
         for s in inside:
             value = held.pop(s)
             if self.ordered:
+                self._held_bytes -= self._size(value)  # type: ignore[arg-type]
                 out.append(value)  # type: ignore[arg-type]
         if count_lost:
             self.lost += (last - nxt + 1) - len(inside)
@@ -238,6 +270,7 @@ class PublisherStream(Generic[T]):
         while nxt in held:
             value = held.pop(nxt)
             if self.ordered:
+                self._held_bytes -= self._size(value)  # type: ignore[arg-type]
                 out.append(value)  # type: ignore[arg-type]
             nxt += 1
         self.next_seq = nxt
