@@ -831,3 +831,15 @@ def test_a_publish_endpoint_that_cannot_be_bound_again_is_retried_not_fatal(make
     receipt = alice.dp.publish("g", payloads("alice", 3, start=5))
     receipt.wait(20)  # acknowledged once the endpoint is bound again and bob has reconnected
     assert bob.wait(lambda: len(bob.from_(alice)) == 8, timeout=10)
+
+
+def test_a_state_message_cut_off_by_close_is_a_closed_error(make, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """close() cancels state messages still queued for the IO thread; the caller got a bare
+    concurrent.futures.CancelledError, outside the project's errors."""
+    from zerocomm_spark.errors import DataPlaneClosedError
+
+    alice, bob = make("alice"), make("bob")
+    form_group([alice, bob], mode="shared")
+    monkeypatch.setattr(alice.dp, "_io_send_ctrl", lambda frames, fut: fut.cancel())  # as the IO thread's exit does
+    with pytest.raises(DataPlaneClosedError, match="closed before the state message"):
+        alice.dp.publish_state("g", b"status", timeout=5)

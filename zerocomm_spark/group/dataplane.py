@@ -58,7 +58,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeoutError
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Literal, Protocol
@@ -841,6 +841,9 @@ class DataPlane:
         except FutureTimeoutError:
             fut.cancel()
             raise BackpressureError(f"the state message for group {group!r} was not accepted within {timeout:g}s") from None
+        except CancelledError:  # the IO thread ended (close()) with the message still queued
+            raise DataPlaneClosedError(f"the data plane closed before the state message for group {group!r} "
+                                       "was sent") from None
 
     def probe(self, group: str, did: str, timeout: float = 10.0) -> float:
         """Send hellos through the data path until ``did`` acks one; returns the seconds it took.
