@@ -7,6 +7,8 @@ its local API (zerocomm_spark.client), so the CLI, a notebook and a Spark task s
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -769,7 +771,22 @@ def _report_error(exc: BaseException, as_json: bool) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     """The console script: parse, run one command, map errors to the documented exit codes."""
     parser = build_parser()
-    args = parser.parse_args(argv)
+    raw = list(sys.argv[1:] if argv is None else argv)
+    if "--json" in raw:  # a script asked for JSON: a usage error is JSON on stdout too (and text on stderr)
+        said = io.StringIO()
+        try:
+            with contextlib.redirect_stderr(said):
+                args = parser.parse_args(raw)
+        except SystemExit as exc:
+            sys.stderr.write(said.getvalue())
+            if exc.code == 0:  # --help
+                raise
+            lines = [line for line in said.getvalue().splitlines() if line.strip()]
+            message = lines[-1].split("error: ", 1)[-1] if lines else "the command line is not valid"
+            return _report_error(errors.ConfigurationError(message, hint="See `zerocomm --help`"), True)
+        sys.stderr.write(said.getvalue())
+    else:
+        args = parser.parse_args(raw)
     as_json = bool(getattr(args, "json", False))
     ctx: Ctx | None = None
     try:

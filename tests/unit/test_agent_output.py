@@ -88,3 +88,18 @@ def test_send_from_stdin_with_one_id_is_a_usage_error(tmp_path, monkeypatch, cap
     code = main(["--identity-dir", str(tmp_path / "id"), "--json", "send", "g", "-", "--id", "x-1"])
     out = capsys.readouterr().out
     assert code == 2 and "--id" in json.loads(out)["error"]["message"]
+
+
+def test_a_usage_error_under_json_is_json_on_stdout(capsys) -> None:  # type: ignore[no-untyped-def]
+    """A script that asked for --json got nothing on stdout for a usage error (argparse's text went to
+    stderr only); it now gets the same error object as every other failure, exit code 2."""
+    from zerocomm_spark.agent.cli import main
+
+    code = main(["--json", "group", "join", "g"])  # --via is required
+    captured = capsys.readouterr()
+    answer = json.loads(captured.out)
+    assert code == 2 and answer["ok"] is False and answer["exit_code"] == 2
+    assert "--via" in answer["error"]["message"] and "--via" in captured.err
+    with pytest.raises(SystemExit) as info:  # without --json: argparse as before
+        main(["group", "join", "g"])
+    assert info.value.code == 2
