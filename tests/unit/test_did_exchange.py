@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from zerocomm_spark.connections import ConnectionStore
+from zerocomm_spark.connections import ConnectionRecord, ConnectionStore
 from zerocomm_spark.did.peer import did_key, resolve
 from zerocomm_spark.envelope import pack, unpack
 from zerocomm_spark.errors import (
@@ -232,17 +232,23 @@ def test_deeply_nested_attachments_are_refused_as_protocol_errors() -> None:
         header.signer()
 
 
+def _refused_and_abandoned(bob: Side, b_record: ConnectionRecord, response: DIDXResponse, b_key: KeyPair, a_key: KeyPair,
+                           error: type[Exception]) -> None:
+    """Bob refuses the response with ``error`` and abandons the exchange it answers."""
+    message, unpacked = _transmit(response, b_key.verkey, a_key, bob.keystore)
+    with pytest.raises(error):
+        bob.didx.receive_response(message, recipient_verkey=unpacked.recipient_verkey,  # type: ignore[arg-type]
+                                  sender_verkey=unpacked.sender_verkey)
+    assert bob.store.get(b_record.connection_id).state == "abandoned"
+
+
 def test_response_with_an_unreadable_signed_doc_abandons_the_exchange(alice: Side, bob: Side) -> None:
     _, received, b_record, request, b_key = _request(alice, bob)
     _, response, a_key = _accept(alice, request, b_key, received.recipient_key)
     # Signed by the invitation key (a hostile inviter), but no JSON a parser survives.
     response.did_doc_attach = Attachment(base64=b64url_encode(b"[" * 100_000))
     response.did_doc_attach.sign(alice.keystore.get(received.recipient_key))
-    message, unpacked = _transmit(response, b_key.verkey, a_key, bob.keystore)
-    with pytest.raises(ProtocolError):
-        bob.didx.receive_response(message, recipient_verkey=unpacked.recipient_verkey,  # type: ignore[arg-type]
-                                  sender_verkey=unpacked.sender_verkey)
-    assert bob.store.get(b_record.connection_id).state == "abandoned"
+    _refused_and_abandoned(bob, b_record, response, b_key, a_key, ProtocolError)
 
 
 def test_request_with_a_hostile_did_is_a_protocol_level_refusal(alice: Side, bob: Side) -> None:
@@ -261,11 +267,7 @@ def test_response_signed_by_another_key_is_rejected(alice: Side, bob: Side) -> N
     _, response, a_key = _accept(alice, request, b_key, received.recipient_key)
     # A man in the middle re-signs the doc with its own key: the signature is valid, the signer is not.
     response.did_doc_attach.sign(KeyPair.generate())  # type: ignore[union-attr]
-    message, unpacked = _transmit(response, b_key.verkey, a_key, bob.keystore)
-    with pytest.raises(SignatureError):
-        bob.didx.receive_response(message, recipient_verkey=unpacked.recipient_verkey,  # type: ignore[arg-type]
-                                  sender_verkey=unpacked.sender_verkey)
-    assert bob.store.get(b_record.connection_id).state == "abandoned"
+    _refused_and_abandoned(bob, b_record, response, b_key, a_key, SignatureError)
 
 
 def test_response_with_tampered_attachment_or_wrong_sender_is_rejected(alice: Side, bob: Side) -> None:
