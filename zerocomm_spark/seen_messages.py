@@ -40,7 +40,8 @@ class SeenMessages:
         self._key = key
         self._capacity = capacity
         self._lock = threading.Lock()
-        self._seen: OrderedDict[bytes, None] = OrderedDict()
+        self._seen: OrderedDict[bytes, None] = OrderedDict()  # handled (and logged)
+        self._pending: set[bytes] = set()  # being handled now: refused meanwhile, not logged yet
         self._logged = 0  # entries in the log file
         self._fd = -1
         if path is not None:
@@ -76,21 +77,23 @@ class SeenMessages:
     def claim(self, digest: bytes) -> bool:
         """Mark the message as being handled; False if it was handled (or is being handled) already."""
         with self._lock:
-            if digest in self._seen:
+            if digest in self._seen or digest in self._pending:
                 return False
-            self._seen[digest] = None
-            while len(self._seen) > self._capacity:
-                self._seen.popitem(last=False)
+            self._pending.add(digest)
             return True
 
     def release(self, digest: bytes) -> None:
         """The handler failed: a corrected re-send with the same id must get through."""
         with self._lock:
-            self._seen.pop(digest, None)
+            self._pending.discard(digest)
 
     def handled(self, digest: bytes) -> None:
         """The handler succeeded: remember the message across restarts."""
         with self._lock:
+            self._pending.discard(digest)
+            self._seen[digest] = None
+            while len(self._seen) > self._capacity:
+                self._seen.popitem(last=False)
             if self._fd < 0:
                 return
             try:
@@ -102,7 +105,8 @@ class SeenMessages:
                 log.warning("cannot record a handled message in %s: %s", self._path, exc.strerror)
 
     def _compact(self) -> None:
-        """Rewrite the log with the entries in memory (under the lock), replacing it atomically."""
+        """Rewrite the log with the handled entries in memory (under the lock; messages still being
+        handled are not among them), replacing it atomically."""
         assert self._path is not None
         tmp = self._path.with_suffix(".tmp")
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)

@@ -43,3 +43,23 @@ def test_the_log_keeps_the_newest_entries_and_survives_a_torn_write(tmp_path: Pa
     assert all(again.claim(d) for d in digests[:10])  # the oldest are forgotten (bounded memory)
     assert path.stat().st_size % 16 == 0
     again.close()
+
+
+def test_a_rewrite_of_the_log_keeps_out_messages_still_being_handled(tmp_path: Path) -> None:
+    """A compaction while a handler runs must not log that message: if the handler then fails, a
+    corrected re-send after a restart must still get through."""
+    path = tmp_path / SEEN_FILE
+    seen = SeenMessages(path, b"k" * 32, capacity=3)
+    running = seen.digest("s", "running")
+    for i in range(6):  # the 6th handled entry rewrites the log (2 x capacity) while "running" runs
+        if i == 5:
+            assert seen.claim(running)
+        d = seen.digest("s", f"m-{i}")
+        assert seen.claim(d)
+        seen.handled(d)
+    assert path.stat().st_size < 6 * 16  # it was rewritten
+    seen.release(running)  # its handler failed
+    seen.close()
+    again = SeenMessages(path, b"k" * 32, capacity=3)
+    assert again.claim(running)
+    again.close()
