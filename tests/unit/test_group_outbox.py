@@ -42,6 +42,26 @@ def test_first_seq_continues_a_previous_run() -> None:
     assert publish(box, 2).seqs == (501, 502)
 
 
+def test_continue_after_moves_an_unused_sequence_and_members_bases_with_it() -> None:
+    box = Outbox("g", window=10, retention_max=10, first_seq=3)
+    box.add_member("bob")
+    assert box.continue_after(1) is True and box.last_seq == 2  # behind the start: nothing moves
+    assert box.continue_after(7) is True and box.last_seq == 7
+    assert box.base_of("bob") == 7  # not owed seqs that will never exist
+    r = publish(box, 2)
+    assert r.seqs == (8, 9) and not r.done()
+    box.ack("bob", 9)
+    assert r.done()
+    assert box.continue_after(9) is True  # at or behind what was published: nothing to do
+    assert box.continue_after(20) is False and publish(box, 1).seqs == (10,)  # published seqs stand
+
+
+def test_continue_after_refuses_once_published_even_if_everything_was_acked_and_freed() -> None:
+    box = Outbox("g", window=10, retention_max=10)
+    publish(box, 2)  # no members: acked and freed at once
+    assert box.continue_after(5) is False and box.last_seq == 2
+
+
 def test_receipt_resolves_when_every_current_member_acked() -> None:
     box = Outbox("g", window=100, retention_max=1000)
     box.add_member("bob")

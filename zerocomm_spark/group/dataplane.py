@@ -901,6 +901,14 @@ class DataPlane:
         """Highest seq this member published in ``group``: reopen with ``first_seq`` = it + 1."""
         return self._group(group).outbox.last_seq
 
+    def continue_after(self, group: str, seq: int) -> bool:
+        """Before anything is published in ``group``: start this member's sequence after ``seq`` (the
+        highest seq another member reports of a stream of ours from before a leave). False if messages
+        were published already: their seqs stand."""
+        if not isinstance(seq, int) or isinstance(seq, bool) or seq < 0:
+            raise ConfigurationError(f"a seq is a non-negative integer, got {seq!r}")
+        return self._group(group).outbox.continue_after(seq)
+
     def restore_positions(self, group: str, positions: Mapping[str, int], timeout: float = 10.0) -> None:
         """After a restart: continue each publisher's stream after the given seq, fetching what was missed.
 

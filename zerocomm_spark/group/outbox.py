@@ -114,6 +114,7 @@ class Outbox:
         self._messages: deque[DataMessage] = deque()  # contiguous seqs from _first_seq
         self._first_seq = first_seq  # seq of _messages[0] (or the next to publish when empty)
         self._last_seq = first_seq - 1  # highest seq published
+        self._start_seq = first_seq - 1  # where the sequence started: _last_seq still equal = nothing published
         self._unsent_seq = first_seq  # first seq not yet handed to the sender
         self._members: dict[str, MemberAckState] = {}
         self._receipts: deque[PublishReceipt] = deque()
@@ -141,6 +142,23 @@ class Outbox:
             self._members[did] = MemberAckState(base, True, self._clock())
             self._recompute_floor_locked()
             return base
+
+    def continue_after(self, seq: int) -> bool:
+        """Start the sequence after ``seq`` if nothing was published yet (members' bases move with it).
+
+        False if messages were published already (their seqs stand) and ``seq`` is past them.
+        """
+        with self._lock:
+            if seq <= self._last_seq:
+                return True
+            if self._last_seq != self._start_seq:
+                return False
+            self._first_seq = self._unsent_seq = seq + 1
+            self._last_seq = self._start_seq = seq
+            for state in self._members.values():
+                state.acked = max(state.acked, seq)
+            self._recompute_floor_locked()
+            return True
 
     def remove_member(self, did: str) -> None:
         with self._lock:

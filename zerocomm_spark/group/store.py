@@ -28,6 +28,7 @@ __all__ = ["GroupRecord", "GroupStore", "Identity", "Positions"]
 
 GROUP_KIND = "zerocomm-group"
 POSITIONS_KIND = "zerocomm-group-positions"
+LEFT_KIND = "zerocomm-group-left"  # our last seq in groups we left: kept, so a rejoin continues after it
 IDENTITY_KIND = "zerocomm-group-identity"
 PEER_KIND = "zerocomm-group-peer"
 IDENTITY_ID = "self"
@@ -145,6 +146,19 @@ class GroupStore:
     def save_positions(self, group: str, positions: Positions) -> None:
         self._keystore.put_record(POSITIONS_KIND, group, {"publish": positions.publish,
                                                           "receive": dict(positions.receive)})
+
+    def left_position(self, group: str) -> int:
+        """Our highest seq in ``group`` when we last left it (0 if never): a new sequence must start
+        after it, or members (and their journals) that kept our stream take new messages for old ones."""
+        data = self._keystore.get_record(LEFT_KIND, group) or {}
+        publish = data.get("publish", 0)
+        return publish if isinstance(publish, int) and not isinstance(publish, bool) and publish > 0 else 0
+
+    def save_left_position(self, group: str, publish: int) -> None:
+        """Remember ``publish`` (never lowering it): ``delete`` keeps this record."""
+        with self._lock:
+            if publish > self.left_position(group):
+                self._keystore.put_record(LEFT_KIND, group, {"publish": publish})
 
     # --- peers -----------------------------------------------------------------------------------
 
