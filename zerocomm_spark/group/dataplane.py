@@ -897,6 +897,20 @@ class DataPlane:
         with self._rx_lock:
             return dict(g.positions)
 
+    def stream_position(self, group: str, did: str) -> int:
+        """How far ``did``'s stream is known here: the highest seq delivered, held back (waiting for
+        a hole before it), or announced by it (0 if none). A publisher that starts its sequence anew
+        (after a leave it kept no record of, or a crash) must continue after this, not after the
+        delivered position: a new message filling the hole would release the old ones held after it
+        and the new ones of the same seqs would be dropped as duplicates (and acked)."""
+        g = self._group(group)
+        with self._rx_lock:
+            position = g.positions.get(did, 0)
+            stream = g.streams.get(did)
+            if stream is not None:
+                position = max(position, stream.delivered, stream.highest, stream.announced)
+            return position
+
     def publish_position(self, group: str) -> int:
         """Highest seq this member published in ``group``: reopen with ``first_seq`` = it + 1."""
         return self._group(group).outbox.last_seq

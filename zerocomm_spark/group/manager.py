@@ -56,6 +56,7 @@ from zerocomm_spark.errors import (
     SignatureError,
     ZeroCommError,
 )
+from zerocomm_spark.group.datamessage import MAX_SEQ
 from zerocomm_spark.group.dataplane import MODES, ROLES, DataPlane, DataPlaneConfig, Delivered, PublishReceipt, RemoteMember
 from zerocomm_spark.group.policy import AdmissionPolicy, AdmissionRequest, OpenPolicy, Ticket, policy_from_dict
 from zerocomm_spark.group.proof import connection_proof, proves_connection
@@ -108,6 +109,11 @@ MAX_PENDING_PER_VOUCHER = 64
 
 _NO_PROOF = ("the request does not prove it comes from the entry's member over this connection (entries are "
              "public: anyone can send one)")
+
+#: Positions of our stream that members report above this are not believed: continuing after one
+#: would leave no usable seqs (every batch refused as malformed past 2**63-1), so a faulty or
+#: hostile member could silence our stream for everyone.
+MAX_REPORTED_POSITION = MAX_SEQ // 2
 
 MEMBER_GOAL = "zerocomm.group.member"  # the multi-use invitation each member announces in its entry
 JOIN_GOAL = "zerocomm.group.join"  # invitations issued for a group with invite(group)
@@ -758,7 +764,7 @@ class GroupManager:
         self._check_consistency(g, deadline, accepted, checksums)
         # A member that missed our last leave still holds our old stream: continue after it (nothing
         # is published before the join completes, so the sequence can still move).
-        reported = max((pair.position for pair in accepted.values()), default=0)
+        reported = self._reported(g, accepted)
         if reported > left_at and not self.dataplane.continue_after(group, reported):  # pragma: no cover - defensive
             log.warning("group %r: a member holds our stream up to seq %d; new messages may be taken for old ones",
                         group, reported)
@@ -915,6 +921,16 @@ class GroupManager:
                 log.warning("group %r: probe of %s unanswered; its first messages arrive by retransmission",
                             g.name, did)
 
+    def _reported(self, g: _Group, pairs: Mapping[str, _Pair]) -> int:
+        """The highest position of our stream the members answering our subscribe hold (0 if none)."""
+        top = 0
+        for did, pair in pairs.items():
+            if pair.position > MAX_REPORTED_POSITION:
+                log.warning("group %r: %s reports our stream at seq %d; not believed", g.name, did, pair.position)
+            else:
+                top = max(top, pair.position)
+        return top
+
     def _abandon(self, g: _Group, accepted: Mapping[str, _Pair]) -> None:
         """Undo a failed join: the members that accepted our subscribe drop us again."""
         with self._lock:
@@ -922,6 +938,9 @@ class GroupManager:
             g.phase = _LEAVING
             g.quarantine.clear()
         try:
+            # Those members forget our stream now: what they held of it is kept here, as a leave
+            # keeps our last seq, so the next join still continues after it.
+            self._store.save_left_position(g.name, self._reported(g, accepted))
             left = self._bump_own(g, status=LEFT)
             for did, pair in accepted.items():
                 try:
@@ -942,9 +961,11 @@ class GroupManager:
         """Rejoin a group kept from before a restart, with the same identity."""
         try:
             with self._lock:
+                if g.phase != _RESUMING:
+                    return  # left before the resume started
                 peers = dict(g.record.peers)
                 stored = {did: g.view.get(did) for did in peers}
-            self._bump_own(g, status=ACTIVE)
+                self._bump_own(g, status=ACTIVE)
             deadline = time.monotonic() + self.config.resume_timeout_s
             futures = {}
             for did, connection_id in peers.items():
@@ -962,7 +983,7 @@ class GroupManager:
                     log.info("group %r: %s not reached on resume (%s); keeping it", g.name, did,
                              type(exc).__name__ if exc else "timeout")
             saved = g.saved_positions or Positions()
-            first_seq = max([saved.publish, *(p.position for p in fresh.values())]) + 1
+            first_seq = max(saved.publish, self._reported(g, fresh)) + 1
             self.dataplane.open_group(g.name, mode=g.record.mode, ordered=g.record.ordered,  # type: ignore[arg-type]
                                       group_key=g.group_key, role=g.record.role, first_seq=first_seq)  # type: ignore[arg-type]
             if saved.receive:
@@ -977,7 +998,12 @@ class GroupManager:
                     continue
                 self.dataplane.add_member(g.name, self._remote(entry, record))
             with self._lock:
-                g.phase = _ACTIVE
+                left = g.phase == _LEAVING
+                if not left:
+                    g.phase = _ACTIVE
+            if left:  # left while resuming: the group opened above goes again, and stays gone
+                self._drop_resumed(g)
+                return
             self._save(g)
             g.ready.set()
             self._probe(g, list(fresh), time.monotonic() + self.config.probe_timeout_s)
@@ -985,8 +1011,20 @@ class GroupManager:
             self._repair_all(g)
             log.info("group %r resumed after a restart (%d of %d members reached)", g.name, len(fresh), len(peers))
         except Exception as exc:  # noqa: BLE001 - a group that cannot resume must not stop the others
-            if not self._closing.is_set():
+            if g.phase == _LEAVING:
+                self._drop_resumed(g)
+            elif not self._closing.is_set():
                 log.error("group %r could not resume: %s", g.name, type(exc).__name__, exc_info=exc)
+
+    def _drop_resumed(self, g: _Group) -> None:
+        """A leave came while ``g`` was resuming: close what the resume opened (the leave found it
+        not open yet), keeping our last seq there past the leave as the leave does."""
+        try:
+            self._store.save_left_position(g.name, self.dataplane.publish_position(g.name))
+            self.dataplane.close_group(g.name)
+        except GroupError:
+            pass
+        log.info("group %r: left while resuming", g.name)
 
     # --- leave and role --------------------------------------------------------------------------
 
@@ -1000,8 +1038,16 @@ class GroupManager:
             g.phase = _LEAVING
             self._groups.pop(group, None)
             self._inbox_cond.notify_all()
+        # Our last seq is kept past the leave; a group still resuming is not open on the data plane
+        # yet, so what was saved before the restart counts too (the resume records its own if it
+        # opens the group after all: _drop_resumed).
+        saved = g.saved_positions.publish if g.saved_positions is not None else 0
         try:
-            self._store.save_left_position(group, self.dataplane.publish_position(group))
+            saved = max(saved, self.dataplane.publish_position(group))
+        except GroupError:
+            pass
+        self._store.save_left_position(group, saved)
+        try:
             self.dataplane.close_group(group)
         except GroupError:
             pass
@@ -1231,7 +1277,7 @@ class GroupManager:
             g.record.peers[entry.did] = record.connection_id
         try:
             self.dataplane.add_member(g.name, self._remote(current, record))
-            position = self.dataplane.positions(g.name).get(entry.did, 0)
+            position = self.dataplane.stream_position(g.name, entry.did)
         except ZeroCommError as exc:
             with self._lock:
                 if not known:

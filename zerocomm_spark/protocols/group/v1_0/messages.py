@@ -208,7 +208,7 @@ class SubscribeResponse(_Threaded):
     group: str
     member: dict[str, Any]
     checksum: str
-    position: int = 0  # last seq of the subscriber's stream delivered here (a restarted publisher resumes after it)
+    position: int = 0  # highest seq of the subscriber's stream held here, delivered or held back (it continues after)
     your_version: int = 0  # the version of the subscriber's entry held here
 
     def body(self) -> dict[str, Any]:

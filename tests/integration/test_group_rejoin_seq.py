@@ -1,0 +1,219 @@
+"""A member that comes back to a group must continue its sequence after anything a member still
+holds of its old stream, or that member takes new messages for old ones (dropped as duplicates,
+and acked). Two agents in this process (real sockets, real crypto); see test_rejoin.py for the
+agent-process version with the CLI journal."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from zerocomm_spark import Agent
+from zerocomm_spark.errors import JoinRefusedError
+from zerocomm_spark.group.datamessage import MAX_SEQ
+from zerocomm_spark.group.manager import GroupConfig
+from zerocomm_spark.group.policy import AllowListPolicy, OpenPolicy
+from zerocomm_spark.group.store import LEFT_KIND
+
+pytestmark = [pytest.mark.timeout(120), pytest.mark.slow]
+
+CONFIG = GroupConfig(digest_interval_s=0.3, resume_timeout_s=3.0)
+
+
+def _eventually(check: Callable[[], Any], timeout: float = 10.0, what: str = "condition") -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = check()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"{what} not reached within {timeout}s")
+
+
+class _Pair:
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.alice = Agent.open(root / "alice", label="alice", group_config=CONFIG)
+        self.bob = Agent.open(root / "bob", label="bob", group_config=CONFIG)
+
+    def reopen_bob(self) -> Agent:
+        self.bob.close()
+        self.bob = Agent.open(self.root / "bob", label="bob", group_config=CONFIG)
+        return self.bob
+
+    def close(self) -> None:
+        for agent in (self.alice, self.bob):
+            agent.close()
+
+
+@pytest.fixture()
+def pair(tmp_path: Path) -> Iterator[_Pair]:
+    p = _Pair(tmp_path)
+    yield p
+    p.close()
+
+
+def _payloads(agent: Agent, group: str, publisher: str) -> list[tuple[int, bytes]]:
+    return [(m.seq, m.payload) for m in agent.groups.messages(group) if m.publisher_did == publisher]
+
+
+def _leave_unheard(bob: Agent, group: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """bob leaves, but alice never hears of it (down then, or the messages lost), and bob's identity
+    keeps no record of its last seq there (a store from before such records were kept): alice still
+    holds bob's old stream, and only her subscribe answer can tell bob where it stands."""
+    gm = bob.groups
+    with monkeypatch.context() as patch:
+        patch.setattr(gm, "_push", lambda g, make, timeout: list(g.record.peers))
+        patch.setattr(gm, "_announce", lambda g: None)
+        gm.leave(group)
+    gm._keystore.delete_record(LEFT_KIND, group)  # noqa: SLF001
+
+
+def test_a_rejoiner_continues_after_the_position_a_member_reports(pair: _Pair,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    alice, bob = pair.alice, pair.bob
+    alice.groups.create("g")
+    via = bob.accept(alice.invite(), timeout=10)
+    bob.groups.join("g", via=via, timeout=30)
+    bob.groups.publish("g", [b"one", b"two", b"three"]).wait(10)
+    bob_did = bob.groups.did
+    _eventually(lambda: len(_payloads(alice, "g", bob_did)) == 3, what="alice to get bob's messages")
+
+    _leave_unheard(bob, "g", monkeypatch)
+    bob = pair.reopen_bob()  # a new process: nothing of the old sequence is left in memory
+    assert bob.groups.did == bob_did
+    assert alice.groups.dataplane.positions("g").get(bob_did) == 3  # alice still holds the old stream
+
+    bob.groups.join("g", via=via.id, timeout=30)
+    receipt = bob.groups.publish("g", [b"four"])
+    assert receipt.seqs == (4,)  # after the position alice reported, not 1 again
+    receipt.wait(10)
+    _eventually(lambda: _payloads(alice, "g", bob_did)[-1:] == [(4, b"four")], what="alice to get bob's new message")
+
+
+def test_a_rejoiner_continues_after_messages_a_member_holds_back(pair: _Pair,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """alice got bob's seq 1 and 3 but not 2 (held back, ordered): she reports 1 delivered, yet holds
+    3. A sequence continuing at 2 fills her hole with a new message, releases the old 3 after it and
+    drops bob's new 3 as a duplicate (acked: bob's receipt resolves, the message is lost)."""
+    alice, bob = pair.alice, pair.bob
+    alice.groups.create("g")
+    via = bob.accept(alice.invite(), timeout=10)
+    bob.groups.join("g", via=via, timeout=30)
+    bob_did = bob.groups.did
+    plane = alice.groups.dataplane
+    accept = plane._accept_batch  # noqa: SLF001
+
+    def lose_seq_2(g: Any, m: Any, batch: Any) -> None:
+        if not (batch.messages and batch.messages[0].seq == 2):
+            accept(g, m, batch)
+
+    monkeypatch.setattr(plane, "_accept_batch", lose_seq_2)
+    bob.groups.publish("g", [b"one"]).wait(10)
+    bob.groups.publish("g", [b"two"])
+    time.sleep(0.3)  # its own batch
+    bob.groups.publish("g", [b"three"])
+
+    def held() -> bool:
+        with plane._rx_lock:  # noqa: SLF001
+            stream = plane._groups["g"].streams.get(bob_did)  # noqa: SLF001
+            return stream is not None and stream.delivered == 1 and stream.held_count == 1
+
+    _eventually(held, what="alice to hold bob's seq 3 back")
+
+    _leave_unheard(bob, "g", monkeypatch)
+    bob = pair.reopen_bob()
+    monkeypatch.setattr(plane, "_accept_batch", accept)
+    bob.groups.join("g", via=via.id, timeout=30)
+    first = bob.groups.publish("g", [b"four"])
+    second = bob.groups.publish("g", [b"five"])
+    assert first.seqs[0] > 3, first.seqs
+    second.wait(10)
+    _eventually(lambda: [p for _, p in _payloads(alice, "g", bob_did)] == [b"one", b"three", b"four", b"five"],
+                what="alice to get bob's new messages after the old ones")
+
+
+def test_a_leave_while_resuming_stays_left(pair: _Pair) -> None:
+    """bob restarts while alice is down, so his resume waits for her; he leaves meanwhile. The
+    resume finishing must not bring the group back (at the next restart, or as an open data-plane
+    group that refuses a new join), and the leave must remember bob's last seq there."""
+    alice, bob = pair.alice, pair.bob
+    alice.groups.create("g")
+    via = bob.accept(alice.invite(), timeout=10)
+    bob.groups.join("g", via=via, timeout=30)
+    bob.groups.publish("g", [b"one", b"two"]).wait(10)
+    bob_did = bob.groups.did
+    bob.close()
+    alice.close()  # bob's resume waits resume_timeout_s for her
+
+    bob = pair.bob = Agent.open(pair.root / "bob", label="bob", group_config=CONFIG)
+    assert bob.groups.groups() == ["g"]
+    bob.groups.leave("g", timeout=1.0)
+    assert bob.groups.groups() == []
+    time.sleep(CONFIG.resume_timeout_s + 2.0)  # the resume ends meanwhile
+    assert bob.groups.groups() == []
+    assert bob.groups._store.get("g") is None  # noqa: SLF001
+    assert "g" not in bob.groups.dataplane._groups  # noqa: SLF001
+    assert bob.groups._store.left_position("g") == 2  # noqa: SLF001
+
+    bob = pair.reopen_bob()
+    assert bob.groups.groups() == []  # not resumed again
+    pair.alice = Agent.open(pair.root / "alice", label="alice", group_config=CONFIG)
+    pair.alice.groups.wait_active("g", 20)
+    bob.groups.join("g", via=via.id, timeout=30)
+    receipt = bob.groups.publish("g", [b"three"])
+    assert receipt.seqs == (3,)
+    receipt.wait(10)
+    assert bob.groups.did == bob_did
+
+
+def test_a_failed_rejoin_keeps_the_position_members_reported(tmp_path: Path,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """bob's first join again fails (carol, who joined after he left, refuses him) after alice
+    reported bob's old stream; the failed join tells alice to drop bob, so she forgets it. bob must
+    remember it himself, or his next join starts at seq 1 again, below what journals hold."""
+    alice, bob, carol = (Agent.open(tmp_path / n, label=n, group_config=CONFIG) for n in ("alice", "bob", "carol"))
+    agents = [alice, bob, carol]
+    try:
+        alice.groups.create("g")
+        via = bob.accept(alice.invite(), timeout=10)
+        bob.groups.join("g", via=via, timeout=30)
+        bob.groups.publish("g", [b"one", b"two", b"three"]).wait(10)
+        bob_did = bob.groups.did
+        _leave_unheard(bob, "g", monkeypatch)
+        carol.groups.join("g", via=carol.accept(alice.invite(), timeout=10), timeout=30)  # bob is not there
+        bob.close()
+        bob = agents[1] = Agent.open(tmp_path / "bob", label="bob", group_config=CONFIG)
+
+        carol.groups.set_policy("g", AllowListPolicy([alice.groups.did]))
+        with pytest.raises(JoinRefusedError):
+            bob.groups.join("g", via=via.id, timeout=30)
+        assert bob.groups.groups() == []
+        _eventually(lambda: bob_did not in alice.groups.dataplane.positions("g"), what="alice to drop bob")
+
+        carol.groups.set_policy("g", OpenPolicy())
+        bob.groups.join("g", via=via.id, timeout=30)
+        receipt = bob.groups.publish("g", [b"four"])
+        assert receipt.seqs == (4,)
+        receipt.wait(10)
+    finally:
+        for agent in agents:
+            agent.close()
+
+
+def test_a_position_past_any_usable_seq_does_not_break_the_joiners_stream(
+        pair: _Pair, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A faulty or hostile member answers the subscribe with position 2**63-1: continuing after it
+    would give the joiner seqs no member accepts (every batch dropped as malformed, forever)."""
+    alice, bob = pair.alice, pair.bob
+    alice.groups.create("g")
+    monkeypatch.setattr(alice.groups.dataplane, "stream_position", lambda group, did: MAX_SEQ)
+    bob.groups.join("g", via=bob.accept(alice.invite(), timeout=10), timeout=30)
+    receipt = bob.groups.publish("g", [b"hello"])
+    receipt.wait(10)
+    _eventually(lambda: _payloads(alice, "g", bob.groups.did) == [(receipt.seqs[0], b"hello")],
+                what="alice to get bob's message")
