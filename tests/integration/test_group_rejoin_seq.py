@@ -217,3 +217,14 @@ def test_a_position_past_any_usable_seq_does_not_break_the_joiners_stream(
     receipt.wait(10)
     _eventually(lambda: _payloads(alice, "g", bob.groups.did) == [(receipt.seqs[0], b"hello")],
                 what="alice to get bob's message")
+
+
+def test_leave_keeps_to_its_timeout_when_a_member_is_down(pair: _Pair) -> None:
+    alice, bob = pair.alice, pair.bob
+    alice.groups.create("g")
+    via = bob.accept(alice.invite(), timeout=10)
+    bob.groups.join("g", via, timeout=20)
+    alice.close()  # down: neither the status nor the leave reaches her
+    started = time.monotonic()
+    bob.groups.leave("g", timeout=1.0)
+    assert time.monotonic() - started < 3.0
