@@ -452,6 +452,111 @@ def test_age_retention(jdir: Path, key: bytes) -> None:
         assert pa.compute.sum(old).as_py() < 100
 
 
+@pytest.mark.parametrize("read_threads", [1, 4])
+def test_read_by_seq_racing_retention_returns_the_rows_left(jdir: Path, key: bytes, monkeypatch,  # noqa: ANN001
+                                                            read_threads: int) -> None:
+    """Retention deleting a segment between read_by_seq's plan and its reading: the rows it took are
+    absent from the answer, as the docstring says, not a DataLossError (a read from seq 1, the API's
+    default, always starts in the oldest segment: the one retention deletes)."""
+    from zerocomm_spark.journal import journal as journal_module
+
+    with Journal.open(jdir, key=key, segment_bytes=4096, read_threads=read_threads) as j:
+        _fill(j, 30)
+        j.commit(200)
+        real = journal_module.iter_pieces
+
+        def racing(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+            if j.retention_bytes is None:  # once: retention runs after the plan was made
+                j.retention_bytes = 8192
+                assert j.enforce_retention() > 0
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(journal_module, "iter_pieces", racing)
+        table = j.read_by_seq(GROUP, ALICE, 1, 300)
+        assert seqs(table) == list(range(j.earliest_offset() + 1, 301))
+        assert seqs(j.read_by_seq(GROUP, ALICE, 1, 300, max_rows=5)) == list(range(j.earliest_offset() + 1,
+                                                                                  j.earliest_offset() + 6))
+
+
+def test_offset_for_timestamp_racing_retention_searches_again(jdir: Path, key: bytes, monkeypatch) -> None:  # noqa: ANN001
+    from zerocomm_spark.journal import journal as journal_module
+
+    with Journal.open(jdir, key=key, segment_bytes=4096) as j:
+        _fill(j, 30)
+        j.commit(200)
+        real = journal_module.open_segment
+
+        def racing(path: Path) -> int:
+            if j.retention_bytes is None:  # retention deletes the segment found, before it is opened
+                j.retention_bytes = 8192
+                assert j.enforce_retention() > 0
+            return real(path)
+
+        monkeypatch.setattr(journal_module, "open_segment", racing)
+        assert j.offset_for_timestamp(T0) == j.earliest_offset() > 0
+
+
+def test_a_commit_point_past_the_end_is_clamped_on_disk_too(jdir: Path, key: bytes) -> None:
+    """A commit point beyond the end (rows consumed, then lost to a power loss under "interval") is
+    brought back to the end at open - and saved so: otherwise the next open took it back once new
+    rows had passed it, and retention deleted those rows before any consumer read them."""
+    with Journal.open(jdir, key=key, segment_bytes=4096) as j:
+        _fill(j, 1)
+        j.commit(10)
+    files_module.write_commit(jdir, 200)  # what a power loss after commit(200) leaves: offsets 10..199 lost
+    with Journal.open(jdir, key=key, segment_bytes=4096) as j:
+        assert j.committed_offset == 10
+        _fill(j, 30, first_seq=11)  # new rows at offsets 10..309, consumed by nobody
+    assert files_module.read_commit(jdir) == 10
+    with Journal.open(jdir, key=key, segment_bytes=4096, retention_bytes=8192) as j:
+        assert j.committed_offset == 10
+        assert j.earliest_offset() <= 10  # nothing past the real commit point went
+        assert offsets(j.read(10, 310)) == list(range(10, 310))
+
+
+def test_overlapping_retention_passes_never_leave_a_hole_a_kill_could_keep(jdir: Path, key: bytes, monkeypatch,  # noqa: ANN001
+                                                                            tmp_path: Path) -> None:
+    """Retention runs after commits, rolls and every second, from different threads. Two passes at
+    once unlinked out of order: a kill -9 while the first was still unlinking kept a segment whose
+    neighbours were gone - a hole. After the restart the journal started at that segment, reads
+    from there failed at the hole, and the positions of the publishers whose rows it had held came
+    from that old segment's side file: their re-sends were journaled again."""
+    import pathlib
+
+    with Journal.open(jdir, key=key, segment_bytes=4096) as j:
+        _fill(j, 20)  # ALICE's seqs 1..200, over many segments
+        _fill(j, 2, publisher=BOB)  # BOB's only rows, after them
+        _fill(j, 10, first_seq=201)
+        j.commit(j.next_offset)
+        real_unlink = pathlib.Path.unlink
+        first_started, killed = threading.Event(), threading.Event()
+        snapshot = tmp_path / "after-kill"
+
+        def unlink(self: Path, *args, **kwargs) -> None:  # noqa: ANN002, ANN003
+            if threading.current_thread().name == "first" and not first_started.is_set():
+                first_started.set()  # the first pass starts unlinking...
+                assert killed.wait(10)  # ...and the process is killed before it goes on
+            real_unlink(self, *args, **kwargs)
+
+        monkeypatch.setattr(pathlib.Path, "unlink", unlink)
+        j.retention_bytes = sum(p.stat().st_size for p in jdir.glob("*.zcj")) - 1  # one segment too many
+        first = threading.Thread(target=j.enforce_retention, name="first")
+        first.start()
+        assert first_started.wait(10)
+        j.retention_bytes = 0  # a second pass (a commit, a roll): everything committed may go
+        second = threading.Thread(target=j.enforce_retention, name="second")
+        second.start()
+        second.join(1)
+        shutil.copytree(jdir, snapshot)  # kill -9 now: the directory as it is
+        killed.set()
+        first.join(10)
+        second.join(10)
+    with Journal.open(snapshot, key=key, segment_bytes=4096) as j:
+        assert offsets(j.read(j.earliest_offset())) == list(range(j.earliest_offset(), j.next_offset))
+        assert j.latest().publishers[(GROUP, BOB)].last_seq == 20
+        assert j.append(rows(1, 20, publisher=BOB)).appended == 0
+
+
 # --- lifecycle, keys, configuration ------------------------------------------------------------
 
 

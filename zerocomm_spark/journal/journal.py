@@ -77,6 +77,11 @@ class Journal:
         self._read_threads = read_threads
         self._lock = threading.RLock()  # index, state, offsets, closing
         self._commit_lock = threading.Lock()
+        # One retention pass at a time, through its unlinks: passes that overlap (a commit, a roll,
+        # the syncer) would unlink out of order, and a crash between could keep a segment whose
+        # neighbours on both sides are gone (a hole in the journal). Not self._lock: appends and
+        # reads never wait for an unlink.
+        self._retention_lock = threading.Lock()
         self._segments: list[Segment] = []
         self._segment_bases: list[int] = []
         self._state: State = {}
@@ -179,6 +184,9 @@ class Journal:
                 log.warning("journal %s: commit point %d is beyond the end %d (lost unsynced data?); using the end",
                             self.directory, committed, self._next_offset)
                 committed = self._next_offset
+                # Saved, as the named consumers' points are (clamp): left on disk, the next open would
+                # take it back once new rows pass it, and retention would delete those rows unread.
+                files.write_commit(self.directory, committed)
             self._committed = committed
             self._consumers = consumers
             self._consumers.clamp(self._next_offset)
@@ -404,45 +412,65 @@ class Journal:
         by retention are simply absent. ``max_rows`` / ``max_bytes`` (payload bytes, at least one row
         comes back) stop the read early: only the first rows are decrypted and held, whatever the range.
         """
+        out: list[pa.RecordBatch] = []
+        rows_left = max_rows
+        bytes_left = max_bytes
+        after = -1  # base offset of the last record read: a re-plan starts past it
+        while True:
+            plan = self._seq_plan(group, publisher_did, seq_from, seq_to, after)
+            pieces = iter_pieces(plan, self._key, self._pool(), 2 * self._read_threads, self.timeout)
+            done = 0  # pieces read (each yields one batch)
+            full = False
+            try:
+                for batch in pieces:
+                    after = plan[done].entry.base_offset  # type: ignore[union-attr]
+                    done += 1
+                    mask = pc.and_(
+                        pc.and_(pc.equal(batch.column("publisher_did"), publisher_did),
+                                pc.equal(batch.column("group"), group)),
+                        pc.and_(pc.greater_equal(batch.column("seq"), seq_from),
+                                pc.less_equal(batch.column("seq"), seq_to)))
+                    picked = batch.filter(mask)
+                    if not picked.num_rows:
+                        continue
+                    take = picked.num_rows if rows_left is None else min(picked.num_rows, rows_left)
+                    if bytes_left is not None:
+                        fit, used = rows_within_bytes(picked.column("payload"), take, bytes_left, at_least_one=not out)
+                        full, take = fit < take, fit
+                        bytes_left -= used
+                    if take:
+                        out.append(picked if take == picked.num_rows else picked.slice(0, take))
+                    if rows_left is not None:
+                        rows_left -= take
+                        full = full or rows_left <= 0
+                    if full:
+                        break
+            except DataLossError:
+                # Retention deleted a segment of the plan after it was made: its rows are gone, which
+                # for this read means absent, as if the plan had been made a moment later. Anything
+                # else missing (a segment retention did not delete) is an error.
+                unread = plan[done] if done < len(plan) else None
+                if not isinstance(unread, Piece) or unread.entry.base_offset >= self.earliest_offset():
+                    raise
+                continue
+            finally:
+                pieces.close()  # stopped early: the read-ahead ends and its descriptors close
+            break
+        return pa.Table.from_batches(out, schema=JOURNAL_SCHEMA)
+
+    def _seq_plan(self, group: str, publisher_did: str, seq_from: int, seq_to: int, after: int) -> list[Piece | Hole]:
+        """The records of read_by_seq still retained, past the record at base offset ``after``."""
         with self._lock:
             self._check_open()
             earliest = self._segments[0].base_offset
             plan: list[Piece | Hole] = []
             for base in self._seq_index.record_bases((group, publisher_did), seq_from, seq_to):
-                if base < earliest:
+                if base < earliest or base <= after:
                     continue
                 segment = self._segments[bisect.bisect_right(self._segment_bases, base) - 1]
                 entry = segment.records[segment.locate(base)]
                 plan.append(Piece(segment.path, entry, 0, entry.header.count))
-        out: list[pa.RecordBatch] = []
-        rows_left = max_rows
-        bytes_left = max_bytes
-        pieces = iter_pieces(plan, self._key, self._pool(), 2 * self._read_threads, self.timeout)
-        try:
-            for batch in pieces:
-                mask = pc.and_(
-                    pc.and_(pc.equal(batch.column("publisher_did"), publisher_did),
-                            pc.equal(batch.column("group"), group)),
-                    pc.and_(pc.greater_equal(batch.column("seq"), seq_from), pc.less_equal(batch.column("seq"), seq_to)))
-                picked = batch.filter(mask)
-                if not picked.num_rows:
-                    continue
-                take = picked.num_rows if rows_left is None else min(picked.num_rows, rows_left)
-                full = False
-                if bytes_left is not None:
-                    fit, used = rows_within_bytes(picked.column("payload"), take, bytes_left, at_least_one=not out)
-                    full, take = fit < take, fit
-                    bytes_left -= used
-                if take:
-                    out.append(picked if take == picked.num_rows else picked.slice(0, take))
-                if rows_left is not None:
-                    rows_left -= take
-                    full = full or rows_left <= 0
-                if full:
-                    break
-        finally:
-            pieces.close()  # stopped early: the read-ahead ends and its descriptors close
-        return pa.Table.from_batches(out, schema=JOURNAL_SCHEMA)
+            return plan
 
     def add_superseded(self, group: str, publisher_did: str, seqs: list[int]) -> None:
         """Record seqs of this publisher that will have no row (their message ids were delivered
@@ -463,26 +491,35 @@ class Journal:
         """The first offset received at or after ``ts`` (int microseconds since the epoch, or an aware
         datetime); the journal's end if no retained row is that recent."""
         target = to_micros(ts, "ts")
-        with self._lock:
-            self._check_open()
-            found: tuple[Segment, RecordEntry] | None = None
-            for segment in self._segments:
-                if segment.max_ts is None or segment.max_ts < target:
-                    continue
-                for entry in segment.records:
-                    if entry.header.max_ts >= target:
-                        found = (segment, entry)
+        while True:
+            with self._lock:
+                self._check_open()
+                found: tuple[Segment, RecordEntry] | None = None
+                for segment in self._segments:
+                    if segment.max_ts is None or segment.max_ts < target:
+                        continue
+                    for entry in segment.records:
+                        if entry.header.max_ts >= target:
+                            found = (segment, entry)
+                            break
+                    if found:
                         break
-                if found:
-                    break
-            if found is None:
-                return self._next_offset
-        segment, entry = found
-        fd = open_segment(segment.path)  # DataLossError if retention deleted it meanwhile
-        try:
-            batch = load_record(fd, segment.path, entry, self._key)
-        finally:
-            os.close(fd)
+                if found is None:
+                    return self._next_offset
+            segment, entry = found
+            try:
+                fd = open_segment(segment.path)
+            except DataLossError:
+                # Retention deleted it since the search: search again among what is left (a segment
+                # it did not delete is missing for another reason: that stays an error).
+                if segment.base_offset >= self.earliest_offset():
+                    raise
+                continue
+            try:
+                batch = load_record(fd, segment.path, entry, self._key)
+            finally:
+                os.close(fd)
+            break
         received = batch.column("received_at").cast(pa.int64())
         position = pc.index(pc.greater_equal(received, target), True).as_py()
         return entry.base_offset + position
@@ -544,34 +581,40 @@ class Journal:
 
     def enforce_retention(self) -> int:
         """Delete the segments retention allows now (it also runs after commits, rolls and every second)."""
-        with self._lock:
-            if self._closed and self._lock_fd < 0:
-                return 0
-            count = retention.segments_to_delete(
-                self._segments, committed=self.committed_offset, now_us=now_micros(),
-                retention_bytes=self.retention_bytes, retention_ms=self.retention_ms)
-            if not count:
-                return 0
-            doomed = self._segments[:count]
-            new_base = self._segments[count].base_offset
-            # Saved before any segment goes (see index.BASE_STATE_FILE): who published what up to here.
-            gone = {k: v for k, v in self._state.items() if v[1] < new_base}
-            try:
-                index.write_index(self.directory / index.BASE_STATE_FILE, index.SegmentIndex(0, new_base, 0, [], gone),
-                                  self._key, fsync=self.fsync != "never")
-            except OSError as exc:  # a full disk is what retention is there to fix: it goes on regardless
-                log.warning("journal %s: could not save the positions of publishers retention removes (%s); "
-                            "after a crash their late re-sends could be journaled again", self.directory.name,
-                            exc.strerror)
-            del self._segments[:count]
-            del self._segment_bases[:count]
-            self._seq_index.prune_below(new_base)
-        for segment in doomed:
-            log.info("journal %s: retention deletes %s (offsets %d..%d)", self.directory.name,
-                     segment.path.name, segment.base_offset, segment.end_offset - 1)
-            for path in (segment.path, segment.index_path):
+        if not self._retention_lock.acquire(timeout=self.timeout):  # another pass is stuck unlinking: it
+            return 0  # deletes what this one would have, or the next pass (every second) does
+        try:
+            with self._lock:
+                if self._closed and self._lock_fd < 0:
+                    return 0
+                count = retention.segments_to_delete(
+                    self._segments, committed=self.committed_offset, now_us=now_micros(),
+                    retention_bytes=self.retention_bytes, retention_ms=self.retention_ms)
+                if not count:
+                    return 0
+                doomed = self._segments[:count]
+                new_base = self._segments[count].base_offset
+                # Saved before any segment goes (see index.BASE_STATE_FILE): who published what up to here.
+                gone = {k: v for k, v in self._state.items() if v[1] < new_base}
                 try:
-                    path.unlink()
-                except FileNotFoundError:
-                    pass
-        return count
+                    index.write_index(self.directory / index.BASE_STATE_FILE,
+                                      index.SegmentIndex(0, new_base, 0, [], gone), self._key,
+                                      fsync=self.fsync != "never")
+                except OSError as exc:  # a full disk is what retention is there to fix: it goes on regardless
+                    log.warning("journal %s: could not save the positions of publishers retention removes (%s); "
+                                "after a crash their late re-sends could be journaled again", self.directory.name,
+                                exc.strerror)
+                del self._segments[:count]
+                del self._segment_bases[:count]
+                self._seq_index.prune_below(new_base)
+            for segment in doomed:
+                log.info("journal %s: retention deletes %s (offsets %d..%d)", self.directory.name,
+                         segment.path.name, segment.base_offset, segment.end_offset - 1)
+                for path in (segment.path, segment.index_path):
+                    try:
+                        path.unlink()
+                    except FileNotFoundError:
+                        pass
+            return count
+        finally:
+            self._retention_lock.release()
