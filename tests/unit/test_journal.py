@@ -1138,6 +1138,31 @@ def test_retention_still_deletes_when_the_disk_is_too_full_to_save_positions(jdi
         assert j.append(rows(10_000, 10_000)).appended == 1
 
 
+def test_a_segment_retention_cannot_delete_stays_and_the_journal_goes_on(jdir: Path, key: bytes,
+                                                                        monkeypatch) -> None:  # noqa: ANN001
+    """A failed unlink (permissions changed under the agent) is a failed clean-up, not a failed write:
+    it raised out of commit(), and from the background pass it stopped the journal."""
+    real = Path.unlink
+
+    def refuse(self: Path, *args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        if self.suffix == ".zcj":
+            raise PermissionError(13, "Permission denied")
+        return real(self, *args, **kwargs)
+
+    with Journal.open(jdir, key=key, segment_bytes=4096, retention_bytes=1) as j:
+        _fill(j, 60)
+        before = sorted(jdir.glob("*.zcj"))
+        monkeypatch.setattr(Path, "unlink", refuse)
+        j.commit(j.next_offset)
+        assert sorted(jdir.glob("*.zcj")) == before  # still there: retried after a reopen
+        assert j.earliest_offset() > 0  # but no longer part of the journal
+        assert j.append(rows(10_000, 10_000)).appended == 1
+        monkeypatch.setattr(Path, "unlink", real)
+    with Journal.open(jdir, key=key, segment_bytes=4096, retention_bytes=1) as j:
+        j.enforce_retention()
+        assert len(list(jdir.glob("*.zcj"))) < len(before)
+
+
 @pytest.mark.skipif(files_module._sync_file_range is None, reason="sync_file_range is Linux-only")
 def test_start_writeback_asks_the_kernel_and_never_raises(tmp_path: Path) -> None:
     path = tmp_path / "f"

@@ -615,6 +615,10 @@ class Journal:
                         path.unlink()
                     except FileNotFoundError:
                         pass
+                    except OSError as exc:  # the file stays (reopened, it is retained again and retried);
+                        # a failed clean-up must not stop the journal as a failed write does
+                        log.warning("journal %s: retention could not delete %s (%s)", self.directory.name,
+                                    path.name, exc.strerror)
             return count
         finally:
             self._retention_lock.release()
