@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
 
-__all__ = ["CLOCK_SKEW_MS", "TagLookup", "commit_tag", "last_tagged_batch", "parse_tag"]
+__all__ = ["CLOCK_SKEW_MS", "TagLookup", "catch_up_tag", "commit_tag", "last_tagged_batch", "parse_tag"]
 
 log = logging.getLogger("zerocomm_spark.pipelines.commit_tags")
 
@@ -34,6 +34,20 @@ _FIRST_PAGE = 64
 
 def commit_tag(app_id: str, batch_id: int) -> str:
     return f"{app_id}:{int(batch_id)}"
+
+
+def catch_up_tag(app_id: str, newest_batch: int) -> str:
+    """The tag of a commit written while the query's checkpoint is behind the table (it was put back
+    from an older copy): its rows were appended only where the table lacked them, and the newest
+    batch the table holds is ``newest_batch``."""
+    return f"{app_id}:{int(newest_batch)}:behind"
+
+
+def _parse_catch_up(tag: str | None, app_id: str) -> int | None:
+    if not tag or not tag.startswith(app_id + ":") or not tag.endswith(":behind"):
+        return None
+    rest = tag[len(app_id) + 1:-len(":behind")]
+    return int(rest) if rest.isdigit() else None
 
 
 def parse_tag(tag: str | None, app_id: str) -> int | None:
@@ -56,6 +70,9 @@ class TagLookup:
     batch: int | None
     version: int | None
     complete: bool
+    #: The newest commit of ``app_id`` is a catch-up one (:func:`catch_up_tag`): its checkpoint is
+    #: behind the table up to ``batch``, so batch ids do not name the rows the table holds.
+    behind: bool = False
 
 
 def last_tagged_batch(spark: SparkSession, table_path: str, app_id: str, *, not_before_ms: int = 0) -> TagLookup:
@@ -70,6 +87,9 @@ def last_tagged_batch(spark: SparkSession, table_path: str, app_id: str, *, not_
             batch = parse_tag(row["userMetadata"], app_id)
             if batch is not None:
                 return TagLookup(batch, int(row["version"]), True)
+            newest = _parse_catch_up(row["userMetadata"], app_id)
+            if newest is not None:
+                return TagLookup(newest, int(row["version"]), True, behind=True)
             stamp = row["timestamp"]
             if not_before_ms and stamp is not None and stamp.timestamp() * 1000 < not_before_ms - CLOCK_SKEW_MS:
                 return TagLookup(None, None, True)  # older than the query: it cannot have written since

@@ -44,7 +44,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from zerocomm_spark.errors import ConfigurationError
-from zerocomm_spark.pipelines.commit_tags import commit_tag, last_tagged_batch
+from zerocomm_spark.pipelines.commit_tags import catch_up_tag, commit_tag, last_tagged_batch
 from zerocomm_spark.pipelines.origin import ORIGIN_HEADER, SCHEME
 from zerocomm_spark.pipelines.schema import HISTORY_COLUMNS, PARTITION_COLUMNS, TABLE_PROPERTIES, history_schema
 
@@ -56,7 +56,7 @@ if TYPE_CHECKING:
     from zerocomm_spark.pipelines.history_key import HistoryKey
 
 __all__ = ["IngestBatch", "HistoryWriter", "append_history", "append_new_rows", "compact", "ensure_table", "ingest",
-           "table_exists", "to_history", "vacuum"]
+           "require_history_table", "table_exists", "to_history", "vacuum"]
 
 log = logging.getLogger("zerocomm_spark.pipelines.history")
 
@@ -102,11 +102,27 @@ def ensure_table(spark: SparkSession, table_path: str, *, properties: Mapping[st
             builder = builder.property(key, value)
         builder.execute()
         return
-    columns = set(DeltaTable.forPath(spark, path).toDF().columns)
-    missing = [c for c in HISTORY_COLUMNS if c not in columns]
+    _check_history_columns(DeltaTable.forPath(spark, path).toDF().columns, path,
+                           "Point history at an empty directory or an existing history table")
+
+
+def _check_history_columns(columns: Sequence[str], path: str, hint: str) -> None:
+    missing = [c for c in HISTORY_COLUMNS if c not in set(columns)]
     if missing:
         raise ConfigurationError(f"the Delta table at {path} is not a zerocomm history table (no {missing})",
-                                 hint="Point history at an empty directory or an existing history table")
+                                 hint=hint)
+
+
+def require_history_table(spark: SparkSession, table_path: str) -> None:
+    """Check that a history table is there (for readers: replay, providers, upkeep); a clear error if not."""
+    from delta.tables import DeltaTable
+
+    path = str(table_path)
+    if not table_exists(spark, path):
+        raise ConfigurationError(f"there is no Delta table at {path}",
+                                 hint="Give the path of a history table (`zerocomm history ingest` makes one)")
+    _check_history_columns(DeltaTable.forPath(spark, path).toDF().columns, path,
+                           "Give the path of a history table (`zerocomm history ingest` makes one)")
 
 
 # --- rows --------------------------------------------------------------------------------------
@@ -199,21 +215,42 @@ def append_history(df: DataFrame, table_path: str, *, app_id: str, version: int,
     Delta checks atomically with the commit (two live writers of one app cannot both commit a
     version) at the price of a rebuild of the table's state per commit.
     """
+    return _append_history(df, table_path, app_id=app_id, version=version, look=look, not_before_ms=not_before_ms,
+                           delta_txn=delta_txn)[0]
+
+
+def _append_history(df: DataFrame, table_path: str, *, app_id: str, version: int, look: bool, not_before_ms: int,
+                    delta_txn: bool) -> tuple[bool, int | None]:
+    """append_history, and the newest batch of ``app_id`` the table holds when that is past ``version``.
+
+    A table ahead of the batch being written means the checkpoint is behind the table (it was put
+    back from an older copy): Spark re-plans batches the table already has, under the same ids but
+    not necessarily over the same messages, so batch ids say nothing about which rows the table
+    holds. Such a batch, up to and including the table's newest one, appends only the rows the table
+    lacks, tagged as a catch-up (so a restart meanwhile still sees the table ahead) and without
+    Delta's txn options (which would drop the write of a lower version).
+    """
     tag = commit_tag(app_id, version)
     options = {"userMetadata": tag}
     if delta_txn:
         options.update(txnAppId=app_id, txnVersion=str(int(version)))
     if not look:
         _write(df, str(table_path), options)
-        return True
+        return True, None
     found = last_tagged_batch(df.sparkSession, str(table_path), app_id, not_before_ms=not_before_ms)
-    if found.batch is not None and found.batch >= version:
-        return False
+    if found.batch is not None and (found.batch > version or (found.behind and found.batch == version)):
+        log.warning("the history table %s holds batch %d of %s, and batch %d is being written: the checkpoint is "
+                    "behind the table; appending only rows the table lacks until it catches up", table_path,
+                    found.batch, app_id, version)
+        append_new_rows(df, str(table_path), {"userMetadata": catch_up_tag(app_id, found.batch)})
+        return True, found.batch
+    if found.batch is not None and found.batch == version:
+        return False, None
     if found.complete:
         _write(df, str(table_path), options)
     else:
         append_new_rows(df, str(table_path), options)
-    return True
+    return True, None
 
 
 def append_new_rows(df: DataFrame, table_path: str, options: Mapping[str, str]) -> None:
@@ -295,8 +332,9 @@ class HistoryWriter:
     follows the one this writer just wrote cannot be a replay and is appended straight away; any
     other (the first of a run, or after a failure) is first looked up in the table's log, and
     skipped if its commit is there. If the log no longer reaches back to the query's commits (it
-    was cleaned while the query was down), only rows the table lacks are appended.
-    Also usable on its own with any streaming DataFrame of format("zerocomm")'s schema: the table
+    was cleaned while the query was down), only rows the table lacks are appended; so are batches
+    up to the query's newest one in the table when the checkpoint is behind it (put back from an
+    older copy). Also usable on its own with any streaming DataFrame of format("zerocomm")'s schema: the table
     is made (:func:`ensure_table`) on first use if it is not there.
     """
 
@@ -309,6 +347,7 @@ class HistoryWriter:
         self.on_batch = on_batch
         self._app_id: str | None = None
         self._last_written: int | None = None  # the batch this writer last wrote, to the end
+        self._behind_until = -1  # the checkpoint is behind the table up to this batch: append only missing rows
         self._table_ready = False  # ensure_table ran (a writer used on its own makes its table)
 
     def app_id(self, spark: SparkSession) -> str:
@@ -327,9 +366,17 @@ class HistoryWriter:
         follows = self._last_written is not None and batch_id == self._last_written + 1
         self._last_written = None  # until this batch is written to the end: a failure makes the next one look
         rows = to_history(df, history_key=self.history_key)
-        planned_ms = 0 if follows else _batch_planned_ms(spark, self.checkpoint, batch_id)
-        committed = append_history(rows, self.table_path, app_id=app_id, version=batch_id, look=not follows,
-                                   not_before_ms=planned_ms, delta_txn=self.delta_txn)
+        if batch_id <= self._behind_until:  # catching up with a table ahead of the checkpoint
+            tag = catch_up_tag(app_id, self._behind_until)
+            append_new_rows(rows, self.table_path, {"userMetadata": tag})
+            committed = True
+        else:
+            planned_ms = 0 if follows else _batch_planned_ms(spark, self.checkpoint, batch_id)
+            committed, ahead = _append_history(rows, self.table_path, app_id=app_id, version=batch_id,
+                                               look=not follows, not_before_ms=planned_ms, delta_txn=self.delta_txn)
+            if ahead is not None:
+                self._behind_until = ahead
+                tag = catch_up_tag(app_id, ahead)
         self._last_written = batch_id
         wrote = time.monotonic()
         log.debug("history batch %d %s in %.3fs", batch_id, "written" if committed else "skipped", wrote - began)
@@ -385,7 +432,14 @@ def ingest(spark: SparkSession, groups: str | Sequence[str], table_path: str, ch
     elif trigger == "once":
         query = query.trigger(once=True)
     elif trigger:
-        query = query.trigger(processingTime=trigger)
+        from pyspark.errors import IllegalArgumentException
+
+        try:
+            query = query.trigger(processingTime=trigger)
+        except IllegalArgumentException:
+            raise ConfigurationError(f"trigger={trigger!r} is not an interval",
+                                     hint='Give an interval like "1 second" or "500 milliseconds", or '
+                                          '"available_now" or "once"') from None
     return query.start()
 
 
@@ -410,6 +464,7 @@ def compact(spark: SparkSession, table_path: str, *, group: str | None = None, s
     """
     from delta.tables import DeltaTable
 
+    require_history_table(spark, str(table_path))
     builder = DeltaTable.forPath(spark, str(table_path)).optimize()
     where = _where(group, since_date)
     if where:
@@ -429,6 +484,10 @@ def vacuum(spark: SparkSession, table_path: str, *, retention_hours: float | Non
     travel within it keeps working. A shorter ``retention_hours`` breaks time travel to older
     versions and is refused by Delta's safety check, which this lifts only for that call.
     """
+    require_history_table(spark, str(table_path))
+    if retention_hours is not None and (isinstance(retention_hours, bool)
+                                        or not isinstance(retention_hours, (int, float)) or not retention_hours >= 0):
+        raise ConfigurationError(f"retention_hours is a number of hours >= 0, not {retention_hours!r}")
     table = str(table_path).replace("`", "``")
     retain = "" if retention_hours is None else f" RETAIN {float(retention_hours)} HOURS"
     check = "spark.databricks.delta.retentionDurationCheck.enabled"

@@ -11,7 +11,9 @@ stream = replay(spark, "/lake/history", "sensors", stream=True)          # re-st
 Why (lamport_ts, publisher_did): every member ticks its Lamport clock before publishing and
 observes every timestamp it delivers, so a reply always carries a larger timestamp than the message
 it answers, on any member's history; ties are concurrent messages, broken by DID the same way
-everywhere. Sorting by it is the one order all members' histories agree on.
+everywhere. Sorting by it is the one order all members' histories agree on. ``seq`` comes last, for
+a publisher whose clock restarted (a member restarted before it observed anything) or saturated:
+its own messages then tie, and stay in the order it published them.
 
 Three meanings of "since", kept apart so an int is never ambiguous:
 
@@ -31,7 +33,7 @@ from dataclasses import dataclass
 from datetime import date, datetime, timezone
 from typing import TYPE_CHECKING, Literal
 
-from zerocomm_spark.errors import ConfigurationError
+from zerocomm_spark.errors import ConfigurationError, TamperedEnvelopeError
 from zerocomm_spark.pipelines.schema import HISTORY_COLUMNS
 
 if TYPE_CHECKING:
@@ -42,7 +44,9 @@ if TYPE_CHECKING:
 
 __all__ = ["CAUSAL_ORDER", "Since", "causal_order", "open_payloads", "replay", "with_origin_check"]
 
-CAUSAL_ORDER = ("lamport_ts", "publisher_did")
+#: seq last: a publisher's messages never tie on Lamport time unless its clock was reset (a member
+#: restarted before it observed anything) or saturated; its own FIFO order then still holds.
+CAUSAL_ORDER = ("lamport_ts", "publisher_did", "seq")
 
 
 @dataclass(frozen=True)
@@ -91,7 +95,7 @@ def _since(since: Since | datetime | str | None) -> Since | None:
 
 
 def causal_order(df: DataFrame) -> DataFrame:
-    """``df`` sorted by (lamport_ts, publisher_did): the order every member agrees on."""
+    """``df`` sorted by (lamport_ts, publisher_did, seq): the order every member agrees on."""
     return df.orderBy(*CAUSAL_ORDER)
 
 
@@ -121,15 +125,32 @@ def replay(spark: SparkSession, table: str, group: str | None = None, *,
     """
     from pyspark.sql import functions as F
 
+    from zerocomm_spark.pipelines.history import require_history_table
+
     start = _since(since)
     path = str(table)
+    if until_lamport is not None and (isinstance(until_lamport, bool) or not isinstance(until_lamport, int)):
+        raise ConfigurationError(f"until_lamport is an int (a Lamport time), not {until_lamport!r}")
+    if (start is not None and start.kind == "version" and isinstance(as_of, int) and not isinstance(as_of, bool)
+            and as_of < int(start.value)):
+        raise ConfigurationError(f"as_of={as_of} is before since=Since.version({start.value}): nothing to replay",
+                                 hint="as_of ends a Since.version replay; give a version at or after its start")
+    require_history_table(spark, path)
     if stream:
         if as_of is not None:
             raise ConfigurationError("as_of time-travels a batch read; a stream starts from Since.version(v)")
         reader = spark.readStream.format("delta")
         if start is not None and start.kind == "version":
-            reader = reader.option("startingVersion", str(start.value))
-        df = reader.load(path)
+            newest = latest_version(spark, path)
+            if start.value > newest:
+                # Delta refuses to start a stream past the newest version (a follower that is caught up):
+                # start at the newest, which exists, and keep only the commits from the one asked for.
+                df = (reader.option("readChangeFeed", "true").option("startingVersion", str(newest)).load(path)
+                      .where((F.col("_commit_version") >= F.lit(start.value)) & (F.col("_change_type") == "insert")))
+            else:
+                df = reader.option("startingVersion", str(start.value)).load(path)
+        else:
+            df = reader.load(path)
     elif start is not None and start.kind == "version":
         reader = (spark.read.format("delta").option("readChangeFeed", "true")
                   .option("startingVersion", str(start.value)))
@@ -201,10 +222,8 @@ def _opener(key: HistoryKey | None, check: bool) -> Callable[[Iterator[pa.Record
                 try:
                     opened[i] = key.open(payloads[i], groups[i], dids[i], ids[i])
                     clear_ids[i] = None
-                except Exception:
-                    if not check:
-                        raise
-                    failed[i] = True
+                except (TamperedEnvelopeError, TypeError, ValueError):
+                    failed[i] = True  # altered or moved to another row: left sealed, never a failed job
             arrays = list(batch.columns)
             arrays[names.index("payload")] = pa.array(opened, type=pa.binary())
             arrays[names.index("payload_key_id")] = pa.array(clear_ids, type=pa.string())
@@ -220,7 +239,8 @@ def _opener(key: HistoryKey | None, check: bool) -> Callable[[Iterator[pa.Record
 
 
 def open_payloads(df: DataFrame, key: HistoryKey) -> DataFrame:
-    """Sealed payloads (of this key) in clear; rows of other keys stay sealed (``payload_key_id`` set)."""
+    """Sealed payloads (of this key) in clear; rows of other keys, and rows whose payload does not open
+    with it (altered, or moved from another row), stay sealed (``payload_key_id`` set)."""
     return df.mapInArrow(_opener(key, False), df.schema)
 
 

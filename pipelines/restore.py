@@ -35,9 +35,9 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
-from zerocomm_spark.errors import ConfigurationError, TamperedEnvelopeError
+from zerocomm_spark.errors import ApiTimeoutError, ConfigurationError, TamperedEnvelopeError
 from zerocomm_spark.pipelines.origin import verify_rows
-from zerocomm_spark.pipelines.schema import HISTORY_COLUMNS, KEY_COLUMNS
+from zerocomm_spark.pipelines.schema import HISTORY_COLUMNS, KEY_COLUMNS, history_arrow_schema
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -109,7 +109,9 @@ def have_from_client(client: Any, group: str, *, page: int = 50_000, timeout: fl
     while True:
         left = deadline - time.monotonic()
         if left <= 0:
-            raise TimeoutError(f"reading {group!r}'s journal to learn what the member has took over {timeout}s")
+            raise ApiTimeoutError(f"reading {group!r}'s journal to learn what the member has took over {timeout}s",
+                                  hint="Nothing was restored; retry with a longer timeout (have_from_client(..., "
+                                       "timeout=...)) or a bigger page")
         result = client.fetch(group=group, start=start, max_rows=page, timeout=max(left, 1.0))
         table = result.table
         ids += table.column("message_id").to_pylist()
@@ -140,10 +142,11 @@ def have_from_table(spark: SparkSession, table_path: str, group: str) -> Have:
     """What a Delta history table (the member's own) holds of ``group``."""
     from pyspark.sql import functions as F
 
-    from zerocomm_spark.pipelines.history import table_exists
+    from zerocomm_spark.pipelines.history import require_history_table, table_exists
 
     if not table_exists(spark, str(table_path)):
         return Have()
+    require_history_table(spark, str(table_path))
     keys = (spark.read.format("delta").load(str(table_path)).where(F.col("group") == group)
             .select("message_id", "publisher_did", "seq").toArrow())
     return Have.from_rows(keys.column("message_id").to_pylist(), keys.column("publisher_did").to_pylist(),
@@ -222,8 +225,14 @@ class DeltaProvider:
         self.name = name or self.table_path
         self.as_of = as_of
         self.stats = ProviderStats()
+        self._checked = False  # the table is a history table (checked on first use)
 
     def _df(self) -> Any:
+        if not self._checked:
+            from zerocomm_spark.pipelines.history import require_history_table
+
+            require_history_table(self.spark, self.table_path)
+            self._checked = True
         reader = self.spark.read.format("delta")
         if self.as_of is not None:
             reader = reader.option("versionAsOf", str(self.as_of))
@@ -321,6 +330,45 @@ def _bad_row(group: str, row_group: Any, payload: Any, key_id: Any, headers: Any
     return None
 
 
+def _conform(rows: pa.Table) -> tuple[pa.Table, str | None]:
+    """The provider's rows with the history table's column types, or why they cannot have them.
+
+    Providers type columns differently (Delta's toArrow, a hand-made table, all-null headers); what
+    is delivered must have one schema, or merging it (and appending it to Delta) would fail for all."""
+    import pyarrow as pa
+
+    schema = history_arrow_schema()
+    columns = []
+    for f in schema:
+        if f.name not in rows.column_names:
+            return rows, f"malformed answer (no {f.name} column)"
+        column = rows.column(f.name)
+        if column.type != f.type:
+            try:
+                column = column.cast(f.type)
+            except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError):
+                return rows, f"malformed answer ({f.name} is {column.type}, not {f.type})"
+        columns.append(column)
+    return pa.Table.from_arrays(columns, schema=schema), None
+
+
+def _ids_of(rows: pa.Table, n: int) -> list[Any]:
+    return rows.column("message_id").to_pylist() if "message_id" in rows.column_names else [None] * n
+
+
+def _times_ok(rows: pa.Table) -> list[bool]:
+    """Per row: the NOT NULL times are there, and ``date`` is sent_at's UTC date (as ingest makes it).
+
+    None of them is covered by the origin proof, and one null would make Delta refuse the whole append."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    ok = pc.equal(rows.column("date"), pc.cast(rows.column("sent_at"), pa.date32()))  # sent_at is UTC here
+    for name in ("received_at", "ingested_at"):
+        ok = pc.and_kleene(ok, pc.is_valid(rows.column(name)))
+    return pc.fill_null(ok, False).to_pylist()
+
+
 def _check_rows(rows: pa.Table, provider: str, asked: Mapping[str, tuple[str, int, int]],
                 key: HistoryKey | None, require_origin: bool,
                 threads: int, group: str) -> tuple[pa.Table, list[Rejection]]:
@@ -332,6 +380,11 @@ def _check_rows(rows: pa.Table, provider: str, asked: Mapping[str, tuple[str, in
 
     rejections: list[Rejection] = []
     n = rows.num_rows
+    rows, malformed = _conform(rows)
+    if malformed is not None:  # the whole answer: its keys go to the next provider that announced them
+        return (history_arrow_schema().empty_table(),
+                [Rejection(provider, mid if isinstance(mid, str) else None, malformed) for mid in _ids_of(rows, n)])
+    times_ok = _times_ok(rows)
     ids = rows.column("message_id").to_pylist()
     dids = rows.column("publisher_did").to_pylist()
     seqs = rows.column("seq").to_pylist()
@@ -356,6 +409,8 @@ def _check_rows(rows: pa.Table, provider: str, asked: Mapping[str, tuple[str, in
             rejections.append(Rejection(provider, mid, "differs from what the provider announced"))
             continue
         bad = _bad_row(group, groups[i], payloads[i], key_ids[i], heads[i], sigs[i])
+        if bad is None and not times_ok[i]:
+            bad = "malformed row (a time or the date is missing, or the date is not sent_at's UTC date)"
         if bad is not None:
             ok[i] = False
             rejections.append(Rejection(provider, mid, bad))
@@ -404,6 +459,9 @@ def restore(group: str, providers: Sequence[HistoryProvider], *, have: Have | No
 
     if not providers:
         raise ConfigurationError("restore needs at least one history provider")
+    for name, value in (("request_chunk", request_chunk), ("verify_threads", verify_threads)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ConfigurationError(f"restore's {name} is an int >= 1, not {value!r}")
     names = [p.name for p in providers]
     if len(set(names)) != len(names):
         raise ConfigurationError(f"history providers need distinct names, got {names}")
@@ -506,7 +564,7 @@ def restore(group: str, providers: Sequence[HistoryProvider], *, have: Have | No
     else:
         table = None
     if table is not None and table.num_rows:
-        table = table.sort_by([("lamport_ts", "ascending"), ("publisher_did", "ascending")])
+        table = table.sort_by([("lamport_ts", "ascending"), ("publisher_did", "ascending"), ("seq", "ascending")])
         report.delivered = table.num_rows
         report.delivered_ids = table.column("message_id").to_pylist()
         if deliver is not None:

@@ -35,9 +35,11 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    import pyarrow as pa
     from pyspark.sql.types import StructType
 
-__all__ = ["HISTORY_COLUMNS", "KEY_COLUMNS", "PARTITION_COLUMNS", "TABLE_PROPERTIES", "history_schema"]
+__all__ = ["HISTORY_COLUMNS", "KEY_COLUMNS", "NOT_NULL_COLUMNS", "PARTITION_COLUMNS", "TABLE_PROPERTIES",
+           "history_arrow_schema", "history_schema"]
 
 SCHEMA_VERSION = "1"
 PARTITION_COLUMNS = ("group", "date")
@@ -60,6 +62,27 @@ HISTORY_COLUMNS = (
     "group", "date", "message_id", "publisher_did", "publisher_label", "seq", "lamport_ts", "sent_at",
     "received_at", "ingested_at", "headers", "payload", "payload_key_id", "origin_scheme", "origin_sig",
 )
+
+#: The columns history_schema() declares NOT NULL: Delta refuses a whole append with a null in any.
+NOT_NULL_COLUMNS = ("group", "date", "message_id", "publisher_did", "seq", "lamport_ts", "sent_at", "received_at",
+                    "ingested_at", "payload")
+
+
+def history_arrow_schema() -> pa.Schema:
+    """The table's columns as Arrow types (what a provider's rows are cast to before they are checked).
+
+    Every field is nullable here: a null where the table forbids one is a row to reject, not a
+    schema to refuse (NOT_NULL_COLUMNS names them).
+    """
+    import pyarrow as pa
+
+    utc = pa.timestamp("us", tz="UTC")
+    types = {"group": pa.string(), "date": pa.date32(), "message_id": pa.string(), "publisher_did": pa.string(),
+             "publisher_label": pa.string(), "seq": pa.int64(), "lamport_ts": pa.int64(), "sent_at": utc,
+             "received_at": utc, "ingested_at": utc, "headers": pa.map_(pa.string(), pa.string()),
+             "payload": pa.binary(), "payload_key_id": pa.string(), "origin_scheme": pa.string(),
+             "origin_sig": pa.binary()}
+    return pa.schema([pa.field(name, types[name]) for name in HISTORY_COLUMNS])
 
 
 def history_schema() -> StructType:

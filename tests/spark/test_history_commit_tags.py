@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from pyspark.sql import functions as F
+
 from zerocomm_spark.connector import source_schema
 from zerocomm_spark.pipelines.commit_tags import commit_tag, last_tagged_batch, parse_tag
 from zerocomm_spark.pipelines.history import HistoryWriter, IngestBatch, ensure_table
@@ -257,3 +259,181 @@ def test_a_sink_without_the_key_refuses_a_table_holding_sealed_rows(spark, tmp_p
     DeltaSink(spark, str(table), history_key=key)(_restored_rows(spark, ["b"]))
     held = spark.read.format("delta").load(str(table)).select("message_id", "payload_key_id").collect()
     assert sorted((r[0], r[1]) for r in held) == [("a", key.key_id), ("b", key.key_id)]
+
+
+# --- restarts from a checkpoint behind the table, readers, bad input ----------------------------
+
+
+def test_a_checkpoint_put_back_behind_the_table_writes_nothing_twice_and_loses_nothing(spark, tmp_path):
+    table, ck = tmp_path / "t", checkpoint(tmp_path)
+    ensure_table(spark, str(table))
+    first = HistoryWriter(str(table), str(ck))
+    for batch_id, ids in enumerate([["a"], ["b"], ["c"]]):
+        first(source_rows(spark, ids), batch_id)
+    # The checkpoint is put back from a copy taken after batch 0: Spark re-runs batches 1 and 2 (the
+    # same ones: their offsets were in the copy), then goes on.
+    seen: list[IngestBatch] = []
+    again = HistoryWriter(str(table), str(ck), on_batch=seen.append)
+    again(source_rows(spark, ["b"]), 1)
+    again(source_rows(spark, ["c"]), 2)
+    again(source_rows(spark, ["d"]), 3)
+    assert sorted(table_ids(spark, table)) == ["a", "b", "c", "d"]
+    assert [(b.batch_id, b.rows) for b in seen] == [(1, 0), (2, 0), (3, 1)]
+    # A copy without those offsets: Spark plans the batches anew, over other ranges than the table's
+    # batches of the same ids; and the writer is restarted while it catches up.
+    ck2 = checkpoint(tmp_path)
+    second = HistoryWriter(str(table), str(ck2))
+    for batch_id, ids in enumerate([["p"], ["q"], ["r"]]):
+        second(source_rows(spark, ids), batch_id)
+    HistoryWriter(str(table), str(ck2))(source_rows(spark, ["q", "r", "s"]), 1)
+    restarted = HistoryWriter(str(table), str(ck2))
+    restarted(source_rows(spark, ["t"]), 2)
+    restarted(source_rows(spark, ["u"]), 3)
+    ids = table_ids(spark, table)
+    assert sorted(ids) == ["a", "b", "c", "d", "p", "q", "r", "s", "t", "u"], ids
+    assert last_tagged_batch(spark, str(table), second.app_id(spark)).batch == 3
+
+
+def test_replay_with_the_key_leaves_a_row_that_does_not_open_sealed_instead_of_failing(spark, tmp_path):
+    import pyarrow as pa
+
+    from zerocomm_spark.pipelines.history_key import HistoryKey
+    from zerocomm_spark.pipelines.replay import replay
+    from zerocomm_spark.pipelines.schema import history_schema
+
+    key, table = HistoryKey.generate(), tmp_path / "sealed"
+    HistoryWriter(str(table), str(checkpoint(tmp_path)), history_key=key)(source_rows(spark, ["a", "b"]), 0)
+    # A provider moved a's ciphertext to another row (the associated data no longer matches).
+    moved = spark.read.format("delta").load(str(table)).where("message_id = 'a'").toArrow().to_pylist()
+    moved[0]["message_id"] = "moved"
+    stored = spark.read.format("delta").load(str(table)).limit(0).toArrow().schema
+    (spark.createDataFrame(pa.Table.from_pylist(moved, schema=stored), schema=history_schema())
+     .write.format("delta").mode("append").save(str(table)))
+    rows = {r["message_id"]: r for r in replay(spark, str(table), "g", history_key=key).toArrow().to_pylist()}
+    assert rows["a"]["payload"] == b"a" and rows["a"]["payload_key_id"] is None
+    assert rows["b"]["payload"] == b"b" and rows["b"]["payload_key_id"] is None
+    assert rows["moved"]["payload_key_id"] == key.key_id  # left sealed: not opened, not a failed job
+    checked = {r["message_id"]: r["origin_ok"]
+               for r in replay(spark, str(table), "g", history_key=key, verify=True).toArrow().to_pylist()}
+    assert checked["moved"] is False
+
+
+def test_a_stream_replay_from_the_version_after_the_newest_starts_and_follows(spark, tmp_path):
+    from delta.tables import DeltaTable
+
+    from zerocomm_spark.pipelines.replay import Since, replay
+
+    table, ck = tmp_path / "t", checkpoint(tmp_path)
+    writer = HistoryWriter(str(table), str(ck))
+    writer(source_rows(spark, ["a"]), 0)
+    newest = int(DeltaTable.forPath(spark, str(table)).history(1).first()["version"])
+    seen: list[str] = []
+
+    def run(since: int, stream_ck: Path) -> None:
+        query = (replay(spark, str(table), "g", stream=True, since=Since.version(since)).writeStream
+                 .foreachBatch(lambda df, _: seen.extend(r[0] for r in df.select("message_id").collect()))
+                 .option("checkpointLocation", str(stream_ck)).trigger(availableNow=True).start())
+        assert query.awaitTermination(300)
+        assert query.exception() is None, query.exception()
+
+    run(newest + 1, tmp_path / "follower")  # caught up: nothing yet, and no failure
+    assert seen == []
+    writer(source_rows(spark, ["b"]), 1)
+    run(newest + 1, tmp_path / "follower")  # the follower resumes from its checkpoint
+    assert seen == ["b"]
+    writer(source_rows(spark, ["c"]), 2)
+    writer(source_rows(spark, ["d"]), 3)
+    seen.clear()
+    run(newest + 3, tmp_path / "later")  # once that version exists, the stream starts exactly there
+    assert seen == ["d"]
+
+
+def test_readers_of_a_missing_or_foreign_table_say_so(spark, tmp_path):
+    from zerocomm_spark.errors import ConfigurationError
+    from zerocomm_spark.pipelines.history import compact, vacuum
+    from zerocomm_spark.pipelines.replay import Since, replay
+    from zerocomm_spark.pipelines.restore import DeltaProvider, have_from_table
+
+    missing, foreign = str(tmp_path / "missing"), str(tmp_path / "foreign")
+    spark.range(3).write.format("delta").save(foreign)
+    for path, what in ((missing, "no Delta table"), (foreign, "not a zerocomm history table")):
+        with pytest.raises(ConfigurationError, match=what):
+            replay(spark, path, "g")
+        with pytest.raises(ConfigurationError, match=what):
+            replay(spark, path, "g", since=Since.version(0))
+        with pytest.raises(ConfigurationError, match=what):
+            replay(spark, path, "g", stream=True)
+        with pytest.raises(ConfigurationError, match=what):
+            DeltaProvider(spark, path, "p").announce("g")
+        with pytest.raises(ConfigurationError, match=what):
+            compact(spark, path)
+        with pytest.raises(ConfigurationError, match=what):
+            vacuum(spark, path)
+    with pytest.raises(ConfigurationError, match="not a zerocomm history table"):
+        have_from_table(spark, foreign, "g")
+    assert have_from_table(spark, missing, "g").message_ids == frozenset()  # a member's own table may not exist yet
+
+
+def test_bad_options_are_configuration_errors(spark, tmp_path):
+    from zerocomm_spark.errors import ConfigurationError
+    from zerocomm_spark.pipelines.history import ingest, vacuum
+    from zerocomm_spark.pipelines.replay import Since, replay
+    from zerocomm_spark.pipelines.restore import DeltaProvider, restore
+
+    table = tmp_path / "t"
+    writer = HistoryWriter(str(table), str(checkpoint(tmp_path)))
+    writer(source_rows(spark, ["a"]), 0)
+    writer(source_rows(spark, ["b"]), 1)
+    with pytest.raises(ConfigurationError, match="trigger"):
+        ingest(spark, ["g"], str(table), str(tmp_path / "ck"), agent=str(tmp_path / "agent"), trigger="every second")
+    with pytest.raises(ConfigurationError, match="request_chunk"):
+        restore("g", [DeltaProvider(spark, str(table), "p")], request_chunk=0, require_origin=False)
+    with pytest.raises(ConfigurationError, match="until_lamport"):
+        replay(spark, str(table), "g", until_lamport="10")
+    with pytest.raises(ConfigurationError, match="as_of"):
+        replay(spark, str(table), "g", since=Since.version(2), as_of=1)
+    with pytest.raises(ConfigurationError, match="retention_hours"):
+        vacuum(spark, str(table), retention_hours=-1)
+
+
+def test_replay_and_restore_keep_a_publishers_order_when_its_lamport_times_tie(spark, tmp_path):
+    """A publisher restarted before it observed anything stamps Lamport times it used before."""
+    from zerocomm_spark.pipelines.replay import replay
+    from zerocomm_spark.pipelines.restore import ArrowProvider, restore
+
+    sent = dt.datetime(2026, 11, 23, 12, 0, 0)
+    schema = source_schema(include_headers=True)
+
+    def rows(specs):  # (id, seq, lamport, payload size)
+        return spark.createDataFrame([{f.name: {"group": "g", "message_id": mid, "publisher_did": "did:key:zAlice",
+                                                "seq": seq, "lamport_ts": lamport, "sent_at": sent,
+                                                "received_at": sent, "headers": {},
+                                                "payload": b"x" * size}.get(f.name) for f in schema.fields}
+                                      for mid, seq, lamport, size in specs], schema)
+
+    table = tmp_path / "t"
+    writer = HistoryWriter(str(table), str(checkpoint(tmp_path)))
+    writer(rows([("first", 1, 1, 10)]), 0)
+    writer(rows([("after-restart", 2, 1, 100_000)]), 1)  # a bigger file: Spark reads it first
+    ordered = [r[0] for r in replay(spark, str(table), "g").select("message_id").collect()]
+    assert ordered == ["first", "after-restart"]
+    held = spark.read.format("delta").load(str(table)).orderBy(F.desc("seq")).toArrow()
+    delivered: list = []
+    restore("g", [ArrowProvider(held, "p")], require_origin=False, deliver=delivered.append)
+    assert delivered[0].column("message_id").to_pylist() == ["first", "after-restart"]
+
+
+def test_a_provider_row_with_a_null_time_does_not_abort_a_restore_into_delta(spark, tmp_path):
+    import pyarrow as pa
+
+    from zerocomm_spark.pipelines.restore import ArrowProvider, DeltaSink, restore
+
+    honest = _restored_rows(spark, ["a", "b", "c"])
+    broken = honest.to_pylist()
+    broken[1]["sent_at"] = None  # not covered by the origin proof; NOT NULL in the table
+    loose = pa.schema([f.with_nullable(True) for f in honest.schema])
+    report = restore("g", [ArrowProvider(pa.Table.from_pylist(broken, schema=loose), "hostile"),
+                           ArrowProvider(honest, "honest")],
+                     require_origin=False, deliver=DeltaSink(spark, str(tmp_path / "mine")))
+    assert [(r.provider, r.message_id) for r in report.rejected] == [("hostile", "b")]
+    assert sorted(table_ids(spark, tmp_path / "mine")) == ["a", "b", "c"]

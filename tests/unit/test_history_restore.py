@@ -240,3 +240,56 @@ def test_a_row_of_another_group_is_rejected(alice):
     report = restore("g", [Mixer(table(rows), "mixer"), ArrowProvider(table(rows), "honest")])
     assert sorted(report.delivered_ids) == ["a-0", "a-1"]
     assert [(r.provider, r.message_id) for r in report.rejected] == [("mixer", "a-0")]
+
+
+@pytest.mark.parametrize("field, value", [
+    ("sent_at", None),                          # NOT NULL in the history table, not covered by the proof
+    ("received_at", None),
+    ("ingested_at", None),
+    ("date", None),
+    ("date", datetime(2020, 1, 1).date()),      # a partition date that is not sent_at's UTC date
+])
+def test_a_row_with_a_missing_time_or_a_wrong_date_is_rejected_not_delivered(alice, field, value):
+    rows = make_rows(alice, 3, label="t")
+    broken = [dict(r) for r in rows]
+    broken[1][field] = value
+    delivered: list[pa.Table] = []
+    report = restore("g", [ArrowProvider(_loose(broken), "hostile"), ArrowProvider(_loose(rows), "honest")],
+                     deliver=delivered.append)
+    assert sorted(report.delivered_ids) == ["t-0", "t-1", "t-2"] and report.missing == []
+    assert [(r.provider, r.message_id) for r in report.rejected] == [("hostile", "t-1")]
+    got = {r["message_id"]: r for r in delivered[0].to_pylist()}
+    assert got["t-1"][field] == rows[1][field]     # the honest provider's copy was delivered
+
+
+def test_a_provider_whose_columns_have_the_wrong_types_is_not_fatal(alice):
+    rows = make_rows(alice, 3, label="w")
+    good = table(rows)
+    wrong = good.set_column(good.schema.get_field_index("sent_at"), "sent_at",
+                            pa.array(["not a time"] * 3, pa.string()))
+    report = restore("g", [ArrowProvider(good.slice(0, 1), "first"), ArrowProvider(wrong, "hostile"),
+                           ArrowProvider(good, "honest")])
+    assert sorted(report.delivered_ids) == ["w-0", "w-1", "w-2"] and report.missing == []
+    assert sorted((r.provider, r.message_id) for r in report.rejected) == [("hostile", "w-1"), ("hostile", "w-2")]
+
+
+def test_reading_what_the_member_has_past_its_deadline_is_a_zerocomm_error():
+    import time
+    from types import SimpleNamespace
+
+    from zerocomm_spark.errors import ApiTimeoutError
+    from zerocomm_spark.pipelines.restore import have_from_client
+
+    class SlowClient:  # a journal far bigger than the deadline allows to page through
+        def __init__(self):
+            self.offset = 0
+
+        def fetch(self, *, group, start, max_rows, timeout):
+            time.sleep(0.02)
+            self.offset += 1
+            empty = pa.table({"message_id": pa.array([], pa.string()), "publisher_did": pa.array([], pa.string()),
+                              "seq": pa.array([], pa.int64())})
+            return SimpleNamespace(table=empty, next_offset=self.offset, end_offset=10**9)
+
+    with pytest.raises(ApiTimeoutError, match="journal"):
+        have_from_client(SlowClient(), "g", timeout=0.1)
