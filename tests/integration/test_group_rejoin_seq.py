@@ -1,6 +1,7 @@
 """A member that comes back to a group must continue its sequence after anything a member still
 holds of its old stream, or that member takes new messages for old ones (dropped as duplicates,
-and acked). Two agents in this process (real sockets, real crypto); see test_rejoin.py for the
+and acked); and its Lamport clock after every stamp it issued, or its new messages sort before its
+old ones (the clock started again at 0 after a restart: the test at the end). Two agents in this process (real sockets, real crypto); see test_rejoin.py for the
 agent-process version with the CLI journal."""
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import pytest
 
 from zerocomm_spark import Agent
 from zerocomm_spark.errors import JoinRefusedError
+from zerocomm_spark.group import manager as manager_module
 from zerocomm_spark.group.datamessage import MAX_SEQ
 from zerocomm_spark.group.manager import GroupConfig
 from zerocomm_spark.group.policy import AllowListPolicy, OpenPolicy
@@ -228,3 +230,37 @@ def test_leave_keeps_to_its_timeout_when_a_member_is_down(pair: _Pair) -> None:
     started = time.monotonic()
     bob.groups.leave("g", timeout=1.0)
     assert time.monotonic() - started < 3.0
+
+
+@pytest.mark.parametrize("reserve", [None, 2])
+def test_a_restarted_member_stamps_its_new_messages_after_its_old_ones(tmp_path: Path, reserve: int | None,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """No other member publishes meanwhile, so nothing moves bob's clock but his own saved state. The
+    clock is never saved at close, only its reservations ahead of time: a close is what a kill -9
+    leaves. With a tiny reservation the clock runs past several of them before each restart."""
+    if reserve is not None:
+        monkeypatch.setattr(manager_module, "CLOCK_RESERVE", reserve)
+    alice = Agent.open(tmp_path / "alice", label="alice", group_config=CONFIG)
+    bob = Agent.open(tmp_path / "bob", label="bob", group_config=CONFIG)
+    try:
+        alice.groups.create("g")
+        via = bob.accept(alice.invite(), timeout=10)
+        bob.groups.join("g", via=via, timeout=30)
+        bob_did = bob.groups.did
+        bob.groups.publish("g", [b"one", b"two", b"three"]).wait(10)
+
+        def bobs() -> list[tuple[int, int, bytes]]:
+            return [(m.lamport_ts, m.seq, m.payload) for m in alice.groups.messages("g") if m.publisher_did == bob_did]
+
+        _eventually(lambda: len(bobs()) == 3, what="alice to get bob's messages")
+        for round_ in range(2):
+            bob.close()
+            bob = Agent.open(tmp_path / "bob", label="bob", group_config=CONFIG)
+            bob.groups.wait_active("g", timeout=20)
+            bob.groups.publish("g", [f"after restart {round_}".encode()]).wait(10)
+            _eventually(lambda n=4 + round_: len(bobs()) == n, what="alice to get bob's new message")
+            stamps = [ts for ts, _, _ in sorted(bobs(), key=lambda r: r[1])]
+            assert stamps == sorted(stamps) and len(set(stamps)) == len(stamps), stamps
+    finally:
+        alice.close()
+        bob.close()

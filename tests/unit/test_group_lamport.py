@@ -70,3 +70,31 @@ def test_the_clock_saturates_at_the_wire_limit_instead_of_overflowing_it() -> No
     assert clock.time == MAX_TIME
     assert clock.tick() == MAX_TIME
     assert clock.time == MAX_TIME
+
+
+def test_a_reserving_clock_saves_a_limit_before_passing_the_last_one() -> None:
+    saved: list[int] = []
+
+    def reserve(now: int) -> int:
+        saved.append(now + 10)
+        return now + 10
+
+    c = LamportClock(5, reserve=reserve)
+    assert c.tick() == 6 and saved == [16]  # past the start: reserved before the stamp is used
+    for _ in range(10):
+        c.tick()
+    assert c.time == 16 and saved == [16]  # within the reservation: nothing saved
+    assert c.tick() == 17 and saved == [16, 27]
+    c.observe(100)
+    assert saved[-1] == 110 and c.time == 100
+    # A restart from the last saved limit stamps after everything issued before.
+    assert LamportClock(saved[-1]).tick() > c.time
+
+
+def test_a_reservation_that_cannot_be_saved_does_not_stop_the_clock(caplog: pytest.LogCaptureFixture) -> None:
+    def broken(now: int) -> int:
+        raise OSError("disk full")
+
+    c = LamportClock(reserve=broken)
+    assert c.tick() == 1 and c.observe(7) == 7 and c.tick() == 8
+    assert "reservation was not saved" in caplog.text

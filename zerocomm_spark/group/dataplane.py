@@ -407,6 +407,7 @@ class DataPlane:
         config: DataPlaneConfig = DataPlaneConfig(),  # noqa: B008 - frozen, shared safely
         on_deliver_many: Callable[[list[Delivered]], None] | None = None,
         on_superseded: Callable[[str, str, list[int]], None] | None = None,
+        clock: LamportClock | None = None,
     ) -> None:
         self.member_did = topics.check_did(member_did)
         if not callable(on_deliver):
@@ -437,7 +438,7 @@ class DataPlane:
         # that missed the leave keeps its stream and would drop reused seqs as duplicates (and ack them).
         self._closed_seqs: dict[str, int] = {}
         self._rel_keys: dict[str, KeyPair] = {}  # our relationship verkey -> key pair
-        self._clock = LamportClock()
+        self._clock = clock if clock is not None else LamportClock()  # durable if the caller reserves (lamport.py)
         self._jump_logged = 0.0  # monotonic time of the last "stamp too far ahead" warning (rate limit)
         # Message ids: a random per-plane prefix and a counter, unique without a uuid per message.
         self._id_prefix = secrets.token_hex(8) + "-"

@@ -8,9 +8,13 @@ causality, with no clock synchronisation between members.
 
 from __future__ import annotations
 
+import logging
 import threading
+from collections.abc import Callable
 
 __all__ = ["MAX_JUMP", "MAX_TIME", "LamportClock"]
+
+log = logging.getLogger(__name__)
 
 #: The largest timestamp (the wire format's int64 limit): the clock stops there rather than stamp a
 #: message no member would accept, which would stall its publisher's stream for good.
@@ -24,15 +28,34 @@ MAX_JUMP = 2**40
 
 
 class LamportClock:
-    """A thread-safe Lamport clock; publishers and the receive path share one per member."""
+    """A thread-safe Lamport clock; publishers and the receive path share one per member.
 
-    __slots__ = ("_lock", "_time")
+    ``reserve`` makes it durable across restarts: before the clock passes the last value it returned,
+    it is called (under the clock's lock) with the new time and must save, and return, a limit at
+    or past it; a restarted member starts its clock at the last saved limit, so it stamps nothing
+    at or below a timestamp it issued before (its new messages would sort before its old ones). A
+    reservation covers many ticks, so saving is rare; one that fails is logged and the clock goes on.
+    """
 
-    def __init__(self, start: int = 0) -> None:
+    __slots__ = ("_limit", "_lock", "_reserve", "_time")
+
+    def __init__(self, start: int = 0, *, reserve: Callable[[int], int] | None = None) -> None:
         if not isinstance(start, int) or isinstance(start, bool) or start < 0:
             raise ValueError(f"a Lamport clock starts at a non-negative integer, got {start!r}")
         self._lock = threading.Lock()
-        self._time = start
+        self._time = min(start, MAX_TIME)
+        self._reserve = reserve
+        self._limit = self._time
+
+    def _advance_locked(self, new: int) -> None:
+        if new > self._limit and self._reserve is not None:
+            try:
+                self._limit = max(new, int(self._reserve(new)))
+            except Exception as exc:  # noqa: BLE001 - stamping goes on; only a restart could repeat a time
+                self._limit = new
+                log.warning("the Lamport clock's reservation was not saved (%s); after a restart this member "
+                            "could stamp messages before ones it sent", type(exc).__name__)
+        self._time = new
 
     @property
     def time(self) -> int:
@@ -49,12 +72,12 @@ class LamportClock:
             raise ValueError("tick() reserves at least one timestamp")
         with self._lock:
             first = min(self._time + 1, MAX_TIME)
-            self._time = min(self._time + n, MAX_TIME)
+            self._advance_locked(min(self._time + n, MAX_TIME))
             return first
 
     def observe(self, ts: int) -> int:
         """Account for a received timestamp; later sends are stamped after it. Returns the clock."""
         with self._lock:
             if ts > self._time:
-                self._time = ts
+                self._advance_locked(min(ts, MAX_TIME))
             return self._time

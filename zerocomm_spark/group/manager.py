@@ -57,6 +57,7 @@ from zerocomm_spark.errors import (
     ZeroCommError,
 )
 from zerocomm_spark.group.datamessage import MAX_SEQ
+from zerocomm_spark.group.lamport import MAX_TIME, LamportClock
 from zerocomm_spark.group.dataplane import MODES, ROLES, DataPlane, DataPlaneConfig, Delivered, PublishReceipt, RemoteMember
 from zerocomm_spark.group.policy import AdmissionPolicy, AdmissionRequest, OpenPolicy, Ticket, policy_from_dict
 from zerocomm_spark.group.proof import connection_proof, proves_connection
@@ -114,6 +115,10 @@ _NO_PROOF = ("the request does not prove it comes from the entry's member over t
 #: would leave no usable seqs (every batch refused as malformed past 2**63-1), so a faulty or
 #: hostile member could silence our stream for everyone.
 MAX_REPORTED_POSITION = MAX_SEQ // 2
+
+#: Lamport ticks each saved reservation of the clock covers: a restart moves the clock up to this far
+#: ahead (timestamps need not be contiguous), and saving costs one keystore write per this many.
+CLOCK_RESERVE = 1 << 20
 
 MEMBER_GOAL = "zerocomm.group.member"  # the multi-use invitation each member announces in its entry
 JOIN_GOAL = "zerocomm.group.join"  # invitations issued for a group with invite(group)
@@ -340,6 +345,14 @@ class GroupManager:
         self._member_key = keystore.get(identity.member_verkey)
         self.did = member_did_for(identity.member_verkey)
         self._dataplane: DataPlane | None = None
+        # Durable across restarts: it starts at the last reservation saved (lamport.py).
+        self._clock = LamportClock(self._store.clock_reserved(), reserve=self._reserve_clock)
+
+    def _reserve_clock(self, time_now: int) -> int:
+        """Save a limit ahead of the Lamport clock (one keystore write per CLOCK_RESERVE ticks)."""
+        limit = min(time_now + CLOCK_RESERVE, MAX_TIME)
+        self._store.save_clock_reserved(limit)
+        return limit
 
     # --- lifecycle -------------------------------------------------------------------------------
 
@@ -391,7 +404,7 @@ class GroupManager:
                               curve_keypair=(self._identity.curve_public, self._identity.curve_secret),
                               publish_bind=bind, on_deliver=self._on_deliver, on_state=self._on_state,
                               config=config.dataplane, on_deliver_many=self._on_deliver_many,
-                              on_superseded=self._on_superseded)
+                              on_superseded=self._on_superseded, clock=self._clock)
             try:
                 return plane.start()
             except ConfigurationError as exc:

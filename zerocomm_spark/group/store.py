@@ -28,6 +28,7 @@ __all__ = ["GroupRecord", "GroupStore", "Identity", "Positions"]
 
 GROUP_KIND = "zerocomm-group"
 POSITIONS_KIND = "zerocomm-group-positions"
+CLOCK_KIND = "zerocomm-group-clock"  # the Lamport clock's reservation: a restart starts the clock there
 LEFT_KIND = "zerocomm-group-left"  # our last seq in groups we left: kept, so a rejoin continues after it
 IDENTITY_KIND = "zerocomm-group-identity"
 PEER_KIND = "zerocomm-group-peer"
@@ -159,6 +160,17 @@ class GroupStore:
         with self._lock:
             if publish > self.left_position(group):
                 self._keystore.put_record(LEFT_KIND, group, {"publish": publish})
+
+    # --- Lamport clock ---------------------------------------------------------------------------
+
+    def clock_reserved(self) -> int:
+        """The last limit the member's Lamport clock reserved (0 if none): a restart starts there."""
+        data = self._keystore.get_record(CLOCK_KIND, IDENTITY_ID) or {}
+        value = data.get("reserved", 0)
+        return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
+
+    def save_clock_reserved(self, value: int) -> None:
+        self._keystore.put_record(CLOCK_KIND, IDENTITY_ID, {"reserved": int(value)})
 
     # --- peers -----------------------------------------------------------------------------------
 
