@@ -207,6 +207,35 @@ def test_a_failed_rejoin_keeps_the_position_members_reported(tmp_path: Path,
             agent.close()
 
 
+def test_a_failed_join_tells_the_members_that_accepted_it_in_parallel(tmp_path: Path) -> None:
+    """alice and carol accept bob's subscribe, dave refuses it: the withdrawn join is pushed to both
+    at once (one after another, members slow to answer held the failed join N x the push timeout)."""
+    names = ("alice", "bob", "carol", "dave")
+    alice, bob, carol, dave = agents = [Agent.open(tmp_path / n, label=n, group_config=CONFIG) for n in names]
+    try:
+        alice.groups.create("g")
+        for member in (carol, dave):
+            member.groups.join("g", via=member.accept(alice.invite(), timeout=10), timeout=30)
+        dave.groups.set_policy("g", AllowListPolicy([alice.groups.did, carol.groups.did]))
+        via = bob.accept(alice.invite(), timeout=10)
+        real = bob.deliver
+        told: list[float] = []
+
+        def slow(connection: Any, message: Any, timeout: float) -> Any:
+            if type(message).__name__ == "Leave":
+                time.sleep(2.0)  # a member slow to take it
+                told.append(time.monotonic())
+            return real(connection, message, timeout)
+
+        bob.groups._agent.deliver = slow  # type: ignore[method-assign]  # noqa: SLF001
+        with pytest.raises(JoinRefusedError):
+            bob.groups.join("g", via=via, timeout=30)
+        assert len(told) == 2 and told[1] - told[0] < 1.0
+    finally:
+        for agent in agents:
+            agent.close()
+
+
 def test_a_position_past_any_usable_seq_does_not_break_the_joiners_stream(
         pair: _Pair, monkeypatch: pytest.MonkeyPatch) -> None:
     """A faulty or hostile member answers the subscribe with position 2**63-1: continuing after it

@@ -955,12 +955,17 @@ class GroupManager:
             # keeps our last seq, so the next join still continues after it.
             self._store.save_left_position(g.name, self._reported(g, accepted))
             left = self._bump_own(g, status=LEFT)
-            for did, pair in accepted.items():
-                try:
-                    self._agent.deliver(pair.record.connection_id, Leave(group=g.name, member=left.to_dict()),
-                                        self.config.push_timeout_s)
-                except ZeroCommError as exc:
-                    log.info("group %r: %s not told of the withdrawn join (%s)", g.name, did, type(exc).__name__)
+            timeout = self.config.push_timeout_s
+            # In parallel: one after another, members that are down held a failed join N x the timeout.
+            futures = {did: self._io.submit(self._agent.deliver, pair.record.connection_id,
+                                            Leave(group=g.name, member=left.to_dict()), timeout)
+                       for did, pair in accepted.items()}
+            wait(list(futures.values()), timeout=timeout + 1.0)
+            for did, future in futures.items():
+                exc = future.exception(0) if future.done() else None
+                if not future.done() or exc is not None:
+                    log.info("group %r: %s not told of the withdrawn join (%s)", g.name, did,
+                             type(exc).__name__ if exc else "timeout")
             try:
                 self.dataplane.close_group(g.name)
             except GroupError:
