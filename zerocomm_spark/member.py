@@ -148,7 +148,7 @@ def _receipt_error(exc: BaseException) -> bytes:
 def _raise_for_receipt(reply: bytes) -> None:
     try:
         receipt = json.loads(reply)
-    except (ValueError, UnicodeDecodeError):
+    except (ValueError, UnicodeDecodeError, RecursionError):  # RecursionError: "[[[[..." from a hostile peer
         receipt = None
     if not isinstance(receipt, dict) or not isinstance(receipt.get("ok"), bool):
         raise ProtocolError("the peer answered with something that is not a ZeroComm receipt")

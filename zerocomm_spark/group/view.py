@@ -361,7 +361,7 @@ def open_status(group: str, blob: bytes, mine: Mapping[str, str],
         outer = json.loads(_zstd_bounded(blob))
     except zstandard.ZstdError:
         raise MalformedGroupMessageError("a status message is not zstd-compressed") from None
-    except (ValueError, UnicodeDecodeError):
+    except (ValueError, UnicodeDecodeError, RecursionError):  # RecursionError: nested a few thousand deep
         raise MalformedGroupMessageError("a status message is not JSON") from None
     if not isinstance(outer, dict) or outer.get("@type") != SECTIONS_TYPE or outer.get("group") != group:
         raise MalformedGroupMessageError("a status message has the wrong type or group")
@@ -377,7 +377,7 @@ def open_status(group: str, blob: bytes, mine: Mapping[str, str],
             raise EnvelopeError("a status section was not packed by the member its exchange id belongs to")
         try:
             body = json.loads(unpacked.message)
-        except (ValueError, UnicodeDecodeError):
+        except (ValueError, UnicodeDecodeError, RecursionError):
             raise MalformedGroupMessageError("a status section is not JSON") from None
         if not isinstance(body, dict) or body.get("@type") != STATUS_TYPE or body.get("group") != group:
             raise MalformedGroupMessageError("a status section has the wrong type or group")
