@@ -137,8 +137,14 @@ def _receipt_ok() -> bytes:
     return b'{"ok":true}'
 
 
+#: Errors about the peer's message itself: their text goes back in the receipt. Anything else is
+#: this member's own trouble (its keystore, journal, configuration, a local path in the text) and
+#: stays in its log; the peer learns only that handling failed here.
+_PEER_FACING = (errors.DIDError, errors.SignatureError, errors.EnvelopeError, ProtocolError, errors.GroupError)
+
+
 def _receipt_error(exc: BaseException) -> bytes:
-    if isinstance(exc, ZeroCommError):
+    if isinstance(exc, _PEER_FACING):
         name, detail = type(exc).__name__, _reason(exc)
     else:
         name, detail = "RemoteHandlerError", "the agent failed while handling the message"

@@ -6,6 +6,7 @@ what a peer sent must turn it into their ZeroComm error, not let it escape as a 
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -41,3 +42,16 @@ def test_a_status_message_nested_too_deeply_is_malformed() -> None:
     blob = zstandard.ZstdCompressor().compress(DEEP)
     with pytest.raises(MalformedGroupMessageError):
         open_status("g", blob, {}, lambda kid: None)
+
+
+def test_a_receipt_tells_the_peer_about_its_message_not_about_this_members_own_failures() -> None:
+    """A refusal of the peer's message names what was wrong with it; a local failure (a keystore or
+    journal error whose text names local paths) stays in the log: the peer learns only that it failed."""
+    from zerocomm_spark.errors import JournalError, KeystoreError, TamperedEnvelopeError
+    from zerocomm_spark.member import _receipt_error
+
+    local = json.loads(_receipt_error(KeystoreError("cannot read /home/ops/ids/alice/keystore.db")))
+    assert local == {"ok": False, "error": "RemoteHandlerError", "detail": "the agent failed while handling the message"}
+    assert "/home/ops" not in json.dumps(json.loads(_receipt_error(JournalError("disk full at /srv/j"))))
+    theirs = json.loads(_receipt_error(TamperedEnvelopeError("the envelope's tag does not verify")))
+    assert theirs["error"] == "TamperedEnvelopeError" and "tag does not verify" in theirs["detail"]
