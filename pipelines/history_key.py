@@ -3,7 +3,8 @@
 Why a key of its own: a history table lives on shared storage (an object store, a lake) that more
 people can read than the group has members. With a history key the ``payload`` column holds
 XChaCha20-Poly1305 ciphertext instead of clear bytes; everything Spark needs to plan, prune and
-order (group, date, ids, publisher, seq, Lamport time) stays in clear.
+order (group, date, ids, publisher, seq, Lamport time) stays in clear, and so do the application
+``headers`` (routing metadata by design: what must stay secret belongs in the payload).
 
 * Each payload is sealed on its own (``nonce(24) || ciphertext || tag(16)``), so rows stay
   independent: any subset can be restored, compacted or deleted. Nonces are random (192 bits:
