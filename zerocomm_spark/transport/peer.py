@@ -75,6 +75,9 @@ _HWM = 10_000
 _MAX_DEALERS = 768  # outbound sockets kept at once (one per remote endpoint); the oldest idle one closes
 _EVICT_LINGER_MS = 500
 _MAX_BACKLOG = 10_000  # queued inbound jobs; beyond it the ROUTER is not read (TCP back-pressure)
+#: Payload bytes of queued inbound jobs beyond which the ROUTER is not read either: counted in jobs
+#: alone, large frames from anyone (the socket is unauthenticated) could queue 10,000 x 16 MiB.
+_MAX_BACKLOG_BYTES = 256 * 1024 * 1024
 _RECV_BATCH = 256  # messages read per socket per loop turn, so no socket starves the others
 _MAX_POLL_MS = 250
 _START_TIMEOUT = 10.0
@@ -208,6 +211,7 @@ class PeerTransport:
         self._close_done = threading.Event()  # set when close() has finished (threads joined, context ended)
 
         self._inbox: queue.PriorityQueue[tuple[int, int, _Job | None]] = queue.PriorityQueue()
+        self._inbox_bytes = 0  # payload bytes of the jobs in _inbox (under _lock)
         self._stats = _Stats()
         self._ctx: zmq.Context[zmq.Socket[bytes]] | None = None
         self._wake_tx: zmq.Socket[bytes] | None = None
@@ -552,7 +556,7 @@ class PeerTransport:
         router_polled = True
         try:
             while not self._stopping.is_set():
-                backlog_full = not self._closed and self._inbox.qsize() >= _MAX_BACKLOG  # closing: refused
+                backlog_full = not self._closed and self._backlog_full()  # closing: refused
                 if backlog_full == router_polled:  # stop/restart reading inbound under back-pressure
                     poller.modify(router, 0 if backlog_full else zmq.POLLIN)
                     router_polled = not backlog_full
@@ -749,8 +753,19 @@ class PeerTransport:
         reply = encode(Error(code, bytes(frame[:2]), rid))
         self._enqueue(_CONTROL_PRIORITY, _Outbound(reply, identity=identity))
 
+    def _backlog_full(self) -> bool:
+        return self._inbox.qsize() >= _MAX_BACKLOG or self._inbox_bytes >= _MAX_BACKLOG_BYTES
+
+    def _take(self, job: _Job | None) -> None:
+        """A job left the inbox: its bytes no longer count against the backlog."""
+        if job is not None:
+            with self._lock:
+                self._inbox_bytes -= len(job.payload)
+
     def _read_router(self, router: zmq.Socket[bytes]) -> None:
         for _ in range(_RECV_BATCH):
+            if self._backlog_full():  # a turn's batch could overshoot the byte budget by 256 frames
+                return
             try:
                 parts = router.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
@@ -819,6 +834,7 @@ class PeerTransport:
         with self._lock:  # close() sets _closed under it: no job is queued after the workers' sentinels
             queued = not self._closed
             if queued:
+                self._inbox_bytes += len(job.payload)
                 self._inbox.put((-job.priority, next(self._seq), job))
         if not queued:
             self._decline(job)
@@ -897,6 +913,7 @@ class PeerTransport:
                 if self._stopping.is_set():
                     return
                 continue
+            self._take(job)
             if job is None:
                 return
             try:
@@ -919,6 +936,7 @@ class PeerTransport:
             if item[2] is None:
                 sentinels.append(item)
             else:
+                self._take(item[2])
                 self._decline(item[2])
                 declined += 1
         for item in sentinels:
