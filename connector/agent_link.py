@@ -29,6 +29,7 @@ from zerocomm_spark.errors import (
     BackpressureError,
     ClientClosedError,
     GroupNotFoundError,
+    OffsetOutOfRangeError,
     PeerTimeoutError,
     PublishNotAcknowledgedError,
     ZeroCommError,
@@ -291,8 +292,14 @@ class MemberLink:
         pieces: list[pa.Table] = []
         at = head_offset
         while at <= tail_offset:
-            result, table = self._call("call_bulk", "read", group=group, start=at, end=tail_offset + 1,
-                                       max_rows=READ_PAGE)
+            try:
+                result, table = self._call("call_bulk", "read", group=group, start=at, end=tail_offset + 1,
+                                           max_rows=READ_PAGE)
+            except OffsetOutOfRangeError:
+                # Retention deleted records of the window since it was planned (DataLossError): the seq
+                # index reads what is left, and the partition reader reports the rest as failOnDataLoss
+                # says - this bare error failed the read even with failOnDataLoss=false.
+                return None
             if table is not None and table.num_rows:
                 mask = pc.and_(pc.equal(table.column("publisher_did"), publisher),
                                pc.and_(pc.greater_equal(table.column("seq"), head_seq),

@@ -11,6 +11,8 @@ talks to the member on the driver's host; the reading itself happens on executor
 * ``trigger(availableNow=True)`` records the newest positions once, at start, and never goes past them.
 * A publisher that appears mid-stream is introduced at its first retained seq in one batch's end
   offset and read from the next batch on: every planned range is ``[checkpointed, end)``.
+* The first batch's end offset also records the start it was planned from (``origin``): Spark does
+  not checkpoint that start and asks ``initialOffset()`` again when it re-runs the batch after a restart.
 * ``commit(end)`` tells the member the checkpointed positions, so its journal prunes only what every
   checkpoint has passed, never on a guess.
 * ``reportLatestOffset`` puts the newest positions in each progress report; :mod:`.lag` turns
@@ -142,6 +144,13 @@ class ZeroCommMicroBatchStream(DataSourceStreamReader, SupportsTriggerAvailableN
             raise ZeroCommError(f"format(\"zerocomm\") got a read limit it does not implement: {limit!r}")
         if introduced:
             end = end.updated(introduced)
+        if end.positions == begin.positions:
+            return start  # nothing new: the same offset, so Spark runs no batch (an origin kept in it)
+        if self._initial is not None and start == self._initial:
+            # The first batch: Spark checkpoints its end but not its start, and re-running it after a
+            # restart asks initialOffset() again, answered anew (later for "latest", past what retention
+            # deleted for "earliest"): rows of the planned range were skipped without a word.
+            end = end.with_origin(begin)
         return end.to_dict()
 
     def reportLatestOffset(self) -> dict | None:
@@ -150,7 +159,8 @@ class ZeroCommMicroBatchStream(DataSourceStreamReader, SupportsTriggerAvailableN
     # --- planning and reading ---------------------------------------------------------------------
 
     def partitions(self, start: dict, end: dict) -> Sequence[InputPartition]:
-        begin, stop = ZeroCommOffset.from_dict(start), ZeroCommOffset.from_dict(end)
+        stop = ZeroCommOffset.from_dict(end)
+        begin = stop.planned_start(ZeroCommOffset.from_dict(start))  # a re-run first batch: its planned start
         if any(key not in self._labels for key in stop):
             try:
                 self._labels.update(self._member().labels(self.options.groups))

@@ -15,6 +15,12 @@ a clear message instead of being misread::
 committed); it is made once, at a new query's first offset, and travels in every offset after, so a
 restarted query from its checkpoint is still the same consumer. Older offsets without it still read.
 
+``origin`` appears only in the end offset of a query's first batch: the start that batch was planned
+from. Spark does not checkpoint a first batch's start; it asks ``initialOffset()`` again when it
+re-runs the batch after a restart, and that answer is resolved anew ("latest" is later by then,
+"earliest" is past whatever retention deleted meanwhile). With ``origin`` the re-run reads exactly the
+planned range, and reports what is gone from it as data loss. Older readers ignore the field.
+
 Everything here is pure (no Spark, no agent), so the rules are unit-tested on their own.
 """
 
@@ -71,29 +77,27 @@ class ZeroCommOffset:
 
     positions: Mapping[PublisherKey, int] = field(default_factory=dict)
     consumer: str | None = None
+    #: Only in a first batch's end offset: the start it was planned from (see the module's notes).
+    origin: Mapping[PublisherKey, int] | None = None
 
     def __post_init__(self) -> None:
         if self.consumer is not None and (not isinstance(self.consumer, str) or not self.consumer
                                           or len(self.consumer) > 200):
             raise OffsetFormatError(f"the offset's consumer must be a short non-empty string, not {self.consumer!r}")
         # Sorted once, so the JSON (which Spark compares as text) is canonical.
-        ordered = {k: self.positions[k] for k in sorted(self.positions)}
-        for (group, did), seq in ordered.items():
-            if not isinstance(group, str) or not isinstance(did, str) or not group or not did:
-                raise OffsetFormatError(f"an offset key is (group, publisher DID), got {(group, did)!r}")
-            _check_seq(seq, f"offset of {did} in group {group!r}", allow_special=False)
-        object.__setattr__(self, "positions", ordered)
+        object.__setattr__(self, "positions", _checked_positions(self.positions))
+        if self.origin is not None:
+            object.__setattr__(self, "origin", _checked_positions(self.origin))
 
     # --- serialization --------------------------------------------------------------------------
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON-ready dict Spark checkpoints (keys sorted, so equal offsets give equal text)."""
-        groups: dict[str, dict[str, int]] = {}
-        for (group, did), seq in self.positions.items():
-            groups.setdefault(group, {})[did] = seq
-        out: dict[str, Any] = {"version": OFFSET_VERSION, "groups": groups}
+        out: dict[str, Any] = {"version": OFFSET_VERSION, "groups": _grouped(self.positions)}
         if self.consumer is not None:
             out["consumer"] = self.consumer
+        if self.origin is not None:
+            out["origin"] = _grouped(self.origin)
         return out
 
     def to_json(self) -> str:
@@ -116,15 +120,11 @@ class ZeroCommOffset:
         groups = data.get("groups")
         if not isinstance(groups, Mapping):
             raise OffsetFormatError("the offset has no 'groups' object")
-        positions: dict[PublisherKey, int] = {}
-        for group, publishers in groups.items():
-            if not isinstance(publishers, Mapping):
-                raise OffsetFormatError(f"group {group!r} in the offset maps to {type(publishers).__name__}, "
-                                        "not an object of publisher DID -> seq")
-            for did, seq in publishers.items():
-                positions[(str(group), str(did))] = _check_seq(seq, f"offset of {did} in group {group!r}",
-                                                               allow_special=False)
-        return cls(positions, data.get("consumer"))
+        origin = data.get("origin")
+        if origin is not None and not isinstance(origin, Mapping):
+            raise OffsetFormatError("the offset's 'origin' is not an object of group -> publisher DID -> seq")
+        return cls(_parsed_positions(groups), data.get("consumer"),
+                   _parsed_positions(origin) if origin is not None else None)
 
     @classmethod
     def from_json(cls, text: str | bytes) -> "ZeroCommOffset":
@@ -158,6 +158,7 @@ class ZeroCommOffset:
         return {g for g, _ in self.positions}
 
     def updated(self, changes: Mapping[PublisherKey, int]) -> "ZeroCommOffset":
+        """These positions with ``changes`` applied (an ``origin`` is not carried: it names one batch's start)."""
         merged = dict(self.positions)
         merged.update(changes)
         return ZeroCommOffset(merged, self.consumer)
@@ -165,12 +166,50 @@ class ZeroCommOffset:
     def with_consumer(self, consumer: str | None) -> "ZeroCommOffset":
         return ZeroCommOffset(self.positions, consumer)
 
+    def with_origin(self, start: "ZeroCommOffset") -> "ZeroCommOffset":
+        """This end offset, remembering the start its batch was planned from."""
+        return ZeroCommOffset(self.positions, self.consumer, start.positions)
+
+    def planned_start(self, start: "ZeroCommOffset") -> "ZeroCommOffset":
+        """The start of the batch ending here: its recorded origin if it has one, else ``start``."""
+        if self.origin is None:
+            return start
+        return ZeroCommOffset(self.origin, self.consumer)
+
     def rows_until(self, end: "ZeroCommOffset") -> int:
         """How many seqs lie between this offset and ``end`` (publishers missing here count nothing)."""
         return sum(max(0, seq - self.positions.get(key, seq)) for key, seq in end.items())
 
     def __repr__(self) -> str:
         return f"ZeroCommOffset({self.to_json()})"
+
+
+def _checked_positions(positions: Mapping[PublisherKey, int]) -> dict[PublisherKey, int]:
+    ordered = {k: positions[k] for k in sorted(positions)}
+    for (group, did), seq in ordered.items():
+        if not isinstance(group, str) or not isinstance(did, str) or not group or not did:
+            raise OffsetFormatError(f"an offset key is (group, publisher DID), got {(group, did)!r}")
+        _check_seq(seq, f"offset of {did} in group {group!r}", allow_special=False)
+    return ordered
+
+
+def _grouped(positions: Mapping[PublisherKey, int]) -> dict[str, dict[str, int]]:
+    groups: dict[str, dict[str, int]] = {}
+    for (group, did), seq in positions.items():
+        groups.setdefault(group, {})[did] = seq
+    return groups
+
+
+def _parsed_positions(groups: Mapping[Any, Any]) -> dict[PublisherKey, int]:
+    positions: dict[PublisherKey, int] = {}
+    for group, publishers in groups.items():
+        if not isinstance(publishers, Mapping):
+            raise OffsetFormatError(f"group {group!r} in the offset maps to {type(publishers).__name__}, "
+                                    "not an object of publisher DID -> seq")
+        for did, seq in publishers.items():
+            positions[(str(group), str(did))] = _check_seq(seq, f"offset of {did} in group {group!r}",
+                                                           allow_special=False)
+    return positions
 
 
 @dataclass(frozen=True)

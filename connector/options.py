@@ -98,7 +98,14 @@ def _bool(opts: Mapping[str, str], name: str, default: bool) -> bool:
     raise ConnectorOptionError(f"option {name} is {raw!r}, not a boolean", hint=f"Use {name}=true or {name}=false")
 
 
-def _int(opts: Mapping[str, str], name: str, default: int | None, *, minimum: int = 1) -> int | None:
+#: The longest a *TimeoutMs option may be: 2**31 - 1 ms (about 24.8 days), the usual bound of a
+#: millisecond timeout. A larger one overflowed the lock and socket waits of the client (and the
+#: agent) with an OverflowError from deep inside a call, outside the ZeroComm errors.
+MAX_TIMEOUT_MS = (1 << 31) - 1
+
+
+def _int(opts: Mapping[str, str], name: str, default: int | None, *, minimum: int = 1,
+         maximum: int | None = None) -> int | None:
     raw = opts.get(name.lower())
     if raw is None:
         return default
@@ -110,6 +117,10 @@ def _int(opts: Mapping[str, str], name: str, default: int | None, *, minimum: in
     if value < minimum:
         raise ConnectorOptionError(f"option {name} is {value}; it must be >= {minimum}",
                                    hint=f"Give a whole number >= {minimum}")
+    if maximum is not None and value > maximum:
+        raise ConnectorOptionError(f"option {name} is {value}; it must be at most {maximum}",
+                                   hint=f"Give a whole number from {minimum} to {maximum}"
+                                        + (" (about 24.8 days)" if maximum == MAX_TIMEOUT_MS else ""))
     return value
 
 
@@ -163,7 +174,7 @@ class AgentOptions:
             raise ConnectorOptionError("option agent is empty",
                                        hint="Leave it out to use each host's configured agent, or give a socket "
                                             "directory, ipc:// endpoint or zerocomm.toml path")
-        timeout = _int(opts, "agentTimeoutMs", 30_000)
+        timeout = _int(opts, "agentTimeoutMs", 30_000, maximum=MAX_TIMEOUT_MS)
         assert timeout is not None
         return cls(where=where.strip() if where else None, spawn=_bool(opts, "spawnAgent", True),
                    timeout_s=timeout / 1000.0)
@@ -202,7 +213,7 @@ class SourceOptions:
         if mode == "batch" and max_per_trigger is not None:
             raise ConnectorOptionError("option maxMessagesPerTrigger applies to streams, not to batch reads",
                                        hint="Remove it, or limit the batch with endingOffsets")
-        read_timeout = _int(opts, "readTimeoutMs", 60_000)
+        read_timeout = _int(opts, "readTimeoutMs", 60_000, maximum=MAX_TIMEOUT_MS)
         assert read_timeout is not None
         min_partitions = _int(opts, "minPartitions", 1)
         per_partition = _int(opts, "maxMessagesPerPartition", 50_000)
@@ -229,7 +240,7 @@ class SinkOptions:
     def parse(cls, options: Mapping[str, str]) -> "SinkOptions":
         opts = _check_known(options, SINK_OPTIONS, SOURCE_OPTIONS, "write")
         group = _groups(opts, single=True)[0]
-        timeout = _int(opts, "publishTimeoutMs", 120_000)
+        timeout = _int(opts, "publishTimeoutMs", 120_000, maximum=MAX_TIMEOUT_MS)
         size = _int(opts, "publishBatchSize", 2000)
         size_bytes = _int(opts, "publishBatchBytes", 8 * 1024 * 1024)
         assert timeout is not None and size is not None and size_bytes is not None

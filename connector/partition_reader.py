@@ -121,11 +121,13 @@ def read_partition(partition: ZeroCommInputPartition) -> Iterator[pa.RecordBatch
                 if found is None:
                     _gone(link, partition, expected, upto, f"it has journaled up to seq {journaled} without them")
                     expected = upto + 1
-                else:
-                    if found > expected:
-                        _gone(link, partition, expected, found - 1, "deleted by retention or never delivered to it")
+                    continue
+                if found > expected:
+                    _gone(link, partition, expected, found - 1, "deleted by retention or never delivered to it")
                     expected = found
-                continue
+                    continue
+                # It says it holds `expected`, yet the read returned nothing (a race with retention, or
+                # a bug): wait like for a member catching up, so this ends at the timeout, not a spin.
             if time.monotonic() >= deadline:
                 raise IncompleteReadError(
                     f"the member on host {os.uname().nodename} has messages of publisher "

@@ -383,6 +383,131 @@ def test_messages_gone_by_retention_fail_or_are_skipped_as_failOnDataLoss_says(s
         dave.remove()
 
 
+def test_retention_deleting_a_partitions_head_mid_read_is_data_loss_as_failOnDataLoss_says(members, tmp_path,
+                                                                                           monkeypatch):
+    """Retention (another consumer's commit) deletes the segment with a partition's first rows between
+    the reader's look-up of its first row and its read by journal offset (the dense path): that read
+    failed with the journal's bare DataLossError, so failOnDataLoss=false failed the query instead of
+    skipping, and failOnDataLoss=true did not say which publisher's messages were lost."""
+    from zerocomm_spark.connector.agent_link import MemberLink
+    from zerocomm_spark.connector.options import AgentOptions
+    from zerocomm_spark.connector.partition_reader import ZeroCommInputPartition, read_partition
+    from zerocomm_spark.errors import StreamDataLossError
+
+    alice = members["alice"]
+    dave = LocalMember.create(tmp_path, "dave", settings={"journal.segment_bytes": "65536",
+                                                        "journal.retention_bytes": "1"})
+    dave.start()
+    try:
+        group = f"g{uuid.uuid4().hex[:8]}"
+        form_group([alice, dave], group)
+        for start in range(0, 3000, 500):
+            publish(alice, group, [f"{i:06d}" + "x" * 200 for i in range(start, start + 500)])
+        did = alice.did(group)
+        wait_for(lambda: dave.client().latest(group)["publishers"][0]["last_seq"] == 3000, 60, "dave to have all")
+
+        def offset_of(seq: int) -> int:
+            row = dave.client().read(group=group, publisher=did, first_seq=seq, last_seq=seq)
+            return int(row.column("offset")[0].as_py())
+
+        scans = []
+        real_call = MemberLink._call
+
+        def retention_strikes(commit_at: int):
+            def call(self, name, *args, **kwargs):
+                if name == "call_bulk" and not scans:  # the dense read of the partition, by journal offset
+                    scans.append(kwargs["start"])
+                    dave.client().commit(offset_of(commit_at))
+                    wait_for(lambda: dave.client().latest(None)["earliest_offset"] > kwargs["start"], 30,
+                             "retention to delete the partition's first rows")
+                return real_call(self, name, *args, **kwargs)
+            return call
+
+        def read(first: int, fail: bool) -> list[int]:
+            part = ZeroCommInputPartition(group=group, publisher=did, first=first, end=3001, label="alice",
+                                          agent=AgentOptions(where=str(dave.config)), include_headers=False,
+                                          fail_on_data_loss=fail, read_timeout_s=30.0)
+            return [s for batch in read_partition(part) for s in batch.column("seq").to_pylist()]
+
+        monkeypatch.setattr(MemberLink, "_call", retention_strikes(1001))
+        with pytest.raises(StreamDataLossError, match=f"messages 1\\.\\.[0-9]+ of publisher alice in group '{group}'"):
+            read(1, fail=True)
+        assert scans, "the read did not take the dense path"
+        kept = dave.client().read(group=group, publisher=did, first_seq=1, last_seq=3000, max_rows=1)
+        first_kept = int(kept.column("seq")[0].as_py())
+        scans.clear()
+        monkeypatch.setattr(MemberLink, "_call", retention_strikes(2001))
+        seqs = read(first_kept, fail=False)  # skipped with a warning, not a failed read
+        assert scans and seqs and seqs == list(range(seqs[0], 3001)) and first_kept < seqs[0] <= 2001
+    finally:
+        dave.remove()
+
+
+def test_a_first_batch_rerun_after_a_restart_reads_its_planned_range_and_reports_what_retention_took(
+        spark, members, tmp_path):
+    """Spark checkpoints the first batch's end but not its start: re-running it after a failure, it asks
+    initialOffset() again. Resolved anew, "earliest" had moved past what retention deleted meanwhile,
+    and the re-run batch read from there: 2000 planned messages skipped without a word although
+    failOnDataLoss was true (with "latest", the messages of the first batch were skipped the same way)."""
+    from pyspark.sql.functions import col, udf
+
+    alice = members["alice"]
+    dave = LocalMember.create(tmp_path, "dave", settings={"journal.segment_bytes": "65536",
+                                                        "journal.retention_bytes": "1"})
+    dave.start()
+    try:
+        group = f"g{uuid.uuid4().hex[:8]}"
+        form_group([alice, dave], group)
+        for start in range(0, 3000, 500):
+            publish(alice, group, [f"{i:06d}" + "x" * 200 for i in range(start, start + 500)])
+        did = alice.did(group)
+        wait_for(lambda: dave.client().latest(group)["publishers"][0]["last_seq"] == 3000, 60, "dave to have all")
+        marker = tmp_path / "fail-now"
+        marker.write_text("the first run's batch fails")
+        flag = str(marker)
+
+        @udf("string")
+        def unless_flagged(payload):
+            import os as os_
+
+            if os_.path.exists(flag):
+                raise RuntimeError("the batch fails (test)")
+            return payload
+
+        out, ck = tmp_path / "out", tmp_path / "ck"
+
+        def run(**options: str):
+            frame = source(spark, group, dave, startingOffsets="earliest", **options)
+            return (frame.select(unless_flagged(col("payload").cast("string")).alias("p"), "seq")
+                    .writeStream.format("delta").option("checkpointLocation", str(ck))
+                    .trigger(availableNow=True).start(str(out)))
+
+        from pyspark.errors import StreamingQueryException
+
+        query = run()
+        with pytest.raises(StreamingQueryException, match="TASK_WRITE_FAILED"):
+            query.awaitTermination(180)
+        assert (ck / "offsets" / "0").exists() and not list((ck / "commits").glob("[0-9]*"))
+        # meanwhile another consumer of dave's journal lets retention delete the first 2000 messages
+        first_kept = dave.client().read(group=group, publisher=did, first_seq=2001, last_seq=2001)
+        dave.client().commit(int(first_kept.column("offset")[0].as_py()))
+        wait_for(lambda: dave.client().latest(None)["earliest_offset"] > 0, 30, "retention to delete segments")
+        marker.unlink()
+        query = run()
+        with pytest.raises(StreamingQueryException) as info:
+            query.awaitTermination(180)
+        # the batch's task failed (Delta wraps it); the reason is in the trace it carries
+        trace = f"{info.value} {getattr(info.value, '_stackTrace', '')}"
+        assert f"StreamDataLossError: messages 1.." in trace and f"of publisher alice in group '{group}'" in trace
+        # failOnDataLoss=false: the same planned range, what is left of it read, the rest skipped
+        query = run(failOnDataLoss="false")
+        assert query.awaitTermination(180) and query.exception() is None
+        seqs = sorted(r.seq for r in delta(spark, out).select("seq").collect())
+        assert seqs == list(range(seqs[0], 3001)) and 1 < seqs[0] <= 2001
+    finally:
+        dave.remove()
+
+
 # --- sink --------------------------------------------------------------------------------------
 
 
@@ -666,6 +791,7 @@ def test_killed_agent_mid_stream_then_restart_exactly_once(spark, members, group
     ({"startingOffsets": "yesterday"}, "startingOffsets is 'yesterday'"),
     ({"failOnDataLoss": "perhaps"}, "failOnDataLoss is 'perhaps', not a boolean"),
     ({"publishTimeoutMs": "10"}, "applies to writes only"),
+    ({"agentTimeoutMs": str(10**14)}, "agentTimeoutMs is 100000000000000; it must be at most"),
 ])
 def test_bad_options_fail_at_load_naming_the_option(spark, options, words):
     reader = spark.readStream.format("zerocomm")

@@ -54,6 +54,30 @@ def test_malformed_offsets_are_refused_with_a_reason(bad, words):
         ZeroCommOffset.from_dict(bad)
 
 
+def test_a_first_batchs_end_offset_keeps_the_start_it_was_planned_from():
+    """Spark re-runs a failed first batch from a fresh initialOffset(); the end offset it checkpointed
+    carries the planned start (origin), and planning from it reads exactly the planned range."""
+    start = ZeroCommOffset({A: 1, B: 4}, "spark-1")
+    end = limit_rows(start, ZeroCommOffset({A: 50, B: 60}), 20).with_origin(start)
+    data = json.loads(end.to_json())
+    assert data["origin"] == {"g": {"did:peer:2.alice": 1, "did:peer:2.bob": 4}} and data["consumer"] == "spark-1"
+    back = ZeroCommOffset.from_json(end.to_json())
+    assert back == end and back.origin == start.positions
+    rerun = ZeroCommOffset({A: 50, B: 60}, "spark-2")  # initialOffset() asked again after the restart
+    assert back.planned_start(rerun) == start
+    assert split_ranges(back.planned_start(rerun), back, max_per_slice=100) == split_ranges(start, end,
+                                                                                           max_per_slice=100)
+    # the next batch's end does not carry it, and an offset without one plans from the start given
+    after = back.updated({A: 70})
+    assert after.origin is None and "origin" not in after.to_dict() and after.consumer == "spark-1"
+    assert limit_rows(back, ZeroCommOffset({A: 80}), 5).origin is None
+    assert start.planned_start(rerun) == rerun
+    with pytest.raises(OffsetFormatError, match="origin"):
+        ZeroCommOffset.from_dict({**data, "origin": [1]})
+    with pytest.raises(OffsetFormatError, match="seq >= 1"):
+        ZeroCommOffset.from_dict({**data, "origin": {"g": {"d": 0}}})
+
+
 def test_offset_from_newer_connector_says_what_to_do():
     with pytest.raises(OffsetFormatError) as info:
         ZeroCommOffset.from_json('{"version": 2, "groups": {}}')

@@ -77,6 +77,24 @@ def test_sink_options():
         SinkOptions.parse({"group": "a", "publishBatchSize": "-1"})
 
 
+@pytest.mark.parametrize("name", ["agentTimeoutMs", "readTimeoutMs", "publishTimeoutMs"])
+def test_timeouts_past_what_a_wait_can_take_are_refused_by_name(name):
+    """A timeout of 10**14 ms parsed, then every call of the query died with an OverflowError from a
+    lock wait in the client (outside the ZeroComm errors, after the query had started)."""
+    import threading
+
+    from zerocomm_spark.connector.options import MAX_TIMEOUT_MS
+
+    parse = SinkOptions.parse if name == "publishTimeoutMs" else SourceOptions.parse
+    with pytest.raises(ConnectorOptionError, match=f"{name} is 100000000000000; it must be at most {MAX_TIMEOUT_MS}"):
+        parse({"group": "g", name: str(10**14)})
+    parsed = parse({"group": "g", name: str(MAX_TIMEOUT_MS)})
+    seconds = {"agentTimeoutMs": lambda o: o.agent.timeout_s, "readTimeoutMs": lambda o: o.read_timeout_s,
+               "publishTimeoutMs": lambda o: o.publish_timeout_s}[name](parsed)
+    assert seconds == MAX_TIMEOUT_MS / 1000 and seconds < threading.TIMEOUT_MAX
+    assert threading.Lock().acquire(timeout=seconds)  # what the client's call does with it
+
+
 def test_option_tables_document_every_option():
     for table in (SOURCE_OPTIONS, SINK_OPTIONS):
         assert all(isinstance(v, str) and v for v in table.values())

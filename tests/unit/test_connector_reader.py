@@ -95,3 +95,20 @@ def test_a_member_that_stops_delivering_fails_the_read_after_the_timeout(clock, 
     with pytest.raises(IncompleteReadError, match="only up to seq 5; this partition needs 6..10"):
         seqs(read_partition(partition(1, 11, timeout=2.0)))
     assert 4.0 <= clock.now <= 5.5  # the last message came at 2.5 s; then 2 s of waiting
+
+
+class Inconsistent(Member):
+    """Says it holds seqs (last_seqs, first_seq) that its reads never return: a bug or a race, which
+    must end at the read timeout rather than spin without a wait or a deadline."""
+
+    def read_seqs(self, group, publisher, first, last):
+        return iter(())
+
+
+def test_a_member_whose_reads_contradict_what_it_says_it_holds_fails_at_the_timeout(clock, monkeypatch):
+    member = Inconsistent(clock, rate=100.0, total=5)
+    monkeypatch.setattr(partition_reader.MemberLink, "connect", member.connect)
+    clock.now = 1.0  # it "holds" all 5 from the start
+    with pytest.raises(IncompleteReadError):
+        seqs(read_partition(partition(1, 6, timeout=2.0)))
+    assert 2.5 <= clock.now <= 4.0
