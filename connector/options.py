@@ -174,6 +174,9 @@ class AgentOptions:
             raise ConnectorOptionError("option agent is empty",
                                        hint="Leave it out to use each host's configured agent, or give a socket "
                                             "directory, ipc:// endpoint or zerocomm.toml path")
+        if where is not None and "\x00" in where:  # no path or endpoint holds one: it failed only once the query ran
+            raise ConnectorOptionError("option agent contains a NUL character",
+                                       hint="Give a socket directory, ipc:// endpoint or zerocomm.toml path")
         timeout = _int(opts, "agentTimeoutMs", 30_000, maximum=MAX_TIMEOUT_MS)
         assert timeout is not None
         return cls(where=where.strip() if where else None, spawn=_bool(opts, "spawnAgent", True),

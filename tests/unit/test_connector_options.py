@@ -50,6 +50,7 @@ def test_source_options_are_case_insensitive_and_typed():
     ({"group": "g", "publishTimeoutMs": "5"}, "applies to writes only"),
     ({"group": "g", "startingOffsets": "soon"}, "startingOffsets is 'soon'"),
     ({"group": "g", "agent": ""}, "option agent is empty"),
+    ({"group": "g", "agent": "/run/zc\x00x"}, "option agent contains a NUL"),
 ])
 def test_bad_source_options_name_the_option(options, words):
     with pytest.raises(ConnectorOptionError, match=words) as info:
