@@ -40,6 +40,7 @@ import logging
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from datetime import date
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -451,7 +452,13 @@ def _where(group: str | None, since_date: str | None) -> str | None:
     if group is not None:
         parts.append("`group` = '" + group.replace("\\", "\\\\").replace("'", "\\'") + "'")
     if since_date is not None:
-        parts.append(f"`date` >= DATE '{since_date}'")
+        try:  # into SQL as a checked date, never as the text given
+            day = date.fromisoformat(since_date) if isinstance(since_date, str) else None
+        except ValueError:
+            day = None
+        if day is None:
+            raise ConfigurationError(f"since_date is a date like 2026-01-31, not {since_date!r}")
+        parts.append(f"`date` >= DATE '{day.isoformat()}'")
     return " AND ".join(parts) or None
 
 

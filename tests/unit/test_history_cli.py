@@ -58,3 +58,13 @@ def test_key_files_must_be_owner_only_and_hold_a_key(tmp_path):
         read_key_file(bad)
     with pytest.raises(ConfigurationError):
         read_key_file(tmp_path / "missing.key")
+
+
+def test_compacts_date_filter_goes_into_sql_only_as_a_checked_date() -> None:
+    from zerocomm_spark.errors import ConfigurationError
+    from zerocomm_spark.pipelines.history import _where
+
+    assert _where("o'k", "2026-01-31") == "`group` = 'o\\'k' AND `date` >= DATE '2026-01-31'"
+    for bad in ("2026-01-31' OR TRUE --", "yesterday", 20260131):
+        with pytest.raises(ConfigurationError, match="since_date"):
+            _where(None, bad)  # type: ignore[arg-type]
