@@ -282,6 +282,14 @@ class BackpressureError(GroupError, TimeoutError):
             "stats()['lag'] and the named members show who is behind")
 
 
+class MessagesDroppedError(GroupError):
+    """Messages of a publish were dropped by retention before some member acked them: it never got them."""
+
+    hint = ("The named members were inactive while more than retention_max messages were published; "
+            "publish those messages again (the same message ids: members that have them drop the copies) "
+            "or raise retention_max")
+
+
 class DataPlaneClosedError(GroupError):
     """The data plane was used after close() (or before start())."""
 

@@ -26,6 +26,7 @@ from zerocomm_spark.errors import (
     GroupError,
     GroupNotOpenError,
     MalformedGroupMessageError,
+    MessagesDroppedError,
     NotAMemberError,
     PeerTimeoutError,
     ReadOnlyMemberError,
@@ -843,3 +844,35 @@ def test_a_state_message_cut_off_by_close_is_a_closed_error(make, monkeypatch) -
     monkeypatch.setattr(alice.dp, "_io_send_ctrl", lambda frames, fut: fut.cancel())  # as the IO thread's exit does
     with pytest.raises(DataPlaneClosedError, match="closed before the state message"):
         alice.dp.publish_state("g", b"status", timeout=5)
+
+
+def test_messages_retention_dropped_for_an_inactive_member_fail_their_receipts(make) -> None:  # type: ignore[no-untyped-def]
+    """carol was marked inactive and missed a burst larger than retention_max: alice drops what only
+    carol lacks. When carol is back she learns those seqs are gone, skips them and acks past them;
+    their receipts must fail naming her, not resolve as if every member had delivered them."""
+    cfg = DataPlaneConfig(window=50, retention_max=100, ack_interval_ms=20, nack_after_ms=30, nack_retry_ms=100,
+                          resend_after_ms=300, keepalive_ms=60_000, dead_after_ms=120_000)
+    alice, bob, carol = make("alice", cfg), make("bob", cfg), make("carol", cfg)
+    form_group([alice, bob, carol], mode="shared")
+    carol.dp._kill_subscription("g", alice.did, down_for=2.0)  # noqa: SLF001 - carol hears nothing meanwhile
+    time.sleep(0.3)  # the probes' late acks and the first keepalives land first: each marks carol alive
+    alice.dp._set_alive(carol.did, False)  # noqa: SLF001 - the keepalive verdict, without waiting dead_after
+    assert alice.dp.stats()["peers_alive"][carol.did] is False
+    receipts = [alice.dp.publish("g", payloads("alice", 25, start=25 * i), timeout=10) for i in range(12)]
+    assert bob.wait(lambda: len(bob.from_(alice)) == 300)
+    assert alice.dp.stats()["retention_dropped"] >= 200
+    time.sleep(1.8)  # carol's SUB is back: the next message shows her the hole, alice answers "gone"
+    last = alice.dp.publish("g", [b"after"])
+    last.wait(20)
+    assert carol.wait(lambda: any(d.payload == b"after" for d in carol.from_(alice)))
+    got = {d.seq for d in carol.from_(alice)}
+    assert carol.dp.stats()["lost"] >= 200
+    for r in receipts:
+        assert r.done()
+        if set(r.seqs) <= got:
+            r.wait(0)
+        else:
+            with pytest.raises(MessagesDroppedError, match="retention") as err:
+                r.wait(0)
+            assert carol.did in str(err.value) and bob.did not in str(err.value)
+    assert [d.seq for d in bob.from_(alice)] == list(range(1, 302))

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from zerocomm_spark.errors import BackpressureError, GroupError, PeerTimeoutError
+from zerocomm_spark.errors import BackpressureError, GroupError, MessagesDroppedError, PeerTimeoutError
 from zerocomm_spark.group.lamport import LamportClock
 from zerocomm_spark.group.outbox import Outbox
 
@@ -216,3 +216,70 @@ def test_close_fails_pending_receipts_and_publishers() -> None:
 def test_rejects_a_retention_smaller_than_the_window() -> None:
     with pytest.raises(ValueError):
         Outbox("g", window=10, retention_max=5)
+
+
+def test_a_receipt_whose_messages_retention_dropped_for_a_member_fails_instead_of_resolving() -> None:
+    """A member marked inactive lost messages past retention_max: when it comes back it is told they
+    are gone, skips them and acks past them. That ack must not resolve their receipt as delivered."""
+    box = Outbox("g", window=5, retention_max=6)
+    box.add_member("live")
+    box.add_member("dead")
+    box.set_active("dead", False)
+    receipts = []
+    for _ in range(4):
+        receipts.append(publish(box, 3))
+        box.take_unsent(100)
+        box.ack("live", box.last_seq)
+    assert box.retention_dropped == 6  # seqs 1-6 are gone for "dead"
+    box.set_active("dead", True)
+    msgs, gone = box.get_range(1, None, 100)  # its NACK: the answer says 1-6 are gone
+    assert gone == (1, 6)
+    box.note_gone("dead", *gone)
+    box.ack("dead", box.last_seq)  # it skipped 1-6 and delivered 7-12
+    assert all(r.done() for r in receipts)
+    for r in receipts[:2]:  # seqs 1-3 and 4-6: never delivered to "dead"
+        with pytest.raises(MessagesDroppedError, match="dead") as err:
+            r.wait(0)
+        assert "retention" in str(err.value) and "dead (3)" in str(err.value) and "live (" not in str(err.value)
+    for r in receipts[2:]:
+        r.wait(0)  # 7-9 and 10-12 were delivered by both
+    later = publish(box, 2)  # what follows is not tainted by the old loss
+    box.take_unsent(100)
+    box.ack("live", box.last_seq)
+    box.ack("dead", box.last_seq)
+    later.wait(0)
+
+
+def test_dropped_messages_that_still_reached_the_member_resolve_their_receipts() -> None:
+    """Retention dropped the publisher's copy, but the first transmission was already on its way and
+    arrived: the member acks without ever being told they are gone, and that is a real delivery."""
+    box = Outbox("g", window=5, retention_max=6)
+    box.add_member("live")
+    box.add_member("slow")
+    box.set_active("slow", False)
+    receipts = []
+    for _ in range(4):
+        receipts.append(publish(box, 3))
+        box.take_unsent(100)
+        box.ack("live", box.last_seq)
+    assert box.retention_dropped == 6
+    box.note_gone("slow", 20, 30)  # nothing of the pending receipts' seqs
+    box.ack("slow", box.last_seq)
+    for r in receipts:
+        r.wait(0)
+
+
+def test_a_removed_member_no_longer_fails_receipts_for_what_retention_dropped() -> None:
+    box = Outbox("g", window=5, retention_max=6)
+    box.add_member("live")
+    box.add_member("dead")
+    box.set_active("dead", False)
+    receipts = []
+    for _ in range(4):
+        receipts.append(publish(box, 3))
+        box.take_unsent(100)
+        box.ack("live", box.last_seq)
+    box.note_gone("dead", 1, 6)
+    box.remove_member("dead")  # removed members stop counting
+    for r in receipts:
+        r.wait(0)

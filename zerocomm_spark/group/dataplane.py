@@ -1868,6 +1868,8 @@ class DataPlane:
         first = max(first, base + 1)
         cfg = self.config
         msgs, gone = g.outbox.get_range(first, last, cfg.resend_max, cfg.batch_max_bytes * 4)
+        if gone is not None:  # it skips them and acks past them: their receipts must not say delivered
+            g.outbox.note_gone(m.info.did, *gone)
         batch = dm.DataBatch(g.name, self.member_did, tuple(msgs), base=base, last=g.wire_seq, gone=gone,
                              member=m.info.did)
         self._stats.add(retransmits=len(msgs))

@@ -11,7 +11,10 @@ memory finite:
   ``retention_max``; such a member learns the range is gone when it asks for it.
 
 Receipts resolve when every *current* member has acked their last message; members added later do
-not count (they were never owed earlier messages) and removed members stop counting.
+not count (they were never owed earlier messages) and removed members stop counting. A member told
+that messages are gone (retention dropped them before it acked them: ``note_gone``) skips them and
+acks past them, so their receipts resolve with :class:`MessagesDroppedError` naming it, never as
+delivered. (Dropped messages that still reach it on the data path are delivered and acked as usual.)
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-from zerocomm_spark.errors import BackpressureError, GroupError, PeerTimeoutError
+from zerocomm_spark.errors import BackpressureError, GroupError, MessagesDroppedError, PeerTimeoutError
 from zerocomm_spark.group.datamessage import DataMessage
 from zerocomm_spark.group.lamport import MAX_TIME
 
@@ -120,6 +123,10 @@ class Outbox:
         self._receipts: deque[PublishReceipt] = deque()
         self._closed: BaseException | None = None
         self._active_floor: int | None = None  # min ack over active members (None: no active member)
+        # member -> [first, last] seq ranges it was told are gone (retention dropped them before it
+        # acked them): their receipts fail rather than resolve when it acks past them (pruned once
+        # no pending receipt covers them)
+        self._dropped: dict[str, list[list[int]]] = {}
         self.retention_dropped = 0
         self.backpressure_waits = 0
 
@@ -162,6 +169,7 @@ class Outbox:
 
     def remove_member(self, did: str) -> None:
         with self._lock:
+            self._dropped.pop(did, None)  # removed members stop counting
             if self._members.pop(did, None) is not None:
                 self._progress_locked()
 
@@ -339,6 +347,26 @@ class Outbox:
                 out.append(m)
             return out, gone
 
+    def note_gone(self, did: str, first: int, last: int) -> None:
+        """``did`` was told ``first..last`` are gone: it skips those it lacks and acks past them.
+
+        The receipts covering them then fail with MessagesDroppedError naming it instead of
+        resolving as delivered. Seqs it had acked already are not counted.
+        """
+        with self._lock:
+            state = self._members.get(did)
+            if state is None or not self._receipts:
+                return  # no pending receipt can cover them (each resolved once every member acked)
+            first = max(first, state.acked + 1)
+            if first > last:
+                return
+            ranges = self._dropped.setdefault(did, [])
+            for r in ranges:
+                if r[0] <= last + 1 and first <= r[1] + 1:  # overlapping or adjacent: merge
+                    r[0], r[1] = min(r[0], first), max(r[1], last)
+                    return
+            ranges.append([first, last])
+
     def stalled(self, after: float) -> list[tuple[str, int]]:
         """Active members lagging behind what was sent with no progress for ``after`` seconds.
 
@@ -387,10 +415,41 @@ class Outbox:
         self._recompute_floor_locked()
         floor = min((s.acked for s in self._members.values()), default=self._last_seq)
         receipts = self._receipts
+        dropped = self._dropped
         while receipts and receipts[0]._last <= floor:  # noqa: SLF001
-            receipts.popleft()._resolve()  # noqa: SLF001
+            receipt = receipts.popleft()
+            receipt._resolve(self._dropped_error_locked(receipt) if dropped else None)  # noqa: SLF001
+        if dropped:
+            if not receipts:
+                dropped.clear()
+            else:
+                first_pending = receipts[0].seqs[0]
+                for did in list(dropped):
+                    ranges = [r for r in dropped[did] if r[1] >= first_pending]
+                    if ranges:
+                        dropped[did] = ranges
+                    else:
+                        del dropped[did]
         self._trim_locked()
         self._cond.notify_all()
+
+    def _dropped_error_locked(self, receipt: PublishReceipt) -> MessagesDroppedError | None:
+        """The error of a receipt some of whose messages retention dropped for a member, or None."""
+        if not receipt.seqs:
+            return None
+        first, last = receipt.seqs[0], receipt._last  # noqa: SLF001
+        lacking: dict[str, int] = {}
+        for did, ranges in self._dropped.items():
+            n = sum(max(0, min(hi, last) - max(lo, first) + 1) for lo, hi in ranges)
+            if n:
+                lacking[did] = n
+        if not lacking:
+            return None
+        names = sorted(lacking)
+        shown = ", ".join(f"{did} ({lacking[did]})" for did in names[:8]) + (" ..." if len(names) > 8 else "")
+        return MessagesDroppedError(
+            f"messages of seqs {first}-{last} in group {self.group!r} were dropped (retention_max="
+            f"{self.retention_max}) before these members acked them, and were not delivered to them: {shown}")
 
     def _trim_locked(self) -> None:
         """Free what every member acked; past retention_max, what only inactive members lack."""
