@@ -75,6 +75,28 @@ def test_nacks_wait_for_the_gap_to_age_and_are_not_repeated_too_soon() -> None:
     assert s.gap_since is None and s.due_nacks(0.0, 0.0) == []
 
 
+def test_no_nack_goes_out_while_earlier_ones_are_unanswered_until_they_time_out() -> None:
+    """A backlog's answers take longer than the retry interval to arrive and be handled: asking again
+    meanwhile had the publisher send every range several times, the answers queued up in memory."""
+    s, clock = stream()
+    s.offer(1, "a")
+    s.offer(9, "i")
+    clock.now += 0.2
+    ranges = s.due_nacks(0.1, 0.3, outstanding_for=5.0)
+    assert ranges == [(2, 8)]
+    s.nacks_sent(len(ranges))
+    clock.now += 1.0  # well past the retry interval, the answer not handled yet
+    assert s.due_nacks(0.1, 0.3, outstanding_for=5.0) == []
+    s.nack_done()
+    s.nack_answered()  # it came, capped at seq 4: what is left is asked at once
+    for seq in (2, 3, 4):
+        s.offer(seq, str(seq))
+    assert s.due_nacks(0.1, 0.3, outstanding_for=5.0) == [(5, 8)]
+    s.nacks_sent(1)
+    clock.now += 5.0  # never answered (a lost request): after the timeout it is asked again
+    assert s.due_nacks(0.1, 0.3, outstanding_for=5.0) == [(5, 8)]
+
+
 def test_unknown_baseline_sets_messages_aside() -> None:
     s, _ = stream(next_seq=None)
     assert s.offer(11, "m11") == (Offer.NO_BASELINE, [])

@@ -1720,7 +1720,11 @@ class DataPlane:
                         sent, at = g.acks_sent.get(did, (0, float("-inf")))
                         if (stream.delivered > sent or did in g.ack_needed) and now - at >= ack_ivl:
                             acks.append((g, did))
-                        for first, last in stream.due_nacks(nack_after, retry, cfg.resend_max, tail_after=tail)[:8]:
+                        due = stream.due_nacks(nack_after, retry, cfg.resend_max, tail_after=tail,
+                                               outstanding_for=cfg.request_timeout_s)[:8]
+                        if due:
+                            stream.nacks_sent(len(due))
+                        for first, last in due:
                             nacks.append((g, did, first, last))
                     elif stream.waiting_count and now - g.sync_at.get(did, float("-inf")) >= retry:
                         g.sync_at[did] = now  # data but no baseline: ask where our stream starts
@@ -1741,12 +1745,22 @@ class DataPlane:
         except TransportError as exc:
             self._stats.add(nack_failures=1)
             log.debug("resend request to %s not sent: %s", m.info.did, type(exc).__name__)
+            self._nack_done(g.name, m.info.did)
             return
         self._stats.add(nacks_sent=1)
         group, did = g.name, m.info.did
         fut.add_done_callback(lambda f: self._rx_put(("answer", group, did, f)))
 
+    def _nack_done(self, group: str, did: str) -> None:
+        g = self._groups.get(group)
+        if g is not None:
+            with self._rx_lock:
+                stream = g.streams.get(did)
+                if stream is not None:
+                    stream.nack_done()
+
     def _on_resend_answer(self, group: str, did: str, fut: Future[bytes]) -> None:
+        self._nack_done(group, did)  # whatever the answer holds: the next request may go out
         try:
             data = fut.result(0)
         except Exception as exc:  # noqa: BLE001 - a failed NACK is retried by the timers

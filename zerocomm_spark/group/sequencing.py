@@ -48,6 +48,8 @@ class PublisherStream(Generic[T]):
         "_held_bytes",
         "_size_of",
         "_last_nack",
+        "_nack_out_at",
+        "_nacks_out",
         "announced",
         "duplicates",
         "highest",
@@ -89,6 +91,8 @@ class PublisherStream(Generic[T]):
         self._gap_since: float | None = None
         self._tail_since: float | None = None
         self._last_nack = float("-inf")
+        self._nacks_out = 0  # resend requests sent and not answered yet (see nacks_sent)
+        self._nack_out_at = float("-inf")
         self.duplicates = 0
         self.overflows = 0
         self.lost = 0  # seqs skipped because the publisher no longer had them
@@ -334,14 +338,20 @@ class PublisherStream(Generic[T]):
         return ranges
 
     def due_nacks(self, nack_after: float, retry_after: float, limit: int | None = None,
-                  *, tail_after: float | None = None) -> list[tuple[int, int]]:
+                  *, tail_after: float | None = None, outstanding_for: float | None = None) -> list[tuple[int, int]]:
         """Ranges to request now, and marks them requested.
 
         A hole is due ``nack_after`` seconds after it was noticed, an announced tail after
-        ``tail_after`` (default: the same), and nothing is asked again within ``retry_after``.
+        ``tail_after`` (default: the same), and nothing is asked again within ``retry_after``, nor
+        while requests (:meth:`nacks_sent`) are unanswered, for up to ``outstanding_for`` seconds:
+        a backlog's answers take longer than ``retry_after`` to arrive and be handled, and asking
+        again meanwhile had the publisher send each range several times (measured: 54,784
+        messages resent for 16,000 missing, and the answers queued up here in memory).
         """
         now = self._clock()
         if now - self._last_nack < retry_after:
+            return []
+        if self._nacks_out and outstanding_for is not None and now - self._nack_out_at < outstanding_for:
             return []
         hole_due = self._gap_since is not None and now - self._gap_since >= nack_after
         tail_wait = nack_after if tail_after is None else tail_after
@@ -352,6 +362,15 @@ class PublisherStream(Generic[T]):
         if ranges:
             self._last_nack = now
         return ranges
+
+    def nacks_sent(self, count: int) -> None:
+        """``count`` resend requests went out: no more are due until they are done (or time out)."""
+        self._nacks_out += count
+        self._nack_out_at = self._clock()
+
+    def nack_done(self) -> None:
+        """One resend request ended: answered, failed or never sent."""
+        self._nacks_out = max(0, self._nacks_out - 1)
 
     def nack_answered(self) -> None:
         """An answer arrived: if a hole remains (the answer was capped), ask again without waiting."""
