@@ -12,20 +12,15 @@ from pathlib import Path
 
 import pytest
 
-from test_cli_support import ZEROCOMM, Member, start_all, wait_for, zerocomm
+from test_cli_support import ZEROCOMM, Member, running, start_all, wait_for, zerocomm
 
 pytestmark = [pytest.mark.timeout(180), pytest.mark.slow]
 
 
 @pytest.fixture()
 def trio(tmp_path: Path) -> Iterator[list[Member]]:
-    members = [Member(tmp_path, name) for name in ("alice", "bob", "carol")]
-    try:
-        start_all(members)
+    with running(tmp_path, "alice", "bob", "carol") as members:
         yield members
-    finally:
-        for m in members:
-            m.stop()
 
 
 def test_three_members_from_the_command_line(trio: list[Member]) -> None:

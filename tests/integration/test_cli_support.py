@@ -9,6 +9,8 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -135,3 +137,15 @@ def start_all(members: list[Member]) -> None:
     for m, p in zip(members, procs):
         out, err = p.communicate(timeout=60)
         assert p.returncode == 0, f"start {m.name}: {out}{err}"
+
+
+@contextmanager
+def running(root: Path, *names: str) -> Iterator[list[Member]]:
+    """Members ``names`` under ``root`` with their agents started; stopped at the end whatever happened."""
+    members = [Member(root, name) for name in names]
+    try:
+        start_all(members)
+        yield members
+    finally:
+        for m in members:
+            m.stop()

@@ -7,12 +7,13 @@ agent-process version with the CLI journal."""
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from test_cli_support import wait_for
 from zerocomm_spark import Agent
 from zerocomm_spark.errors import JoinRefusedError
 from zerocomm_spark.group import manager as manager_module
@@ -24,16 +25,6 @@ from zerocomm_spark.group.store import LEFT_KIND
 pytestmark = [pytest.mark.timeout(120), pytest.mark.slow]
 
 CONFIG = GroupConfig(digest_interval_s=0.3, resume_timeout_s=3.0)
-
-
-def _eventually(check: Callable[[], Any], timeout: float = 10.0, what: str = "condition") -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = check()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"{what} not reached within {timeout}s")
 
 
 class _Pair:
@@ -83,7 +74,7 @@ def test_a_rejoiner_continues_after_the_position_a_member_reports(pair: _Pair,
     bob.groups.join("g", via=via, timeout=30)
     bob.groups.publish("g", [b"one", b"two", b"three"]).wait(10)
     bob_did = bob.groups.did
-    _eventually(lambda: len(_payloads(alice, "g", bob_did)) == 3, what="alice to get bob's messages")
+    wait_for(lambda: len(_payloads(alice, "g", bob_did)) == 3, 10.0, "alice to get bob's messages")
 
     _leave_unheard(bob, "g", monkeypatch)
     bob = pair.reopen_bob()  # a new process: nothing of the old sequence is left in memory
@@ -94,7 +85,7 @@ def test_a_rejoiner_continues_after_the_position_a_member_reports(pair: _Pair,
     receipt = bob.groups.publish("g", [b"four"])
     assert receipt.seqs == (4,)  # after the position alice reported, not 1 again
     receipt.wait(10)
-    _eventually(lambda: _payloads(alice, "g", bob_did)[-1:] == [(4, b"four")], what="alice to get bob's new message")
+    wait_for(lambda: _payloads(alice, "g", bob_did)[-1:] == [(4, b"four")], 10.0, "alice to get bob's new message")
 
 
 def test_a_rejoiner_continues_after_messages_a_member_holds_back(pair: _Pair,
@@ -125,7 +116,7 @@ def test_a_rejoiner_continues_after_messages_a_member_holds_back(pair: _Pair,
             stream = plane._groups["g"].streams.get(bob_did)  # noqa: SLF001
             return stream is not None and stream.delivered == 1 and stream.held_count == 1
 
-    _eventually(held, what="alice to hold bob's seq 3 back")
+    wait_for(held, 10.0, "alice to hold bob's seq 3 back")
 
     _leave_unheard(bob, "g", monkeypatch)
     bob = pair.reopen_bob()
@@ -135,8 +126,8 @@ def test_a_rejoiner_continues_after_messages_a_member_holds_back(pair: _Pair,
     second = bob.groups.publish("g", [b"five"])
     assert first.seqs[0] > 3, first.seqs
     second.wait(10)
-    _eventually(lambda: [p for _, p in _payloads(alice, "g", bob_did)] == [b"one", b"three", b"four", b"five"],
-                what="alice to get bob's new messages after the old ones")
+    wait_for(lambda: [p for _, p in _payloads(alice, "g", bob_did)] == [b"one", b"three", b"four", b"five"],
+             10.0, "alice to get bob's new messages after the old ones")
 
 
 def test_a_leave_while_resuming_stays_left(pair: _Pair) -> None:
@@ -195,7 +186,7 @@ def test_a_failed_rejoin_keeps_the_position_members_reported(tmp_path: Path,
         with pytest.raises(JoinRefusedError):
             bob.groups.join("g", via=via.id, timeout=30)
         assert bob.groups.groups() == []
-        _eventually(lambda: bob_did not in alice.groups.dataplane.positions("g"), what="alice to drop bob")
+        wait_for(lambda: bob_did not in alice.groups.dataplane.positions("g"), 10.0, "alice to drop bob")
 
         carol.groups.set_policy("g", OpenPolicy())
         bob.groups.join("g", via=via.id, timeout=30)
@@ -246,8 +237,8 @@ def test_a_position_past_any_usable_seq_does_not_break_the_joiners_stream(
     bob.groups.join("g", via=bob.accept(alice.invite(), timeout=10), timeout=30)
     receipt = bob.groups.publish("g", [b"hello"])
     receipt.wait(10)
-    _eventually(lambda: _payloads(alice, "g", bob.groups.did) == [(receipt.seqs[0], b"hello")],
-                what="alice to get bob's message")
+    wait_for(lambda: _payloads(alice, "g", bob.groups.did) == [(receipt.seqs[0], b"hello")],
+             10.0, "alice to get bob's message")
 
 
 def test_leave_keeps_to_its_timeout_when_a_member_is_down(pair: _Pair) -> None:
@@ -281,13 +272,13 @@ def test_a_restarted_member_stamps_its_new_messages_after_its_old_ones(tmp_path:
         def bobs() -> list[tuple[int, int, bytes]]:
             return [(m.lamport_ts, m.seq, m.payload) for m in alice.groups.messages("g") if m.publisher_did == bob_did]
 
-        _eventually(lambda: len(bobs()) == 3, what="alice to get bob's messages")
+        wait_for(lambda: len(bobs()) == 3, 10.0, "alice to get bob's messages")
         for round_ in range(2):
             bob.close()
             bob = Agent.open(tmp_path / "bob", label="bob", group_config=CONFIG)
             bob.groups.wait_active("g", timeout=20)
             bob.groups.publish("g", [f"after restart {round_}".encode()]).wait(10)
-            _eventually(lambda n=4 + round_: len(bobs()) == n, what="alice to get bob's new message")
+            wait_for(lambda n=4 + round_: len(bobs()) == n, 10.0, "alice to get bob's new message")
             stamps = [ts for ts, _, _ in sorted(bobs(), key=lambda r: r[1])]
             assert stamps == sorted(stamps) and len(set(stamps)) == len(stamps), stamps
     finally:

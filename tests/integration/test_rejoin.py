@@ -9,20 +9,15 @@ from pathlib import Path
 
 import pytest
 
-from test_cli_support import Member, start_all, wait_for
+from test_cli_support import Member, running, wait_for
 
 pytestmark = [pytest.mark.timeout(180), pytest.mark.slow]
 
 
 @pytest.fixture()
 def pair(tmp_path: Path) -> Iterator[list[Member]]:
-    members = [Member(tmp_path, name) for name in ("alice", "bob")]
-    try:
-        start_all(members)
+    with running(tmp_path, "alice", "bob") as members:
         yield members
-    finally:
-        for m in members:
-            m.stop()
 
 
 def _bob_rows(member: Member) -> list[tuple[int, str]]:

@@ -17,7 +17,8 @@ import textwrap
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from datetime import timezone
 from pathlib import Path
 
@@ -347,9 +348,10 @@ def test_max_messages_per_trigger_bounds_every_micro_batch(spark, members, group
     assert sizes[0] == 120
 
 
-def test_messages_gone_by_retention_fail_or_are_skipped_as_failOnDataLoss_says(spark, members, tmp_path):
-    alice = members["alice"]
-    # dave keeps little: small segments, and retention deletes whatever is committed and closed
+@contextmanager
+def _keeping_little(alice: LocalMember, tmp_path: Path) -> Iterator[tuple[LocalMember, str, str]]:
+    """dave keeps little (small segments; retention deletes whatever is committed and closed), in a new
+    group with alice, holding alice's 3,000 messages of ~200 B: (dave, group, alice's DID)."""
     dave = LocalMember.create(tmp_path, "dave", settings={"journal.segment_bytes": "65536",
                                                         "journal.retention_bytes": "1"})
     dave.start()
@@ -360,6 +362,14 @@ def test_messages_gone_by_retention_fail_or_are_skipped_as_failOnDataLoss_says(s
             publish(alice, group, [f"{i:06d}" + "x" * 200 for i in range(start, start + 500)])
         did = alice.did(group)
         wait_for(lambda: dave.client().latest(group)["publishers"][0]["last_seq"] == 3000, 60, "dave to have all")
+        yield dave, group, did
+    finally:
+        dave.remove()
+
+
+def test_messages_gone_by_retention_fail_or_are_skipped_as_failOnDataLoss_says(spark, members, tmp_path):
+    alice = members["alice"]
+    with _keeping_little(alice, tmp_path) as (dave, group, did):
         # a checkpoint passed the first 2000 messages: dave may prune them
         first_kept = dave.client().read(group=group, publisher=did, first_seq=2001, last_seq=2001)
         dave.client().commit(int(first_kept.column("offset")[0].as_py()))
@@ -379,8 +389,6 @@ def test_messages_gone_by_retention_fail_or_are_skipped_as_failOnDataLoss_says(s
         # "earliest" means the first retained message: no loss reported
         assert (spark.read.format("zerocomm").option("group", group).option("agent", str(dave.config))
                 .load().count()) == len(seqs)
-    finally:
-        dave.remove()
 
 
 def test_retention_deleting_a_partitions_head_mid_read_is_data_loss_as_failOnDataLoss_says(members, tmp_path,
@@ -395,16 +403,7 @@ def test_retention_deleting_a_partitions_head_mid_read_is_data_loss_as_failOnDat
     from zerocomm_spark.errors import StreamDataLossError
 
     alice = members["alice"]
-    dave = LocalMember.create(tmp_path, "dave", settings={"journal.segment_bytes": "65536",
-                                                        "journal.retention_bytes": "1"})
-    dave.start()
-    try:
-        group = f"g{uuid.uuid4().hex[:8]}"
-        form_group([alice, dave], group)
-        for start in range(0, 3000, 500):
-            publish(alice, group, [f"{i:06d}" + "x" * 200 for i in range(start, start + 500)])
-        did = alice.did(group)
-        wait_for(lambda: dave.client().latest(group)["publishers"][0]["last_seq"] == 3000, 60, "dave to have all")
+    with _keeping_little(alice, tmp_path) as (dave, group, did):
 
         def offset_of(seq: int) -> int:
             row = dave.client().read(group=group, publisher=did, first_seq=seq, last_seq=seq)
@@ -439,8 +438,6 @@ def test_retention_deleting_a_partitions_head_mid_read_is_data_loss_as_failOnDat
         monkeypatch.setattr(MemberLink, "_call", retention_strikes(2001))
         seqs = read(first_kept, fail=False)  # skipped with a warning, not a failed read
         assert scans and seqs and seqs == list(range(seqs[0], 3001)) and first_kept < seqs[0] <= 2001
-    finally:
-        dave.remove()
 
 
 def test_a_first_batch_rerun_after_a_restart_reads_its_planned_range_and_reports_what_retention_took(
@@ -452,16 +449,7 @@ def test_a_first_batch_rerun_after_a_restart_reads_its_planned_range_and_reports
     from pyspark.sql.functions import col, udf
 
     alice = members["alice"]
-    dave = LocalMember.create(tmp_path, "dave", settings={"journal.segment_bytes": "65536",
-                                                        "journal.retention_bytes": "1"})
-    dave.start()
-    try:
-        group = f"g{uuid.uuid4().hex[:8]}"
-        form_group([alice, dave], group)
-        for start in range(0, 3000, 500):
-            publish(alice, group, [f"{i:06d}" + "x" * 200 for i in range(start, start + 500)])
-        did = alice.did(group)
-        wait_for(lambda: dave.client().latest(group)["publishers"][0]["last_seq"] == 3000, 60, "dave to have all")
+    with _keeping_little(alice, tmp_path) as (dave, group, did):
         marker = tmp_path / "fail-now"
         marker.write_text("the first run's batch fails")
         flag = str(marker)
@@ -504,8 +492,6 @@ def test_a_first_batch_rerun_after_a_restart_reads_its_planned_range_and_reports
         assert query.awaitTermination(180) and query.exception() is None
         seqs = sorted(r.seq for r in delta(spark, out).select("seq").collect())
         assert seqs == list(range(seqs[0], 3001)) and 1 < seqs[0] <= 2001
-    finally:
-        dave.remove()
 
 
 # --- sink --------------------------------------------------------------------------------------

@@ -9,7 +9,7 @@ import pytest
 
 from zerocomm_spark.errors import BackpressureError, GroupError, MessagesDroppedError, PeerTimeoutError
 from zerocomm_spark.group.lamport import LamportClock
-from zerocomm_spark.group.outbox import Outbox
+from zerocomm_spark.group.outbox import Outbox, PublishReceipt
 
 
 class FakeClock:
@@ -218,18 +218,25 @@ def test_rejects_a_retention_smaller_than_the_window() -> None:
         Outbox("g", window=10, retention_max=5)
 
 
-def test_a_receipt_whose_messages_retention_dropped_for_a_member_fails_instead_of_resolving() -> None:
-    """A member marked inactive lost messages past retention_max: when it comes back it is told they
-    are gone, skips them and acks past them. That ack must not resolve their receipt as delivered."""
+def _past_retention_while_inactive(member: str) -> tuple[Outbox, list[PublishReceipt]]:
+    """``member`` inactive while 4 receipts of 3 messages went out (retention_max 6): seqs 1-6 are dropped
+    before it acked them; "live" acked everything."""
     box = Outbox("g", window=5, retention_max=6)
     box.add_member("live")
-    box.add_member("dead")
-    box.set_active("dead", False)
+    box.add_member(member)
+    box.set_active(member, False)
     receipts = []
     for _ in range(4):
         receipts.append(publish(box, 3))
         box.take_unsent(100)
         box.ack("live", box.last_seq)
+    return box, receipts
+
+
+def test_a_receipt_whose_messages_retention_dropped_for_a_member_fails_instead_of_resolving() -> None:
+    """A member marked inactive lost messages past retention_max: when it comes back it is told they
+    are gone, skips them and acks past them. That ack must not resolve their receipt as delivered."""
+    box, receipts = _past_retention_while_inactive("dead")
     assert box.retention_dropped == 6  # seqs 1-6 are gone for "dead"
     box.set_active("dead", True)
     msgs, gone = box.get_range(1, None, 100)  # its NACK: the answer says 1-6 are gone
@@ -253,15 +260,7 @@ def test_a_receipt_whose_messages_retention_dropped_for_a_member_fails_instead_o
 def test_dropped_messages_that_still_reached_the_member_resolve_their_receipts() -> None:
     """Retention dropped the publisher's copy, but the first transmission was already on its way and
     arrived: the member acks without ever being told they are gone, and that is a real delivery."""
-    box = Outbox("g", window=5, retention_max=6)
-    box.add_member("live")
-    box.add_member("slow")
-    box.set_active("slow", False)
-    receipts = []
-    for _ in range(4):
-        receipts.append(publish(box, 3))
-        box.take_unsent(100)
-        box.ack("live", box.last_seq)
+    box, receipts = _past_retention_while_inactive("slow")
     assert box.retention_dropped == 6
     box.note_gone("slow", 20, 30)  # nothing of the pending receipts' seqs
     box.ack("slow", box.last_seq)
@@ -270,15 +269,7 @@ def test_dropped_messages_that_still_reached_the_member_resolve_their_receipts()
 
 
 def test_a_removed_member_no_longer_fails_receipts_for_what_retention_dropped() -> None:
-    box = Outbox("g", window=5, retention_max=6)
-    box.add_member("live")
-    box.add_member("dead")
-    box.set_active("dead", False)
-    receipts = []
-    for _ in range(4):
-        receipts.append(publish(box, 3))
-        box.take_unsent(100)
-        box.ack("live", box.last_seq)
+    box, receipts = _past_retention_while_inactive("dead")
     box.note_gone("dead", 1, 6)
     box.remove_member("dead")  # removed members stop counting
     for r in receipts:
