@@ -1440,3 +1440,18 @@ def test_a_sync_waits_for_the_descriptors_a_roll_is_syncing(jdir: Path, key: byt
             behind = {p.name for p in sorted(jdir.glob("*.zcj"))[:-2] if p.stat().st_size > durable.get(str(p), 0)}
         roller.join(10)
     assert not behind
+
+
+def test_segments_awaiting_a_sync_under_never_are_forgotten_once_retention_deleted_them(jdir: Path, key: bytes) -> None:
+    """Under "never" rolled segments wait for an explicit sync(); a journal nobody syncs must not
+    remember every segment it ever rolled, only those still on disk."""
+    with Journal.open(jdir, key=key, segment_bytes=4096, fsync="never", retention_bytes=3 * 4096) as j:
+        for first in range(1, 1500, 10):  # 150 appends
+            j.append(rows(first, first + 9, size=200))  # each append rolls: one segment per append
+            j.commit(j.next_offset)  # read by every consumer: retention may take it
+            j.enforce_retention()
+        remembered = j._writer._unsynced  # noqa: SLF001
+        on_disk = sorted(jdir.glob("*.zcj"))
+        assert len(on_disk) <= 4
+        assert len(remembered) <= 100  # bounded by what is on disk plus a margin, not by the 150 rolls
+        j.sync()  # what is left still gets its fsync without errors

@@ -73,6 +73,9 @@ _SIGINT, _SIG_IGN, _SIG_DFL = int(signal.SIGINT), int(signal.SIG_IGN), int(signa
 _IDLE_POLL_S = 1.0  # the idle writer thread's wait between notifications (a safety net: it is notified)
 _HANDOFF = object()  # the committer role's value when an inline committer left work for the writer thread
 _MAX_RETIRED = 4  # rolled segments' descriptors left for the syncer at most (more are synced at the roll)
+#: Under fsync="never": rolled segments remembered for an explicit sync() before those retention
+#: deleted are forgotten, so a journal nobody syncs keeps a list no longer than its segments on disk.
+_MAX_UNSYNCED = 64
 _IOV_MAX = 512  # buffers per writev (header + body per record); below every platform's IOV_MAX
 #: Under fsync="interval": bytes appended to the active segment before the syncer is woken to start
 #: their writeback (see the module docstring). Large enough to cost one wake-up per several appends.
@@ -526,6 +529,8 @@ class Writer:
                 else:  # "never": an explicit Journal.sync() still owes this segment an fsync
                     self._dir_dirty = True
                     self._unsynced.append(old.path)
+                    if len(self._unsynced) > _MAX_UNSYNCED:  # retention may have deleted most of them
+                        self._unsynced = [path for path in self._unsynced if path.exists()]
         if overflow:
             # As a sync would: a sync() that starts meanwhile must not return before these are on
             # disk (it no longer sees them in _retired). Bounded: past the timeout, sync them anyway.
