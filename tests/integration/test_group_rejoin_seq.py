@@ -6,6 +6,7 @@ agent-process version with the CLI journal."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,7 +19,7 @@ from zerocomm_spark import Agent
 from zerocomm_spark.errors import JoinRefusedError
 from zerocomm_spark.group import manager as manager_module
 from zerocomm_spark.group.datamessage import MAX_SEQ
-from zerocomm_spark.group.manager import GroupConfig
+from zerocomm_spark.group.manager import GroupConfig, GroupManager
 from zerocomm_spark.group.policy import AllowListPolicy, OpenPolicy
 from zerocomm_spark.group.store import LEFT_KIND
 
@@ -284,3 +285,71 @@ def test_a_restarted_member_stamps_its_new_messages_after_its_old_ones(tmp_path:
     finally:
         alice.close()
         bob.close()
+
+
+def test_a_publisher_restarted_after_a_crash_does_not_reuse_seqs_an_unreached_member_holds(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """alice's last messages reached only bob (carol was down) and her saved position lags them (a
+    long persist_interval_s). She is killed, and restarts while bob is down: carol reports only what
+    she got, so continuing after that reused the seqs bob holds, and bob dropped alice's new messages
+    as duplicates (and acked them). She skips the seqs she may have used instead; members lacking them
+    record them as void, not lost (carol's three and four died with alice: she cannot tell them apart)."""
+    lagging = dataclasses.replace(CONFIG, persist_interval_s=3600.0)
+    rows: dict[str, list[tuple[str, int, bytes]]] = {}  # member -> (publisher, seq, payload), every run
+    void: dict[str, set[tuple[str, int]]] = {}  # member -> (publisher, seq) it was told have no message
+
+    def open_(name: str, config: GroupConfig = CONFIG) -> Agent:
+        def prepare(agent: Agent, manager: GroupManager) -> None:
+            manager.on_messages(lambda ms: rows.setdefault(name, []).extend(
+                (m.publisher_did, m.seq, m.payload) for m in ms))
+            manager.on_superseded(lambda group, publisher, seqs: void.setdefault(name, set()).update(
+                (publisher, s) for s in seqs))
+
+        return Agent.open(tmp_path / name, label=name, group_config=config, prepare_groups=prepare)
+
+    def alices(name: str) -> list[tuple[int, bytes]]:
+        return [(seq, payload) for did, seq, payload in rows.get(name, []) if did == alice_did]
+
+    alice, bob, carol = agents = [open_("alice", lagging), open_("bob"), open_("carol")]
+    try:
+        alice.groups.create("g")
+        for member in (bob, carol):
+            member.groups.join("g", via=member.accept(alice.invite(), timeout=10), timeout=30)
+        alice_did = alice.groups.did
+        alice.groups.publish("g", [b"one", b"two"]).wait(10)
+        carol.close()  # down: alice's next messages reach bob only
+        alice.groups.publish("g", [b"three", b"four"])
+        wait_for(lambda: len(alices("bob")) == 4, 10.0, "bob to get alice's last messages")
+        assert alice.groups._store.positions("g").publish < 4  # noqa: SLF001 - the saved position lags
+        with monkeypatch.context() as patch:  # killed: nothing is written on the way down
+            patch.setattr(alice.keystore, "put_record", lambda *args, **kwargs: None)
+            alice.close()
+        bob.close()
+
+        carol = agents[2] = open_("carol")
+        carol.groups.wait_active("g", timeout=20)
+        alice = agents[0] = open_("alice", lagging)
+        alice.groups.wait_active("g", timeout=20)  # carol reached, bob not
+        receipt = alice.groups.publish("g", [b"five", b"six"])
+        wait_for(lambda: [p for _, p in alices("carol")][-2:] == [b"five", b"six"], 20.0,
+                 "carol to get alice's new messages")
+        bob = agents[1] = open_("bob")
+        bob.groups.wait_active("g", timeout=20)
+        wait_for(lambda: len(alices("bob")) == 6, 20.0, "bob to get alice's new messages too")
+        receipt.wait(10)  # acked by both, none of it dropped
+
+        assert [p for _, p in alices("bob")] == [b"one", b"two", b"three", b"four", b"five", b"six"]
+        first, last = receipt.seqs[0], receipt.seqs[-1]
+        assert first > 4
+        for name in ("bob", "carol"):
+            seqs = [seq for seq, _ in alices(name)]
+            assert seqs == sorted(seqs) and seqs[-2:] == [first, last], (name, seqs)
+            skipped = {seq for did, seq in void.get(name, set()) if did == alice_did}
+            assert not skipped & set(seqs), name  # what a member holds stays held
+            # Every seq up to alice's last is a row or void: nothing a reader would call lost.
+            assert set(seqs) | skipped == set(range(1, last + 1)), name
+        for member in (bob, carol):
+            assert member.groups.stats()["lost"] == 0
+    finally:
+        for agent in agents:
+            agent.close()

@@ -46,6 +46,8 @@ def test_resend_fields_round_trip() -> None:
     assert dm.decode(dm.encode(batch)) == batch
     empty = dm.DataBatch("g", "did:example:alice", (), base=0, last=5)
     assert dm.decode(dm.encode(empty)) == empty
+    void = _batch(1, base=70_000, last=70_001, void=(5, 70_000), member="did:example:bob")
+    assert dm.decode(dm.encode(void)) == void
 
 
 def test_binary_payloads_of_every_byte_survive() -> None:
@@ -129,6 +131,8 @@ def test_seqs_must_ascend_strictly() -> None:
     lambda o: o.update(gone=[5, 3]),
     lambda o: o.update(gone=[0, 3]),
     lambda o: o.update(gone=[1]),
+    lambda o: o.update(void=[9, 4]),
+    lambda o: o.update(void=[0, 4]),
     lambda o: o.update({"@type": "https://didcomm.org/basicmessage/1.0/message"}),
 ])
 def test_invalid_batches_are_refused(mutate) -> None:  # type: ignore[no-untyped-def]

@@ -42,6 +42,32 @@ def test_first_seq_continues_a_previous_run() -> None:
     assert publish(box, 2).seqs == (501, 502)
 
 
+def test_seqs_are_reserved_ahead_with_one_save_per_block() -> None:
+    """Saved before a seq past the last reservation is used, so a crash cannot hide a used seq."""
+    saved: list[int] = []
+
+    def reserve(seq: int) -> int:
+        saved.append(seq + 10)
+        return seq + 10
+
+    box = Outbox("g", window=100, retention_max=1000, first_seq=5, reserve=reserve)
+    assert saved == []  # nothing used yet
+    assert publish(box, 3).seqs == (5, 6, 7) and saved == [17]
+    for _ in range(3):
+        publish(box, 3)
+    assert box.last_seq == 16 and saved == [17]
+    assert publish(box, 3).seqs == (17, 18, 19) and saved == [17, 29]
+
+
+def test_a_reservation_not_saved_is_logged_and_publishing_goes_on(caplog: pytest.LogCaptureFixture) -> None:
+    def reserve(seq: int) -> int:
+        raise OSError("disk full")
+
+    box = Outbox("g", window=100, retention_max=1000, reserve=reserve)
+    assert publish(box, 2).seqs == (1, 2)
+    assert "reservation was not saved (OSError)" in caplog.text
+
+
 def test_continue_after_moves_an_unused_sequence_and_members_bases_with_it() -> None:
     box = Outbox("g", window=10, retention_max=10, first_seq=3)
     box.add_member("bob")

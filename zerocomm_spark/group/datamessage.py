@@ -23,7 +23,7 @@ recipients). Receivers cut ``message`` out of the wrapper by position (the layou
 verify those very bytes before parsing them, so what is verified is what is delivered; the pair
 (``message`` bytes, ``signature``) also proves the batch's origin to anyone holding the publisher's
 group verkey later (history). A batch meant for one member (resend answer, heartbeat: it carries
-``base``/``last``/``gone``) names that member in ``member``, so it cannot be replayed to another.
+``base``/``last``/``gone``/``void``) names that member in ``member``, so it cannot be replayed to another.
 
 Decoding validates every field and raises :class:`MalformedDataMessageError` naming the field
 (never its value: values may be payloads). Payloads are base64 inside the JSON.
@@ -131,7 +131,9 @@ class DataBatch:
 
     Resend answers add ``base`` (the last seq the asking member is *not* owed: its stream starts
     after it), ``last`` (the publisher's highest seq so far) and ``gone`` (an inclusive seq range the
-    publisher no longer holds, which the member must skip), and name that member in ``member``.
+    publisher no longer holds, which the member must skip), and name that member in ``member``;
+    ``void`` (a range at or below ``base``) are seqs a publisher restarted after a crash skipped, which
+    it may never have used: a member lacking them records them as not lost.
 
     Decoded from a ``data-signed`` wrapper, ``signature`` and ``signed`` (the exact bytes it signs)
     are set; :func:`verify` checks them. They take no part in equality.
@@ -144,6 +146,7 @@ class DataBatch:
     last: int | None = None
     gone: tuple[int, int] | None = None
     member: str | None = None
+    void: tuple[int, int] | None = None
     signature: bytes | None = field(default=None, compare=False, repr=False)
     signed: bytes | None = field(default=None, compare=False, repr=False)
 
@@ -232,6 +235,8 @@ def encode(msg: ControlMessage, *, encoded_messages: str | None = None, signer: 
             head["last"] = msg.last
         if msg.gone is not None:
             head["gone"] = list(msg.gone)
+        if msg.void is not None:
+            head["void"] = list(msg.void)
         array = encoded_messages if encoded_messages is not None else encode_messages(msg.messages)
         plain = _dumps(head)[:-1] + b',"messages":' + array.encode("ascii") + b"}"
         return plain if signer is None else sign(plain, signer)
@@ -426,6 +431,16 @@ def _load(data: bytes | str | dict[str, Any]) -> dict[str, Any]:
     return obj
 
 
+def _range(obj: Mapping[str, Any], key: str) -> tuple[int, int] | None:
+    raw = obj.get(key)
+    if raw is None:
+        return None
+    if (not isinstance(raw, list) or len(raw) != 2
+            or any(type(v) is not int for v in raw) or not 1 <= raw[0] <= raw[1] <= MAX_SEQ):
+        raise _bad(f"'{key}' must be a [first, last] seq range with 1 <= first <= last")
+    return raw[0], raw[1]
+
+
 def decode(data: bytes | str | dict[str, Any]) -> ControlMessage:
     """Decode any data-plane message by its ``@type``; MalformedDataMessageError if invalid.
 
@@ -452,14 +467,7 @@ def decode(data: bytes | str | dict[str, Any]) -> ControlMessage:
         messages = _messages(items)
         base = _int(obj, "base", "", optional=True)
         last = _int(obj, "last", "", optional=True)
-        gone_raw = obj.get("gone")
-        gone: tuple[int, int] | None = None
-        if gone_raw is not None:
-            if (not isinstance(gone_raw, list) or len(gone_raw) != 2
-                    or any(type(v) is not int for v in gone_raw) or not 1 <= gone_raw[0] <= gone_raw[1] <= MAX_SEQ):
-                raise _bad("'gone' must be a [first, last] seq range with 1 <= first <= last")
-            gone = (gone_raw[0], gone_raw[1])
-        return DataBatch(group, publisher, messages, base, last, gone, member)
+        return DataBatch(group, publisher, messages, base, last, _range(obj, "gone"), member, _range(obj, "void"))
     if kind == HELLO:
         return Hello(_str(obj, "group", ""), _str(obj, "publisher", ""), _str(obj, "subscriber", ""),
                      _str(obj, "nonce", "", max_len=128), _int(obj, "base", ""), _int(obj, "last", ""))  # type: ignore[arg-type]

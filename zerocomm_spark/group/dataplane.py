@@ -123,6 +123,9 @@ _SUB_MAX_MSG = 64 * 1024 * 1024  # a SUB refuses bigger frames: bounds memory pe
 _LINGER_MS = 500
 _START_TIMEOUT = 10.0
 _CMD_TIMEOUT = 10.0
+#: Void seqs (a restarted publisher's skipped reservation) reported to ``on_superseded`` per skip at
+#: most: a bigger range stays a hole readers call lost, rather than one list this long per batch.
+_VOID_MAX = 1 << 18
 _REBIND_WAIT_S = 5.0  # how long a rebind of the publish endpoint retries before the IO thread goes on without it
 _READ_BATCH = 128  # frames read per socket per IO turn, so one busy publisher starves nobody
 _MONITOR_EVENTS = (zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_HANDSHAKE_FAILED_AUTH
@@ -591,13 +594,16 @@ class DataPlane:
     # --- groups and members ------------------------------------------------------------------
 
     def open_group(self, group: str, *, mode: Mode, ordered: bool, group_key: KeyPair, role: Role,
-                   first_seq: int = 1) -> None:
+                   first_seq: int = 1, reserve: Callable[[int], int] | None = None,
+                   void: tuple[int, int] | None = None) -> None:
         """Start publishing and receiving for ``group``.
 
         ``group_key`` is this member's group key (shared-mode envelopes are authcrypted with it);
         ``ordered`` selects per-publisher FIFO delivery (hold-back) over delivery on arrival;
         ``first_seq`` lets a restarted member continue its own sequence (persist it: store.py).
         A group closed on this plane continues after its last seq whatever ``first_seq`` says.
+        ``reserve`` saves seqs ahead before they are used and ``void`` names seqs a restarted member
+        skipped, which it may never have used (outbox.py).
         """
         topics.check_group(group)
         if mode not in MODES:
@@ -613,9 +619,11 @@ class DataPlane:
                 raise GroupAlreadyOpenError(f"group {group!r} is already open on this data plane")
             first_seq = max(first_seq, self._closed_seqs.get(group, 0) + 1)
             outbox = Outbox(group, window=self.config.window, retention_max=self.config.retention_max,
-                            first_seq=first_seq)
+                            first_seq=first_seq, reserve=reserve, void=void)
             self._groups[group] = _Group(group, mode, bool(ordered), group_key, role, outbox)
             self._update_access_locked()
+        if void is not None and 0 <= void[1] - void[0] < _VOID_MAX:  # our own journal lacks them too
+            self._superseded(group, self.member_did, list(range(void[0], void[1] + 1)))
         log.info("opened group %r (%s mode, %s) as %s", group, mode, "ordered" if ordered else "unordered", role)
 
     def close_group(self, group: str) -> None:
@@ -1551,7 +1559,8 @@ class DataPlane:
             reason = "no publisher signature" if msg.signature is None else "a bad publisher signature"
         elif isinstance(msg, dm.DataBatch) and (
                 msg.member != self.member_did if msg.member is not None
-                else (msg.base is not None or msg.last is not None or msg.gone is not None)):
+                else (msg.base is not None or msg.last is not None or msg.gone is not None
+                      or msg.void is not None)):
             reason = "a batch signed for another member"
         else:
             return True
@@ -1584,13 +1593,19 @@ class DataPlane:
             return
         out: list[dm.DataMessage] = []
         dups = 0
+        void: list[int] = []
         with self._rx_lock:
             stream = self._stream(g, did)
             if batch.base is not None:
                 if not stream.has_baseline:
                     out.extend(stream.set_baseline(batch.base))
                 elif batch.base > stream.delivered:
-                    # We restarted from an older position than we had acked: those were delivered.
+                    # We restarted from an older position than we had acked (those were delivered), or
+                    # the publisher restarted after seqs it may never have used (void): neither is lost.
+                    if batch.void is not None:
+                        first, last = max(batch.void[0], stream.delivered + 1), min(batch.void[1], batch.base)
+                        if 0 <= last - first < _VOID_MAX:
+                            void = list(range(first, last + 1))
                     out.extend(stream.skip(stream.delivered + 1, batch.base, count_lost=False))
             if batch.last is not None:
                 stream.note_announced(batch.last)
@@ -1606,6 +1621,8 @@ class DataPlane:
                 g.ack_needed.add(did)
             if dups:
                 g.ack_needed.add(did)
+        if void:  # before the ack that covers them: a journal records them, readers do not call them lost
+            self._stats.add(callback_errors=self._superseded(g.name, did, void))
         self._deliver(g, did, out)
         if dups:
             self._stats.add(duplicates_dropped=dups)
@@ -1643,12 +1660,8 @@ class DataPlane:
                 headers = msg.headers
                 fresh.append(_delivered(group, msg.id, did, msg.seq, msg.lamport, msg.sent_at, now, msg.payload,
                                         dict(headers) if headers else None))
-            if superseded and self._on_superseded is not None:
-                try:
-                    self._on_superseded(group, did, superseded)
-                except Exception:  # noqa: BLE001 - the application's bug must not stop the stream
-                    errors += 1
-                    log.exception("on_superseded raised for %d seq(s) of %s in group %r", len(superseded), did, group)
+            if superseded:
+                errors += self._superseded(group, did, superseded)
             if many is not None and fresh:
                 try:  # one call per delivery batch: a durable consumer commits the batch at once
                     many(fresh)
@@ -1674,6 +1687,17 @@ class DataPlane:
             due = stream.delivered - sent >= self.config.ack_every
         if due:
             self._send_ack(g, did)
+
+    def _superseded(self, group: str, did: str, seqs: list[int]) -> int:
+        """Tell ``on_superseded`` of seqs of ``did`` that have no message here by design; 1 if it raised."""
+        if self._on_superseded is None:
+            return 0
+        try:
+            self._on_superseded(group, did, seqs)
+        except Exception:  # noqa: BLE001 - the application's bug must not stop the stream
+            log.exception("on_superseded raised for %d seq(s) of %s in group %r", len(seqs), did, group)
+            return 1
+        return 0
 
     def _on_hello(self, g: _Group, m: _Member, hello: dm.Hello) -> None:
         did = m.info.did
@@ -1885,7 +1909,7 @@ class DataPlane:
         if gone is not None:  # it skips them and acks past them: their receipts must not say delivered
             g.outbox.note_gone(m.info.did, *gone)
         batch = dm.DataBatch(g.name, self.member_did, tuple(msgs), base=base, last=g.wire_seq, gone=gone,
-                             member=m.info.did)
+                             member=m.info.did, void=g.outbox.void)
         self._stats.add(retransmits=len(msgs))
         return envelope.pack(dm.encode(batch, signer=g.group_key), [m.info.relationship_verkey], sender=m.my_key)
 
@@ -1957,7 +1981,8 @@ class DataPlane:
                 base = g.outbox.base_of(did)
                 if base is None:
                     continue
-                beat = dm.DataBatch(g.name, self.member_did, (), base=base, last=g.wire_seq, member=did)
+                beat = dm.DataBatch(g.name, self.member_did, (), base=base, last=g.wire_seq, member=did,
+                                    void=g.outbox.void)
                 env = envelope.pack(dm.encode(beat, signer=g.group_key), [m.info.relationship_verkey], sender=m.my_key)
                 try:
                     self._transport.send(m.info.peer_endpoint, ProtocolId.GROUP_DATA, env)

@@ -21,7 +21,8 @@ Why the flows are shaped this way (docs/groups.md; thesis 5.2, 7.2):
   relationship with (two joins that raced) connects to it if its DID sorts first.
 * **Restart** is rejoin with the same identity: the keystore holds the member key, transport key,
   group keys, views, relationships and stream positions; the member re-subscribes, continues its own
-  sequence after the highest seq any member saw from it, and asks every publisher for what it missed.
+  sequence after the highest seq any member saw from it (if one is not reached, after every seq it
+  may have used: its reservation), and asks every publisher for what it missed.
 * Every wait has a deadline. Logs name DIDs, labels and error classes; never keys or payloads.
 """
 
@@ -119,6 +120,10 @@ MAX_REPORTED_POSITION = MAX_SEQ // 2
 #: Lamport ticks each saved reservation of the clock covers: a restart moves the clock up to this far
 #: ahead (timestamps need not be contiguous), and saving costs one keystore write per this many.
 CLOCK_RESERVE = 1 << 20
+
+#: Seqs each saved reservation of a group's sequence covers: one keystore write per this many
+#: messages, and after a crash with a member unreachable the restart skips up to this many (void).
+SEQ_RESERVE = 1 << 16
 
 MEMBER_GOAL = "zerocomm.group.member"  # the multi-use invitation each member announces in its entry
 JOIN_GOAL = "zerocomm.group.join"  # invitations issued for a group with invite(group)
@@ -354,6 +359,16 @@ class GroupManager:
         self._store.save_clock_reserved(limit)
         return limit
 
+    def _seq_reserver(self, group: str) -> Callable[[int], int]:
+        """Saves a limit ahead of our sequence in ``group`` before a seq past the last one is used, so
+        a restart after a crash knows every seq it may have used (one write per SEQ_RESERVE seqs)."""
+        def reserve(seq: int) -> int:
+            limit = min(seq + SEQ_RESERVE, MAX_SEQ)
+            self._store.save_seq_reserved(group, limit)
+            return limit
+
+        return reserve
+
     # --- lifecycle -------------------------------------------------------------------------------
 
     def start(self) -> "GroupManager":
@@ -432,6 +447,12 @@ class GroupManager:
         self._io.shutdown(wait=False, cancel_futures=True)
         if self._dataplane is not None:
             self._dataplane.close()
+            for g in groups:  # closed: nothing more is published, so the reservation can be exact
+                if g.phase == _ACTIVE:
+                    try:
+                        self._store.save_seq_reserved(g.name, self._dataplane.publish_position(g.name))
+                    except ZeroCommError as exc:
+                        log.warning("group %r: last seq not saved at close (%s)", g.name, type(exc).__name__)
         for thread in self._threads:
             thread.join(5.0)
         log.info("groups of %s closed", self.did)
@@ -533,7 +554,8 @@ class GroupManager:
             # A group of the same name we left before: members of it may hold our old stream (and
             # their journals its seqs), so the new one continues after it.
             self.dataplane.open_group(group, mode=mode, ordered=bool(ordered), group_key=key, role=role,  # type: ignore[arg-type]
-                                      first_seq=self._store.left_position(group) + 1)
+                                      first_seq=self._store.left_position(group) + 1,
+                                      reserve=self._seq_reserver(group))
             self._save(g)
             g.ready.set()
             with self._lock:
@@ -771,7 +793,7 @@ class GroupManager:
         # once; until the views are verified we publish nothing and deliver nothing (quarantine).
         left_at = self._store.left_position(group)
         self.dataplane.open_group(group, mode=mode, ordered=ordered, group_key=key, role=role,  # type: ignore[arg-type]
-                                  first_seq=left_at + 1)
+                                  first_seq=left_at + 1, reserve=self._seq_reserver(group))
         checksums = {acceptor_did: reply.checksum}
         self._subscribe_round(g, deadline, accepted, checksums, acceptor=(acceptor_did, acceptor))
         self._check_consistency(g, deadline, accepted, checksums)
@@ -1001,9 +1023,20 @@ class GroupManager:
                     log.info("group %r: %s not reached on resume (%s); keeping it", g.name, did,
                              type(exc).__name__ if exc else "timeout")
             saved = g.saved_positions or Positions()
-            first_seq = max(saved.publish, self._reported(g, fresh)) + 1
+            after = max(saved.publish, self._reported(g, fresh))
+            reserved = self._store.seq_reserved(g.name)
+            void = None
+            if reserved > after and len(fresh) < len(peers):
+                # The saved position lags (persist_interval_s) and a member not reached may hold seqs
+                # past it: reusing them, its journal would drop our new messages as duplicates. So we
+                # continue after every seq we may have used; those we cannot tell used are void.
+                void = (after + 1, reserved)
+                after = reserved
+                log.info("group %r: not every member reached; continuing after seq %d, %d seq(s) void",
+                         g.name, after, void[1] - void[0] + 1)
             self.dataplane.open_group(g.name, mode=g.record.mode, ordered=g.record.ordered,  # type: ignore[arg-type]
-                                      group_key=g.group_key, role=g.record.role, first_seq=first_seq)  # type: ignore[arg-type]
+                                      group_key=g.group_key, role=g.record.role, first_seq=after + 1,  # type: ignore[arg-type]
+                                      reserve=self._seq_reserver(g.name), void=void)
             if saved.receive:
                 self.dataplane.restore_positions(g.name, saved.receive)
             for did, connection_id in peers.items():
@@ -1062,8 +1095,8 @@ class GroupManager:
         saved = g.saved_positions.publish if g.saved_positions is not None else 0
         try:
             saved = max(saved, self.dataplane.publish_position(group))
-        except GroupError:
-            pass
+        except GroupError:  # not open yet: after a crash only the reservation covers every seq we used
+            saved = max(saved, self._store.seq_reserved(group))
         self._store.save_left_position(group, saved)
         try:
             self.dataplane.close_group(group)
@@ -1390,7 +1423,8 @@ class GroupManager:
 
     def on_superseded(self, callback: Callable[[str, str, list[int]], None]) -> Callable[[], None]:
         """Call ``callback(group, publisher, seqs)`` for new seqs whose message ids this member had
-        delivered already (a publisher re-sending under new seqs), before they are acknowledged:
+        delivered already (a publisher re-sending under new seqs), and for seqs a publisher restarted
+        after a crash skipped as void (never used, as far as it can tell), before they are acknowledged:
         a journal records them, so a reader walking the publisher's seqs does not call them lost."""
         return self._listen(self._superseded_listeners, callback, "on_superseded")
 

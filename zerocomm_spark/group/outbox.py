@@ -15,10 +15,15 @@ not count (they were never owed earlier messages) and removed members stop count
 that messages are gone (retention dropped them before it acked them: ``note_gone``) skips them and
 acks past them, so their receipts resolve with :class:`MessagesDroppedError` naming it, never as
 delivered. (Dropped messages that still reach it on the data path are delivered and acked as usual.)
+
+Seqs are reserved ahead (``reserve``, like the Lamport clock's): a publisher restarted after a crash
+cannot know which seqs past its last saved position it used, so it continues after the reservation
+and tells members the seqs between are ``void`` (it may never have used them): not lost.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections import deque
@@ -30,6 +35,8 @@ from zerocomm_spark.group.datamessage import DataMessage
 from zerocomm_spark.group.lamport import MAX_TIME
 
 __all__ = ["MemberAckState", "Outbox", "PublishReceipt"]
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -103,7 +110,11 @@ class Outbox:
     """Retransmission buffer of one (group, publisher); thread-safe."""
 
     def __init__(self, group: str, *, window: int, retention_max: int, first_seq: int = 1,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, reserve: Callable[[int], int] | None = None,
+                 void: tuple[int, int] | None = None) -> None:
+        """``reserve(seq)``, called (under the lock) before a seq past the last reservation is used,
+        must save and return a limit at or past ``seq``; ``void`` is a seq range before ``first_seq``
+        this publisher may never have used (it skipped them after a restart) and holds nothing of."""
         if window < 1:
             raise ValueError("window must be at least 1")
         if retention_max < window:
@@ -119,6 +130,9 @@ class Outbox:
         self._last_seq = first_seq - 1  # highest seq published
         self._start_seq = first_seq - 1  # where the sequence started: _last_seq still equal = nothing published
         self._unsent_seq = first_seq  # first seq not yet handed to the sender
+        self._reserve = reserve
+        self._reserved = first_seq - 1  # seqs up to here may be used without saving a reservation first
+        self.void = void
         self._members: dict[str, MemberAckState] = {}
         self._receipts: deque[PublishReceipt] = deque()
         self._closed: BaseException | None = None
@@ -254,6 +268,8 @@ class Outbox:
                     waited = True
                     self.backpressure_waits += 1
                 self._cond.wait(min(remaining, 0.5))
+            if self._reserve is not None and self._last_seq + n > self._reserved:
+                self._reserve_locked(self._last_seq + n)
             first_ts = stamp(n)
             now = time.time()
             first = self._last_seq + 1
@@ -272,6 +288,15 @@ class Outbox:
             if not self._members or len(self._messages) > self.retention_max:
                 self._trim_locked()
             return receipt
+
+    def _reserve_locked(self, last: int) -> None:
+        assert self._reserve is not None
+        try:
+            self._reserved = max(last, int(self._reserve(last)))
+        except Exception as exc:  # noqa: BLE001 - publishing goes on; only a crash could repeat a seq
+            self._reserved = last
+            log.warning("group %r: the seq reservation was not saved (%s); after a crash this member could "
+                        "reuse seqs members hold", self.group, type(exc).__name__)
 
     def empty_receipt(self) -> PublishReceipt:
         """A resolved receipt for a publish of nothing."""

@@ -7,7 +7,8 @@ with each member, and how far it got in every publisher's stream (so it asks for
 missed). Everything is a keystore record, so it is sealed at rest like the connections.
 
 Record kinds: ``zerocomm-group`` (one per group), ``zerocomm-group-positions`` (one per group,
-written often, so kept apart from the view), ``zerocomm-group-identity`` (one), ``zerocomm-group-peer``
+written often, so kept apart from the view), ``zerocomm-group-seqs`` (one per group: how far our
+sequence may have got, see ``seq_reserved``), ``zerocomm-group-identity`` (one), ``zerocomm-group-peer``
 (member DID -> connection id, shared by all groups so a second group reuses the connections of the
 first). The CURVE secret key is a keystore secret.
 """
@@ -29,6 +30,7 @@ __all__ = ["GroupRecord", "GroupStore", "Identity", "Positions"]
 GROUP_KIND = "zerocomm-group"
 POSITIONS_KIND = "zerocomm-group-positions"
 CLOCK_KIND = "zerocomm-group-clock"  # the Lamport clock's reservation: a restart starts the clock there
+SEQS_KIND = "zerocomm-group-seqs"  # our seqs reserved ahead: after a crash, none at or below it is reused
 LEFT_KIND = "zerocomm-group-left"  # our last seq in groups we left: kept, so a rejoin continues after it
 IDENTITY_KIND = "zerocomm-group-identity"
 PEER_KIND = "zerocomm-group-peer"
@@ -133,6 +135,7 @@ class GroupStore:
     def delete(self, group: str) -> None:
         self._keystore.delete_record(GROUP_KIND, group)
         self._keystore.delete_record(POSITIONS_KIND, group)
+        self._keystore.delete_record(SEQS_KIND, group)
 
     # --- positions -------------------------------------------------------------------------------
 
@@ -147,6 +150,17 @@ class GroupStore:
     def save_positions(self, group: str, positions: Positions) -> None:
         self._keystore.put_record(POSITIONS_KIND, group, {"publish": positions.publish,
                                                           "receive": dict(positions.receive)})
+
+    def seq_reserved(self, group: str) -> int:
+        """The highest seq we may have published in ``group`` (0 if none saved): saved before any seq
+        past it is used, and exactly at a clean close. The positions record lags it (written every
+        ``persist_interval_s``), so after a crash only this bounds what members may hold of our stream."""
+        data = self._keystore.get_record(SEQS_KIND, group) or {}
+        value = data.get("reserved", 0)
+        return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
+
+    def save_seq_reserved(self, group: str, value: int) -> None:
+        self._keystore.put_record(SEQS_KIND, group, {"reserved": int(value)})
 
     def left_position(self, group: str) -> int:
         """Our highest seq in ``group`` when we last left it (0 if never): a new sequence must start
