@@ -181,19 +181,24 @@ def _sealer(key: HistoryKey) -> Callable[[Iterator[pa.RecordBatch]], Iterator[pa
 
 
 _WRITERS = "spark.sql.maxConcurrentOutputFileWriters"
+_SKIP_EMPTY = "spark.databricks.delta.skipRecordingEmptyCommits"
 
 
-def _write(df: DataFrame, table_path: str, options: Mapping[str, str]) -> None:
+def _write(df: DataFrame, table_path: str, options: Mapping[str, str], *, record_empty: bool = False) -> None:
     """One Delta append of history rows.
 
     A micro-batch spans a few (group, date) partitions, so each task writes them side by side
     instead of sorting its rows by partition first (Spark's default for partitioned writes); the
-    session setting is restored after.
+    session setting is restored after. ``record_empty``: commit (with its tag) even without rows,
+    which Delta otherwise leaves out of the log.
     """
     spark = df.sparkSession
     previous = spark.conf.get(_WRITERS, "0")
     if previous == "0":
         spark.conf.set(_WRITERS, "16")
+    skip_empty = spark.conf.get(_SKIP_EMPTY, None) if record_empty else None
+    if record_empty:
+        spark.conf.set(_SKIP_EMPTY, "false")
     try:
         writer = df.select(*HISTORY_COLUMNS).write.format("delta").mode("append")
         for key, value in options.items():
@@ -202,6 +207,11 @@ def _write(df: DataFrame, table_path: str, options: Mapping[str, str]) -> None:
     finally:
         if previous == "0":
             spark.conf.set(_WRITERS, previous)
+        if record_empty:
+            if skip_empty is None:
+                spark.conf.unset(_SKIP_EMPTY)
+            else:
+                spark.conf.set(_SKIP_EMPTY, skip_empty)
 
 
 def append_history(df: DataFrame, table_path: str, *, app_id: str, version: int, look: bool = True,
@@ -228,7 +238,8 @@ def _append_history(df: DataFrame, table_path: str, *, app_id: str, version: int
     back from an older copy): Spark re-plans batches the table already has, under the same ids but
     not necessarily over the same messages, so batch ids say nothing about which rows the table
     holds. Such a batch, up to and including the table's newest one, appends only the rows the table
-    lacks, tagged as a catch-up (so a restart meanwhile still sees the table ahead) and without
+    lacks, tagged as a catch-up (an empty commit if it lacks none: a restart meanwhile must still
+    see the table ahead, or it would skip its re-planned batch of the table's newest id) and without
     Delta's txn options (which would drop the write of a lower version).
     """
     tag = commit_tag(app_id, version)
@@ -243,7 +254,7 @@ def _append_history(df: DataFrame, table_path: str, *, app_id: str, version: int
         log.warning("the history table %s holds batch %d of %s, and batch %d is being written: the checkpoint is "
                     "behind the table; appending only rows the table lacks until it catches up", table_path,
                     found.batch, app_id, version)
-        append_new_rows(df, str(table_path), {"userMetadata": catch_up_tag(app_id, found.batch)})
+        append_new_rows(df, str(table_path), {"userMetadata": catch_up_tag(app_id, found.batch)}, record_empty=True)
         return True, found.batch
     if found.batch is not None and found.batch == version:
         return False, None
@@ -254,11 +265,15 @@ def _append_history(df: DataFrame, table_path: str, *, app_id: str, version: int
     return True, None
 
 
-def append_new_rows(df: DataFrame, table_path: str, options: Mapping[str, str]) -> None:
+def append_new_rows(df: DataFrame, table_path: str, options: Mapping[str, str], *,
+                    record_empty: bool = False) -> None:
     """Append only the rows whose (group, date, message_id) the table lacks (Delta writer ``options``).
 
     For when a commit log cannot tell whether rows were written: the batch is evaluated once
-    (persisted), and the table is read only in the batch's (group, date) partitions.
+    (persisted), and the table is read only in the batch's (group, date) partitions. That read runs
+    inside the append's Delta transaction (the anti-join is lazy), so a concurrent commit into those
+    partitions fails this one (ConcurrentAppendException) rather than both appending the same rows.
+    ``record_empty``: commit even when the table holds every row, for a tag that records progress.
     """
     from pyspark.sql import functions as F
 
@@ -273,7 +288,7 @@ def append_new_rows(df: DataFrame, table_path: str, options: Mapping[str, str]) 
         else:
             held = held.limit(0)
         _write(rows.join(held.select("group", "date", "message_id"), ["group", "date", "message_id"], "left_anti"),
-               table_path, options)
+               table_path, options, record_empty=record_empty)
     finally:
         rows.unpersist()
 
@@ -369,7 +384,7 @@ class HistoryWriter:
         rows = to_history(df, history_key=self.history_key)
         if batch_id <= self._behind_until:  # catching up with a table ahead of the checkpoint
             tag = catch_up_tag(app_id, self._behind_until)
-            append_new_rows(rows, self.table_path, {"userMetadata": tag})
+            append_new_rows(rows, self.table_path, {"userMetadata": tag}, record_empty=True)
             committed = True
         else:
             planned_ms = 0 if follows else _batch_planned_ms(spark, self.checkpoint, batch_id)
@@ -387,20 +402,36 @@ class HistoryWriter:
             self.on_batch(IngestBatch(batch_id, version is not None, count, version, time.monotonic() - began))
 
 
-def _source(spark: SparkSession, groups: Sequence[str], *, agent: str | None, starting_offsets: str,
-            max_messages_per_trigger: int | None, source_options: Mapping[str, str] | None) -> DataFrame:
+def _source_options(groups: Sequence[str], *, agent: str | None, starting_offsets: str,
+                    max_messages_per_trigger: int | None, source_options: Mapping[str, str] | None) -> dict[str, str]:
+    options = {"group": ",".join(groups), "includeHeaders": "true", "startingOffsets": starting_offsets}
+    if agent is not None:
+        options["agent"] = str(agent)
+    if max_messages_per_trigger is not None:
+        options["maxMessagesPerTrigger"] = str(max_messages_per_trigger)
+    options.update(source_options or {})
+    return options
+
+
+def _source(spark: SparkSession, options: Mapping[str, str]) -> DataFrame:
     from zerocomm_spark.connector import register
 
     register(spark)
-    reader = (spark.readStream.format("zerocomm").option("group", ",".join(groups))
-              .option("includeHeaders", "true").option("startingOffsets", starting_offsets))
-    if agent is not None:
-        reader = reader.option("agent", str(agent))
-    if max_messages_per_trigger is not None:
-        reader = reader.option("maxMessagesPerTrigger", str(max_messages_per_trigger))
-    for key, value in (source_options or {}).items():
+    reader = spark.readStream.format("zerocomm")
+    for key, value in options.items():
         reader = reader.option(key, value)
     return reader.load()
+
+
+def _check_member(options: Mapping[str, str]) -> None:
+    """Ask the member (one call, on this driver as the source will) whether it is in every group: a
+    group it is not in would otherwise fail the query only once running, at awaitTermination."""
+    from zerocomm_spark.connector.agent_link import MemberLink
+    from zerocomm_spark.connector.options import SourceOptions
+
+    parsed = SourceOptions.parse(options, mode="stream")
+    with MemberLink.connect(parsed.agent) as link:
+        link.check_groups(parsed.groups)
 
 
 def ingest(spark: SparkSession, groups: str | Sequence[str], table_path: str, checkpoint: str, *,
@@ -415,15 +446,16 @@ def ingest(spark: SparkSession, groups: str | Sequence[str], table_path: str, ch
     ``"available_now"`` (everything there now, then stop) or ``"once"``. ``history_key`` stores
     payloads sealed instead of in clear. ``on_batch`` hears what each micro-batch did. ``delta_txn``
     adds Delta's own idempotence check to every commit (guards against two live runs of one
-    checkpoint; costs a state rebuild per micro-batch).
+    checkpoint; costs a state rebuild per micro-batch). The member is asked before the query starts:
+    a group it is not in raises GroupNotFoundError here, not later from the running query.
     """
     names = [groups] if isinstance(groups, str) else list(groups)
     if not names:
         raise ConfigurationError("ingest needs at least one group")
     table = str(table_path)
-    ensure_table(spark, table)
-    stream = _source(spark, names, agent=agent, starting_offsets=starting_offsets,
-                     max_messages_per_trigger=max_messages_per_trigger, source_options=source_options)
+    options = _source_options(names, agent=agent, starting_offsets=starting_offsets,
+                              max_messages_per_trigger=max_messages_per_trigger, source_options=source_options)
+    stream = _source(spark, options)
     writer = HistoryWriter(table, str(checkpoint), history_key=history_key, on_batch=on_batch, delta_txn=delta_txn)
     query = stream.writeStream.foreachBatch(writer).option("checkpointLocation", str(checkpoint))
     if query_name:
@@ -441,6 +473,8 @@ def ingest(spark: SparkSession, groups: str | Sequence[str], table_path: str, ch
             raise ConfigurationError(f"trigger={trigger!r} is not an interval",
                                      hint='Give an interval like "1 second" or "500 milliseconds", or '
                                           '"available_now" or "once"') from None
+    _check_member(options)
+    ensure_table(spark, table)
     return query.start()
 
 

@@ -25,7 +25,7 @@ import pyarrow as pa
 import pytest
 from pyspark.errors import StreamingQueryException
 
-from zerocomm_spark.errors import ConfigurationError
+from zerocomm_spark.errors import ConfigurationError, GroupNotFoundError, ZeroCommError
 from zerocomm_spark.pipelines.history import IngestBatch, append_history, compact, ingest, vacuum
 from zerocomm_spark.pipelines.history_key import HistoryKey
 from zerocomm_spark.pipelines.local_group import LocalGroup
@@ -206,6 +206,21 @@ def test_ingest_failing_after_the_delta_commit_restarts_without_doubling(spark, 
     assert [b.batch_id for b in resumed] == list(range(len(resumed))) and sum(b.rows for b in resumed) == 70
     ids = delta_rows(spark, table).column("message_id").to_pylist()
     assert len(ids) == len(set(ids)) == 110 and sorted(ids) == journal_ids(members["historian"], "story")
+
+
+def test_ingest_of_a_group_the_member_is_not_in_fails_before_starting(spark, members, tmp_path):
+    """The member is asked in ingest() itself: the error is ours and comes at once, not from awaitTermination."""
+    table, name = tmp_path / "history", "ingest-" + uuid.uuid4().hex[:8]
+    try:
+        with pytest.raises(GroupNotFoundError, match="no-such-group") as info:
+            ingest(spark, ["story", "no-such-group"], str(table), str(tmp_path / "ck"),
+                   agent=members["historian"].agent, trigger="available_now", query_name=name)
+    finally:
+        for query in spark.streams.active:
+            if query.name == name:  # started anyway: stop it, the test has failed
+                query.stop()
+    assert isinstance(info.value, ZeroCommError) and "group join" in info.value.hint  # says what to do next
+    assert not table.exists()  # nothing made for a query that could not run
 
 
 KILLED_INGEST = textwrap.dedent("""

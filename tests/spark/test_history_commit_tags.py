@@ -10,6 +10,8 @@ from __future__ import annotations
 import datetime as dt
 import json
 import os
+import threading
+import time
 import uuid
 from pathlib import Path
 
@@ -292,6 +294,86 @@ def test_a_checkpoint_put_back_behind_the_table_writes_nothing_twice_and_loses_n
     ids = table_ids(spark, table)
     assert sorted(ids) == ["a", "b", "c", "d", "p", "q", "r", "s", "t", "u"], ids
     assert last_tagged_batch(spark, str(table), second.app_id(spark)).batch == 3
+
+
+def test_a_catch_up_that_appended_nothing_still_tells_a_restart_the_checkpoint_is_behind(spark, tmp_path):
+    """A catch-up batch whose rows the table all holds still commits its tag: a driver dying right
+    after it must not make the restart take its re-planned batch for one the table holds."""
+    table, ck = tmp_path / "t", checkpoint(tmp_path)
+    ensure_table(spark, str(table))
+    first = HistoryWriter(str(table), str(ck))
+    for batch_id, ids in enumerate([["p"], ["q"], ["r"]]):
+        first(source_rows(spark, ids), batch_id)
+    # The checkpoint is put back from a copy without the offsets of batches 1 and 2. Spark plans
+    # batch 1 anew over a message the table holds (nothing to append), checkpoints it, and dies.
+    HistoryWriter(str(table), str(ck))(source_rows(spark, ["q"]), 1)
+    found = last_tagged_batch(spark, str(table), first.app_id(spark))
+    assert (found.batch, found.behind) == (2, True)
+    # The restarted query plans batch 2 anew, over more than the table's batch 2 held.
+    seen: list[IngestBatch] = []
+    HistoryWriter(str(table), str(ck), on_batch=seen.append)(source_rows(spark, ["r", "s"]), 2)
+    assert [(b.batch_id, b.rows) for b in seen] == [(2, 1)]
+    ids = table_ids(spark, table)
+    assert sorted(ids) == ["p", "q", "r", "s"], ids
+
+
+def test_two_writers_appending_the_same_missing_rows_at_once_cannot_both_commit(spark, tmp_path, monkeypatch):
+    """append_new_rows reads the table inside its Delta transaction: the one committing second
+    conflicts (it read partitions the other wrote) instead of appending the same rows again."""
+    from delta.exceptions import ConcurrentAppendException
+    from pyspark.sql.types import BooleanType
+
+    from zerocomm_spark.pipelines import history
+
+    table = tmp_path / "t"
+    ensure_table(spark, str(table))
+    HistoryWriter(str(table), str(checkpoint(tmp_path)))(source_rows(spark, ["a"]), 0)
+    reading, committed = str(tmp_path / "first-is-writing"), str(tmp_path / "second-committed")
+
+    def gate(message_id):  # runs in a Python worker, within the first writer's Delta transaction
+        import os
+        import time
+
+        if message_id == "n":
+            open(reading, "w").close()
+            deadline = time.monotonic() + 120
+            while not os.path.exists(committed) and time.monotonic() < deadline:
+                time.sleep(0.05)
+        return True
+
+    held_back = F.udf(gate, BooleanType())
+    real_write = history._write
+
+    def write(df, table_path, options, **kwargs):
+        if options.get("userMetadata") == "first:0":
+            df = df.where(held_back(F.col("message_id")))
+        real_write(df, table_path, options, **kwargs)
+
+    monkeypatch.setattr(history, "_write", write)
+    failed: list[BaseException] = []
+
+    def first() -> None:
+        try:
+            history.append_new_rows(history.to_history(source_rows(spark, ["a", "n"])), str(table),
+                                    {"userMetadata": "first:0"})
+        except BaseException as exc:  # noqa: BLE001 - looked at below
+            failed.append(exc)
+
+    thread = threading.Thread(target=first, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 120
+    while not os.path.exists(reading) and time.monotonic() < deadline and thread.is_alive():
+        time.sleep(0.1)
+    assert os.path.exists(reading), "the first writer never reached its append"
+    try:
+        history.append_new_rows(history.to_history(source_rows(spark, ["a", "n"])), str(table),
+                                {"userMetadata": "second:0"})
+    finally:
+        open(committed, "w").close()
+    thread.join(180)
+    assert not thread.is_alive()
+    assert len(failed) == 1 and isinstance(failed[0], ConcurrentAppendException), failed
+    assert sorted(table_ids(spark, table)) == ["a", "n"]
 
 
 def test_replay_with_the_key_leaves_a_row_that_does_not_open_sealed_instead_of_failing(spark, tmp_path):
