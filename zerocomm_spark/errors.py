@@ -290,6 +290,16 @@ class MessagesDroppedError(GroupError):
             "or raise retention_max")
 
 
+class DeliveryDeferredError(GroupError):
+    """Delivered messages were not taken (a listener raised, or the group's join is not complete yet).
+
+    The data plane does not acknowledge them: the publisher re-sends them and they are offered
+    again, only to the listeners that did not take them.
+    """
+
+    hint = "A listener that keeps raising holds up that publisher's messages at this member: fix it or remove it"
+
+
 class DataPlaneClosedError(GroupError):
     """The data plane was used after close() (or before start())."""
 

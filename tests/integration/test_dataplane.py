@@ -615,6 +615,30 @@ def test_lamport_order_respects_causality(make) -> None:  # type: ignore[no-unty
     assert alice.dp.lamport_time >= max(d.lamport_ts for d in alice.got)
 
 
+@pytest.mark.parametrize("ordered", [True, False])
+def test_a_delivery_callback_that_raises_is_not_acked_and_gets_the_messages_again(make, ordered: bool) -> None:  # type: ignore[no-untyped-def]
+    """A callback that raised did not take its message: not acked (the receipt waits), re-sent by the
+    publisher and offered again, the earlier ones not twice."""
+    alice, bob = make("alice"), make("bob")
+    form_group([alice, bob], ordered=ordered)
+    failures: list[int] = []
+
+    def fails_twice_at_seq_7(d: Delivered) -> None:
+        if d.seq == 7 and len(failures) < 2:
+            failures.append(d.seq)
+            raise RuntimeError("injected")
+
+    bob.hook = fails_twice_at_seq_7
+    receipt = alice.dp.publish("g", payloads("alice", 20))
+    receipt.wait(20)
+    assert failures == [7, 7]
+    got = [d.seq for d in bob.from_(alice)]
+    assert sorted(got) == list(range(1, 21)) and (got == sorted(got) or not ordered)
+    stats = bob.dp.stats()
+    assert stats["callback_errors"] >= 2 and stats["deliveries_deferred"] >= 2
+    assert bob.dp.positions("g")[alice.did] == 20
+
+
 def test_a_member_with_an_unusable_key_is_refused_and_a_failed_batch_is_sent_later(make, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     """In shared mode one envelope is sealed for every member: a member whose group key cannot be
     encrypted to would fail every batch, so add_member refuses it; and a batch whose packing fails

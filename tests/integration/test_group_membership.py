@@ -297,3 +297,91 @@ def test_batch_hook_gets_delivery_batches_and_holds_the_acks_until_it_returns(tm
         gate.set()
         bob.close()
         alice.close()
+
+
+def test_a_listener_that_raises_gets_the_messages_again_and_the_others_get_them_once(tmp_path: Path) -> None:
+    """A listener that raises has not taken its messages: they are not acked, the publisher re-sends
+    them and only the listeners that failed are called again (history and receive() hold them once)."""
+    flaky_batches: list[list[Delivered]] = []
+    steady: list[Delivered] = []
+    singles: list[Delivered] = []
+    failures: list[str] = []
+
+    def flaky(batch: list[Delivered]) -> None:  # a journal whose first commit fails
+        if not failures:
+            failures.append("batch")
+            raise OSError("disk full (injected)")
+        flaky_batches.append(batch)
+
+    def flaky_single(message: Delivered) -> None:  # fails once, at the sixth message
+        if message.payload == b"m5" and "single" not in failures:
+            failures.append("single")
+            raise ValueError("injected")
+        singles.append(message)
+
+    alice = Agent.open(tmp_path / "alice", label="alice", group_config=CONFIG)
+    bob = Agent.open(tmp_path / "bob", label="bob", group_config=CONFIG)
+    try:
+        alice.groups.create("g")
+        bob.groups.join("g", via=bob.accept(alice.invite()))
+        bob.groups.on_messages(flaky)
+        bob.groups.on_messages(steady.extend)
+        bob.groups.on_message(flaky_single)
+        sent = [f"m{i}".encode() for i in range(40)]
+        receipt = alice.groups.publish("g", sent)
+        receipt.wait(20)  # acked once every listener took every message
+        assert failures == ["batch", "single"]
+        assert [m.payload for b in flaky_batches for m in b] == sent
+        assert [m.payload for m in steady] == sent
+        assert [m.payload for m in singles] == sent
+        assert [m.payload for m in bob.groups.messages("g")] == sent
+        assert [bob.groups.receive("g", 5).payload for _ in sent] == sent
+        with pytest.raises(ReceiveTimeoutError):
+            bob.groups.receive("g", timeout=0.3)
+        assert bob.groups.dataplane.positions("g")[alice.groups.did] == receipt.seqs[-1]
+    finally:
+        bob.close()
+        alice.close()
+
+
+def test_messages_that_arrive_while_joining_are_acked_only_after_the_listeners_ran(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Until its join completes a member delivers nothing; what arrives meanwhile must not be acked
+    either (acked, it would be lost if the listener then failed or the process died)."""
+    joining, release = threading.Event(), threading.Event()
+    got: list[Delivered] = []
+    alice = Agent.open(tmp_path / "alice", label="alice", group_config=CONFIG)
+    bob = Agent.open(tmp_path / "bob", label="bob", group_config=CONFIG)
+    check = bob.groups._check_consistency  # noqa: SLF001
+
+    def held_check(*args: Any, **kwargs: Any) -> None:  # the join stops after alice admitted bob
+        check(*args, **kwargs)
+        joining.set()
+        assert release.wait(30)
+
+    monkeypatch.setattr(bob.groups, "_check_consistency", held_check)
+    bob.groups.on_messages(got.extend)
+    joined: list[Any] = []
+    via = bob.accept(alice.invite())
+    thread = threading.Thread(target=lambda: joined.append(bob.groups.join("g", via=via, timeout=60)))
+    try:
+        alice.groups.create("g")
+        thread.start()
+        assert joining.wait(30)
+        sent = [f"j{i}".encode() for i in range(10)]
+        receipt = alice.groups.publish("g", sent)
+        deferred = lambda: bob.groups.dataplane.stats().get("deliveries_deferred", 0)  # noqa: E731
+        _eventually(lambda: receipt.done() or deferred() >= len(sent), timeout=20, what="bob receiving them")
+        time.sleep(0.5)  # an ack would be out by now (ack_interval_ms)
+        assert not got and not receipt.done(), "acknowledged before a listener had the messages"
+        release.set()
+        thread.join(30)
+        assert joined
+        receipt.wait(20)
+        assert [m.payload for m in got] == sent
+    finally:
+        release.set()
+        if thread.is_alive():
+            thread.join(30)
+        bob.close()
+        alice.close()

@@ -154,6 +154,42 @@ def test_unordered_stream_delivers_on_arrival_and_acks_contiguously() -> None:
     assert s.delivered == 3
 
 
+def test_seqs_a_consumer_did_not_take_are_missing_again_and_asked_for_at_retry_pace() -> None:
+    """A delivery callback raised: those seqs are not acked, are NACKed as a gap (not at once: a
+    consumer that keeps failing must not be fed in a loop) and are taken when re-sent."""
+    s, clock = stream()
+    s.offer(5, "e")  # held early
+    assert s.offer_all(["a", "b", "c"], lambda x: "abc".index(x) + 1) == (["a", "b", "c"], 0)
+    s.undeliver([2, 3])
+    assert s.delivered == 1 and s.held_count == 1 and s.missing() == [(2, 4)]
+    clock.now += 0.2
+    assert s.due_nacks(0.1, 0.3) == []
+    clock.now += 0.2
+    assert s.due_nacks(0.1, 0.3) == [(2, 4)]
+    s.nack_answered()  # the answer: re-delivered, and the consumer fails again
+    assert s.offer_all(["b", "c"], lambda x: "abc".index(x) + 1) == (["b", "c"], 0)
+    s.undeliver([2, 3])
+    clock.now += 0.1
+    assert s.due_nacks(0.1, 0.3) == []  # not at once, as after an answer that left a hole
+    clock.now += 0.3
+    assert s.due_nacks(0.1, 0.3) == [(2, 4)]
+    assert s.offer(2, "b") == (Offer.DELIVER, ["b"])  # not a duplicate any more
+    assert s.offer_all(["c", "d"], lambda x: "abcd".index(x) + 1) == (["c", "d", "e"], 0)
+    assert s.delivered == 5 and s.gap_since is None
+
+
+def test_unordered_undeliver_keeps_the_seqs_that_were_taken() -> None:
+    s, _ = stream(ordered=False)
+    for seq in (4, 1, 2, 3):
+        s.offer(seq, str(seq))
+    s.undeliver([2, 4])
+    assert s.delivered == 1 and s.missing() == [(2, 2), (4, 4)]
+    assert s.offer(3, "3") == (Offer.DUPLICATE, [])
+    assert s.offer(4, "4") == (Offer.DELIVER, ["4"])
+    assert s.offer(2, "2") == (Offer.DELIVER, ["2"])
+    assert s.delivered == 4
+
+
 def test_hold_back_is_bounded() -> None:
     s, _ = stream(hold_max=3)
     for seq in (5, 6, 7):

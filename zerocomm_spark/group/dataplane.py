@@ -42,7 +42,9 @@ Threads: IO, sender (batch + pack), receiver (decrypt, sequence, deliver, ack, N
 (keepalives, heartbeats), ZAP authenticator; transport workers run the GROUP_DATA handlers.
 ``on_deliver`` (or ``on_deliver_many``, one call per delivery batch, when given) and ``on_state`` run
 on the receiver thread, one at a time, in order: a slow callback is backpressure on the publishers,
-never loss; acknowledgements cover only what a callback returned from.
+never loss; acknowledgements cover only what a callback returned from. A callback that raises has
+not taken its messages: they count as missing again (not acked, NACKed at ``nack_retry_ms`` pace)
+and are offered again when the publisher re-sends them.
 """
 
 from __future__ import annotations
@@ -72,6 +74,7 @@ from zerocomm_spark.errors import (
     BackpressureError,
     ConfigurationError,
     DataPlaneClosedError,
+    DeliveryDeferredError,
     DIDError,
     FrameTooLargeError,
     GroupAlreadyOpenError,
@@ -308,7 +311,7 @@ class _Stats:
         "retransmits", "heartbeats", "nacks_sent", "nacks_served", "nack_failures", "duplicates_dropped",
         "rejected_non_member", "rejected_read_only", "rejected_malformed", "not_for_me", "wrong_topic",
         "lost", "subscriptions_accepted", "subscriptions_refused", "callback_errors", "probes_sent",
-        "backpressure_stalls", "publish_resets", "forged_batches",
+        "backpressure_stalls", "publish_resets", "forged_batches", "deliveries_deferred",
     )
 
     def __init__(self) -> None:
@@ -954,7 +957,8 @@ class DataPlane:
 
         Traffic: ``messages_out/in``, ``bytes_out/in`` (payload bytes), ``envelopes_out/in``.
         Recovery: ``retransmits`` (messages resent), ``nacks_sent``, ``nacks_served``, ``heartbeats``,
-        ``duplicates_dropped``, ``lost`` (skipped because the publisher no longer held them).
+        ``duplicates_dropped``, ``lost`` (skipped because the publisher no longer held them),
+        ``deliveries_deferred`` (delivered messages a callback did not take: not acked, taken when re-sent).
         Drops by reason: ``rejected_non_member``, ``rejected_read_only``, ``rejected_malformed``,
         ``not_for_me`` (single mode, skipped unread), ``wrong_topic``, ``subscriptions_refused``,
         ``forged_batches`` (batches or hellos without a valid signature by their publisher's group
@@ -1628,6 +1632,7 @@ class DataPlane:
             self._stats.add(duplicates_dropped=dups)
 
     def _deliver(self, g: _Group, did: str, msgs: list[dm.DataMessage]) -> None:
+        untaken: list[Delivered] = []  # a callback raised: not acked, taken when re-sent
         if msgs:
             now = time.time()
             # Keyed by group too: message ids are the publisher's per group (a re-used id in another
@@ -1662,26 +1667,39 @@ class DataPlane:
                                         dict(headers) if headers else None))
             if superseded:
                 errors += self._superseded(group, did, superseded)
+            failure: Exception | None = None
             if many is not None and fresh:
                 try:  # one call per delivery batch: a durable consumer commits the batch at once
                     many(fresh)
-                except Exception:  # noqa: BLE001 - the application's bug must not stop the stream
-                    errors += len(fresh)
-                    log.exception("on_deliver_many raised for seqs %d-%d of %s in group %r", fresh[0].seq,
-                                  fresh[-1].seq, did, group)
+                except Exception as exc:  # noqa: BLE001 - not taken: not acked, offered again when re-sent
+                    untaken, failure = fresh, exc
             else:
-                for delivered in fresh:
+                for i, delivered in enumerate(fresh):
                     try:
                         callback(delivered)
-                    except Exception:  # noqa: BLE001 - the application's bug must not stop the stream
-                        errors += 1
-                        log.exception("on_deliver raised for seq %d of %s in group %r", delivered.seq, did, group)
-            self._stats.add(messages_in=len(msgs) - dup_ids, bytes_in=nbytes, duplicates_dropped=dup_ids,
-                            callback_errors=errors)
+                    except Exception as exc:  # noqa: BLE001 - later ones wait too: delivery is FIFO
+                        untaken, failure = fresh[i:], exc
+                        break
+            if failure is not None:
+                if isinstance(failure, DeliveryDeferredError):  # the manager logged its listener's failure
+                    log.debug("seqs %d-%d of %s in group %r not taken yet (%s)", untaken[0].seq, untaken[-1].seq,
+                              did, group, failure)
+                else:  # the class only: an application's exception text may quote the payload
+                    errors += len(untaken)
+                    log.error("on_deliver raised %s for seqs %d-%d of %s in group %r; they are taken again when "
+                              "re-sent", type(failure).__name__, untaken[0].seq, untaken[-1].seq, did, group)
+                    log.debug("on_deliver traceback", exc_info=failure)
+                for delivered in untaken:
+                    self._dedup.discard((group, did, delivered.message_id))
+                nbytes -= sum(len(d.payload) for d in untaken)
+            self._stats.add(messages_in=len(fresh) - len(untaken), bytes_in=nbytes, duplicates_dropped=dup_ids,
+                            callback_errors=errors, deliveries_deferred=len(untaken))
         with self._rx_lock:
             stream = g.streams.get(did)
             if stream is None or not stream.has_baseline:
                 return
+            if untaken:
+                stream.undeliver([d.seq for d in untaken])
             g.positions[did] = stream.delivered
             sent, _ = g.acks_sent.get(did, (0, 0.0))
             due = stream.delivered - sent >= self.config.ack_every

@@ -45,6 +45,7 @@ from zerocomm_spark.errors import (
     AgentClosedError,
     ConfigurationError,
     ConnectionNotReadyError,
+    DeliveryDeferredError,
     EnvelopeError,
     GroupError,
     GroupExistsError,
@@ -282,7 +283,6 @@ class _Group:
         self.pending = _Pending()
         self.repairing = False
         self.saved_positions: Positions | None = None
-        self.quarantine: list[Delivered] = []  # delivered while joining: released once the views check out
 
     @property
     def name(self) -> str:
@@ -334,6 +334,9 @@ class GroupManager:
         self._listeners: list[Callable[[Delivered], None]] = []
         self._batch_listeners: list[Callable[[list[Delivered]], None]] = []
         self._superseded_listeners: list[Callable[[str, str, list[int]], None]] = []
+        # (group, publisher) -> {(seq, message id): the listeners that took it} for messages of a batch
+        # a listener raised for: the publisher re-sends them, and they go only to the others then.
+        self._taken: dict[tuple[str, str], dict[tuple[int, str], list[Any]]] = {}
         self._arrivals = 0
         self._inbox_cond = threading.Condition(self._lock)
         self._control: queue.Queue[Callable[[], None] | None] = queue.Queue()
@@ -790,7 +793,8 @@ class GroupManager:
         with self._lock:
             self._groups[group] = g
         # Members are admitted to our sockets before we subscribe to them, so their SUBs connect at
-        # once; until the views are verified we publish nothing and deliver nothing (quarantine).
+        # once; until the views are verified we publish nothing and take nothing (not acked: the
+        # publishers re-send it once the group is active).
         left_at = self._store.left_position(group)
         self.dataplane.open_group(group, mode=mode, ordered=ordered, group_key=key, role=role,  # type: ignore[arg-type]
                                   first_seq=left_at + 1, reserve=self._seq_reserver(group))
@@ -971,7 +975,6 @@ class GroupManager:
         with self._lock:
             self._groups.pop(g.name, None)
             g.phase = _LEAVING
-            g.quarantine.clear()
         try:
             # Those members forget our stream now: what they held of it is kept here, as a leave
             # keeps our last seq, so the next join still continues after it.
@@ -1088,6 +1091,8 @@ class GroupManager:
         with self._lock:
             g.phase = _LEAVING
             self._groups.pop(group, None)
+            for key in [key for key in self._taken if key[0] == group]:
+                del self._taken[key]
             self._inbox_cond.notify_all()
         # Our last seq is kept past the leave; a group still resuming is not open on the data plane
         # yet, so what was saved before the restart counts too (the resume records its own if it
@@ -1429,31 +1434,90 @@ class GroupManager:
         return self._listen(self._superseded_listeners, callback, "on_superseded")
 
     def _on_deliver_many(self, messages: list[Delivered]) -> None:
-        """One delivery batch (one group, one publisher, in seq order) from the data plane."""
+        """One delivery batch (one group, one publisher, in seq order) from the data plane.
+
+        Raises DeliveryDeferredError, so that the data plane acks none of it and the publisher re-sends
+        it, while the group is joining (nothing is delivered before the views check out) or when a
+        listener raised; a re-sent message goes only to the listeners that have not taken it.
+        """
+        group, key = messages[0].group, (messages[0].group, messages[0].publisher_did)
         with self._lock:
-            g = self._groups.get(messages[0].group)
+            g = self._groups.get(group)
             if g is not None and g.phase == _JOINING:
-                g.quarantine.extend(messages)
-                return
+                raise DeliveryDeferredError(f"group {group!r} is still joining here")
+            taken = self._taken.get(key, {})
             for message in messages:
-                self._hand_over(g, message)
+                if (message.seq, message.message_id) not in taken:
+                    self._hand_over(g, message)
             listeners = list(self._listeners)
             batch_listeners = list(self._batch_listeners)
-        self._notify_all(listeners, batch_listeners, messages)
+        now_taken = self._notify_all(listeners, batch_listeners, messages, taken)
+        with self._lock:
+            if now_taken is not None:
+                self._taken.setdefault(key, {}).update(now_taken)
+            elif taken:
+                for message in messages:
+                    taken.pop((message.seq, message.message_id), None)
+                if not taken:
+                    self._taken.pop(key, None)
+        if now_taken is not None:
+            raise DeliveryDeferredError(f"a listener did not take {len(messages)} message(s) of group {group!r}")
 
-    @classmethod
-    def _notify_all(cls, listeners: list[Callable[[Delivered], None]],
-                    batch_listeners: list[Callable[[list[Delivered]], None]], messages: list[Delivered]) -> None:
+    @staticmethod
+    def _notify_all(listeners: list[Callable[[Delivered], None]],
+                    batch_listeners: list[Callable[[list[Delivered]], None]], messages: list[Delivered],
+                    taken: Mapping[tuple[int, str], list[Any]]) -> dict[tuple[int, str], list[Any]] | None:
+        """Call each listener with the messages it has not taken yet (``taken``: a re-sent batch).
+
+        Returns None if every call returned; else, per message, the listeners that have it now. One
+        listener's failure does not stop the others; a per-message listener that raised is not called
+        again for the rest of the batch (delivery is FIFO).
+        """
+        def pending(callback: Any) -> list[Delivered]:
+            if not taken:
+                return messages
+            return [m for m in messages if not any(c is callback for c in taken.get((m.seq, m.message_id), ()))]
+
+        returned: list[tuple[Any, list[Delivered]]] = []
+        failed: dict[int, int] = {}  # id of a listener that raised -> index of the message (0: a batch listener)
         for batch_callback in batch_listeners:
+            batch = pending(batch_callback)
+            if not batch:
+                continue
             try:
-                batch_callback(messages)
+                batch_callback(batch)
+                returned.append((batch_callback, batch))
             except Exception as exc:  # noqa: BLE001 - one listener's bug must not starve the others
-                log.error("an on_messages callback raised %s for messages of group %r", type(exc).__name__,
-                          messages[0].group)
+                failed[id(batch_callback)] = 0
+                log.error("an on_messages callback raised %s for messages of group %r; they are offered again "
+                          "when re-sent", type(exc).__name__, messages[0].group)
                 log.debug("on_messages traceback", exc_info=exc)
         if listeners:
-            for message in messages:
-                cls._notify(listeners, message)
+            for i, message in enumerate(messages):
+                had = taken.get((message.seq, message.message_id), ()) if taken else ()
+                for callback in listeners:
+                    if id(callback) in failed or any(c is callback for c in had):
+                        continue
+                    try:
+                        callback(message)
+                    except Exception as exc:  # noqa: BLE001 - one listener's bug must not starve the others
+                        failed[id(callback)] = i
+                        # The class only: an application's exception text may quote the payload.
+                        log.error("an on_message callback raised %s for a message of group %r; it is offered "
+                                  "again when re-sent", type(exc).__name__, message.group)
+                        log.debug("on_message traceback", exc_info=exc)
+        if not failed:
+            return None
+        now = {(m.seq, m.message_id): list(taken.get((m.seq, m.message_id), ())) for m in messages}
+        for batch_callback, batch in returned:
+            for m in batch:
+                now[(m.seq, m.message_id)].append(batch_callback)
+        for callback in listeners:
+            for m in messages[:failed.get(id(callback), len(messages))]:
+                have = now[(m.seq, m.message_id)]
+                if not any(c is callback for c in have):
+                    have.append(callback)
+        return now
 
     def _hand_over(self, g: _Group | None, message: Delivered) -> None:
         """Into the history and the receive() buffer (caller holds the lock)."""
@@ -1467,32 +1531,11 @@ class GroupManager:
             g.inbox_dropped += 1
         self._inbox_cond.notify_all()
 
-    @staticmethod
-    def _notify(listeners: list[Callable[[Delivered], None]], message: Delivered) -> None:
-        for callback in listeners:
-            try:
-                callback(message)
-            except Exception as exc:  # noqa: BLE001 - one listener's bug must not starve the others
-                # The class only: an application's exception text may quote the payload.
-                log.error("an on_message callback raised %s for a message of group %r", type(exc).__name__,
-                          message.group)
-                log.debug("on_message traceback", exc_info=exc)
-
     def _activate(self, g: _Group) -> None:
-        """The join checked out: the group goes active and what arrived meanwhile is delivered, in order.
-
-        The lock is held while the quarantined messages are handed over, so a message arriving now
-        waits behind them.
-        """
+        """The join checked out: the group goes active. What arrived meanwhile was not taken (nor
+        acked): the publishers re-send it and it is delivered then, in order."""
         with self._lock:
             g.phase = _ACTIVE
-            held, g.quarantine = g.quarantine, []
-            listeners = list(self._listeners)
-            batch_listeners = list(self._batch_listeners)
-            for message in held:
-                self._hand_over(g, message)
-            if held:
-                self._notify_all(listeners, batch_listeners, held)
         g.ready.set()
 
     # --- messaging -------------------------------------------------------------------------------
@@ -1543,7 +1586,9 @@ class GroupManager:
     def on_message(self, callback: Callable[[Delivered], None]) -> Callable[[], None]:
         """Call ``callback`` for every delivered message, before it counts as delivered (restart-safe).
 
-        Runs on the delivery thread in publisher order; returns a function that unregisters it.
+        Runs on the delivery thread in publisher order; returns a function that unregisters it. If it
+        raises, that message and the rest of its batch are not acked: the publisher re-sends them
+        and they are offered again (only to the listeners that did not take them).
         """
         return self._listen(self._listeners, callback, "on_message")
 
@@ -1551,8 +1596,9 @@ class GroupManager:
         """Call ``callback`` with each delivery batch, before any of it counts as delivered.
 
         The batch form of :meth:`on_message` for durable consumers: one journal commit per batch
-        instead of per message. Batches hold one group's messages in delivery order (a batch
-        released after a join may mix publishers). Returns a function that unregisters it.
+        instead of per message. Batches hold one publisher's messages of one group, in delivery
+        order. If it raises, the batch is not acked: the publisher re-sends it and it is offered
+        again, at ``nack_retry_ms`` pace while it keeps raising. Returns a function that unregisters it.
         """
         return self._listen(self._batch_listeners, callback, "on_messages")
 

@@ -244,6 +244,33 @@ class PublisherStream(Generic[T]):
         self._update_gap()
         return out
 
+    def undeliver(self, seqs: Sequence[int]) -> None:
+        """The consumer did not take these just-delivered seqs (its callback raised): they count as
+        missing again, so acks stop below them, they are NACKed as a gap and taken when re-sent.
+        Ordered, everything from the lowest on goes back (it was delivered after it). The request
+        waits ``retry_after`` like any repeated NACK: a consumer that keeps failing is offered the
+        messages at that pace, never in a loop."""
+        nxt = self.next_seq
+        if nxt is None or not seqs:
+            return
+        low = min(seqs)
+        if self.ordered:
+            if low >= nxt:
+                return
+            self.next_seq = low
+        else:
+            failed = set(seqs)
+            held = self._held
+            if low < nxt:
+                for seq in range(low, nxt):  # delivered and taken: marked, as if they came early
+                    if seq not in failed:
+                        held[seq] = None
+                self.next_seq = low
+            for seq in failed:
+                held.pop(seq, None)
+        self._last_nack = self._clock()
+        self._update_gap()
+
     def note_announced(self, last: int) -> None:
         """The publisher said it published up to ``last``: a tail we lack is a gap too."""
         if last > self.announced:
