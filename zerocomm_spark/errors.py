@@ -278,16 +278,16 @@ class ReadOnlyMemberError(GroupError):
 class BackpressureError(GroupError, TimeoutError):
     """Publishing waited for slow members until its deadline; nothing was sent or dropped."""
 
-    hint = ("Members are not keeping up: retry later, give a longer timeout, or raise the window; "
-            "stats()['lag'] and the named members show who is behind")
+    hint = ("Members are not keeping up: retry later, give a longer timeout, or raise the window (window, "
+            "window_bytes); stats()['lag'] and the named members show who is behind")
 
 
 class MessagesDroppedError(GroupError):
     """Messages of a publish were dropped by retention before some member acked them: it never got them."""
 
-    hint = ("The named members were inactive while more than retention_max messages were published; "
-            "publish those messages again (the same message ids: members that have them drop the copies) "
-            "or raise retention_max")
+    hint = ("The named members were inactive while more than retention_max messages (or retention_max_bytes "
+            "bytes) were published; publish those messages again (the same message ids: members that have them "
+            "drop the copies) or raise retention_max and retention_max_bytes")
 
 
 class DeliveryDeferredError(GroupError):

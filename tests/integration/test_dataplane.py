@@ -23,6 +23,7 @@ import zmq
 from zerocomm_spark import envelope
 from zerocomm_spark.errors import (
     BackpressureError,
+    FrameTooLargeError,
     GroupError,
     GroupNotOpenError,
     MalformedGroupMessageError,
@@ -38,7 +39,7 @@ from zerocomm_spark.group.lamport import LamportClock
 from zerocomm_spark.keys.keypair import KeyPair, verkey_bytes
 from zerocomm_spark.keys.keystore import Keystore
 from zerocomm_spark.transport.frames import ProtocolId
-from zerocomm_spark.transport.peer import PeerTransport
+from zerocomm_spark.transport.peer import DEFAULT_MAX_FRAME_BYTES, PeerTransport
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -63,6 +64,7 @@ class Node:
     rel: dict[str, KeyPair] = field(default_factory=dict)  # peer DID -> our relationship key with it
     hook: Callable[[Delivered], None] | None = None
     cond: threading.Condition = field(default_factory=threading.Condition)
+    max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES
 
     def __post_init__(self) -> None:
         self.ks = Keystore.open(self.directory)
@@ -70,7 +72,7 @@ class Node:
         self.start()
 
     def start(self) -> None:
-        self.tr = PeerTransport().start()
+        self.tr = PeerTransport(max_frame_bytes=self.max_frame_bytes).start()
         self.got = []
         self.dp = DataPlane(member_did=self.did, keystore=self.ks, transport=self.tr, curve_keypair=self.curve,
                             on_deliver=self._deliver, on_state=self._state, config=self.config).start()
@@ -139,8 +141,8 @@ def form_group(nodes: list[Node], group: str = "g", mode: str = "shared", *, ord
 def make(tmp_path: Path) -> Iterator[Callable[..., Node]]:
     made: list[Node] = []
 
-    def factory(name: str, config: DataPlaneConfig = FAST) -> Node:
-        node = Node(f"did:example:{name}", tmp_path / name, config)
+    def factory(name: str, config: DataPlaneConfig = FAST, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> Node:
+        node = Node(f"did:example:{name}", tmp_path / name, config, max_frame_bytes=max_frame_bytes)
         made.append(node)
         return node
 
@@ -900,3 +902,90 @@ def test_messages_retention_dropped_for_an_inactive_member_fail_their_receipts(m
                 r.wait(0)
             assert carol.did in str(err.value) and bob.did not in str(err.value)
     assert [d.seq for d in bob.from_(alice)] == list(range(1, 302))
+
+
+# --- bounds in bytes, resend answers in frames, replies from callbacks ----------------------------
+
+
+def test_the_publish_window_is_bounded_in_bytes_too(make) -> None:  # type: ignore[no-untyped-def]
+    """16 KiB messages against a 64 KiB window: a count window of 1000 would hold 16 MB for a slow member."""
+    cfg = replace(FAST, window=1000, retention_max=2000, window_bytes=64 * 1024, retention_max_bytes=128 * 1024)
+    alice, bob = make("alice", cfg), make("bob", cfg)
+    form_group([alice, bob], mode="shared")
+    gate = threading.Event()
+    bob.hook = lambda d: gate.wait(10)
+    chunks = [os.urandom(16 * 1024) for _ in range(8)]
+    alice.dp.publish("g", chunks[:4], timeout=5)  # 64 KiB: the window is full
+    t = time.monotonic()
+    with pytest.raises(BackpressureError, match="65536 bytes") as err:
+        alice.dp.publish("g", chunks[4:5], timeout=0.3)
+    assert time.monotonic() - t >= 0.29
+    assert bob.did in str(err.value)
+    assert alice.dp.stats()["held_bytes"]["g"] == 64 * 1024
+    gate.set()
+    for c in chunks[4:]:
+        alice.dp.publish("g", [c], timeout=10)
+    assert bob.wait(lambda: len(bob.from_(alice)) == 8)
+    assert [d.payload for d in bob.from_(alice)] == chunks
+
+
+def test_resend_answers_are_split_to_fit_the_transport_frame(make) -> None:  # type: ignore[no-untyped-def]
+    """bob misses ~500 KB of messages but a resend answer is one 256 KiB frame: alice answers in parts,
+    one of them a single message that alone fills ~90% of the frame, and parts whose headers, not
+    payloads, make them large. Unsplit, every answer is refused as too large and bob never catches up."""
+    frame = 256 * 1024
+    cfg = replace(FAST, max_message_bytes=frame)
+    alice, bob = make("alice", cfg, max_frame_bytes=frame), make("bob", cfg, max_frame_bytes=frame)
+    form_group([alice, bob], mode="single")
+    bob.dp._kill_subscription("g", alice.did, down_for=1.0)  # noqa: SLF001 - what follows is lost for bob
+    small = [os.urandom(30_000) for _ in range(12)]
+    near = os.urandom(frame * 9 // 16 * 9 // 10)  # base64 twice (batch, envelope): ~90% of the frame
+    headers = {f"h{i}": "v" * 400 for i in range(40)}  # ~16 KB per message, not counted as payload
+    alice.dp.publish("g", small[:6] + [near] + small[6:])
+    last = alice.dp.publish("g", payloads("alice", 12), headers=headers)
+    last.wait(30)
+    got = bob.from_(alice)
+    assert [d.payload for d in got] == [*small[:6], near, *small[6:], *payloads("alice", 12)]
+    assert all(d.headers == headers for d in got[13:])
+    assert bob.dp.stats()["nacks_sent"] >= 4  # several answers, each within the frame
+    assert alice.dp.stats()["retransmits"] >= 25
+
+
+def test_a_payload_that_no_resend_answer_could_carry_is_refused(make) -> None:  # type: ignore[no-untyped-def]
+    frame = 256 * 1024
+    alice, bob = make("alice", replace(FAST, max_message_bytes=frame), max_frame_bytes=frame), make("bob")
+    form_group([alice, bob], mode="shared")
+    with pytest.raises(FrameTooLargeError, match=f"max_frame_bytes={frame}"):
+        alice.dp.publish("g", [b"x" * (frame * 9 // 16 + 1)])  # its answer would exceed any frame
+    assert alice.dp.publish_position("g") == 0
+
+
+def test_members_replying_from_their_callbacks_with_full_windows_do_not_deadlock(make) -> None:  # type: ignore[no-untyped-def]
+    """alice and bob each fill their window, then answer every message of the other from the delivery
+    callback. A callback's publish waiting for the window would wait for acks the other member sends
+    only once its own callback, waiting the same way, returns: both hung until the publish timeout."""
+    cfg = replace(FAST, window=50, retention_max=1000)
+    alice, bob = make("alice", cfg), make("bob", cfg)
+    form_group([alice, bob], mode="shared")
+    errors: list[str] = []
+
+    def replier(me: Node, other: Node) -> Callable[[Delivered], None]:
+        def hook(d: Delivered) -> None:
+            if d.publisher_did == other.did and not d.payload.startswith(b"re:"):
+                try:
+                    me.dp.publish("g", [b"re:" + d.payload], timeout=30)
+                except Exception as exc:  # noqa: BLE001 - counted and asserted below
+                    errors.append(type(exc).__name__)
+        return hook
+
+    alice.hook, bob.hook = replier(alice, bob), replier(bob, alice)
+    bursts = [threading.Thread(target=n.dp.publish, args=("g", payloads(n.did, 50))) for n in (alice, bob)]
+    for b in bursts:
+        b.start()
+    for b in bursts:
+        b.join(10)
+    assert bob.wait(lambda: len(bob.from_(alice)) == 100, timeout=10), len(bob.from_(alice))
+    assert alice.wait(lambda: len(alice.from_(bob)) == 100, timeout=10), len(alice.from_(bob))
+    assert errors == []
+    assert [d.payload for d in alice.from_(bob) if d.payload.startswith(b"re:")] == [
+        b"re:" + p for p in payloads(alice.did, 50)]

@@ -300,3 +300,68 @@ def test_a_removed_member_no_longer_fails_receipts_for_what_retention_dropped() 
     box.remove_member("dead")  # removed members stop counting
     for r in receipts:
         r.wait(0)
+
+
+def publish_bytes(box: Outbox, sizes: list[int], timeout: float = 1.0, **kwargs):  # type: ignore[no-untyped-def]
+    return box.append([b"x" * n for n in sizes], [f"id{box.last_seq + i + 1}" for i in range(len(sizes))], None,
+                      LamportClock().tick, timeout, **kwargs)
+
+
+def test_window_bytes_block_then_raise_backpressure_and_open_with_acks() -> None:
+    """Large messages: a count window of 100 would let 100 x max_message_bytes pile up."""
+    box = Outbox("g", window=100, retention_max=1000, window_bytes=1000, retention_max_bytes=4000)
+    box.add_member("bob")
+    publish_bytes(box, [400, 400])
+    assert box.held_bytes() == 800
+    with pytest.raises(BackpressureError, match="1000 bytes") as err:
+        publish_bytes(box, [400], timeout=0.2)
+    assert "bob" in str(err.value)
+    assert box.last_seq == 2 and box.held_bytes() == 800  # nothing was appended
+    box.take_unsent(100)
+    box.ack("bob", 1)  # frees 400 bytes
+    assert publish_bytes(box, [400], timeout=0.2).seqs == (3,)
+    assert box.held_bytes() == 800
+
+
+def test_a_call_bigger_than_window_bytes_goes_through_when_nothing_is_in_flight() -> None:
+    box = Outbox("g", window=100, retention_max=1000, window_bytes=100, retention_max_bytes=100)
+    box.add_member("bob")
+    assert publish_bytes(box, [300]).seqs == (1,)
+    with pytest.raises(BackpressureError):
+        publish_bytes(box, [1], timeout=0.05)
+
+
+def test_retention_bytes_drop_only_what_inactive_members_lack() -> None:
+    box = Outbox("g", window=100, retention_max=1000, window_bytes=1000, retention_max_bytes=2000)
+    box.add_member("live")
+    box.add_member("dead")
+    box.set_active("dead", False)
+    for _ in range(5):
+        publish_bytes(box, [400, 400])
+        box.take_unsent(100)
+        box.ack("live", box.last_seq)
+    assert box.held_bytes() <= 2000 and box.held() == 5
+    assert box.retention_dropped == 5
+    msgs, gone = box.get_range(1, None, 100)
+    assert gone == (1, 5) and [m.seq for m in msgs] == list(range(6, 11))
+    box.note_gone("dead", *gone)
+    box.set_active("dead", True)
+    box.ack("dead", box.last_seq)
+    assert box.held_bytes() == 0
+
+
+def test_a_publish_from_a_delivery_callback_waits_only_past_retention() -> None:
+    """Two members replying to each other from their callbacks: each waits for acks the other can send only
+    once its own callback returns, so a callback's publish must not wait for the window."""
+    box = Outbox("g", window=4, retention_max=8, window_bytes=400, retention_max_bytes=800)
+    box.add_member("bob")
+    publish(box, 4)  # the window is full
+    t = time.monotonic()
+    assert publish_bytes(box, [10, 10], timeout=5, in_callback=True).seqs == (5, 6)
+    assert time.monotonic() - t < 1
+    with pytest.raises(BackpressureError):
+        publish_bytes(box, [10], timeout=0.05)  # others still wait for the window
+    with pytest.raises(BackpressureError, match="retention limits, from a delivery callback, 8 messages, 800 bytes"):
+        publish_bytes(box, [10] * 3, timeout=0.05, in_callback=True)  # past retention_max it waits too
+    with pytest.raises(BackpressureError):
+        publish_bytes(box, [800], timeout=0.05, in_callback=True)  # and past retention_max_bytes

@@ -27,11 +27,11 @@ Why it is built this way (docs/groups.md, "Data plane"):
   signature, or a batch signed for another member, drops the batch (``forged_batches``).
 * **Reliability without silent loss.** XPUB_NODROP turns a full queue into backpressure. The
   publisher keeps messages until every member acked them (acks by DirectSend on
-  ``ProtocolId.GROUP_DATA``), bounds unacked messages with a window (``publish`` waits, with a
-  deadline, then raises :class:`BackpressureError`), answers NACKs (RPC "resend seq a..b") with an
-  envelope for that member only, and sends a heartbeat (its last seq) to members whose acks stall,
-  so a lost tail becomes a gap they NACK. Receivers deliver per-publisher FIFO (hold-back, gap
-  NACKs) and drop duplicates by message id.
+  ``ProtocolId.GROUP_DATA``), bounds unacked messages with a window in messages and bytes
+  (``publish`` waits, with a deadline, then raises :class:`BackpressureError`), answers NACKs (RPC
+  "resend seq a..b") with an envelope for that member only, split to fit one transport frame, and
+  sends a heartbeat (its last seq) to members whose acks stall, so a lost tail becomes a gap they
+  NACK. Receivers deliver per-publisher FIFO (hold-back, gap NACKs) and drop duplicates by message id.
 * **Batching.** A sender thread packs what is queued per group (``batch_max`` / ``linger_ms``); a
   publisher that fills whole batches packs them itself (caller runs), which spares the GIL hand-off.
 * **Causality.** One Lamport clock per member: ticked on publish, observed before every delivery.
@@ -131,6 +131,11 @@ _CMD_TIMEOUT = 10.0
 _VOID_MAX = 1 << 18
 _REBIND_WAIT_S = 5.0  # how long a rebind of the publish endpoint retries before the IO thread goes on without it
 _READ_BATCH = 128  # frames read per socket per IO turn, so one busy publisher starves nobody
+# A resend answer is one transport frame (an RPC response, whose header is 6 bytes): room for that
+# header and the envelope's, and for the batch's other fields (group, DIDs, ids, numbers) in its plaintext.
+_RPC_HEAD = 16
+_ANSWER_FRAME_SLACK = 1024
+_ANSWER_PLAIN_SLACK = 8192
 _MONITOR_EVENTS = (zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_HANDSHAKE_FAILED_AUTH
                    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
 
@@ -188,6 +193,11 @@ def _HELD_SIZE(message: dm.DataMessage) -> int:  # noqa: N802 - a constant-like 
     return len(message.payload) + 128
 
 
+def _answer_room(max_frame_bytes: int) -> int:
+    """Plaintext bytes a resend answer may take for its messages: the envelope carries it in base64."""
+    return max(0, (max_frame_bytes - _ANSWER_FRAME_SLACK) * 3 // 4 - _ANSWER_PLAIN_SLACK)
+
+
 def _delivered(group: str, message_id: str, publisher_did: str, seq: int, lamport_ts: int, sent_at: float,
                received_at: float, payload: bytes, headers: dict[str, str] | None) -> Delivered:
     """Build a Delivered without the frozen-dataclass __init__ (one setattr per field): this runs
@@ -203,14 +213,17 @@ def _delivered(group: str, message_id: str, publisher_did: str, seq: int, lampor
 class DataPlaneConfig:
     """Tuning of a data plane; the defaults favour throughput with bounded memory.
 
-    Windows and buffers count messages; HWMs count envelopes (batches).
+    Windows and buffers count messages (the ``*_bytes`` limits their payload bytes); HWMs count
+    envelopes (batches).
     """
 
     batch_max: int = 512  # messages per envelope
     batch_max_bytes: int = 1024 * 1024  # payload bytes per envelope (before base64)
     linger_ms: float = 1.0  # how long the sender waits for a batch to fill
     window: int = 16_384  # unacked messages per group before publish() waits
+    window_bytes: int = 256 * 1024 * 1024  # and their payload bytes (large messages must not hold gigabytes)
     retention_max: int = 200_000  # messages kept for inactive members
+    retention_max_bytes: int = 512 * 1024 * 1024  # and their payload bytes
     max_message_bytes: int = 4 * 1024 * 1024
     sndhwm: int = 2_000
     rcvhwm: int = 2_000
@@ -231,9 +244,9 @@ class DataPlaneConfig:
     dedup_max: int = 200_000
 
     def __post_init__(self) -> None:
-        for name in ("batch_max", "batch_max_bytes", "window", "retention_max", "max_message_bytes", "sndhwm",
-                     "rcvhwm", "recv_queue_max", "ack_every", "resend_max", "hold_max", "hold_bytes_max",
-                     "dedup_max"):
+        for name in ("batch_max", "batch_max_bytes", "window", "window_bytes", "retention_max", "retention_max_bytes",
+                     "max_message_bytes", "sndhwm", "rcvhwm", "recv_queue_max", "ack_every", "resend_max", "hold_max",
+                     "hold_bytes_max", "dedup_max"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigurationError(f"DataPlaneConfig.{name} must be a positive integer, got {value!r}")
@@ -246,6 +259,8 @@ class DataPlaneConfig:
             raise ConfigurationError(f"DataPlaneConfig.linger_ms must be >= 0, got {self.linger_ms!r}")
         if self.retention_max < self.window:
             raise ConfigurationError("DataPlaneConfig.retention_max must be at least the window")
+        if self.retention_max_bytes < self.window_bytes:
+            raise ConfigurationError("DataPlaneConfig.retention_max_bytes must be at least window_bytes")
 
 
 # --- internal state --------------------------------------------------------------------------
@@ -437,6 +452,7 @@ class DataPlane:
         self._on_superseded = on_superseded
         self._on_state = on_state
         self.config = config
+        self._answer_room = _answer_room(transport.max_frame_bytes)
 
         self._lock = threading.RLock()  # groups, members, key maps, ACL
         self._groups: dict[str, _Group] = {}
@@ -477,6 +493,7 @@ class DataPlane:
         # sender
         self._send_event = threading.Event()
         # receiver
+        self._rx_ident: int | None = None  # the receiver thread: delivery callbacks run on it
         self._rx: deque[tuple[Any, ...]] = deque()
         self._rx_cond = threading.Condition(threading.Lock())
         self._rx_lock = threading.RLock()
@@ -621,8 +638,10 @@ class DataPlane:
             if group in self._groups:
                 raise GroupAlreadyOpenError(f"group {group!r} is already open on this data plane")
             first_seq = max(first_seq, self._closed_seqs.get(group, 0) + 1)
-            outbox = Outbox(group, window=self.config.window, retention_max=self.config.retention_max,
-                            first_seq=first_seq, reserve=reserve, void=void)
+            cfg = self.config
+            outbox = Outbox(group, window=cfg.window, retention_max=cfg.retention_max, first_seq=first_seq,
+                            window_bytes=cfg.window_bytes, retention_max_bytes=cfg.retention_max_bytes,
+                            reserve=reserve, void=void)
             self._groups[group] = _Group(group, mode, bool(ordered), group_key, role, outbox)
             self._update_access_locked()
         if void is not None and 0 <= void[1] - void[0] < _VOID_MAX:  # our own journal lacks them too
@@ -770,9 +789,12 @@ class DataPlane:
         """Queue ``payloads`` for every member, in order; returns once they are buffered.
 
         Seqs and Lamport timestamps are assigned now (see the receipt). If the group's window of
-        unacked messages is full this waits up to ``timeout`` and then raises BackpressureError,
-        having sent nothing. Passing ``message_ids`` makes a retry after a crash idempotent:
-        receivers drop ids they already delivered. ``headers`` apply to every message of the call.
+        unacked messages (``window``, ``window_bytes``) is full this waits up to ``timeout`` and then
+        raises BackpressureError, having sent nothing. Called from a delivery callback it waits only
+        past ``retention_max``/``retention_max_bytes``: the acks it would wait for may wait on this
+        very callback (two members replying to each other). Passing ``message_ids`` makes a retry
+        after a crash idempotent: receivers drop ids they already delivered. ``headers`` apply to
+        every message of the call. A payload must fit a resend answer, one transport frame.
         """
         self._check_running()
         g = self._group(group)
@@ -781,11 +803,19 @@ class DataPlane:
         if isinstance(payloads, (bytes, bytearray, memoryview, str)):
             raise TypeError("publish() takes a sequence of payloads: wrap a single payload in a list")
         payloads = [p if type(p) is bytes else self._as_bytes(p) for p in payloads]
+        hdrs = self._check_headers(headers)
         limit = self.config.max_message_bytes
+        # A lost message is resent in an RPC answer, one transport frame: one that cannot fit would be lost for good.
+        room = self._answer_room - (len(json.dumps(hdrs, separators=(",", ":"))) if hdrs else 0)
         for p in payloads:
             if len(p) > limit:
                 raise FrameTooLargeError(f"a {len(p)}-byte payload exceeds max_message_bytes={limit}",
                                          hint="Split the payload or raise DataPlaneConfig.max_message_bytes")
+            if 4 * ((len(p) + 2) // 3) > room:
+                raise FrameTooLargeError(
+                    f"a {len(p)}-byte payload{' with these headers' if hdrs else ''} would not fit a resend answer "
+                    f"within the transport's max_frame_bytes={self._transport.max_frame_bytes}",
+                    hint="Split the payload, or raise max_frame_bytes of the peer transport on every member")
         if message_ids is None:
             ids = [f"{self._id_prefix}{next(self._id_counter):x}" for _ in payloads]
         else:
@@ -797,11 +827,11 @@ class DataPlane:
                     raise ConfigurationError(f"a message id is a non-empty string of at most {dm.MAX_ID_LENGTH} chars")
             if len(set(ids)) != len(ids):
                 raise ConfigurationError("message_ids must be unique within one publish() call")
-        hdrs = self._check_headers(headers)
         if not payloads:
             return g.outbox.empty_receipt()
         try:
-            receipt = g.outbox.append(payloads, ids, hdrs, self._clock.tick, timeout)
+            receipt = g.outbox.append(payloads, ids, hdrs, self._clock.tick, timeout,
+                                      in_callback=threading.get_ident() == self._rx_ident)
         except BackpressureError:
             self._stats.add(backpressure_stalls=1)
             raise
@@ -965,7 +995,8 @@ class DataPlane:
         key, or signed for another member).
         Flow: ``backpressure_waits``, ``backpressure_stalls`` (BackpressureError raised),
         ``publish_resets`` (XPUB re-bound after ``dead_after`` without progress), ``retention_dropped``. Per group: ``lag`` {publisher: seqs not yet delivered}, ``unacked``
-        {member: our messages it has not acked}, ``held`` (messages buffered). ``peers_alive``
+        {member: our messages it has not acked}, ``held`` (messages buffered), ``held_bytes`` (their
+        payload bytes). ``peers_alive``
         {did: bool} from keepalives.
         """
         with self._stats.lock:
@@ -983,6 +1014,7 @@ class DataPlane:
         out["backpressure_waits"] = sum(g.outbox.backpressure_waits for g in groups)
         out["retention_dropped"] = sum(g.outbox.retention_dropped for g in groups)
         out["held"] = {g.name: g.outbox.held() for g in groups}
+        out["held_bytes"] = {g.name: g.outbox.held_bytes() for g in groups}
         return out
 
     # --- internals: access -----------------------------------------------------------------------
@@ -1454,6 +1486,7 @@ class DataPlane:
             self._rx_cond.notify()
 
     def _receiver_main(self) -> None:
+        self._rx_ident = threading.get_ident()
         cfg = self.config
         tick = min(cfg.ack_interval_ms, cfg.nack_after_ms) / 2000
         next_tick = time.monotonic() + tick
@@ -1917,19 +1950,35 @@ class DataPlane:
         return env or b""
 
     def _resend_envelope(self, g: _Group, m: _Member, first: int, last: int | None) -> bytes | None:
-        """A data-batch for one member with what it asks for (bounded), its base and what is gone."""
+        """A data-batch for one member with what it asks for, its base and what is gone.
+
+        Bounded to one transport frame (the RPC response): a bigger answer is refused and the member
+        never catches up. What does not fit, it asks for next.
+        """
         base = g.outbox.base_of(m.info.did)
         if base is None:
             return None
         first = max(first, base + 1)
         cfg = self.config
-        msgs, gone = g.outbox.get_range(first, last, cfg.resend_max, cfg.batch_max_bytes * 4)
+        frame = self._transport.max_frame_bytes - _RPC_HEAD
+        msgs, gone = g.outbox.get_range(first, last, cfg.resend_max,
+                                        max(1, min(cfg.batch_max_bytes * 4, self._answer_room * 3 // 4)))
         if gone is not None:  # it skips them and acks past them: their receipts must not say delivered
             g.outbox.note_gone(m.info.did, *gone)
-        batch = dm.DataBatch(g.name, self.member_did, tuple(msgs), base=base, last=g.wire_seq, gone=gone,
-                             member=m.info.did, void=g.outbox.void)
+        while True:
+            batch = dm.DataBatch(g.name, self.member_did, tuple(msgs), base=base, last=g.wire_seq, gone=gone,
+                                 member=m.info.did, void=g.outbox.void)
+            env = envelope.pack(dm.encode(batch, signer=g.group_key), [m.info.relationship_verkey], sender=m.my_key)
+            if len(env) <= frame or not msgs:
+                break
+            # Ids and headers were not counted: keep the share that fits and pack again.
+            keep = min(len(msgs) - 1, len(msgs) * frame // len(env))
+            if keep < 1:  # publish() refuses payloads this large: only outsized ids or DIDs get here
+                log.error("group %r: seq %d is too large to resend within max_frame_bytes=%d; %s cannot get it",
+                          g.name, msgs[0].seq, self._transport.max_frame_bytes, m.info.did)
+            msgs = msgs[:keep]
         self._stats.add(retransmits=len(msgs))
-        return envelope.pack(dm.encode(batch, signer=g.group_key), [m.info.relationship_verkey], sender=m.my_key)
+        return env
 
     # --- internals: maintenance ------------------------------------------------------------------
 

@@ -2,13 +2,17 @@
 
 The publisher keeps every message until every current member has acked it, so any member can ask
 for what it missed (NACK) and a member that went quiet can be pushed what it lacks. Two bounds keep
-memory finite:
+memory finite, each in messages and in payload bytes (a message may be up to max_message_bytes,
+so a count alone could hold gigabytes):
 
-* the *window*: at most ``window`` messages may be unacked by the slowest *active* member; beyond
-  it ``publish`` waits, with a deadline, and fails with :class:`BackpressureError`. Members marked
-  inactive (keepalives failed) do not hold the window, so one dead member cannot stall a group;
+* the *window*: at most ``window`` messages (``window_bytes`` bytes) may be unacked by the slowest
+  *active* member; beyond it ``publish`` waits, with a deadline, and fails with
+  :class:`BackpressureError`. Members marked inactive (keepalives failed) do not hold the window,
+  so one dead member cannot stall a group. A publish from a delivery callback waits only past the
+  retention limits: the acks it would wait for may wait on that very callback;
 * the *retention* limit: messages owed only to inactive members are dropped past
-  ``retention_max``; such a member learns the range is gone when it asks for it.
+  ``retention_max`` messages (``retention_max_bytes`` bytes); such a member learns the range is
+  gone when it asks for it.
 
 Receipts resolve when every *current* member has acked their last message; members added later do
 not count (they were never owed earlier messages) and removed members stop counting. A member told
@@ -111,7 +115,8 @@ class Outbox:
 
     def __init__(self, group: str, *, window: int, retention_max: int, first_seq: int = 1,
                  clock: Callable[[], float] = time.monotonic, reserve: Callable[[int], int] | None = None,
-                 void: tuple[int, int] | None = None) -> None:
+                 void: tuple[int, int] | None = None, window_bytes: int | None = None,
+                 retention_max_bytes: int | None = None) -> None:
         """``reserve(seq)``, called (under the lock) before a seq past the last reservation is used,
         must save and return a limit at or past ``seq``; ``void`` is a seq range before ``first_seq``
         this publisher may never have used (it skipped them after a restart) and holds nothing of."""
@@ -119,13 +124,24 @@ class Outbox:
             raise ValueError("window must be at least 1")
         if retention_max < window:
             raise ValueError("retention_max must be at least the window")
+        if window_bytes is not None and window_bytes < 1:
+            raise ValueError("window_bytes must be at least 1")
+        if retention_max_bytes is not None and retention_max_bytes < (window_bytes or 1):
+            raise ValueError("retention_max_bytes must be at least window_bytes")
         self.group = group
         self.window = window
         self.retention_max = retention_max
+        self.window_bytes = window_bytes  # None: no bound in bytes
+        self.retention_max_bytes = retention_max_bytes
         self._clock = clock
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
         self._messages: deque[DataMessage] = deque()  # contiguous seqs from _first_seq
+        # Payload bytes published since the start: through each held message (beside _messages),
+        # through _first_seq - 1 (freed) and through _last_seq, so in-flight bytes are a subtraction.
+        self._ends: deque[int] = deque()
+        self._freed_bytes = 0
+        self._total_bytes = 0
         self._first_seq = first_seq  # seq of _messages[0] (or the next to publish when empty)
         self._last_seq = first_seq - 1  # highest seq published
         self._start_seq = first_seq - 1  # where the sequence started: _last_seq still equal = nothing published
@@ -137,6 +153,7 @@ class Outbox:
         self._receipts: deque[PublishReceipt] = deque()
         self._closed: BaseException | None = None
         self._active_floor: int | None = None  # min ack over active members (None: no active member)
+        self._active_floor_bytes = 0  # payload bytes published through the active floor
         # member -> [first, last] seq ranges it was told are gone (retention dropped them before it
         # acked them): their receipts fail rather than resolve when it acks past them (pruned once
         # no pending receipt covers them)
@@ -227,9 +244,21 @@ class Outbox:
         floor = self._active_floor
         return 0 if floor is None else self._last_seq - floor
 
+    def _in_flight_bytes_locked(self) -> int:
+        return 0 if self._active_floor is None else self._total_bytes - self._active_floor_bytes
+
+    def held_bytes(self) -> int:
+        """Payload bytes of the messages held."""
+        with self._lock:
+            return self._total_bytes - self._freed_bytes
+
     def _recompute_floor_locked(self) -> None:
         """The slowest active member's ack, cached: publish() reads it on every call."""
-        self._active_floor = min((s.acked for s in self._members.values() if s.active), default=None)
+        floor = self._active_floor = min((s.acked for s in self._members.values() if s.active), default=None)
+        if floor is not None:  # messages before _first_seq are no longer held: they take no bytes
+            i, ends = floor - self._first_seq, self._ends
+            self._active_floor_bytes = (ends[i] if 0 <= i < len(ends)
+                                        else self._freed_bytes if i < 0 else self._total_bytes)
 
     def append(
         self,
@@ -238,13 +267,21 @@ class Outbox:
         headers: Mapping[str, str] | None,
         stamp: Callable[[int], int],
         timeout: float,
+        *,
+        in_callback: bool = False,
     ) -> PublishReceipt:
         """Assign seqs and timestamps to ``payloads`` once the window allows, buffer them, return a receipt.
 
         ``stamp(n)`` reserves n Lamport timestamps and returns the first; it is called under the
-        outbox lock so seq order and timestamp order agree.
+        outbox lock so seq order and timestamp order agree. ``in_callback`` (a publish from a delivery
+        callback) waits only past the retention limits, not the window: two members publishing to
+        each other from their callbacks would each wait for acks that only the other's callback
+        returning lets it send.
         """
         n = len(payloads)
+        nbytes = sum(map(len, payloads))
+        window = self.retention_max if in_callback else self.window
+        window_bytes = self.retention_max_bytes if in_callback else self.window_bytes
         deadline: float | None = None
         with self._cond:
             waited = False
@@ -252,7 +289,8 @@ class Outbox:
                 if self._closed is not None:
                     raise self._closed
                 inflight = self._in_flight_locked()
-                if inflight == 0 or inflight + n <= self.window:
+                if inflight == 0 or (inflight + n <= window and (
+                        window_bytes is None or self._in_flight_bytes_locked() + nbytes <= window_bytes)):
                     break
                 if deadline is None:
                     deadline = self._clock() + max(timeout, 0.0)
@@ -261,9 +299,12 @@ class Outbox:
                     floor = min((s.acked for s in self._members.values() if s.active), default=self._last_seq)
                     slow = sorted(d for d, s in self._members.items() if s.active and s.acked <= floor)
                     shown = ", ".join(slow[:8]) + (" ..." if len(slow) > 8 else "")
+                    bound = (f"{'retention limits, from a delivery callback,' if in_callback else 'window'} "
+                             f"{window} messages" + ("" if window_bytes is None else f", {window_bytes} bytes"))
                     raise BackpressureError(
-                        f"publishing {n} message(s) to group {self.group!r} waited {timeout:g}s: {inflight} "
-                        f"are unacked (window {self.window}); slowest: {shown}")
+                        f"publishing {n} message(s) ({nbytes} bytes) to group {self.group!r} waited {timeout:g}s: "
+                        f"{inflight} message(s) ({self._in_flight_bytes_locked()} bytes) are unacked ({bound}); "
+                        f"slowest: {shown}")
                 if not waited:
                     waited = True
                     self.backpressure_waits += 1
@@ -279,13 +320,18 @@ class Outbox:
                 for i in range(n)
             ]
             self._messages.extend(msgs)
+            ends, total = self._ends, self._total_bytes
+            for p in payloads:
+                total += len(p)
+                ends.append(total)
+            self._total_bytes = total
             self._last_seq += n
             receipt = PublishReceipt(self, tuple(message_ids), tuple(range(first, first + n)), stamps)
             if self._members and n:
                 self._receipts.append(receipt)
             else:
                 receipt._done = True  # noqa: SLF001 - nobody to wait for
-            if not self._members or len(self._messages) > self.retention_max:
+            if not self._members or self._over_retention_locked():
                 self._trim_locked()
             return receipt
 
@@ -430,6 +476,8 @@ class Outbox:
             self._closed = err
             receipts, self._receipts = list(self._receipts), deque()
             self._messages.clear()
+            self._ends.clear()
+            self._freed_bytes = self._total_bytes
             for r in receipts:
                 r._resolve(err)  # noqa: SLF001
             self._cond.notify_all()
@@ -472,24 +520,32 @@ class Outbox:
             return None
         names = sorted(lacking)
         shown = ", ".join(f"{did} ({lacking[did]})" for did in names[:8]) + (" ..." if len(names) > 8 else "")
+        limit = f"retention_max={self.retention_max}" + (
+            "" if self.retention_max_bytes is None else f", retention_max_bytes={self.retention_max_bytes}")
         return MessagesDroppedError(
-            f"messages of seqs {first}-{last} in group {self.group!r} were dropped (retention_max="
-            f"{self.retention_max}) before these members acked them, and were not delivered to them: {shown}")
+            f"messages of seqs {first}-{last} in group {self.group!r} were dropped ({limit}) before these "
+            f"members acked them, and were not delivered to them: {shown}")
+
+    def _over_retention_locked(self) -> bool:
+        return len(self._messages) > self.retention_max or (
+            self.retention_max_bytes is not None and self._total_bytes - self._freed_bytes > self.retention_max_bytes)
 
     def _trim_locked(self) -> None:
-        """Free what every member acked; past retention_max, what only inactive members lack."""
+        """Free what every member acked; past the retention limits, what only inactive members lack."""
         members = self._members.values()
         floor = min((s.acked for s in members), default=self._last_seq)
         floor = min(floor, self._unsent_seq - 1)  # keep what the sender has not taken yet
-        msgs = self._messages
+        msgs, ends = self._messages, self._ends
         while msgs and self._first_seq <= floor:
             msgs.popleft()
+            self._freed_bytes = ends.popleft()
             self._first_seq += 1
-        if len(msgs) > self.retention_max:
+        if self._over_retention_locked():
             active_floor = min((s.acked for s in members if s.active), default=self._last_seq)
             active_floor = min(active_floor, self._unsent_seq - 1)
-            while len(msgs) > self.retention_max and self._first_seq <= active_floor:
+            while self._over_retention_locked() and self._first_seq <= active_floor:
                 msgs.popleft()
+                self._freed_bytes = ends.popleft()
                 self._first_seq += 1
                 self.retention_dropped += 1
         if not msgs:

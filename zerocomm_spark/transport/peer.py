@@ -264,6 +264,11 @@ class PeerTransport:
         return self._endpoint
 
     @property
+    def max_frame_bytes(self) -> int:
+        """The largest frame sent or accepted, header included (users size their answers by it)."""
+        return self._max_frame
+
+    @property
     def identity(self) -> bytes | None:
         """The configured routing id peers see as ``PeerInfo.identity``; None: random per connection."""
         return self._identity
