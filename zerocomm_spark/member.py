@@ -74,7 +74,7 @@ from zerocomm_spark.protocols.out_of_band.v1_1.messages import Invitation
 from zerocomm_spark.protocols.trust_ping.v1_0.messages import Ping, PingResponse
 from zerocomm_spark.seen_messages import SeenMessages
 from zerocomm_spark.transport.frames import ProtocolId
-from zerocomm_spark.transport.peer import DEFAULT_MAX_FRAME_BYTES, PeerInfo, PeerTransport
+from zerocomm_spark.transport.peer import DEFAULT_MAX_FRAME_BYTES, MAX_TIMEOUT, PeerInfo, PeerTransport
 
 if TYPE_CHECKING:
     from zerocomm_spark.group.manager import GroupConfig, GroupManager
@@ -94,6 +94,8 @@ OUTBOX_TIMEOUT = 5.0  # replies sent from the outbox; bounds how long close() ca
 MAX_HISTORY = 10_000
 MAX_SEEN = 50_000
 _DETAIL_LIMIT = 500
+_INVITATION_USED_HINT = ("Ask the inviter for a fresh invitation URL (or a multi-use one); "
+                         "this one cannot be accepted again")
 
 # A receipt may name only errors a peer can legitimately report about our message; anything else
 # (a keystore failure on their side, say) is reported as a plain ProtocolError.
@@ -380,7 +382,12 @@ class Agent:
         waiter = self._waiter("didx", request.id)
         try:
             envelope = pack(request.to_dict(), [received.recipient_key], sender=key)
-            self._deliver(received.endpoint, envelope, _remaining(deadline, "the DID-exchange request"))
+            try:
+                self._deliver(received.endpoint, envelope, _remaining(deadline, "the DID-exchange request"))
+            except ReplayError as exc:
+                # The request is new (new thread, new key): what it repeats is the use of the invitation,
+                # so "the duplicate was ignored" would be the wrong advice.
+                raise ReplayError(_reason(exc), hint=_INVITATION_USED_HINT) from None
             record = self._await(waiter, deadline, "the DID-exchange response")
             complete = self._didx.create_complete(record)
             self._deliver_to(record, complete, _remaining(deadline, "the DID-exchange complete"))
@@ -756,7 +763,7 @@ class Agent:
     def _on_ping(self, ping: Ping, context: _Inbound) -> None:
         record = self._connected(context)
         if ping.response_requested:
-            answer = PingResponse(thread=Thread(thid=ping.id))
+            answer = PingResponse(thread=Thread(thid=ping.thid))  # the ping's thread: its @id unless it has one
             self._post_to(record, answer, "a trust-ping response")
 
     def _on_ping_response(self, response: PingResponse, context: _Inbound) -> None:
@@ -791,8 +798,10 @@ def _resolve(future: Future[Any], value: Any = None, error: BaseException | None
 
 
 def _deadline(timeout: float) -> float:
-    if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or not timeout > 0:
-        raise ConfigurationError(f"timeout must be a positive number of seconds, got {timeout!r}")
+    # Finite and bounded like the transport's own calls: an infinite one would reach the transport.
+    if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or not 0 < timeout <= MAX_TIMEOUT:
+        raise ConfigurationError(f"timeout must be a finite positive number of seconds (at most {MAX_TIMEOUT:g}), "
+                                 f"got {timeout!r}")
     return time.monotonic() + float(timeout)
 
 

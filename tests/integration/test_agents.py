@@ -434,3 +434,68 @@ def test_peers_that_never_answer_do_not_hold_up_the_agents_other_replies(tmp_pat
     finally:
         for agent in (bob, alice, mallory):
             agent.close()
+
+
+
+# --- found in review F, on in-process agents --------------------------------------------------------
+
+
+@pytest.fixture
+def pair(tmp_path: Path) -> Iterator[tuple[Any, Any, Any, str]]:
+    """Agents a and b, connected: (a, b, b's connection to a, the invitation it used)."""
+    from zerocomm_spark.member import Agent
+
+    with Agent.open(tmp_path / "a", label="a") as a, Agent.open(tmp_path / "b", label="b") as b:
+        url = a.invite()
+        yield a, b, b.accept(url, timeout=10), url
+
+
+def test_a_ping_in_a_thread_of_its_own_is_answered_on_that_thread(pair: tuple[Any, Any, Any, str]) -> None:
+    """The ping_response carried the ping's @id as thid even when the ping continued a thread: a peer
+    waiting on its thread id (ACA-Py replies with assign_thread_from) never matched the answer."""
+    from zerocomm_spark.protocols.message import Thread
+    from zerocomm_spark.protocols.trust_ping.v1_0.messages import Ping
+
+    _, b, conn, _ = pair
+    ping = Ping(response_requested=True, thread=Thread(thid="their-own-thread"))
+    waiter = b._waiter("ping", "their-own-thread")  # noqa: SLF001
+    try:
+        b._deliver_to(b._resolve(conn), ping, 5)  # noqa: SLF001
+        assert waiter.result(timeout=5) is True
+    finally:
+        b._drop_waiter("ping", "their-own-thread")  # noqa: SLF001
+
+
+def test_a_discover_query_with_the_legacy_prefix_is_answered(pair: tuple[Any, Any, Any, str]) -> None:
+    from zerocomm_spark.protocols.message import LEGACY_PREFIX
+
+    _, b, conn, _ = pair
+    assert [p.pid for p in b.discover(conn, LEGACY_PREFIX + "trust_ping/*", timeout=5)] == [
+        "https://didcomm.org/trust_ping/1.0"]
+
+
+def test_accepting_a_used_invitation_says_to_ask_for_a_fresh_one(pair: tuple[Any, Any, Any, str],
+                                                                 tmp_path: Path) -> None:
+    """The refusal said "Nothing to do: the duplicate was ignored", while nothing was connected."""
+    from zerocomm_spark.errors import ReplayError
+    from zerocomm_spark.member import Agent
+
+    _, _, _, url = pair
+    with Agent.open(tmp_path / "c", label="c") as c:
+        with pytest.raises(ReplayError, match="fresh invitation") as info:
+            c.accept(url, timeout=5)
+    assert "duplicate was ignored" not in str(info.value)
+
+
+def test_a_timeout_of_inf_is_refused_and_the_agent_keeps_working(pair: tuple[Any, Any, Any, str]) -> None:
+    """send(timeout=inf) reached the transport, whose IO thread died on int(inf): every later call of
+    the agent failed with TransportNotRunningError."""
+    from zerocomm_spark.errors import ConfigurationError
+
+    a, b, conn, _ = pair
+    for call in (lambda: b.send(conn, "x", timeout=float("inf")), lambda: b.ping(conn, timeout=float("inf"))):
+        with pytest.raises(ConfigurationError, match="finite"):
+            call()
+    time.sleep(0.3)  # an IO loop turn or two
+    b.send(conn, "still here", timeout=5)
+    assert a.receive(timeout=5).content == "still here"

@@ -834,3 +834,51 @@ def test_a_second_close_returns_once_the_first_has_closed() -> None:
     finally:
         release.set()
         asker.close()
+
+
+# --- found in review F: unknown error codes, timeouts without an end ---------------------------------
+
+
+def test_an_error_with_an_unknown_code_fails_the_request_at_once_not_at_its_deadline(client: PeerTransport) -> None:
+    """A newer peer refusing with an error code this version lacks (byte 1 of the Error frame): the
+    frame failed to decode and was dropped, so the caller waited its whole deadline for a refusal
+    that had already arrived. Now it gets RemoteError at once; an unknown code naming no request of
+    ours is still only counted."""
+    ctx = zmq.Context()
+    router = ctx.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    endpoint = f"tcp://127.0.0.1:{port}"
+    try:
+        started = time.monotonic()
+        fut = client.request_async(endpoint, ECHO, b"q", timeout=10.0)
+        assert router.poll(3000)
+        identity, frame = router.recv_multipart()
+        rid = decode(frame).request_id  # type: ignore[union-attr]
+        router.send_multipart([identity, b"\x00\x09" + frame[:2] + (rid ^ 1).to_bytes(4, "big")])  # not ours
+        router.send_multipart([identity, b"\x00\x09" + frame[:2] + rid.to_bytes(4, "big")])
+        with pytest.raises(RemoteError, match="error code 9") as info:
+            fut.result(timeout=5)
+        assert time.monotonic() - started < 5
+        assert not isinstance(info.value, PeerTimeoutError)
+        assert client.stats()["pending"] == 0
+    finally:
+        router.close(linger=0)
+        ctx.term()
+
+
+@pytest.mark.parametrize("timeout", [float("inf"), 1e300])
+def test_a_timeout_without_an_end_is_refused_and_the_transport_lives(server: PeerTransport,
+                                                                      timeout: float) -> None:
+    """request(timeout=inf) was taken: the IO thread then computed int(inf) for its poll and died, and
+    every later call of every caller failed with TransportNotRunningError."""
+    with PeerTransport() as t:
+        with pytest.raises(ConfigurationError, match="finite"):
+            t.request(server.endpoint, ECHO, b"x", timeout=timeout)
+        with pytest.raises(ConfigurationError, match="finite"):
+            t.request_async(server.endpoint, ECHO, b"x", timeout=timeout)
+        with pytest.raises(ConfigurationError, match="finite"):
+            t.ping(server.endpoint, timeout=timeout)
+        time.sleep(0.3)  # an IO loop turn or two
+        assert t.request(server.endpoint, ECHO, b"still here", timeout=5) == b"echo:still here"
+        assert t.stats()["pending"] == 0

@@ -377,3 +377,53 @@ def test_connection_store_lookups_survive_a_restart(tmp_path: Path) -> None:
         assert store.get(a_record.connection_id).state == "response-sent"
         store.save(copy)
         assert store.get(a_record.connection_id).state == "completed"
+
+
+# --- found in review F ----------------------------------------------------------------------------
+
+
+def _side_at(path: Path, label: str, endpoint: str) -> Side:
+    ks = Keystore.open(path)
+    store = ConnectionStore(ks)
+    oob = OutOfBandManager(ks, endpoint, label)
+    return Side(ks, store, oob, DIDExchangeManager(ks, store, oob, endpoint=endpoint, label=label), endpoint)
+
+
+def test_a_request_from_a_did_we_cannot_dial_is_refused_before_the_invitation_is_used(
+        alice: Side, tmp_path: Path) -> None:
+    """An Aries agent's DID names an https:// endpoint, which ZeroMQ cannot dial. The request was
+    accepted (receipt ok), the single-use invitation burnt and a connection made, then the response
+    failed to go out: the requester waited for its deadline and the inviter had to invite again.
+    Now the request is refused at once, and the invitation still serves a requester we can answer."""
+    aries = _side_at(tmp_path / "aries", "aries", "https://agent.example.org/didcomm")
+    try:
+        invitation, received, _, request, key = _request(alice, aries)
+        with pytest.raises(ProtocolError, match="ZeroMQ endpoint"):
+            _accept(alice, request, key, received.recipient_key)
+        assert len(alice.store) == 0 and alice.keystore.keys("relationship") == []
+        assert alice.oob.get(invitation.id).used_by == []  # type: ignore[union-attr]
+    finally:
+        aries.keystore.close()
+    bob = _side(tmp_path / "bob2", "bob", 41005)
+    try:
+        _, request, key = bob.didx.create_request(received)
+        record, _, _ = _accept(alice, request, key, received.recipient_key)
+        assert record.state == "response-sent"
+    finally:
+        bob.keystore.close()
+
+
+def test_a_response_from_a_did_we_cannot_dial_abandons_the_exchange(alice: Side, bob: Side, tmp_path: Path) -> None:
+    _, received, b_record, request, b_key = _request(alice, bob)
+    _, response, _ = _accept(alice, request, b_key, received.recipient_key)
+    # The inviter answers with a DID of its own whose endpoint is https://, signed with the invitation key.
+    other = KeyPair.generate()
+    from zerocomm_spark.did.peer import create_peer_did
+
+    response.did = create_peer_did(other.verkey, "https://agent.example.org/didcomm")
+    response.did_doc_attach = signed_did_doc(response.did, alice.keystore.get(received.recipient_key))
+    message, unpacked = _transmit(response, b_key.verkey, other, bob.keystore)
+    with pytest.raises(ProtocolError, match="ZeroMQ endpoint"):
+        bob.didx.receive_response(message, recipient_verkey=unpacked.recipient_verkey,  # type: ignore[arg-type]
+                                  sender_verkey=unpacked.sender_verkey)
+    assert bob.store.get(b_record.connection_id).state == "abandoned"

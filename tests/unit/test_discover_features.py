@@ -91,3 +91,41 @@ def test_invalid_messages_name_the_field() -> None:
         parse_message({**base, "protocols": [{"pid": "p", "roles": "r"}]})
     with pytest.raises(ProtocolError, match="'pid'"):
         parse_message({**base, "protocols": [{"roles": []}]})
+
+
+# --- found in review F ----------------------------------------------------------------------------
+
+LEGACY = "did:sov:BzCbsNYhMrjHiqZDTUASHg;spec/"
+
+
+@pytest.mark.parametrize(
+    ("query", "expected"),
+    [
+        (LEGACY + "*", ALL),
+        (LEGACY + "trust_ping/1.0", {"https://didcomm.org/trust_ping/1.0"}),
+        (LEGACY + "didexchange/*", {"https://didcomm.org/didexchange/1.0"}),
+    ],
+)
+def test_a_query_with_the_legacy_prefix_matches_like_the_new_one(query: str, expected: set[str]) -> None:
+    """RFC 0348: agents still sending did:sov:...;spec/ types are answered, with the new prefix. A
+    legacy query matched nothing: such a peer concluded we speak none of the protocols it asked for."""
+    assert _pids(query) == expected
+    disclose = DiscoverFeaturesManager().disclose(parse_message(Query(query=query).to_dict()))  # type: ignore[arg-type]
+    assert {p.pid for p in disclose.protocols} == expected
+
+
+def test_a_disclose_with_legacy_pids_reads_as_the_new_prefix() -> None:
+    data = Disclose(thread=Thread(thid="q")).to_dict()
+    data["protocols"] = [{"pid": LEGACY + "trust_ping/1.0", "roles": ["receiver"]}]
+    disclose = parse_message(data)
+    assert isinstance(disclose, Disclose)
+    assert disclose.protocols == [ProtocolDescriptor("https://didcomm.org/trust_ping/1.0", ("receiver",))]
+
+
+def test_the_disclose_answers_on_the_querys_thread() -> None:
+    """RFC 0008: a reply carries the thread id of what it answers, the query's @id only when the query
+    opened the thread (as ACA-Py's assign_thread_from does)."""
+    query = Query(query="*", thread=Thread(thid="a-thread-of-theirs"))
+    assert DiscoverFeaturesManager().disclose(query).thid == "a-thread-of-theirs"
+    fresh = Query(query="*")
+    assert DiscoverFeaturesManager().disclose(fresh).thid == fresh.id

@@ -192,3 +192,30 @@ def test_invitation_records_survive_a_restart(tmp_path: Path) -> None:
         assert oob.get(invitation.id).used_by == ["t1"]  # type: ignore[union-attr]
         with pytest.raises(ReplayError):
             oob.consume(invitation.id, "t2")
+
+
+# --- found in review F ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("handshakes", [
+    ["https://didcomm.org/didexchange/1.1"],
+    ["did:sov:BzCbsNYhMrjHiqZDTUASHg;spec/didexchange/1.1"],
+    ["https://didcomm.org/connections/1.0", "https://didcomm.org/didexchange/1.1"],
+])
+def test_an_invitation_offering_a_later_didexchange_1_x_is_accepted(handshakes: list[str]) -> None:
+    """RFC 0003 semver: a didexchange/1.1 responder (ACA-Py, Credo) takes our 1.0 request, and ACA-Py
+    lets an inviter offer 1.1 alone; such an invitation was refused as offering nothing we speak."""
+    data = _invitation().to_dict()
+    data["handshake_protocols"] = handshakes
+    received = OutOfBandManager.parse_url(_url_for(data))
+    assert received.endpoint == ENDPOINT
+
+
+@pytest.mark.parametrize("handshake", ["https://didcomm.org/didexchange/2.0", "https://didcomm.org/didexchange/1.",
+                                       "https://didcomm.org/didexchange/1.1/request",
+                                       "https://didcomm.org/didexchange"])
+def test_other_major_versions_of_didexchange_are_still_refused(handshake: str) -> None:
+    data = _invitation().to_dict()
+    data["handshake_protocols"] = [handshake]
+    with pytest.raises(InvitationError, match="handshake protocol"):
+        OutOfBandManager.parse_url(_url_for(data))

@@ -30,6 +30,7 @@ __all__ = [
     "RpcResponse",
     "decode",
     "encode",
+    "refused_request",
 ]
 
 MAX_U32 = 0xFFFF_FFFF
@@ -261,3 +262,16 @@ def decode(data: bytes | bytearray | memoryview) -> Message:
 def _need(size: int, header: int, name: str) -> None:
     if size < header:
         raise FrameError(f"truncated {name}: {size} bytes, its header alone is {header}")
+
+
+def refused_request(data: bytes | bytearray | memoryview) -> tuple[int, int] | None:
+    """(code, request_id) of an Error frame with a request id, whatever its code; None otherwise.
+
+    decode() refuses codes it does not know; this lets the caller still fail the request the frame
+    refuses (a newer peer may send codes this version lacks) instead of waiting for its deadline.
+    """
+    view = data if isinstance(data, bytes) else memoryview(data).cast("B")
+    if len(view) != _ERROR_RID.size or view[0] != MessageType.ERROR:
+        return None
+    _, code, _, rid = _ERROR_RID.unpack_from(view)
+    return code, rid

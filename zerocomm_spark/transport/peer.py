@@ -61,9 +61,18 @@ from zerocomm_spark.transport.frames import (
     RpcResponse,
     decode,
     encode,
+    refused_request,
 )
 
-__all__ = ["DEFAULT_MAX_FRAME_BYTES", "DirectHandler", "PeerInfo", "PeerTransport", "RpcHandler"]
+__all__ = [
+    "DEFAULT_MAX_FRAME_BYTES",
+    "MAX_TIMEOUT",
+    "DirectHandler",
+    "PeerInfo",
+    "PeerTransport",
+    "RpcHandler",
+    "dialable",
+]
 
 log = logging.getLogger(__name__)
 
@@ -875,6 +884,9 @@ class PeerTransport:
             msg = decode(parts[0].buffer)
         except FrameError as exc:
             self._stats.add(malformed_in=1)
+            refused = refused_request(parts[0].buffer)
+            if refused is not None and self._refused_with_unknown_code(endpoint, *refused):
+                return
             log.warning("ignored an unparsable %d-byte reply from %s: %s", size, endpoint, _reason(exc))
             return
         now = time.monotonic()
@@ -907,6 +919,21 @@ class PeerTransport:
         else:
             self._stats.add(malformed_in=1)
             log.warning("ignored an unexpected %s from %s on an outbound socket", msg.TYPE.name, endpoint)
+
+    def _refused_with_unknown_code(self, endpoint: str, code: int, request_id: int) -> bool:
+        """An Error frame naming one of our requests with a code this version does not know (a newer
+        peer's extension): the request was refused all the same, so its caller fails now with
+        RemoteError instead of waiting for its deadline. False if no request of ours is waiting."""
+        key = (endpoint, _RPC, request_id)
+        with self._lock:
+            pending = self._pending.get(key)
+        if pending is None:
+            return False
+        self._stats.add(errors_in=1)
+        log.warning("peer %s refused a request with unknown error code %d", endpoint, code)
+        self._resolve(key, pending, RemoteError(f"the peer refused {pending.what} with error code {code}, "
+                                                "which this version does not know"))
+        return True
 
     # --- workers ----------------------------------------------------------------------------
 
@@ -1019,19 +1046,34 @@ def _check_u8(name: str, value: int) -> None:
 _SCHEMES = ("tcp://", "ipc://", "inproc://")
 
 
+def dialable(endpoint: object) -> bool:
+    """Whether the transport can dial ``endpoint``: a plain ZeroMQ tcp://, ipc:// or inproc:// address.
+
+    Endpoints often come from peers (a DID document's service): check them with this on arrival, so
+    a peer whose endpoint cannot be dialled is refused at once instead of never answered.
+    """
+    return (isinstance(endpoint, str) and endpoint.startswith(_SCHEMES) and len(endpoint) <= 1024
+            and endpoint.isprintable())  # no control characters, no lone surrogates (connect() raised)
+
+
 def _check_endpoint(endpoint: str) -> None:
-    """Endpoints often come from peers (a DID document's service): only plain ZeroMQ addresses pass,
-    so nothing a peer chose can make the IO thread's connect() raise something unexpected."""
-    if (not isinstance(endpoint, str) or not endpoint.startswith(_SCHEMES) or len(endpoint) > 1024
-            or not endpoint.isprintable()):  # no control characters, no lone surrogates (connect() raised)
+    """Only plain ZeroMQ addresses pass, so nothing a peer chose can make the IO thread's connect()
+    raise something unexpected."""
+    if not dialable(endpoint):
         raise ConfigurationError(f"a peer endpoint looks like tcp://host:port, got {endpoint[:200]!r}"
                                  if isinstance(endpoint, str) else
                                  f"a peer endpoint looks like tcp://host:port, got {type(endpoint).__name__}")
 
 
+#: The longest timeout a call takes. Every wait has a deadline: an infinite (or absurdly long) one
+#: would overflow the IO loop's poll computation and the waits of threading, killing the transport.
+MAX_TIMEOUT = threading.TIMEOUT_MAX / 2
+
+
 def _check_timeout(timeout: float) -> None:
-    if not isinstance(timeout, (int, float)) or not timeout > 0:
-        raise ConfigurationError(f"timeout must be a positive number of seconds, got {timeout!r}")
+    if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or not 0 < timeout <= MAX_TIMEOUT:
+        raise ConfigurationError(f"timeout must be a finite positive number of seconds (at most {MAX_TIMEOUT:g}), "
+                                 f"got {timeout!r}")
 
 
 def _wait(future: Future[Any], timeout: float, what: str) -> Any:

@@ -28,6 +28,7 @@ from zerocomm_spark.protocols.did_exchange.v1_0.messages import (
 )
 from zerocomm_spark.protocols.message import Attachment, Thread
 from zerocomm_spark.protocols.out_of_band.v1_1.manager import OutOfBandManager, ReceivedInvitation
+from zerocomm_spark.transport.peer import dialable
 
 __all__ = ["DIDExchangeManager", "KEY_PURPOSE"]
 
@@ -114,6 +115,8 @@ class DIDExchangeManager:
                                      signer=record.invitation_key, required=True)
                 if sender_verkey != doc.verkey:
                     raise ProtocolError("the response was not authcrypted by the key of its DID")
+                if doc.service_endpoint and not dialable(doc.service_endpoint):
+                    raise ProtocolError("the responder's DID names no ZeroMQ endpoint (tcp://, ipc://) to send to")
             except (ProtocolError, SignatureError) as exc:
                 self.abandon(record, f"response rejected: {type(exc).__name__}")
                 raise
@@ -158,6 +161,10 @@ class DIDExchangeManager:
                 raise ProtocolError("the request was not authcrypted by the key of its DID")
             if not doc.service_endpoint:
                 raise ProtocolError("the requester's DID has no service endpoint to answer to")
+            if not dialable(doc.service_endpoint):
+                # Refused before the invitation is used: accepting would burn a single-use invitation
+                # on a response that can never be sent, and leave the requester waiting for it.
+                raise ProtocolError("the requester's DID names no ZeroMQ endpoint (tcp://, ipc://) to answer to")
             self._oob.consume(invitation.invitation_id, thread_id)
 
             record = ConnectionRecord(role="responder", state="request-received", thread_id=thread_id,

@@ -7,7 +7,7 @@ from fnmatch import fnmatchcase
 
 from zerocomm_spark.errors import ProtocolError
 from zerocomm_spark.protocols.discover_features.v1_0.messages import MAX_QUERY_LENGTH, Disclose, Query
-from zerocomm_spark.protocols.message import SUPPORTED_PROTOCOLS, ProtocolDescriptor, Thread
+from zerocomm_spark.protocols.message import SUPPORTED_PROTOCOLS, ProtocolDescriptor, Thread, normalize_type
 
 __all__ = ["DiscoverFeaturesManager", "match_protocols"]
 
@@ -17,11 +17,12 @@ def match_protocols(query: str, protocols: Iterable[ProtocolDescriptor] = SUPPOR
     """The protocols whose URI matches ``query``; ``*`` matches any run of characters (RFC 0031).
 
     Matching is case-sensitive, as URIs are, and only ``*`` is special: ``?`` and ``[`` are escaped,
-    since RFC 0031 defines no other wildcard.
+    since RFC 0031 defines no other wildcard. A query with the legacy ``did:sov:...;spec/`` prefix
+    matches as if it had the ``https://didcomm.org/`` one (RFC 0348: accept both, answer with the new).
     """
     if not isinstance(query, str) or not query or len(query) > MAX_QUERY_LENGTH:
         raise ProtocolError(f"field 'query' must be 1-{MAX_QUERY_LENGTH} characters")
-    pattern = "".join("[" + c + "]" if c in "?[]" else c for c in query)
+    pattern = "".join("[" + c + "]" if c in "?[]" else c for c in normalize_type(query))
     return [p for p in protocols if fnmatchcase(p.pid, pattern)]
 
 
@@ -40,4 +41,5 @@ class DiscoverFeaturesManager:
         return Query(query=query, comment=comment)
 
     def disclose(self, query: Query) -> Disclose:
-        return Disclose(protocols=match_protocols(query.query, self._protocols), thread=Thread(thid=query.id))
+        # The query's thread (RFC 0008): its @id unless it continues a thread of its own.
+        return Disclose(protocols=match_protocols(query.query, self._protocols), thread=Thread(thid=query.thid))

@@ -11,6 +11,7 @@ from zerocomm_spark.protocols.message import (
     DIDCOMM_PREFIX,
     AgentMessage,
     ProtocolDescriptor,
+    normalize_type,
     opt_str,
     register,
     req_str,
@@ -71,7 +72,7 @@ class Disclose(AgentMessage):
         for i, item in enumerate(raw):
             if not isinstance(item, Mapping):
                 raise ProtocolError(f"field 'protocols[{i}]' must be a JSON object")
-            pid = req_str(item, "pid", max_length=512)
+            pid = normalize_type(req_str(item, "pid", max_length=512))  # older agents disclose legacy pids
             roles = item.get("roles") or []
             if not isinstance(roles, list) or not all(isinstance(r, str) for r in roles):
                 raise ProtocolError(f"field 'protocols[{i}].roles' must be a list of strings")

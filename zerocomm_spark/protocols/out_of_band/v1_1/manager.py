@@ -8,6 +8,7 @@ invitation is remembered as a keystore record; single-use invitations refuse a s
 from __future__ import annotations
 
 import logging
+import re
 import threading
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable
@@ -29,6 +30,8 @@ log = logging.getLogger(__name__)
 
 RECORD_KIND = "invitation"
 KEY_PURPOSE = "invitation"
+# The handshake protocols we can answer: DID exchange 1.0 and its later minor versions.
+_DIDEXCHANGE_1_X = re.compile(re.escape(DIDEXCHANGE_1_0[:-1]) + r"[0-9]+")
 # Endpoints our transport can dial.
 SUPPORTED_SCHEMES = ("tcp://", "ipc://", "inproc://")
 
@@ -150,9 +153,11 @@ class OutOfBandManager:
 
     @staticmethod
     def receive_invitation(invitation: Invitation) -> ReceivedInvitation:
-        if DIDEXCHANGE_1_0 not in invitation.handshake_protocols:
+        # Any 1.x minor version will do (RFC 0003 semver): a didexchange/1.1 responder (ACA-Py,
+        # Credo) also takes the 1.0 request we send, and may offer only 1.1 in its invitation.
+        if not any(_DIDEXCHANGE_1_X.fullmatch(h) for h in invitation.handshake_protocols):
             raise InvitationError(
-                "the invitation offers no handshake protocol we speak (need https://didcomm.org/didexchange/1.0)"
+                "the invitation offers no handshake protocol we speak (need https://didcomm.org/didexchange/1.x)"
             )
         problems: list[str] = []
         for i, service in enumerate(invitation.services):
