@@ -107,6 +107,21 @@ def test_service_did_with_a_non_string_type_is_an_invitation_error() -> None:
         OutOfBandManager.parse_url(_url_for(data))
 
 
+def test_an_oob_value_in_standard_base64_keeps_its_plus_signs() -> None:
+    """Some agents encode the oob value in standard base64 ('+', '/'), which we accept; a query
+    parser that reads '+' as a space broke every such URL."""
+    import base64
+
+    for label in ("".join(chr(33 + (i * 7 + j) % 94) for j in range(8)) for i in range(200)):  # one with a '+'
+        data = Invitation(services=_invitation().services, label=label).to_dict()
+        encoded = base64.b64encode(json.dumps(data).encode()).decode()
+        if "+" in encoded:
+            break
+    else:  # pragma: no cover - 200 labels without one '+' in their encoding
+        pytest.fail("no label gave a '+' in its standard base64")
+    assert Invitation.from_url("https://x.invalid/?oob=" + encoded).label == label
+
+
 def test_truncated_url_is_refused() -> None:
     url = _invitation().to_url()
     with pytest.raises(InvitationError):

@@ -140,7 +140,8 @@ class Invitation(AgentMessage):
         if not url:
             raise InvitationError("the invitation URL is empty")
         try:
-            query = parse_qs(urlsplit(url).query) if "?" in url else {}
+            # A '+' stays a '+': an oob value in standard base64 has them, and a space is never valid there.
+            query = parse_qs(urlsplit(url).query.replace("+", "%2B")) if "?" in url else {}
         except ValueError:  # urlsplit refuses e.g. an unclosed '[' (an IPv6 host)
             raise InvitationError("the invitation URL is malformed (check that it was copied whole)") from None
         if "oob" in query:
