@@ -457,6 +457,11 @@ class Agent:
     def receive(self, timeout: float | None = 10.0) -> ReceivedMessage:
         """The next basic message not yet received; waits up to ``timeout`` seconds (None: forever)."""
         self._check_open()
+        if timeout is not None:
+            if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or not timeout >= 0:
+                raise ConfigurationError(f"timeout must be a number of seconds >= 0 or None, got {timeout!r}")
+            if timeout > MAX_TIMEOUT:  # as long as forever (queue.get overflows on inf): None; close() still wakes it
+                timeout = None
         try:
             item = self._inbox.get(timeout=timeout)
         except queue.Empty:

@@ -23,7 +23,7 @@ import zmq
 
 from zerocomm_spark.connections import ConnectionStore
 from zerocomm_spark.envelope import pack, unpack
-from zerocomm_spark.errors import ConnectionNotFoundError, PeerTimeoutError, RemoteFrameTooLargeError
+from zerocomm_spark.errors import ConfigurationError, ConnectionNotFoundError, PeerTimeoutError, RemoteFrameTooLargeError
 from zerocomm_spark.keys.keypair import KeyPair
 from zerocomm_spark.keys.keystore import Keystore
 from zerocomm_spark.protocols.basic_message.v1_0.messages import BasicMessage
@@ -380,18 +380,23 @@ def test_agent_lifecycle_in_process(tmp_path: Path) -> None:
         # receive() blocked in another thread wakes with AgentClosedError when the agent closes.
         outcome: list[BaseException] = []
 
-        def wait() -> None:
+        def wait(timeout: float) -> None:
             try:
-                a.receive(timeout=10)
+                a.receive(timeout=timeout)
             except BaseException as exc:  # noqa: BLE001
                 outcome.append(exc)
 
-        waiter = threading.Thread(target=wait)
-        waiter.start()
+        with pytest.raises(ConfigurationError):
+            a.receive(timeout=-1)
+        waiters = [threading.Thread(target=wait, args=(t,)) for t in (10, float("inf"))]  # inf: as long as None
+        for waiter in waiters:
+            waiter.start()
         time.sleep(0.2)
         a.close()
-        waiter.join(5)
-        assert not waiter.is_alive() and isinstance(outcome[0], AgentClosedError)
+        for waiter in waiters:
+            waiter.join(5)
+        assert not any(w.is_alive() for w in waiters) and len(outcome) == 2
+        assert all(isinstance(e, AgentClosedError) for e in outcome), outcome
         with pytest.raises(AgentClosedError):
             a.invite()
     # Closed and reopened in this process: the directory lock was released.
