@@ -23,6 +23,7 @@ from zerocomm_spark.agent.output import (
     emit_json,
     format_payload,
     format_time,
+    printable,
     render_pairs,
     render_table,
     short_did,
@@ -323,25 +324,72 @@ class Ctx:
 
     def client(self) -> Client:
         if self._client is None:
-            connect_timeout = min(self.timeout, 10.0)
-            try:
-                self._client = Client.connect(self.config.socket_dir, timeout=connect_timeout,
-                                              call_timeout=self.timeout)
-            except errors.AgentNotRunningError:
-                if not getattr(self.args, "spawn", False):
-                    raise errors.AgentNotRunningError(
-                        f"no agent is running for {self.config.identity_dir}",
-                        hint="Start it with `zerocomm agent start --detach` (same --config/--identity-dir), "
-                             "or add --spawn") from None
-                from zerocomm_spark.agent.daemon import start_detached
-
-                try:
-                    start_detached(self.config)
-                except errors.AgentAlreadyRunningError:
-                    pass  # another command started it first: use that one
-                self._client = Client.connect(self.config.socket_dir, timeout=connect_timeout,
-                                              call_timeout=self.timeout)
+            self._client = self._connect()
         return self._client
+
+    def _connect(self) -> Client:
+        """A client of this configuration's agent; with --spawn, started if none runs.
+
+        An agent that holds the run directory but does not answer (hung, overloaded, starting or
+        stopping) is not "no agent": starting one would be refused. And an agent another command
+        is starting right now (it won the race to the identity) is waited for, not reported missing.
+        """
+        from zerocomm_spark.agent.runfiles import held_by, identity_in_use
+
+        cfg = self.config
+        began = time.monotonic()
+        connect_timeout = min(self.timeout, 10.0)
+        try:
+            return Client.connect(cfg.socket_dir, timeout=connect_timeout, call_timeout=self.timeout)
+        except errors.AgentNotRunningError:
+            pass
+        deadline = began + connect_timeout
+        if held_by(cfg.socket_dir) is None:
+            if not getattr(self.args, "spawn", False):
+                raise errors.AgentNotRunningError(
+                    f"no agent is running for {cfg.identity_dir}",
+                    hint="Start it with `zerocomm agent start --detach` (same --config/--identity-dir), "
+                         "or add --spawn")
+            from zerocomm_spark.agent.daemon import start_detached
+
+            try:
+                start_detached(cfg)
+            except errors.AgentAlreadyRunningError:
+                pass  # another command is starting it at this moment: wait for that one below
+            deadline = time.monotonic() + cfg.get("agent", "start_timeout")
+        while True:
+            left = deadline - time.monotonic()
+            try:
+                return Client.connect(cfg.socket_dir, timeout=max(min(connect_timeout, left), 0.05),
+                                      call_timeout=self.timeout)
+            except errors.AgentNotRunningError:
+                pass
+            holder = held_by(cfg.socket_dir)
+            if time.monotonic() >= deadline or (holder is None and not identity_in_use(cfg.identity_dir)):
+                break
+            time.sleep(0.1)
+        return self._not_answering(holder)
+
+    def _not_answering(self, holder: int | None) -> Client:
+        from zerocomm_spark.agent.daemon import log_file_of
+        from zerocomm_spark.agent.runfiles import read_health
+
+        cfg = self.config
+        if holder is None:  # whoever was starting it gave up or failed
+            raise errors.AgentNotRunningError(
+                f"no agent is running for {cfg.identity_dir}",
+                hint="Start it with `zerocomm agent start --detach` (same --config/--identity-dir); if that fails, "
+                     f"its log is {log_file_of(cfg)}")
+        who = f"pid {holder}" if holder > 0 else "pid unknown"
+        if (read_health(cfg.socket_dir) or {}).get("state") == "stopping":
+            raise errors.AgentNotRunningError(
+                f"the agent for {cfg.identity_dir} ({who}) is stopping",
+                hint="Wait until `zerocomm agent status` says no agent is running, then start it again")
+        raise errors.ApiTimeoutError(
+            f"an agent ({who}) runs for {cfg.identity_dir} but did not answer within {min(self.timeout, 10.0):g}s",
+            hint=f"It may be hung or overloaded: `zerocomm agent status` shows its last heartbeat, its log is "
+                 f"{log_file_of(cfg)}. Retry with a longer --timeout, or restart it (`zerocomm agent stop --force`, "
+                 "then `zerocomm agent start --detach`)")
 
     def out(self, value: Any, human: str | Callable[[], str]) -> None:
         if self.json:
@@ -391,9 +439,15 @@ def cmd_init(ctx: Ctx) -> int:
         values = {s: dict(v) for s, v in cfg.values.items()}
         values["identity"]["dir"] = str(cfg.identity_dir)
         values["identity"]["label"] = label
-        target.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-        target.write_text(config_mod.render_toml(values), encoding="utf-8")
-        target.chmod(0o600)
+        try:
+            target.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+            target.write_text(config_mod.render_toml(values), encoding="utf-8")
+            target.chmod(0o600)
+        except OSError as exc:
+            raise errors.ConfigurationError(
+                f"the identity in {cfg.identity_dir} is ready, but the configuration file {target} cannot be written: "
+                f"{exc.strerror or exc}",
+                hint="Run init again with a --config PATH this user can write (the identity is kept)") from None
         wrote = True
     result = {"label": label, "identity_dir": str(cfg.identity_dir), "created": not existing,
               "peer_endpoint": endpoint, "config_file": str(target), "config_written": wrote,
@@ -655,7 +709,7 @@ def _print_rows(ctx: Ctx, rows: list[dict[str, Any]], labels: _Labels, *, stream
                "seq": r["seq"], "message": format_payload(r["payload"], 200)} for r in rows]
     if stream:
         for r in shaped:
-            print(f"{r['time']}  {r['from']}  #{r['seq']}  {r['message']}", flush=True)
+            print(f"{r['time']}  {printable(r['from'])}  #{r['seq']}  {r['message']}", flush=True)
     else:
         print(render_table(shaped, [("offset", "OFFSET"), ("time", "SENT"), ("from", "FROM"), ("seq", "SEQ"),
                                     ("message", "MESSAGE")], empty="(no messages)"))
@@ -760,11 +814,11 @@ def _report_error(exc: BaseException, as_json: bool) -> int:
             hint = exc.hint
             if hint and message.endswith(f". {hint}"):
                 message = message[: -len(hint) - 2]
-            sys.stderr.write(f"zerocomm: error: {message}\n")
+            sys.stderr.write(f"zerocomm: error: {printable(message, keep=chr(10))}\n")  # may quote a peer
             if hint:
-                sys.stderr.write(f"  what to do: {hint}\n")
+                sys.stderr.write(f"  what to do: {printable(hint, keep=chr(10))}\n")
         else:
-            sys.stderr.write(f"zerocomm: error: {type(exc).__name__}: {exc}\n")
+            sys.stderr.write(f"zerocomm: error: {type(exc).__name__}: {printable(str(exc), keep=chr(10))}\n")
     return code
 
 
@@ -804,6 +858,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _report_error(exc, as_json)
     except (TypeError, ValueError) as exc:  # a bad argument caught by the client before sending
         return _report_error(errors.ConfigurationError(str(exc)), as_json)
+    except OSError as exc:  # a local file or device failed: said like any error (JSON under --json), no traceback
+        where = f" ({exc.filename})" if getattr(exc, "filename", None) else ""
+        return _report_error(errors.ZeroCommError(
+            f"{type(exc).__name__}: {exc.strerror or exc}{where}",
+            hint="Check that path and its permissions; the settings in force are shown by `zerocomm config`"), as_json)
     finally:
         if ctx is not None:
             ctx.close()

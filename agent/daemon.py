@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from zerocomm_spark.agent.config import Config
+from zerocomm_spark.agent.logging import open_log_file
 from zerocomm_spark.agent.runfiles import held_by, pid_alive, read_health
 from zerocomm_spark.client import Client, error_header, raise_for_error
 from zerocomm_spark.errors import (
@@ -59,7 +60,7 @@ def start_detached(config: Config, timeout: float | None = None) -> dict[str, An
             hint="Use it, or stop it first with `zerocomm agent stop`")
     prepare_socket_dir(config.socket_dir)
     log_path = log_file_of(config)
-    log_path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    log_fd = open_log_file(log_path)
     argv = [sys.executable, "-m", "zerocomm_spark.agent"]
     if config.file is not None:
         argv += ["--config", str(config.file)]
@@ -67,7 +68,6 @@ def start_detached(config: Config, timeout: float | None = None) -> dict[str, An
         argv += ["--set", override]
     read_fd, write_fd = os.pipe()
     argv += ["agent", "start", "--ready-fd", str(write_fd)]
-    log_fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
     try:
         child = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log_fd, stderr=log_fd,
                                  pass_fds=(write_fd,), start_new_session=True, close_fds=True)
@@ -92,6 +92,9 @@ def start_detached(config: Config, timeout: float | None = None) -> dict[str, An
                 raise AgentStartError(f"the agent exited (code {code}) before it was ready; the end of {log_path}:\n"
                                       f"{_tail(log_path)}")
             buffer += chunk
+    except KeyboardInterrupt:  # Ctrl-C: whoever asked for this start gave up on it; it must not come up later
+        _abandon(child)
+        raise
     finally:
         os.close(read_fd)
     try:

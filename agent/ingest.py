@@ -238,6 +238,8 @@ class JournalIngest:
 
     def wait_for(self, predicate: Callable[[], bool], timeout: float) -> bool:
         """Block until ``predicate()`` (checked after every append) or ``timeout``: long polls use it."""
+        if not timeout > 0:  # also NaN, which no comparison below would ever end
+            return predicate()
         deadline = time.monotonic() + timeout
         with self._cond:
             while not predicate():

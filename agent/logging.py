@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 from typing import Any, TextIO
 
-__all__ = ["configure", "event", "JsonFormatter", "KeyValueFormatter"]
+__all__ = ["configure", "event", "open_log_file", "JsonFormatter", "KeyValueFormatter"]
 
 _SECRET_WORDS = ("secret", "passphrase", "password", "payload", "seed", "private", "token")
 _SECRET_NAMES = {"key", "secret_key", "curve_secret", "journal_key"}
@@ -82,6 +82,21 @@ class KeyValueFormatter(logging.Formatter):
         return " ".join(parts)
 
 
+def open_log_file(path: Path) -> int:
+    """An append-only descriptor on the agent's log file (mode 600), its directory made if needed;
+    a path that cannot be used is a ConfigurationError naming it, not a traceback."""
+    from zerocomm_spark.errors import ConfigurationError
+
+    try:
+        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    except OSError as exc:
+        raise ConfigurationError(
+            f"cannot open the agent's log file {path}: {exc.strerror or exc}",
+            hint="Set log.file (--set log.file=PATH) to a file this user can write, or to \"\" for the "
+                 "default (stderr in the foreground, <api.socket_dir>/agent.log in the background)") from None
+
+
 def configure(level: str = "info", fmt: str = "json", file: Path | None = None,
               stream: TextIO | None = None) -> logging.Handler:
     """Route every logger of the process through one structured handler (idempotent)."""
@@ -90,8 +105,7 @@ def configure(level: str = "info", fmt: str = "json", file: Path | None = None,
         raise ValueError(f"log format must be json or kv, not {fmt!r}")
     handler: logging.Handler
     if file is not None:
-        file.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-        fd = os.open(file, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        fd = open_log_file(file)
         handler = logging.StreamHandler(os.fdopen(fd, "a", buffering=1, encoding="utf-8"))
     else:
         handler = logging.StreamHandler(stream if stream is not None else sys.stderr)

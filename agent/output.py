@@ -15,13 +15,24 @@ from collections.abc import Iterable, Mapping, Sequence
 from datetime import datetime, timezone
 from typing import Any, TextIO
 
-__all__ = ["Progress", "emit_json", "render_table", "short_did", "format_time", "format_payload"]
+__all__ = ["Progress", "emit_json", "printable", "render_table", "short_did", "format_time", "format_payload"]
 
 
 def emit_json(value: Any, stream: TextIO | None = None) -> None:
     out = stream or sys.stdout
     out.write(json.dumps(value, default=str, ensure_ascii=False) + "\n")
     out.flush()
+
+
+def printable(text: str, keep: str = "") -> str:
+    """``text`` with control and other unprintable characters escaped (``\\x1b``), except those in ``keep``.
+
+    Labels, basic messages and error texts come from peers: printed raw, their escape sequences
+    would drive the reader's terminal (rewrite the screen, the window title, what was "received").
+    """
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() or c in keep else repr(c)[1:-1] for c in text)
 
 
 def short_did(did: str | None, width: int = 24) -> str:
@@ -70,7 +81,7 @@ def format_payload(payload: bytes | None, width: int | None = None) -> str:
 def render_table(rows: Iterable[Mapping[str, Any]], columns: Sequence[tuple[str, str]],
                  empty: str = "(none)") -> str:
     """Rows as a left-aligned table with a header; ``columns`` are (key, title)."""
-    data = [[("-" if row.get(key) is None else str(row.get(key))) for key, _ in columns] for row in rows]
+    data = [[("-" if row.get(key) is None else printable(str(row.get(key)))) for key, _ in columns] for row in rows]
     if not data:
         return empty
     titles = [title for _, title in columns]
@@ -82,7 +93,7 @@ def render_table(rows: Iterable[Mapping[str, Any]], columns: Sequence[tuple[str,
 
 def render_pairs(pairs: Iterable[tuple[str, Any]]) -> str:
     """Key-value lines, keys aligned: for single objects (status, info)."""
-    items = [(k, "-" if v is None else str(v)) for k, v in pairs]
+    items = [(printable(k), "-" if v is None else printable(str(v))) for k, v in pairs]
     if not items:
         return ""
     width = max(len(k) for k, _ in items)

@@ -20,7 +20,7 @@ from typing import Any
 from zerocomm_spark.client import HEALTH_FILE, PID_FILE
 from zerocomm_spark.errors import AgentAlreadyRunningError, ConfigurationError
 
-__all__ = ["RunLock", "read_health", "read_pid", "held_by", "pid_alive", "write_json_atomic"]
+__all__ = ["RunLock", "identity_in_use", "read_health", "read_pid", "held_by", "pid_alive", "write_json_atomic"]
 
 
 def write_json_atomic(path: Path, data: dict[str, Any]) -> None:
@@ -83,6 +83,21 @@ def held_by(run_dir: Path) -> int | None:
         return None
     finally:
         os.close(fd)
+
+
+def identity_in_use(identity_dir: Path) -> bool:
+    """Whether the process last named in the identity's keystore lock file still runs: an agent
+    still opening its member (it holds the identity before it takes the run directory).
+
+    Read, never probed: a probe holding that lock for a moment would make the agent's own
+    non-blocking lock fail as "already running". A dead holder's pid stays in the file; a reused
+    pid only makes a waiter wait until its deadline.
+    """
+    try:
+        text = (identity_dir / "keystore.lock").read_text(encoding="ascii").strip()
+    except (OSError, UnicodeDecodeError):
+        return False
+    return text.isdigit() and int(text) != os.getpid() and pid_alive(int(text))
 
 
 _BUSY_RETRY_S = 0.5  # how long a start retries a held lock (a probe holds it for microseconds)

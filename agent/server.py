@@ -20,6 +20,7 @@ Why this shape:
 from __future__ import annotations
 
 import logging
+import math
 import os
 import queue
 import stat
@@ -34,6 +35,7 @@ from typing import Any
 
 import zmq
 import zmq.auth.thread
+from zmq.utils import z85
 
 from zerocomm_spark.agent.logging import event
 from zerocomm_spark.client import (
@@ -91,6 +93,9 @@ class Param:
         if not ok:
             raise BadRequestError(f"{call}: {name!r} must be {_TYPE_NAMES.get(self.kind, self.kind.__name__)}, "
                                   f"not {_json_type(value)}")
+        if self.kind is float and not math.isfinite(value):
+            # Python's json reads NaN and Infinity: a NaN wait never ends (every comparison is false).
+            raise BadRequestError(f"{call}: {name!r} must be a finite number, not {value!r}")
         if self.items is not None:
             for i, item in enumerate(value):
                 if not isinstance(item, self.items) or isinstance(item, bool) and self.items is not bool:
@@ -223,9 +228,32 @@ def prepare_socket_dir(directory: Path) -> None:
     if st.st_uid != os.getuid():
         raise InsecurePermissionsError(f"the API socket directory {directory} belongs to uid {st.st_uid}, "
                                        f"not to the agent's user (uid {os.getuid()})")
+    if st.st_mode & stat.S_ISVTX:  # /tmp, /var/tmp, /dev/shm: an agent run as root owns them too
+        raise ConfigurationError(
+            f"the API socket directory {directory} is a shared directory (mode {stat.S_IMODE(st.st_mode):o}, "
+            "sticky, like /tmp): making it private (mode 700) would lock every other user out of it",
+            hint=f"Set api.socket_dir (--socket-dir) to a directory of the agent's own, such as {directory}/zerocomm; "
+                 "it is created mode 700")
     if stat.S_IMODE(st.st_mode) != 0o700:
         os.chmod(directory, 0o700)
         log.info("tightened the API socket directory %s to mode 700", directory)
+
+
+def _client_key(text: str) -> bytes:
+    """An api.allowed_clients entry as ZAP compares it, or a ConfigurationError: a malformed entry
+    matched no client, and every client was told only that its key was refused."""
+    try:
+        raw = text.encode("ascii")
+        valid = len(raw) == 40 and len(z85.decode(raw)) == 32
+    except (UnicodeEncodeError, ValueError, KeyError):
+        valid = False
+    if not valid:
+        shown = text[:8] + ("..." if len(text) > 8 else "")
+        raise ConfigurationError(f"the api.allowed_clients entry {shown!r} is not a CURVE public key "
+                                 "(40 Z85 characters)",
+                                 hint="List the public_key that `zerocomm keygen` printed for each client (never "
+                                      "its secret_key), comma-separated in the environment or a flag")
+    return raw
 
 
 class _Allowed:
@@ -255,7 +283,8 @@ class ApiServer:
         self.max_request_bytes = max_request_bytes
         self.max_pending = max_pending
         self._curve_secret = curve_secret
-        self._allowed = {k.encode("ascii") for k in (allowed_clients or [])}
+        self._allowed_config = list(allowed_clients or [])
+        self._allowed: set[bytes] = set()
         self._on_call = on_call
         self._ctx = zmq.Context()
         self._auth: zmq.auth.thread.ThreadAuthenticator | None = None
@@ -330,6 +359,7 @@ class ApiServer:
     def _start_tcp(self, hard_limit: int) -> None:
         if self._curve_secret is None:
             raise ConfigurationError("api.tcp_endpoint is set but the agent has no API CURVE key")
+        self._allowed = {_client_key(k) for k in self._allowed_config}
         if not self._allowed:
             raise ConfigurationError("api.tcp_endpoint is set but api.allowed_clients is empty, so no client could "
                                      "connect", hint="List the Z85 public keys of remote clients in "

@@ -342,3 +342,118 @@ def test_a_start_that_misses_its_deadline_leaves_no_agent_running(tmp_path: Path
     finally:
         m.stop()
 
+
+
+def test_non_finite_numbers_are_refused_and_no_call_spins(tmp_path: Path) -> None:
+    """Python's json reads NaN and Infinity. A read with "wait": NaN at the journal's end never
+    answered: its worker spun at full CPU until the agent stopped (every comparison with NaN is false)."""
+    m = Member(tmp_path, "finite")
+    m.init()
+    m.start()
+    try:
+        sock = zmq.Context.instance().socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.RCVTIMEO, 5_000)
+        sock.connect(f"ipc://{m.run_dir / 'api.sock'}")
+        for value in ("NaN", "Infinity", "-Infinity"):
+            sock.send(b'{"v":1,"id":"r","call":"read","args":{"start":0,"wait":%s},"timeout":3}' % value.encode())
+            try:
+                reply = json.loads(sock.recv_multipart()[0])
+            except zmq.Again:
+                raise AssertionError(f"no answer to a read with wait={value}") from None
+            assert reply["ok"] is False and reply["error"]["type"] == "BadRequestError", reply
+            assert "'wait' must be a finite number" in reply["error"]["message"], reply
+        sock.close()
+        pid = m.pid()
+        assert pid is not None
+
+        def cpu() -> float:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+        before = cpu()
+        time.sleep(2.0)
+        assert cpu() - before < 1.0  # nothing left spinning
+        assert m.ok("agent", "status")["responding"] is True
+    finally:
+        m.stop()
+
+
+def test_commands_racing_to_spawn_the_agent_all_use_it(tmp_path: Path) -> None:
+    """`zerocomm --spawn CMD` run several times at once: the commands whose own start lost the race
+    (the winner held the identity but did not serve yet) failed with "no agent socket" (exit 3)."""
+    m = Member(tmp_path, "raced")
+    m.init()
+    try:
+        procs = [subprocess.Popen([*ZEROCOMM, "--config", str(m.config), "--json", "--spawn", "group", "list"],
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(6)]
+        results = [(p.returncode, out, err) for p in procs for out, err in [p.communicate(timeout=90)]]
+        for code, out, err in results:
+            assert code == 0, f"exit {code}: {out}{err}"
+            assert json.loads(out.splitlines()[-1]) == []
+        assert m.ok("agent", "status")["pid"] == m.pid()
+    finally:
+        m.stop()
+
+
+def test_a_command_to_an_agent_that_does_not_answer_says_so(tmp_path: Path) -> None:
+    """A hung agent (here: stopped with SIGSTOP) was reported as "no agent is running" (exit 3) with the
+    advice to start one, which is refused while it holds the identity."""
+    m = Member(tmp_path, "hung")
+    m.init()
+    m.start()
+    pid = m.pid()
+    assert pid is not None
+    try:
+        os.kill(pid, signal.SIGSTOP)
+        for spawn in ([], ["--spawn"]):
+            began = time.monotonic()
+            result = m.run("--timeout", "2", *spawn, "group", "list", timeout=30)
+            assert time.monotonic() - began < 10
+            assert result.code == 4, (result.code, result.stdout, result.stderr)
+            error = result.json["error"]
+            assert error["type"] == "ApiTimeoutError" and f"pid {pid}" in error["message"], error
+            assert "did not answer" in error["message"] and "agent stop --force" in error["hint"], error
+        assert m.pid() == pid  # --spawn started no other agent
+    finally:
+        os.kill(pid, signal.SIGCONT)
+        m.stop()
+
+
+def test_an_interrupted_detached_start_leaves_no_agent_running(tmp_path: Path) -> None:
+    """Ctrl-C during `agent start --detach` (or a --spawn) ended the command, and the agent it had
+    started came up anyway a moment later, holding the identity."""
+    m = Member(tmp_path, "interrupted")
+    m.init()
+    slow = tmp_path / "slow-start"  # the agent process (it alone has --ready-fd) starts 3 s late
+    slow.mkdir()
+    (slow / "sitecustomize.py").write_text("import sys, time\nif '--ready-fd' in sys.argv:\n    time.sleep(3)\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(slow), os.environ.get("PYTHONPATH")) if p))
+
+    def agent_child() -> bool:
+        for proc in Path("/proc").iterdir():
+            try:
+                argv = (proc / "cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if b"--ready-fd" in argv and str(m.config).encode() in argv:
+                return True
+        return False
+
+    parent = subprocess.Popen([*ZEROCOMM, "--config", str(m.config), "--json", "agent", "start", "--detach"],
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for(agent_child, 20, "the agent process to be started")
+        parent.send_signal(signal.SIGINT)
+        parent.communicate(timeout=20)
+        assert parent.returncode == 130
+        time.sleep(4.0)  # past the late start, had the agent been left to finish it
+        assert not agent_child() and m.pid() is None
+        assert m.run("agent", "status").code == 3
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+        deadline = time.monotonic() + 10
+        while agent_child() and m.pid() is None and time.monotonic() < deadline:
+            time.sleep(0.1)  # an agent coming up late (the defect): stopped below once it has its pid file
+        m.stop()

@@ -154,3 +154,18 @@ def test_joiner_policy_from_the_configuration(tmp_path: Path) -> None:
     finally:
         for m in (owner, guest):
             m.stop()
+
+
+def test_what_peers_write_cannot_drive_the_terminal(tmp_path: Path) -> None:
+    """Labels and basic messages come from peers; tables printed them raw, so a peer's escape
+    sequences (clear the screen, set the window title, fake lines) reached the reader's terminal."""
+    clear, title = "\x1b[2J\x1b[H", "\x1b]0;owned\x07"
+    with running(tmp_path, "reader", "evil") as (reader, evil):
+        evil.ok("connect", reader.ok("invite")["url"])
+        evil.ok("message", "reader", f"hi{clear}you have 0 new messages{title}")
+        wait_for(lambda: reader.ok("inbox"), 20, "the message to arrive")
+        shown = reader.run("inbox", json_out=False)
+        assert shown.code == 0, shown.stderr
+        assert "\x1b" not in shown.stdout and "\x07" not in shown.stdout, shown.stdout
+        assert "hi\\x1b[2J\\x1b[Hyou have 0 new messages\\x1b]0;owned\\x07" in shown.stdout  # shown, escaped
+        assert reader.ok("inbox")[0]["content"].startswith(f"hi{clear}")  # --json keeps the text as sent

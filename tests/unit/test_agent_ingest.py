@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -64,3 +65,15 @@ def test_a_refused_lone_row_is_not_reported_journaled(ingest):
     assert snapshot["messages_in"] == 0
     assert snapshot["journaled_seq"] == {}
     assert ingest.journal.read(0).num_rows == 0
+
+
+@pytest.mark.timeout(30)
+def test_a_wait_with_a_nan_timeout_ends_at_once(ingest):
+    """A NaN timeout made every comparison false: the long poll never reached its deadline and spun."""
+    done: list[bool] = []
+    waiter = threading.Thread(target=lambda: done.append(ingest.wait_for(lambda: False, float("nan"))), daemon=True)
+    began = time.monotonic()
+    waiter.start()
+    waiter.join(5.0)
+    ingest.end_waits()  # frees the old code's spinning waiter, so the fixture can close
+    assert done == [False] and time.monotonic() - began < 5.0

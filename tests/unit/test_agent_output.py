@@ -9,7 +9,7 @@ import pytest
 
 from zerocomm_spark import errors
 from zerocomm_spark.agent.cli import EXIT_CODES, build_parser, exit_code_for
-from zerocomm_spark.agent.output import Progress, format_payload, render_table, short_did
+from zerocomm_spark.agent.output import Progress, format_payload, render_pairs, render_table, short_did
 
 
 def test_tables_are_aligned_under_their_headers() -> None:
@@ -26,6 +26,24 @@ def test_payloads_are_shown_safely() -> None:
     assert format_payload(b"x" * 50, 10) == "xxxxxxx..."
     did = "did:peer:2." + "a" * 100
     assert short_did(did).startswith("did:peer") and len(short_did(did)) <= 27
+
+
+def test_text_from_peers_reaches_no_terminal_raw(capsys) -> None:  # type: ignore[no-untyped-def]
+    """Labels, basic messages and error texts come from peers: their escape sequences are shown escaped."""
+    label = "mallory\x1b]0;title\x07\u202e"
+    table = render_table([{"label": label, "n": 1}, {"label": "bob", "n": 2}], [("label", "LABEL"), ("n", "N")])
+    pairs = render_pairs([("label", label), ("héllo", "wörld")])
+    for text in (table, pairs):
+        assert "\x1b" not in text and "\x07" not in text and "\u202e" not in text
+        assert "mallory\\x1b]0;title\\x07\\u202e" in text
+    assert "wörld" in pairs  # printable text, accents included, is left alone
+    header, first, second = table.splitlines()
+    assert header.index("N") == first.rindex("1") == second.rindex("2")  # aligned on what is printed
+    from zerocomm_spark.agent.cli import _report_error
+
+    _report_error(errors.ApiError("a peer said \x1b[2Jno", hint="line one\nline two"), False)
+    err = capsys.readouterr().err
+    assert "\x1b" not in err and "\\x1b[2Jno" in err and "line one\nline two" in err
 
 
 def test_progress_shows_phase_and_fraction_only_on_terminals() -> None:
@@ -103,3 +121,34 @@ def test_a_usage_error_under_json_is_json_on_stdout(capsys) -> None:  # type: ig
     with pytest.raises(SystemExit) as info:  # without --json: argparse as before
         main(["group", "join", "g"])
     assert info.value.code == 2
+
+
+def test_paths_that_cannot_be_written_are_clear_errors_not_tracebacks(tmp_path, monkeypatch, capsys) -> None:  # type: ignore[no-untyped-def]
+    """A log.file or --config that cannot be written (a directory, a missing or read-only parent)
+    ended in a Python traceback, with nothing on stdout under --json."""
+    import subprocess
+    import sys
+
+    from zerocomm_spark.agent.cli import main
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.delenv("ZEROCOMM_CONFIG", raising=False)
+    identity = ["--identity-dir", str(tmp_path / "id")]
+    not_a_file = f"log.file={tmp_path}"  # a directory
+    code = main(["--json", *identity, "--set", not_a_file, "agent", "start", "--detach"])
+    answer = json.loads(capsys.readouterr().out)
+    assert code == 2 and answer["error"]["type"] == "ConfigurationError", answer
+    assert f"cannot open the agent's log file {tmp_path}" in answer["error"]["message"]
+    assert "log.file" in answer["error"]["hint"]
+    # the same in the foreground (a process of its own: a foreground start ends with os._exit)
+    done = subprocess.run([sys.executable, "-m", "zerocomm_spark.agent", "--json", *identity, "--set", not_a_file,
+                           "agent", "start"], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    assert json.loads(done.stdout.splitlines()[-1])["error"]["type"] == "ConfigurationError"
+    # init: the identity is made, then the configuration file cannot be written
+    blocker = tmp_path / "plain-file"
+    blocker.write_text("")
+    code = main(["--json", *identity, "--config", str(blocker / "zerocomm.toml"), "init"])
+    answer = json.loads(capsys.readouterr().out)
+    assert code == 2 and "cannot be written" in answer["error"]["message"], answer
+    assert "--config" in answer["error"]["hint"]

@@ -348,3 +348,36 @@ def test_a_start_that_fails_leaves_no_socket_or_thread_behind(tmp_path: Path) ->
         assert server._ctx.closed  # noqa: SLF001
     finally:
         taken.close()
+
+
+def test_a_shared_directory_is_not_taken_over_as_the_socket_directory(tmp_path: Path) -> None:
+    """api.socket_dir=/tmp (an agent run as root owns /tmp) was chmod-ed to 700: every other user of
+    the machine lost /tmp. A sticky directory is refused, untouched, with what to use instead."""
+    from zerocomm_spark.agent.server import prepare_socket_dir
+
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    os.chmod(shared, 0o1777)
+    with pytest.raises(ConfigurationError, match="shared directory") as info:
+        prepare_socket_dir(shared)
+    assert str(shared / "zerocomm") in info.value.hint
+    with pytest.raises(ConfigurationError, match="shared directory"):
+        ApiServer(CallRegistry(), shared).start()
+    assert stat.S_IMODE(shared.stat().st_mode) == 0o1777 and not list(shared.iterdir())
+    prepare_socket_dir(shared / "zerocomm")  # its own directory inside: fine, and private
+    assert stat.S_IMODE((shared / "zerocomm").stat().st_mode) == 0o700
+
+
+def test_a_malformed_allowed_client_key_is_refused_at_start(tmp_path: Path) -> None:
+    """A typo (or a non-ASCII character) in api.allowed_clients started an agent that refused every
+    TCP client with "refused this client's CURVE key", or failed with a UnicodeEncodeError traceback."""
+    _, server_secret = zmq.curve_keypair()
+    good_public, _ = zmq.curve_keypair()
+    for bad in ("notakey", good_public.decode()[:-1] + "~", "é" * 40):
+        server = ApiServer(CallRegistry(), tmp_path / "run", tcp_endpoint="tcp://127.0.0.1:*",
+                           curve_secret=server_secret, allowed_clients=[good_public.decode(), bad])
+        with pytest.raises(ConfigurationError, match="is not a CURVE public key") as info:
+            server.start()
+        assert "zerocomm keygen" in info.value.hint
+        assert bad[:8] in str(info.value) and (len(bad) <= 8 or bad not in str(info.value))  # a key is not echoed
+        assert not (tmp_path / "run" / "api.sock").exists()  # nothing left half-started
