@@ -252,9 +252,17 @@ def _split_name(name: str, origin: str) -> tuple[str, str]:
     return section, key
 
 
+#: Settings that name a path: a relative one in a file is relative to that file (in the environment
+#: or a flag, to the current directory).
+_PATH_SETTINGS = frozenset({("identity", "dir"), ("api", "socket_dir"), ("journal", "dir"), ("log", "file")})
+
+
 def load(config: str | os.PathLike[str] | None = None, *, env: Mapping[str, str] | None = None,
          flags: Mapping[str, str] | Sequence[str] = (), missing_ok: bool = False) -> Config:
     """Resolve the configuration: defaults < file < ZEROCOMM_* environment < flags.
+
+    A relative path in the file is relative to the file's directory, so an agent finds the same
+    identity whatever directory it is started from.
 
     ``flags`` are ``section.key=value`` strings (the ``--set`` option) or a mapping of them.
     ``missing_ok``: a named file that does not exist yet counts as empty (`zerocomm init` writes it).
@@ -282,7 +290,10 @@ def load(config: str | os.PathLike[str] | None = None, *, env: Mapping[str, str]
             for key, value in keys.items():
                 if key not in DEFAULTS[section]:
                     raise _unknown(f"{section} setting", key, list(DEFAULTS[section]))
-                values[section][key] = _coerce(section, key, value, "file")
+                value = _coerce(section, key, value, "file")
+                if (section, key) in _PATH_SETTINGS and value and not os.path.isabs(os.path.expanduser(value)):
+                    value = str(path.parent.absolute() / value)  # the file's own directory, not wherever it is run from
+                values[section][key] = value
                 source[f"{section}.{key}"] = str(path)
     for name, value in env.items():
         if not name.startswith(ENV_PREFIX) or name in _NOT_SETTINGS:

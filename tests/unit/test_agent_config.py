@@ -47,6 +47,27 @@ def test_file_then_env_then_flags(tmp_path: Path) -> None:
     assert cfg.overrides() == ["api.workers=7"]
 
 
+def test_relative_paths_in_a_file_are_relative_to_the_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An agent started from another directory must find the same identity (and socket, journal,
+    log); in the environment or a flag a relative path is the current directory's."""
+    home = tmp_path / "conf"
+    home.mkdir()
+    path = home / "z.toml"
+    path.write_text('[identity]\ndir = "member"\n[api]\nsocket_dir = "run/api"\n[journal]\ndir = "../j"\n'
+                    '[log]\nfile = "agent.log"\n')
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    cfg = cfgmod.load(path, env={})
+    assert cfg.identity_dir == home / "member"
+    assert cfg.socket_dir == home / "run" / "api"
+    assert cfg.journal_dir.resolve() == tmp_path / "j"
+    assert cfg.log_file == home / "agent.log"
+    cfg = cfgmod.load(path, env={"ZEROCOMM_IDENTITY_DIR": "mine"}, flags=["journal.dir=jj"])
+    assert cfg.identity_dir == elsewhere / "mine"
+    assert cfg.journal_dir == elsewhere / "jj"
+
+
 def test_zerocomm_config_env_names_the_file(tmp_path: Path) -> None:
     path = tmp_path / "z.toml"
     path.write_text('[identity]\ndir = "/tmp/somewhere"\n')
