@@ -71,7 +71,7 @@ def exit_code_for(exc: BaseException) -> int:
                       if hasattr(errors, name))
     if isinstance(exc, not_found):
         return EXIT_NOT_FOUND
-    if isinstance(exc, (errors.ConfigurationError, errors.BadRequestError)):
+    if isinstance(exc, (errors.ConfigurationError, errors.BadRequestError, errors.InvalidGroupNameError)):
         return EXIT_USAGE
     if isinstance(exc, KeyboardInterrupt):
         return EXIT_INTERRUPTED

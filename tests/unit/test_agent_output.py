@@ -65,6 +65,7 @@ def test_progress_shows_phase_and_fraction_only_on_terminals() -> None:
     (errors.ApiPermissionError("x"), 7),
     (errors.ConfigurationError("x"), 2),
     (errors.UnknownCallError("x"), 2),
+    (errors.InvalidGroupNameError("x"), 2),  # a wrong argument, like any usage error
     (errors.JoinRefusedError("x"), 1),
 ])
 def test_exit_codes(exc: BaseException, code: int) -> None:
