@@ -748,9 +748,41 @@ def cmd_tail(ctx: Ctx) -> int:
     if ctx.args.no_follow:
         return EXIT_OK
     while True:
-        page = client.fetch(group=ctx.args.group, start=offset, wait=10.0)
+        try:
+            page = client.fetch(group=ctx.args.group, start=offset, wait=10.0)
+        except (errors.AgentNotRunningError, errors.ApiTimeoutError):
+            client = _wait_for_restart(ctx, client)  # the journal keeps its offsets: go on from the same one
+            continue
         _print_rows(ctx, _rows(page.table), labels, stream=True)
         offset = page.next_offset
+
+
+def _wait_for_restart(ctx: Ctx, old: Client) -> Client:
+    """tail -F, not tail -f: an agent that stops (a restart, an upgrade) is waited for, as long as a
+    stop and a start may take, then followed again; past that the error says no agent runs."""
+    from zerocomm_spark.agent.runfiles import held_by
+
+    old.close()
+    ctx._client = None  # noqa: SLF001 - the context's cached client is the stale one
+    cfg = ctx.config
+    deadline = time.monotonic() + cfg.get("agent", "stop_timeout") + cfg.get("agent", "start_timeout")
+    sys.stderr.write(f"zerocomm: the agent for {cfg.identity_dir} is not answering; waiting for it to come back "
+                     "(Ctrl-C to stop)\n")
+    sys.stderr.flush()
+    while True:
+        try:
+            return Client.connect(cfg.socket_dir, timeout=max(0.1, min(5.0, deadline - time.monotonic())),
+                                  call_timeout=ctx.timeout)
+        except (errors.AgentNotRunningError, errors.ApiTimeoutError):
+            if time.monotonic() >= deadline:
+                if held_by(cfg.socket_dir) is not None:
+                    raise errors.ApiTimeoutError(
+                        f"the agent for {cfg.identity_dir} stopped answering", hint=f"`zerocomm agent status` "
+                        "shows its last heartbeat; restart it (`zerocomm agent stop --force`, then start)") from None
+                raise errors.AgentNotRunningError(
+                    f"the agent for {cfg.identity_dir} stopped and did not come back",
+                    hint="Start it (`zerocomm agent start --detach`) and run tail again") from None
+            time.sleep(0.5)
 
 
 def cmd_metrics(ctx: Ctx) -> int:

@@ -169,3 +169,25 @@ def test_what_peers_write_cannot_drive_the_terminal(tmp_path: Path) -> None:
         assert "\x1b" not in shown.stdout and "\x07" not in shown.stdout, shown.stdout
         assert "hi\\x1b[2J\\x1b[Hyou have 0 new messages\\x1b]0;owned\\x07" in shown.stdout  # shown, escaped
         assert reader.ok("inbox")[0]["content"].startswith(f"hi{clear}")  # --json keeps the text as sent
+
+
+def test_tail_follows_the_group_across_an_agent_restart(tmp_path: Path) -> None:
+    """tail is for watching a group for hours: an agent restart (an upgrade, a config change) ended it
+    with "no agent"; it waits for the agent to come back and goes on from the same journal offset."""
+    with running(tmp_path, "solo") as (solo,):
+        solo.ok("group", "create", "g")
+        solo.ok("send", "g", "before")
+        tail = subprocess.Popen([*ZEROCOMM, "--config", str(solo.config), "--json", "tail", "g", "-n", "5"],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            assert json.loads(tail.stdout.readline())["payload"] == "before"
+            solo.ok("agent", "stop", "--timeout", "15", timeout=30)
+            time.sleep(1.0)  # tail finds no agent meanwhile
+            assert tail.poll() is None, tail.stderr.read()
+            solo.start()
+            solo.ok("send", "g", "after")
+            line = tail.stdout.readline()  # pytest-timeout bounds this; the agent is back within seconds
+            assert line and json.loads(line)["payload"] == "after", tail.stderr.read() if tail.poll() is not None else line
+        finally:
+            tail.terminate()
+            tail.wait(10)
