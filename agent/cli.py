@@ -11,7 +11,7 @@ import contextlib
 import io
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -645,28 +645,67 @@ def cmd_group_role(ctx: Ctx) -> int:
 # --- commands: messages and the journal --------------------------------------------------------
 
 
+#: `send -` publishes stdin in calls of at most this many lines or bytes: a large file fits no single
+#: request (api.max_request_bytes), and memory holds one chunk, not the file.
+_SEND_CHUNK_LINES = 10_000
+_SEND_CHUNK_BYTES = 1 << 20
+
+
+def _stdin_chunks() -> Iterator[list[str]]:
+    chunk: list[str] = []
+    size = 0
+    for line in sys.stdin:
+        text = line.rstrip("\n")
+        chunk.append(text)
+        size += len(text) + 64
+        if len(chunk) >= _SEND_CHUNK_LINES or size >= _SEND_CHUNK_BYTES:
+            yield chunk
+            chunk, size = [], 0
+    if chunk:
+        yield chunk
+
+
 def cmd_send(ctx: Ctx) -> int:
     a = ctx.args
     if a.message == "-":
         if a.message_id:  # one id for many lines would publish the first and drop the rest as duplicates
             raise errors.ConfigurationError("--id names one message; it cannot go with - (lines from stdin)",
                                             hint="Send each line with its own --id, or leave --id out")
-        lines = [line.rstrip("\n") for line in sys.stdin]
-        if not lines:
-            raise errors.ConfigurationError("stdin had no lines to send")
+        chunks: Iterator[list[str]] = _stdin_chunks()
         ids = None
     else:
-        lines = [a.message]
+        chunks = iter([[a.message]])
         ids = [a.message_id] if a.message_id else None
-    with Progress(f"sending to {a.group}", enabled=None if not ctx.json and len(lines) > 1000 else False):
-        result = ctx.client().publish(a.group, lines, message_ids=ids, timeout=ctx.timeout)
-    value = {"group": a.group, "message_ids": result.message_ids, "seqs": result.seqs,
-             "duplicates": result.duplicates, "journaled": result.journaled}
-    if len(result) == 1:
-        human = (f"sent {result.message_ids[0]} (seq {result.seqs[0]}) to {a.group!r}; every member has it"
-                 + (" (already sent before)" if result.duplicates else ""))
+    message_ids: list[str] = []
+    seqs: list[int] = []
+    duplicates = 0
+    journaled = True
+    with Progress(f"sending to {a.group}", enabled=None if not ctx.json and a.message == "-" else False) as progress:
+        for lines in chunks:
+            try:
+                result = ctx.client().publish(a.group, lines, message_ids=ids, timeout=ctx.timeout)
+            except ZeroCommError as exc:
+                if message_ids:  # earlier chunks went out: say how far, so the rest can be sent again
+                    text, hint = str(exc), exc.hint
+                    if hint and text.endswith(f". {hint}"):
+                        text = text[: -len(hint) - 2]
+                    text += f" (the first {len(message_ids)} line(s) were sent and acknowledged)"
+                    exc.args = (f"{text}. {hint}" if hint else text,)
+                raise
+            message_ids += result.message_ids
+            seqs += result.seqs
+            duplicates += result.duplicates
+            journaled = journaled and bool(result.journaled)
+            progress.update({"phase": f"{len(message_ids)} line(s) acknowledged"})
+    if not message_ids:
+        raise errors.ConfigurationError("stdin had no lines to send")
+    value = {"group": a.group, "message_ids": message_ids, "seqs": seqs, "duplicates": duplicates,
+             "journaled": journaled}
+    if len(message_ids) == 1:
+        human = (f"sent {message_ids[0]} (seq {seqs[0]}) to {a.group!r}; every member has it"
+                 + (" (already sent before)" if duplicates else ""))
     else:
-        human = f"sent {len(result)} messages (seqs {result.seqs[0]}..{result.seqs[-1]}) to {a.group!r}"
+        human = f"sent {len(message_ids)} messages (seqs {seqs[0]}..{seqs[-1]}) to {a.group!r}"
     ctx.out(value, human)
     return EXIT_OK
 
@@ -777,7 +816,7 @@ def _wait_for_restart(ctx: Ctx, old: Client) -> Client:
             if time.monotonic() >= deadline:
                 if held_by(cfg.socket_dir) is not None:
                     raise errors.ApiTimeoutError(
-                        f"the agent for {cfg.identity_dir} stopped answering", hint=f"`zerocomm agent status` "
+                        f"the agent for {cfg.identity_dir} stopped answering", hint="`zerocomm agent status` "
                         "shows its last heartbeat; restart it (`zerocomm agent stop --force`, then start)") from None
                 raise errors.AgentNotRunningError(
                     f"the agent for {cfg.identity_dir} stopped and did not come back",

@@ -191,3 +191,19 @@ def test_tail_follows_the_group_across_an_agent_restart(tmp_path: Path) -> None:
         finally:
             tail.terminate()
             tail.wait(10)
+
+
+def test_send_from_stdin_goes_in_chunks_a_request_can_carry(tmp_path: Path) -> None:
+    """`send -` of a file larger than one API request (api.max_request_bytes) failed whole with
+    RequestTooLargeError; it publishes the lines in chunks, in order, and reports them all."""
+    lines = [f"{i:06d} " + "x" * 93 for i in range(30_000)]  # 3 MB of lines against a 2 MB request limit
+    solo = Member(tmp_path, "solo", "api.max_request_bytes=2000000")
+    try:
+        start_all([solo])
+        solo.ok("group", "create", "g")
+        sent = solo.ok("send", "g", "-", input="\n".join(lines) + "\n", timeout=120)
+        assert sent["seqs"] == list(range(1, 30_001)) and len(set(sent["message_ids"])) == 30_000
+        rows = solo.run("history", "g", "--all", timeout=120).json_lines
+        assert [r["payload"] for r in rows] == lines
+    finally:
+        solo.stop()
