@@ -762,7 +762,10 @@ def cmd_history(ctx: Ctx) -> int:
         offset = None
         while True:
             page = client.fetch(group=ctx.args.group, start=offset)
-            rows += _rows(page.table)
+            if ctx.json:  # one JSON line per row, page by page: a long history is never all in memory
+                _print_rows(ctx, _rows(page.table), labels, stream=True)
+            else:  # an aligned table needs every row's width first
+                rows += _rows(page.table)
             if page.next_offset >= page.end_offset or offset == page.next_offset:
                 break
             offset = page.next_offset
