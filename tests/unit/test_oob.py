@@ -16,7 +16,7 @@ from zerocomm_spark.keys import KeyPair, b58encode
 from zerocomm_spark.keys.keystore import Keystore
 from zerocomm_spark.protocols.message import b64url_encode
 from zerocomm_spark.protocols.out_of_band.v1_1.manager import OutOfBandManager
-from zerocomm_spark.protocols.out_of_band.v1_1.messages import DIDEXCHANGE_1_0, Invitation, Service
+from zerocomm_spark.protocols.out_of_band.v1_1.messages import DIDEXCHANGE_1_0, INVITATION, Invitation, Service
 
 ENDPOINT = "tcp://127.0.0.1:45678"
 
@@ -138,7 +138,8 @@ def test_truncated_url_is_refused() -> None:
         (lambda d: d["services"][0].pop("serviceEndpoint"), "'serviceEndpoint'"),
         (lambda d: d.pop("handshake_protocols"), "'handshake_protocols'"),
         (lambda d: d.update({"label": 42}), "'label'"),
-        (lambda d: d.update({"@type": "https://didcomm.org/out-of-band/1.0/invitation"}), "'@type'"),
+        (lambda d: d.update({"@type": "https://didcomm.org/out-of-band/2.0/invitation"}), "'@type'"),
+        (lambda d: d.update({"@type": "https://didcomm.org/out-of-band/1.1/request"}), "'@type'"),
     ],
 )
 def test_invalid_invitations_name_the_field(mutate, field: str) -> None:
@@ -234,3 +235,15 @@ def test_other_major_versions_of_didexchange_are_still_refused(handshake: str) -
     data["handshake_protocols"] = [handshake]
     with pytest.raises(InvitationError, match="handshake protocol"):
         OutOfBandManager.parse_url(_url_for(data))
+
+
+@pytest.mark.parametrize("message_type", ["https://didcomm.org/out-of-band/1.0/invitation",
+                                          "https://didcomm.org/out-of-band/1.2/invitation",
+                                          "did:sov:BzCbsNYhMrjHiqZDTUASHg;spec/out-of-band/1.0/invitation"])
+def test_invitations_of_another_minor_version_are_accepted(message_type: str) -> None:
+    """RFC 0003: a recipient processes another minor version of a message it knows (older agents
+    still write out-of-band/1.0 invitations; the fields we use are the same)."""
+    data = _invitation().to_dict()
+    data["@type"] = message_type
+    invitation = Invitation.from_url(_url_for(data))
+    assert invitation.label == "alice" and invitation.to_dict()["@type"] == INVITATION

@@ -44,6 +44,33 @@ def test_legacy_prefix_is_accepted_and_normalised() -> None:
     assert parse_message(data).message_type.startswith("https://didcomm.org/")
 
 
+@pytest.mark.parametrize("message_type", ["https://didcomm.org/basicmessage/1.3/message",
+                                          "https://didcomm.org/basicmessage/1.00/message",
+                                          LEGACY_PREFIX + "basicmessage/1.1/message"])
+def test_another_minor_version_is_the_same_message(message_type: str) -> None:
+    """RFC 0003 semver: a newer agent's 1.x message is processed (unknown fields ignored), and we
+    answer in our own version; another major version or another message name is not ours."""
+    data = BasicMessage(content="x").to_dict()
+    data["@type"] = message_type
+    data["a_field_from_the_future"] = {"ignored": True}
+    parsed = parse_message(data)
+    assert isinstance(parsed, BasicMessage) and parsed.content == "x"
+    assert parsed.to_dict()["@type"] == "https://didcomm.org/basicmessage/1.0/message"
+
+
+@pytest.mark.parametrize("message_type", ["https://didcomm.org/basicmessage/2.0/message",
+                                          "https://didcomm.org/basicmessage/1.0/other",
+                                          "https://didcomm.org/basicmessage/1/message",
+                                          "https://didcomm.org/basicmessage2/1.0/message"])
+def test_another_major_version_or_name_is_refused(message_type: str) -> None:
+    data = BasicMessage(content="x").to_dict()
+    data["@type"] = message_type
+    with pytest.raises(UnknownMessageTypeError):
+        parse_message(data)
+    with pytest.raises(ProtocolError, match="'@type'"):
+        BasicMessage.from_dict(data)
+
+
 @pytest.mark.parametrize(
     ("mutate", "field"),
     [

@@ -12,6 +12,7 @@ import binascii
 import importlib
 import json
 import threading
+import re
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -81,6 +82,17 @@ def normalize_type(message_type: str) -> str:
     if message_type.startswith(LEGACY_PREFIX):
         return DIDCOMM_PREFIX + message_type[len(LEGACY_PREFIX) :]
     return message_type
+
+
+_TYPE_PARTS = re.compile(r"(.+/[^/]+)/([0-9]+)\.([0-9]+)/([^/]+)")
+
+
+def major_type(message_type: str) -> tuple[str, str, str] | None:
+    """(protocol, major version, message name) of a message type URI, or None if it has no
+    ``<protocol>/<major>.<minor>/<name>`` form. Two types with the same triple are the same message
+    to a recipient (RFC 0003: another minor version is processed, fields it does not know ignored)."""
+    match = _TYPE_PARTS.fullmatch(normalize_type(message_type))
+    return (match.group(1), str(int(match.group(2))), match.group(4)) if match else None
 
 
 # --- field validation --------------------------------------------------------------------------
@@ -392,7 +404,7 @@ class AgentMessage:
         if not isinstance(data, Mapping):
             raise error(f"a DIDComm message must be a JSON object, got {type(data).__name__}")
         got = normalize_type(req_str(data, "@type", error=error, max_length=MAX_TYPE_LENGTH))
-        if got != cls.message_type:
+        if got != cls.message_type and (major_type(got) is None or major_type(got) != major_type(cls.message_type)):
             raise _fail(error, "@type", f"is not {cls.message_type}")
         message_id = req_str(data, "@id", error=error, max_length=MAX_ID_LENGTH)
         thread = Thread.from_dict(data["~thread"], error=error) if data.get("~thread") is not None else None
@@ -434,6 +446,7 @@ _PROTOCOL_MODULES = (
 )
 
 _REGISTRY: dict[str, type[AgentMessage]] = {}
+_BY_MAJOR: dict[tuple[str, str, str], type[AgentMessage]] = {}  # (protocol, major, name): see major_type
 _loaded = False
 _load_lock = threading.Lock()
 
@@ -443,6 +456,9 @@ def register(cls: type[M]) -> type[M]:
     if not cls.message_type.startswith(DIDCOMM_PREFIX):
         raise ValueError(f"{cls.__name__}.message_type must start with {DIDCOMM_PREFIX}")
     _REGISTRY[cls.message_type] = cls
+    parts = major_type(cls.message_type)
+    if parts is not None:
+        _BY_MAJOR[parts] = cls
     return cls
 
 
@@ -468,6 +484,9 @@ def message_class(message_type: str) -> type[AgentMessage]:
     try:
         return _REGISTRY[normalize_type(message_type)]
     except KeyError:
+        parts = major_type(message_type)
+        if parts is not None and parts in _BY_MAJOR:  # another minor version of a message we know (RFC 0003)
+            return _BY_MAJOR[parts]
         raise UnknownMessageTypeError(f"unsupported message type {message_type[:MAX_TYPE_LENGTH]!r}") from None
 
 
