@@ -320,6 +320,9 @@ class Ctx:
         self.config_path = getattr(args, "config", None)
         missing_ok = getattr(args, "command", None) == "init"
         self.config: Config = config_mod.load(self.config_path, flags=flags, missing_ok=missing_ok)
+        if not (getattr(args, "agent_command", None) == "start" and not getattr(args, "detach", False)):
+            for warning in self.config.warnings:  # a foreground agent logs them itself
+                sys.stderr.write(f"zerocomm: warning: {warning}\n")
         self._client: Client | None = None
 
     def client(self) -> Client:
@@ -465,11 +468,12 @@ def cmd_agent_start(ctx: Ctx) -> int:
     from zerocomm_spark.agent.daemon import run_foreground, start_detached
 
     if getattr(ctx.args, "detach", False):
+        again = "" if not ctx.config_path else f" --config {ctx.config_path}"
         health = start_detached(ctx.config, timeout=getattr(ctx.args, "timeout", None))
         ctx.out(health, lambda: f"agent {health.get('label')!r} running in the background (pid {health.get('pid')})\n"
                                 f"  API  {health.get('endpoints', {}).get('api')}\n"
                                 f"  log  {health.get('log_file')}\n"
-                                f"stop it with: zerocomm agent stop")
+                                f"stop it with: zerocomm{again} agent stop")
         return EXIT_OK
 
     def ready(health: dict[str, Any]) -> None:

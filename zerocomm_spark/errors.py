@@ -272,7 +272,8 @@ class NotAMemberError(GroupError):
 class ReadOnlyMemberError(GroupError):
     """A read-only member tried to publish data."""
 
-    hint = "Switch this member to read_write (set_role) before publishing; read-only members only receive."
+    hint = ("Switch this member to read_write before publishing (switch_role(group, \"read_write\"), or "
+            "`zerocomm group role GROUP read_write`); read-only members only receive.")
 
 
 class BackpressureError(GroupError, TimeoutError):

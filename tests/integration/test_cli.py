@@ -5,6 +5,8 @@ agent processes on 127.0.0.1, each with its own config file and identity directo
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import time
 from collections.abc import Iterator
@@ -135,6 +137,41 @@ def test_exit_codes_and_errors_that_say_what_to_do(tmp_path: Path) -> None:
     started = time.monotonic()
     assert lonely.run("agent", "status").code == 3
     assert time.monotonic() - started < 10
+
+
+def test_a_zerocomm_variable_that_names_no_setting_is_a_warning_the_user_sees(tmp_path: Path) -> None:
+    solo = Member(tmp_path, "solo")
+    solo.init()
+    typo = zerocomm("--config", str(solo.config), "config", env={**os.environ, "ZEROCOMM_JOURNAL_FSYNK": "always"})
+    assert typo.code == 0 and "warning" in typo.stderr and "ZEROCOMM_JOURNAL_FSYNK" in typo.stderr
+    assert typo.stdout.count("env ZEROCOMM_") == 0  # ignored: no setting comes from it
+
+
+def test_what_to_do_next_fits_the_situation(tmp_path: Path) -> None:
+    solo = Member(tmp_path, "solo")
+    solo.init()
+    # the stop command printed by `agent start` works as printed (same --config)
+    started = solo.run("agent", "start", "--detach", json_out=False)
+    try:
+        assert started.code == 0, started.stderr
+        assert f"zerocomm --config {solo.config} agent stop" in started.stdout
+        # a read-only member is told the command that makes it a publisher
+        solo.ok("group", "create", "g", "--role", "read_only")
+        refused = solo.run("send", "g", "x")
+        assert refused.code == 1 and refused.json["error"]["type"] == "ReadOnlyMemberError"
+        assert "zerocomm group role" in refused.json["error"]["hint"]
+        # an agent that runs but does not answer is a deadline (4), not a missing agent to start (3)
+        pid = solo.pid()
+        assert pid is not None
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            hung = solo.run("group", "list", "--timeout", "2")
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        assert hung.code == 4, hung.stdout + hung.stderr
+        assert f"pid {pid}" in hung.json["error"]["message"] and "agent status" in hung.json["error"]["hint"]
+    finally:
+        solo.stop()
 
 
 def test_joiner_policy_from_the_configuration(tmp_path: Path) -> None:
