@@ -31,7 +31,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import date, datetime, timezone
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from zerocomm_spark.errors import ConfigurationError, TamperedEnvelopeError
 from zerocomm_spark.pipelines.schema import HISTORY_COLUMNS
@@ -170,7 +170,7 @@ def replay(spark: SparkSession, table: str, group: str | None = None, *,
                 reader = reader.option("versionAsOf", str(as_of))
             else:
                 reader = reader.option("timestampAsOf", _aware(as_of).isoformat())
-        df = reader.load(path)
+        df = _time_travel(reader, path, as_of) if as_of is not None else reader.load(path)
     condition = _group_filter(group)
     if condition is not None:
         df = df.where(condition)
@@ -191,6 +191,25 @@ def replay(spark: SparkSession, table: str, group: str | None = None, *,
     if ordered and not stream:
         df = causal_order(df)
     return df
+
+
+def _time_travel(reader: Any, path: str, as_of: int | datetime | str) -> DataFrame:
+    """The table as of ``as_of``; a version or time the table does not have is a ConfigurationError
+    saying which it has, not Delta's AnalysisException."""
+    from pyspark.errors import AnalysisException
+
+    try:
+        return reader.load(path)
+    except AnalysisException as exc:
+        text = str(exc)
+        if not any(mark in text for mark in ("DELTA_TIMESTAMP", "DELTA_VERSION", "time travel", "Cannot time travel",
+                                             "DELTA_CANNOT_TIME_TRAVEL")):
+            raise
+        first = text.strip().splitlines()[0][:300] if text.strip() else type(exc).__name__
+        raise ConfigurationError(
+            f"the history table at {path} has no version as of {as_of!r} ({first})",
+            hint="Give a version between 0 and the newest, or a time between the first and the newest commit "
+                 "(DESCRIBE HISTORY delta.`<table>` lists them; vacuum removes old versions' files)") from None
 
 
 # --- payloads and origins, a whole Arrow batch at a time ----------------------------------------

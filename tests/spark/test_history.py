@@ -306,6 +306,9 @@ def test_replay_orders_causally_and_starts_where_asked(spark, story):
     # time travel: the table as the first run left it
     as_v1 = replay(spark, table, "story", as_of=story.v1).toArrow().column("message_id").to_pylist()
     assert sorted(as_v1) == sorted(story.phase_a)
+    for beyond in (10_000, datetime(2100, 1, 1, tzinfo=timezone.utc)):  # Delta's AnalysisException before
+        with pytest.raises(ConfigurationError, match="no version as of"):
+            replay(spark, table, "story", as_of=beyond)
     assert replay(spark, table, "nobody").count() == 0
     with pytest.raises(ConfigurationError):
         replay(spark, table, "story", since=3)  # which 3? a version, a Lamport time?
