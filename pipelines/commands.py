@@ -10,6 +10,7 @@ import os
 import stat
 import time
 from pathlib import Path
+from collections.abc import Mapping
 from typing import Any
 
 from zerocomm_spark.errors import ConfigurationError, InsecurePermissionsError
@@ -109,13 +110,23 @@ def replay(ctx: Any) -> int:
         return 0
     shaped = [{"lamport": r["lamport_ts"], "time": format_time(r["sent_at"]),
                "from": r["publisher_label"] or r["publisher_did"][-12:], "seq": r["seq"],
-               "origin": "" if "origin_ok" not in r else ("ok" if r["origin_ok"] else "FAILED"),
+               "origin": origin_label(r),
                "message": "(sealed)" if r["payload_key_id"] else format_payload(r["payload"], 200)} for r in rows]
     columns = [("lamport", "LAMPORT"), ("time", "SENT"), ("from", "FROM"), ("seq", "SEQ")]
     if a.verify:
         columns.append(("origin", "ORIGIN"))
     print(render_table(shaped, columns + [("message", "MESSAGE")], empty="(no messages)"), flush=True)
     return 0
+
+
+def origin_label(row: Mapping[str, Any]) -> str:
+    """The ORIGIN column: "unsigned" for a row nobody signed (sent through the command line or an
+    agent without a signer), which is not the same as a signature that fails ("FAILED")."""
+    if "origin_ok" not in row:
+        return ""
+    if row["origin_ok"]:
+        return "ok"
+    return "unsigned" if row.get("origin_sig") is None else "FAILED"
 
 
 def compact(ctx: Any) -> int:

@@ -8,7 +8,7 @@ import pytest
 
 from zerocomm_spark.agent.cli import _with_history_action, build_parser
 from zerocomm_spark.errors import ConfigurationError, InsecurePermissionsError
-from zerocomm_spark.pipelines.commands import read_key_file
+from zerocomm_spark.pipelines.commands import origin_label, read_key_file
 from zerocomm_spark.pipelines.history_key import HistoryKey
 
 
@@ -68,3 +68,10 @@ def test_compacts_date_filter_goes_into_sql_only_as_a_checked_date() -> None:
     for bad in ("2026-01-31' OR TRUE --", "yesterday", 20260131):
         with pytest.raises(ConfigurationError, match="since_date"):
             _where(None, bad)  # type: ignore[arg-type]
+
+
+def test_the_origin_column_tells_an_unsigned_row_from_a_forged_one() -> None:
+    assert origin_label({"origin_ok": True, "origin_sig": b"s" * 64}) == "ok"
+    assert origin_label({"origin_ok": False, "origin_sig": b"s" * 64}) == "FAILED"
+    assert origin_label({"origin_ok": False, "origin_sig": None}) == "unsigned"  # sent without a signer
+    assert origin_label({"origin_sig": None}) == ""  # not verified
