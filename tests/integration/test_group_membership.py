@@ -13,7 +13,7 @@ import pytest
 
 from zerocomm_spark import Agent
 from zerocomm_spark.errors import GroupExistsError, GroupNotFoundError, JoinRefusedError, ReceiveTimeoutError
-from zerocomm_spark.group.dataplane import Delivered
+from zerocomm_spark.group.dataplane import DataPlaneConfig, Delivered
 from zerocomm_spark.group.manager import GroupConfig
 from zerocomm_spark.group.policy import AllowListPolicy, InvitationPolicy, Ticket
 from zerocomm_spark.group import manager as manager_module
@@ -385,3 +385,44 @@ def test_messages_that_arrive_while_joining_are_acked_only_after_the_listeners_r
             thread.join(30)
         bob.close()
         alice.close()
+
+
+def test_a_member_still_joining_does_not_hold_the_publishers_window(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """carol takes (and acks) nothing until her join checks out, which may take seconds (a member slow
+    to answer, views settling): meanwhile alice must go on publishing past her window, not wait for
+    acks carol cannot send yet. carol still gets every message from her join point, once."""
+    config = GroupConfig(digest_interval_s=0.3, dataplane=DataPlaneConfig(window=100, retention_max=10_000))
+    joining, release = threading.Event(), threading.Event()
+    got: list[Delivered] = []
+    alice, bob, carol = (Agent.open(tmp_path / n, label=n, group_config=config) for n in ("alice", "bob", "carol"))
+    check = carol.groups._check_consistency  # noqa: SLF001
+
+    def held_check(*args: Any, **kwargs: Any) -> None:  # carol's join stops after the members admitted her
+        check(*args, **kwargs)
+        joining.set()
+        assert release.wait(30)
+
+    monkeypatch.setattr(carol.groups, "_check_consistency", held_check)
+    carol.groups.on_messages(got.extend)
+    joined: list[Any] = []
+    try:
+        alice.groups.create("g")
+        bob.groups.join("g", via=bob.accept(alice.invite()))
+        via = carol.accept(alice.invite())
+        thread = threading.Thread(target=lambda: joined.append(carol.groups.join("g", via=via, timeout=60)))
+        thread.start()
+        assert joining.wait(30)
+        sent = [f"w{i}".encode() for i in range(300)]  # three windows
+        receipts = [alice.groups.publish("g", sent[i:i + 50], timeout=5) for i in range(0, len(sent), 50)]
+        release.set()
+        thread.join(30)
+        assert joined
+        for receipt in receipts:
+            receipt.wait(20)  # carol acked them too, once she took them
+        _eventually(lambda: len(got) >= len(sent), timeout=20, what="carol getting them")
+        assert [m.payload for m in got] == sent
+    finally:
+        release.set()
+        for agent in (carol, bob, alice):
+            agent.close()

@@ -353,3 +353,68 @@ def test_a_publisher_restarted_after_a_crash_does_not_reuse_seqs_an_unreached_me
     finally:
         for agent in agents:
             agent.close()
+
+
+def test_messages_a_member_received_but_did_not_take_are_lost_not_void_when_their_publisher_crashed(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """bob's journal fails on alice's "three" and "four" (not acked: she keeps them to re-send), then
+    alice is killed and restarts while bob, still running, cannot be reached: she skips the seqs she
+    may have used as void. bob had those two, though: they are not void (his other listener holds
+    them as rows, and a reader must not take a row's seq for one never used) but lost, and counted."""
+    lagging = dataclasses.replace(CONFIG, persist_interval_s=3600.0)
+    rows: dict[str, list[tuple[str, int, bytes]]] = {"steady": [], "journal": []}
+    void: set[tuple[str, int]] = set()
+    failing = {"on": True}
+
+    def journal(messages: list[Any]) -> None:
+        if failing["on"] and any(m.payload in (b"three", b"four") for m in messages):
+            raise OSError("disk full (injected)")
+        rows["journal"].extend((m.publisher_did, m.seq, m.payload) for m in messages)
+
+    def prepare(agent: Agent, manager: GroupManager) -> None:
+        manager.on_messages(lambda ms: rows["steady"].extend((m.publisher_did, m.seq, m.payload) for m in ms))
+        manager.on_messages(journal)
+        manager.on_superseded(lambda group, publisher, seqs: void.update((publisher, s) for s in seqs))
+
+    alice = Agent.open(tmp_path / "alice", label="alice", group_config=lagging)
+    bob = Agent.open(tmp_path / "bob", label="bob", group_config=CONFIG, prepare_groups=prepare)
+    agents = [alice, bob]
+    try:
+        alice.groups.create("g")
+        bob.groups.join("g", via=bob.accept(alice.invite(), timeout=10), timeout=30)
+        alice_did, bob_did = alice.groups.did, bob.groups.did
+        alice.groups.publish("g", [b"one", b"two"]).wait(10)
+        alice.groups.publish("g", [b"three", b"four"])
+        wait_for(lambda: bob.groups.stats()["deliveries_deferred"] >= 2, 10.0, "bob's journal to fail on them")
+        assert alice.groups._store.positions("g").publish < 4  # noqa: SLF001 - the saved position lags
+        with monkeypatch.context() as patch:  # killed: nothing is written on the way down
+            patch.setattr(alice.keystore, "put_record", lambda *args, **kwargs: None)
+            alice.close()
+        subscribe = GroupManager._subscribe_to  # noqa: SLF001
+
+        def bob_unreachable(self: GroupManager, g: Any, entry: Any, *args: Any, **kwargs: Any) -> Any:
+            if entry.did == bob_did:
+                raise TimeoutError("bob is unreachable (injected)")
+            return subscribe(self, g, entry, *args, **kwargs)
+
+        with monkeypatch.context() as patch:
+            patch.setattr(GroupManager, "_subscribe_to", bob_unreachable)
+            alice = agents[0] = Agent.open(tmp_path / "alice", label="alice", group_config=lagging)
+            alice.groups.wait_active("g", timeout=20)  # bob not reached: she continues after her reservation
+        failing["on"] = False
+        receipt = alice.groups.publish("g", [b"five", b"six"])
+        receipt.wait(20)
+
+        def alices(name: str) -> list[tuple[int, bytes]]:
+            return [(seq, payload) for did, seq, payload in rows[name] if did == alice_did]
+
+        wait_for(lambda: [p for _, p in alices("journal")][-2:] == [b"five", b"six"], 10.0, "bob's journal to get them")
+        assert [p for _, p in alices("steady")] == [b"one", b"two", b"three", b"four", b"five", b"six"]
+        assert [p for _, p in alices("journal")] == [b"one", b"two", b"five", b"six"]
+        skipped = {seq for did, seq in void if did == alice_did}
+        assert receipt.seqs[0] - 1 in skipped  # the reservation was skipped as void
+        assert not skipped & {seq for seq, _ in alices("steady")}  # a seq bob holds a row of is not void
+        assert bob.groups.stats()["lost"] == 2  # three and four: received, never acked, gone with alice
+    finally:
+        for agent in agents:
+            agent.close()

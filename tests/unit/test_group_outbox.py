@@ -173,6 +173,28 @@ def test_inactive_members_do_not_hold_the_window_but_keep_their_messages() -> No
     assert [m.seq for m in msgs] == list(range(1, 11)) and gone is None
 
 
+def test_a_member_checking_its_join_holds_no_window_but_is_still_owed_and_pushed() -> None:
+    """It acks nothing until its join completes: the others go on publishing, its receipts wait for
+    it, and it is still pushed heartbeats (it learns of a tail it missed); then it holds the window."""
+    box = Outbox("g", window=5, retention_max=20)
+    box.add_member("live")
+    box.add_member("joiner")
+    box.set_joining("joiner", True)
+    first = publish(box, 5)
+    box.ack("live", 5)
+    publish(box, 5, timeout=0.5)  # would block if the joiner held the window
+    box.take_unsent(100)
+    box.ack("live", 10)
+    assert not first.done() and box.laggards(5) == ["joiner"]
+    assert box.stalled(0.0) == [("joiner", 0)]
+    box.set_joining("joiner", False)
+    with pytest.raises(BackpressureError):
+        publish(box, 1, timeout=0.05)
+    box.ack("joiner", 10)
+    assert first.done()
+    publish(box, 1, timeout=0.5)
+
+
 def test_retention_limit_drops_only_what_inactive_members_lack() -> None:
     box = Outbox("g", window=5, retention_max=6)
     box.add_member("live")

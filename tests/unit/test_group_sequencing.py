@@ -190,6 +190,22 @@ def test_unordered_undeliver_keeps_the_seqs_that_were_taken() -> None:
     assert s.delivered == 4
 
 
+@pytest.mark.parametrize("ordered", [True, False])
+def test_received_upto_names_seqs_received_but_not_taken(ordered: bool) -> None:
+    """A publisher that restarted without them skips them: received here (held back, or given back
+    by a consumer that raised), they were used, so they are lost rather than void."""
+    s, _ = stream(ordered=ordered)
+    assert s.offer_all(["a", "b"], lambda x: "ab".index(x) + 1) == (["a", "b"], 0)
+    assert s.received_upto(100) == 2
+    s.offer(5, "e")  # early: held back (ordered) or delivered ahead (unordered)
+    assert s.received_upto(100) == 5 and s.received_upto(4) == 2
+    t, _ = stream(ordered=ordered)
+    assert t.offer_all(["a", "b", "c"], lambda x: "abc".index(x) + 1) == (["a", "b", "c"], 0)
+    t.undeliver([2, 3])
+    assert t.delivered == 1 and t.received_upto(100) == 3
+    assert t.skip(2, 3) == [] and t.lost == 2 and t.delivered == 3
+
+
 def test_hold_back_is_bounded() -> None:
     s, _ = stream(hold_max=3)
     for seq in (5, 6, 7):

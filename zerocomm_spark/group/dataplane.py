@@ -750,6 +750,17 @@ class DataPlane:
         self._io_call("rebind")
         log.info("group %r: removed member %s", group, did)
 
+    def set_joining(self, group: str, did: str, joining: bool) -> None:
+        """Whether member ``did`` is still checking its join. It takes and acks nothing until then,
+        which may take seconds: meanwhile it does not hold the publish window (what it lacks is kept
+        for it within the retention limits, as for an inactive member), so the publishers do not
+        wait on its join. Its receipts still wait for its acks."""
+        with self._lock:
+            if did not in self._group(group).members:
+                raise NotAMemberError(f"{did} is not a member of group {group!r} here")
+            outbox = self._group(group).outbox
+        outbox.set_joining(did, joining)
+
     def set_role(self, group: str, did: str, role: Role) -> None:
         """Switch a member's role (or this member's own, with ``did`` = our DID).
 
@@ -1639,6 +1650,15 @@ class DataPlane:
                 elif batch.base > stream.delivered:
                     # We restarted from an older position than we had acked (those were delivered), or
                     # the publisher restarted after seqs it may never have used (void): neither is lost.
+                    # But seqs we received and did not take (a listener raised, or held behind a hole)
+                    # were used and never acked: the restarted publisher no longer has them. Lost.
+                    seen = stream.received_upto(batch.base)
+                    if seen > stream.delivered:
+                        before = stream.lost
+                        out.extend(stream.skip(stream.delivered + 1, seen))
+                        if stream.lost > before:
+                            log.warning("group %r: %d message(s) of %s received but not taken here are no longer "
+                                        "held by it (it restarted) and were skipped", g.name, stream.lost - before, did)
                     if batch.void is not None:
                         first, last = max(batch.void[0], stream.delivered + 1), min(batch.void[1], batch.base)
                         if 0 <= last - first < _VOID_MAX:

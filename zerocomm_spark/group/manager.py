@@ -1174,12 +1174,15 @@ class GroupManager:
                         g.record.peers.pop(new.did, None)
                     self.dataplane.remove_member(g.name, new.did)
                     log.info("group %r: %s (%s) left", g.name, new.label, new.did)
-                elif old is None or (old.role, old.publish_endpoint, old.transport_key, old.peer_endpoint,
-                                     old.group_verkey) != (new.role, new.publish_endpoint, new.transport_key,
-                                                           new.peer_endpoint, new.group_verkey):
-                    record = self._record(connection_id)
-                    if record is not None and g.phase in (_ACTIVE, _RESUMING):
-                        self.dataplane.add_member(g.name, self._remote(new, record))
+                else:
+                    if old is None or (old.role, old.publish_endpoint, old.transport_key, old.peer_endpoint,
+                                       old.group_verkey) != (new.role, new.publish_endpoint, new.transport_key,
+                                                             new.peer_endpoint, new.group_verkey):
+                        record = self._record(connection_id)
+                        if record is not None and g.phase in (_ACTIVE, _RESUMING):
+                            self.dataplane.add_member(g.name, self._remote(new, record))
+                    if old is not None and old.status == JOINING and new.status != JOINING:
+                        self.dataplane.set_joining(g.name, new.did, False)  # its join checked out: it acks now
             except GroupError as exc:
                 log.info("group %r: data plane not updated for %s (%s)", g.name, new.did, type(exc).__name__)
         if changes:
@@ -1333,6 +1336,7 @@ class GroupManager:
             g.record.peers[entry.did] = record.connection_id
         try:
             self.dataplane.add_member(g.name, self._remote(current, record))
+            self.dataplane.set_joining(g.name, entry.did, current.status == JOINING)
             position = self.dataplane.stream_position(g.name, entry.did)
         except ZeroCommError as exc:
             with self._lock:

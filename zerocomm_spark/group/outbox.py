@@ -8,7 +8,8 @@ so a count alone could hold gigabytes):
 * the *window*: at most ``window`` messages (``window_bytes`` bytes) may be unacked by the slowest
   *active* member; beyond it ``publish`` waits, with a deadline, and fails with
   :class:`BackpressureError`. Members marked inactive (keepalives failed) do not hold the window,
-  so one dead member cannot stall a group. A publish from a delivery callback waits only past the
+  so one dead member cannot stall a group; nor do members still checking their join (they ack
+  nothing until it completes). A publish from a delivery callback waits only past the
   retention limits: the acks it would wait for may wait on that very callback;
 * the *retention* limit: messages owed only to inactive members are dropped past
   ``retention_max`` messages (``retention_max_bytes`` bytes); such a member learns the range is
@@ -51,6 +52,11 @@ class MemberAckState:
     active: bool = True
     last_progress: float = 0.0  # when ``acked`` last advanced (or the member was added)
     last_push: float = float("-inf")  # when we last pushed unacked messages to it
+    joining: bool = False  # its join is being checked: it acks nothing yet, so it holds no window
+
+    @property
+    def holds_window(self) -> bool:
+        return self.active and not self.joining
 
 
 class PublishReceipt:
@@ -214,9 +220,18 @@ class Outbox:
                     state.last_progress = self._clock()
                 self._progress_locked()
 
+    def set_joining(self, did: str, joining: bool) -> None:
+        """A member checking its join acks nothing yet: like an inactive one, it holds no window and
+        what only it lacks is kept within the retention limits (it is still pushed heartbeats)."""
+        with self._lock:
+            state = self._members.get(did)
+            if state is not None and state.joining != joining:
+                state.joining = joining
+                self._progress_locked()
+
     def members(self) -> dict[str, MemberAckState]:
         with self._lock:
-            return {did: MemberAckState(s.acked, s.active, s.last_progress, s.last_push)
+            return {did: MemberAckState(s.acked, s.active, s.last_progress, s.last_push, s.joining)
                     for did, s in self._members.items()}
 
     def base_of(self, did: str) -> int | None:
@@ -254,7 +269,7 @@ class Outbox:
 
     def _recompute_floor_locked(self) -> None:
         """The slowest active member's ack, cached: publish() reads it on every call."""
-        floor = self._active_floor = min((s.acked for s in self._members.values() if s.active), default=None)
+        floor = self._active_floor = min((s.acked for s in self._members.values() if s.holds_window), default=None)
         if floor is not None:  # messages before _first_seq are no longer held: they take no bytes
             i, ends = floor - self._first_seq, self._ends
             self._active_floor_bytes = (ends[i] if 0 <= i < len(ends)
@@ -296,8 +311,8 @@ class Outbox:
                     deadline = self._clock() + max(timeout, 0.0)
                 remaining = deadline - self._clock()
                 if remaining <= 0:
-                    floor = min((s.acked for s in self._members.values() if s.active), default=self._last_seq)
-                    slow = sorted(d for d, s in self._members.items() if s.active and s.acked <= floor)
+                    floor = min((s.acked for s in self._members.values() if s.holds_window), default=self._last_seq)
+                    slow = sorted(d for d, s in self._members.items() if s.holds_window and s.acked <= floor)
                     shown = ", ".join(slow[:8]) + (" ..." if len(slow) > 8 else "")
                     bound = (f"{'retention limits, from a delivery callback,' if in_callback else 'window'} "
                              f"{window} messages" + ("" if window_bytes is None else f", {window_bytes} bytes"))
@@ -541,7 +556,7 @@ class Outbox:
             self._freed_bytes = ends.popleft()
             self._first_seq += 1
         if self._over_retention_locked():
-            active_floor = min((s.acked for s in members if s.active), default=self._last_seq)
+            active_floor = min((s.acked for s in members if s.holds_window), default=self._last_seq)
             active_floor = min(active_floor, self._unsent_seq - 1)
             while self._over_retention_locked() and self._first_seq <= active_floor:
                 msgs.popleft()

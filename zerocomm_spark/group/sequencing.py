@@ -50,6 +50,7 @@ class PublisherStream(Generic[T]):
         "_last_nack",
         "_nack_out_at",
         "_nacks_out",
+        "_returned",
         "announced",
         "duplicates",
         "highest",
@@ -96,6 +97,7 @@ class PublisherStream(Generic[T]):
         self.duplicates = 0
         self.overflows = 0
         self.lost = 0  # seqs skipped because the publisher no longer had them
+        self._returned = 0  # highest seq given back by undeliver (received, not taken)
 
     # --- state -------------------------------------------------------------------------------
 
@@ -254,6 +256,7 @@ class PublisherStream(Generic[T]):
         if nxt is None or not seqs:
             return
         low = min(seqs)
+        self._returned = max(self._returned, max(seqs), nxt - 1)
         if self.ordered:
             if low >= nxt:
                 return
@@ -270,6 +273,12 @@ class PublisherStream(Generic[T]):
                 held.pop(seq, None)
         self._last_nack = self._clock()
         self._update_gap()
+
+    def received_upto(self, limit: int) -> int:
+        """The highest seq up to ``limit`` received here, delivered or not: held back (unordered:
+        delivered early) or given back by :meth:`undeliver`; ``delivered`` if none is beyond it."""
+        top = max(self.delivered, self._returned if self._returned <= limit else 0)
+        return max(top, max((seq for seq in self._held if seq <= limit), default=0))
 
     def note_announced(self, last: int) -> None:
         """The publisher said it published up to ``last``: a tail we lack is a gap too."""
