@@ -300,6 +300,10 @@ class DeliveryDeferredError(GroupError):
 
     hint = "A listener that keeps raising holds up that publisher's messages at this member: fix it or remove it"
 
+    def __init__(self, message: str, *, hint: str | None = None, taken: int = 0) -> None:
+        super().__init__(message, hint=hint)
+        self.taken = taken  # the batch's first ``taken`` messages were taken by every listener: ack them
+
 
 class DataPlaneClosedError(GroupError):
     """The data plane was used after close() (or before start())."""

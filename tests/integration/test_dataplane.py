@@ -637,7 +637,7 @@ def test_a_delivery_callback_that_raises_is_not_acked_and_gets_the_messages_agai
     got = [d.seq for d in bob.from_(alice)]
     assert sorted(got) == list(range(1, 21)) and (got == sorted(got) or not ordered)
     stats = bob.dp.stats()
-    assert stats["callback_errors"] >= 2 and stats["deliveries_deferred"] >= 2
+    assert stats["callback_errors"] == 2 and stats["deliveries_deferred"] >= 2  # one per raise, not per message
     assert bob.dp.positions("g")[alice.did] == 20
 
 

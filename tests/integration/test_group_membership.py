@@ -344,6 +344,36 @@ def test_a_listener_that_raises_gets_the_messages_again_and_the_others_get_them_
         alice.close()
 
 
+def test_what_every_listener_took_before_one_raised_is_acked_not_sent_again(tmp_path: Path) -> None:
+    """A per-message listener that raises at the sixth message of a batch has taken the first five,
+    as has every other listener: those are acked, and only the rest is re-sent and offered again
+    (deferring the whole batch re-fetched what everyone had)."""
+    singles: list[Delivered] = []
+    raised: list[bytes] = []
+
+    def flaky_single(message: Delivered) -> None:
+        if message.payload == b"m5" and not raised:
+            raised.append(message.payload)
+            raise ValueError("injected")
+        singles.append(message)
+
+    alice = Agent.open(tmp_path / "alice", label="alice", group_config=CONFIG)
+    bob = Agent.open(tmp_path / "bob", label="bob", group_config=CONFIG)
+    try:
+        alice.groups.create("g")
+        bob.groups.join("g", via=bob.accept(alice.invite()))
+        bob.groups.on_message(flaky_single)
+        sent = [f"m{i}".encode() for i in range(10)]
+        alice.groups.publish("g", sent).wait(20)  # one call: one envelope, one delivery batch
+        assert raised == [b"m5"] and [m.payload for m in singles] == sent
+        stats = bob.groups.dataplane.stats()
+        assert stats["deliveries_deferred"] == 5, stats  # m5..m9, not the whole batch
+        assert stats["messages_in"] == 10, stats
+    finally:
+        bob.close()
+        alice.close()
+
+
 def test_messages_that_arrive_while_joining_are_acked_only_after_the_listeners_ran(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Until its join completes a member delivers nothing; what arrives meanwhile must not be acked

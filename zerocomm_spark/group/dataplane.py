@@ -1725,7 +1725,8 @@ class DataPlane:
                 try:  # one call per delivery batch: a durable consumer commits the batch at once
                     many(fresh)
                 except Exception as exc:  # noqa: BLE001 - not taken: not acked, offered again when re-sent
-                    untaken, failure = fresh, exc
+                    taken = exc.taken if isinstance(exc, DeliveryDeferredError) else 0  # a prefix all took
+                    untaken, failure = fresh[min(max(taken, 0), len(fresh) - 1):], exc
             else:
                 for i, delivered in enumerate(fresh):
                     try:
@@ -1738,7 +1739,7 @@ class DataPlane:
                     log.debug("seqs %d-%d of %s in group %r not taken yet (%s)", untaken[0].seq, untaken[-1].seq,
                               did, group, failure)
                 else:  # the class only: an application's exception text may quote the payload
-                    errors += len(untaken)
+                    errors += 1
                     log.error("on_deliver raised %s for seqs %d-%d of %s in group %r; they are taken again when "
                               "re-sent", type(failure).__name__, untaken[0].seq, untaken[-1].seq, did, group)
                     log.debug("on_deliver traceback", exc_info=failure)

@@ -1456,16 +1456,31 @@ class GroupManager:
             listeners = list(self._listeners)
             batch_listeners = list(self._batch_listeners)
         now_taken = self._notify_all(listeners, batch_listeners, messages, taken)
+        done = len(messages)  # how many, from the first, every listener has taken: those are acked
+        if now_taken is not None:
+            everyone = [*listeners, *batch_listeners]
+            done = 0
+            for message in messages:
+                have = now_taken[(message.seq, message.message_id)]
+                if not all(any(c is listener for c in have) for listener in everyone):
+                    break
+                done += 1
         with self._lock:
+            mine = self._taken.get(key)
             if now_taken is not None:
-                self._taken.setdefault(key, {}).update(now_taken)
-            elif taken:
-                for message in messages:
-                    taken.pop((message.seq, message.message_id), None)
-                if not taken:
+                mine = self._taken.setdefault(key, {})
+                mine.update(now_taken)
+            if mine:
+                for message in messages[:done]:
+                    mine.pop((message.seq, message.message_id), None)
+                if g is not None and g.record.ordered:  # delivered in order: nothing older comes back
+                    for stale in [k for k in mine if k[0] < messages[0].seq]:
+                        del mine[stale]
+                if not mine:
                     self._taken.pop(key, None)
         if now_taken is not None:
-            raise DeliveryDeferredError(f"a listener did not take {len(messages)} message(s) of group {group!r}")
+            raise DeliveryDeferredError(f"a listener did not take {len(messages) - done} message(s) of group {group!r}",
+                                        taken=done)
 
     @staticmethod
     def _notify_all(listeners: list[Callable[[Delivered], None]],
