@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
+import shlex
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -468,7 +469,10 @@ def cmd_agent_start(ctx: Ctx) -> int:
     from zerocomm_spark.agent.daemon import run_foreground, start_detached
 
     if getattr(ctx.args, "detach", False):
-        again = "" if not ctx.config_path else f" --config {ctx.config_path}"
+        # The same file and flags (--identity-dir, --socket-dir...: the agent they name), quoted to paste as is.
+        again = "".join(f" {option} {shlex.quote(value)}" for option, value in
+                        ([("--config", str(ctx.config_path))] if ctx.config_path else [])
+                        + [("--set", o) for o in ctx.config.overrides()])
         health = start_detached(ctx.config, timeout=getattr(ctx.args, "timeout", None))
         ctx.out(health, lambda: f"agent {health.get('label')!r} running in the background (pid {health.get('pid')})\n"
                                 f"  API  {health.get('endpoints', {}).get('api')}\n"
@@ -797,7 +801,8 @@ def cmd_tail(ctx: Ctx) -> int:
         try:
             page = client.fetch(group=ctx.args.group, start=offset, wait=10.0)
         except (errors.AgentNotRunningError, errors.ApiTimeoutError):
-            client = _wait_for_restart(ctx, client)  # the journal keeps its offsets: go on from the same one
+            # The journal keeps its offsets: go on from the same one, labels looked up through the new client.
+            client = labels.client = _wait_for_restart(ctx, client)
             continue
         _print_rows(ctx, _rows(page.table), labels, stream=True)
         offset = page.next_offset
@@ -817,8 +822,9 @@ def _wait_for_restart(ctx: Ctx, old: Client) -> Client:
     sys.stderr.flush()
     while True:
         try:
-            return Client.connect(cfg.socket_dir, timeout=max(0.1, min(5.0, deadline - time.monotonic())),
-                                  call_timeout=ctx.timeout)
+            ctx._client = Client.connect(  # noqa: SLF001 - so that the context closes this one at exit
+                cfg.socket_dir, timeout=max(0.1, min(5.0, deadline - time.monotonic())), call_timeout=ctx.timeout)
+            return ctx._client  # noqa: SLF001
         except (errors.AgentNotRunningError, errors.ApiTimeoutError):
             if time.monotonic() >= deadline:
                 if held_by(cfg.socket_dir) is not None:

@@ -9,8 +9,8 @@ from __future__ import annotations
 import os
 import stat
 import time
-from pathlib import Path
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 from zerocomm_spark.errors import ConfigurationError, InsecurePermissionsError

@@ -300,9 +300,10 @@ class DeliveryDeferredError(GroupError):
 
     hint = "A listener that keeps raising holds up that publisher's messages at this member: fix it or remove it"
 
-    def __init__(self, message: str, *, hint: str | None = None, taken: int = 0) -> None:
+    def __init__(self, message: str, *, hint: str | None = None, taken: int = 0, raised: int = 0) -> None:
         super().__init__(message, hint=hint)
         self.taken = taken  # the batch's first ``taken`` messages were taken by every listener: ack them
+        self.raised = raised  # listener calls that raised (0: deferred for another reason, a join in progress)
 
 
 class DataPlaneClosedError(GroupError):

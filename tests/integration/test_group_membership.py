@@ -369,6 +369,7 @@ def test_what_every_listener_took_before_one_raised_is_acked_not_sent_again(tmp_
         stats = bob.groups.dataplane.stats()
         assert stats["deliveries_deferred"] == 5, stats  # m5..m9, not the whole batch
         assert stats["messages_in"] == 10, stats
+        assert stats["callback_errors"] == 1, stats  # the listener's one raise, counted through the manager
     finally:
         bob.close()
         alice.close()
@@ -455,4 +456,51 @@ def test_a_member_still_joining_does_not_hold_the_publishers_window(
     finally:
         release.set()
         for agent in (carol, bob, alice):
+            agent.close()
+
+
+def test_a_member_still_joining_does_not_hold_the_window_of_a_publisher_that_restarted(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """alice restarts while carol's join is still being checked: the resume adds every member back to
+    the data plane, and carol (joining in alice's view, acking nothing yet) must not hold alice's
+    window there any more than before the restart."""
+    config = GroupConfig(digest_interval_s=0.3, dataplane=DataPlaneConfig(window=100, retention_max=10_000))
+    joining, release = threading.Event(), threading.Event()
+    alice, carol = (Agent.open(tmp_path / n, label=n, group_config=config) for n in ("alice", "carol"))
+    agents = [alice, carol]
+    check = carol.groups._check_consistency  # noqa: SLF001
+
+    def held_check(*args: Any, **kwargs: Any) -> None:  # carol's join stops after alice admitted her
+        check(*args, **kwargs)
+        joining.set()
+        assert release.wait(60)
+
+    monkeypatch.setattr(carol.groups, "_check_consistency", held_check)
+    got: list[Delivered] = []
+    carol.groups.on_messages(got.extend)
+    joined: list[Any] = []
+    thread: threading.Thread | None = None
+    try:
+        alice.groups.create("g")
+        via = carol.accept(alice.invite())
+        thread = threading.Thread(target=lambda: joined.append(carol.groups.join("g", via=via, timeout=90)),
+                                  daemon=True)
+        thread.start()
+        assert joining.wait(30)
+        alice.close()
+        alice = agents[0] = Agent.open(tmp_path / "alice", label="alice", group_config=config)
+        alice.groups.wait_active("g", timeout=30)
+        sent = [f"w{i}".encode() for i in range(300)]  # three windows: carol takes and acks nothing yet
+        receipts = [alice.groups.publish("g", sent[i:i + 50], timeout=5) for i in range(0, len(sent), 50)]
+        release.set()
+        thread.join(60)
+        assert joined
+        for receipt in receipts:
+            receipt.wait(30)  # carol acked them too, once she took them
+        assert [m.payload for m in got if m.publisher_did == alice.groups.did] == sent
+    finally:
+        release.set()
+        if thread is not None:
+            thread.join(30)
+        for agent in agents:
             agent.close()

@@ -153,3 +153,80 @@ def test_paths_that_cannot_be_written_are_clear_errors_not_tracebacks(tmp_path, 
     answer = json.loads(capsys.readouterr().out)
     assert code == 2 and "cannot be written" in answer["error"]["message"], answer
     assert "--config" in answer["error"]["hint"]
+
+
+def test_tail_names_publishers_through_the_agent_it_follows_after_a_restart(monkeypatch, capsys) -> None:  # type: ignore[no-untyped-def]
+    """tail looked labels up through the client it started with; after following the agent across a
+    restart that client was closed, so every publisher first seen after it showed as a bare DID."""
+    import types
+
+    import pyarrow as pa
+
+    from zerocomm_spark.agent import cli
+    from zerocomm_spark.client import ReadResult
+
+    carol = "did:example:" + "c" * 60
+
+    class Old:
+        closed = False
+
+        def latest(self) -> dict[str, int]:
+            return {"next_offset": 0}
+
+        def members(self, group: str, timeout: float) -> list[dict[str, str]]:
+            if self.closed:
+                raise errors.ClientClosedError("the client is closed")
+            return []
+
+        def fetch(self, **kwargs: object) -> ReadResult:
+            raise errors.AgentNotRunningError("the agent stopped")
+
+    class New:
+        fetched = 0
+
+        def members(self, group: str, timeout: float) -> list[dict[str, str]]:
+            return [{"did": carol, "label": "carol"}]
+
+        def fetch(self, **kwargs: object) -> ReadResult:
+            self.fetched += 1
+            if self.fetched > 1:
+                raise KeyboardInterrupt  # ends the test's tail
+            row = {"offset": 0, "group": "g", "message_id": "m1", "publisher_did": carol, "seq": 1, "lamport_ts": 1,
+                   "sent_at": 0, "received_at": 0, "headers": None, "payload": b"hi"}
+            return ReadResult(table=pa.Table.from_pylist([row]), next_offset=1, end_offset=1)
+
+    old, new = Old(), New()
+    ctx = types.SimpleNamespace(args=types.SimpleNamespace(group="g", lines=0, no_follow=False), json=True,
+                                _client=old, client=lambda: old)
+
+    def restarted(ctx_: object, client: Old) -> New:
+        client.closed = True
+        return new
+
+    monkeypatch.setattr(cli, "_wait_for_restart", restarted)
+    with pytest.raises(KeyboardInterrupt):
+        cli.cmd_tail(ctx)  # type: ignore[arg-type]
+    assert json.loads(capsys.readouterr().out)["publisher_label"] == "carol"
+
+
+def test_the_stop_command_printed_by_a_detached_start_stops_that_agent(tmp_path, monkeypatch, capsys) -> None:  # type: ignore[no-untyped-def]
+    """The printed command must work pasted as is: a --config path with a space split into two
+    arguments, and an agent started with --identity-dir (no file) was told `zerocomm agent stop`,
+    which addresses the default identity's agent instead."""
+    import shlex
+
+    from zerocomm_spark.agent import cli, daemon
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.delenv("ZEROCOMM_CONFIG", raising=False)
+    config = tmp_path / "my conf" / "z.toml"
+    identity = tmp_path / "their id"
+    config.parent.mkdir()
+    config.write_text("[journal]\nfsync = \"always\"\n")
+    monkeypatch.setattr(daemon, "start_detached", lambda cfg, timeout=None: {"label": "x", "pid": 1})
+    assert cli.main(["--config", str(config), "--identity-dir", str(identity), "agent", "start", "--detach"]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("stop it with: "))
+    argv = shlex.split(line.removeprefix("stop it with: "))
+    assert argv[0] == "zerocomm" and argv[-2:] == ["agent", "stop"]
+    stopping = cli.Ctx(build_parser().parse_args(argv[1:]))
+    assert stopping.config_path == str(config) and stopping.config.identity_dir == identity

@@ -247,3 +247,14 @@ def test_invitations_of_another_minor_version_are_accepted(message_type: str) ->
     data["@type"] = message_type
     invitation = Invitation.from_url(_url_for(data))
     assert invitation.label == "alice" and invitation.to_dict()["@type"] == INVITATION
+
+
+@pytest.mark.parametrize("endpoint", ["tcp://127.0.0.1:45678\x1b[2J", "tcp://" + "a" * 2000])
+def test_a_service_endpoint_the_transport_cannot_dial_is_refused_with_the_invitation(endpoint: str) -> None:
+    """The invitation's check was a copy of the transport's that looked at the scheme only: such an
+    invitation was taken, and accept() then failed in the transport with a ConfigurationError
+    quoting the peer's text, as if the user had configured something wrong."""
+    data = _invitation().to_dict()
+    data["services"][0]["serviceEndpoint"] = endpoint
+    with pytest.raises(InvitationError, match="no usable service"):
+        OutOfBandManager.parse_url(_url_for(data))

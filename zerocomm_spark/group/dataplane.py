@@ -447,8 +447,9 @@ class DataPlane:
         self._on_deliver = on_deliver
         self._on_deliver_many = on_deliver_many
         # (group, publisher, seqs): new seqs whose message ids were delivered before - a publisher
-        # re-sending under new seqs (a retried sink task after its agent restarted). Called before
-        # they are acked, so a journal can record that those seqs have no row by design.
+        # re-sending under new seqs (a retried sink task after its agent restarted) - and void seqs
+        # a publisher restarted after a crash skipped. Called before they are acked, so a journal can
+        # record that those seqs have no row by design.
         self._on_superseded = on_superseded
         self._on_state = on_state
         self.config = config
@@ -1736,6 +1737,7 @@ class DataPlane:
                         break
             if failure is not None:
                 if isinstance(failure, DeliveryDeferredError):  # the manager logged its listener's failure
+                    errors += failure.raised  # listener calls that raised: 0 while a join is checked
                     log.debug("seqs %d-%d of %s in group %r not taken yet (%s)", untaken[0].seq, untaken[-1].seq,
                               did, group, failure)
                 else:  # the class only: an application's exception text may quote the payload

@@ -669,6 +669,12 @@ class GroupManager:
                             my_relationship_verkey=record.my_verkey, publish_endpoint=entry.publish_endpoint,
                             transport_key=entry.transport_key, peer_endpoint=entry.peer_endpoint, role=entry.role)
 
+    def _add_member(self, g: _Group, entry: MemberEntry, record: ConnectionRecord) -> None:
+        """Add (or update) ``entry`` on the data plane. A member still checking its join acks nothing
+        until it completes, so it holds no publish window meanwhile (``_apply`` clears that after)."""
+        self.dataplane.add_member(g.name, self._remote(entry, record))
+        self.dataplane.set_joining(g.name, entry.did, entry.status == JOINING)
+
     def _pair_did(self, g: _Group, record: ConnectionRecord) -> str | None:
         """The member DID we have a relationship with over this connection, in this group."""
         with self._lock:
@@ -1050,7 +1056,7 @@ class GroupManager:
                     with self._lock:
                         g.record.peers.pop(did, None)
                     continue
-                self.dataplane.add_member(g.name, self._remote(entry, record))
+                self._add_member(g, entry, record)
             with self._lock:
                 left = g.phase == _LEAVING
                 if not left:
@@ -1180,7 +1186,7 @@ class GroupManager:
                                                              new.peer_endpoint, new.group_verkey):
                         record = self._record(connection_id)
                         if record is not None and g.phase in (_ACTIVE, _RESUMING):
-                            self.dataplane.add_member(g.name, self._remote(new, record))
+                            self._add_member(g, new, record)
                     if old is not None and old.status == JOINING and new.status != JOINING:
                         self.dataplane.set_joining(g.name, new.did, False)  # its join checked out: it acks now
             except GroupError as exc:
@@ -1335,8 +1341,7 @@ class GroupManager:
             current = g.view.get(entry.did) or entry
             g.record.peers[entry.did] = record.connection_id
         try:
-            self.dataplane.add_member(g.name, self._remote(current, record))
-            self.dataplane.set_joining(g.name, entry.did, current.status == JOINING)
+            self._add_member(g, current, record)
             position = self.dataplane.stream_position(g.name, entry.did)
         except ZeroCommError as exc:
             with self._lock:
@@ -1455,7 +1460,7 @@ class GroupManager:
                     self._hand_over(g, message)
             listeners = list(self._listeners)
             batch_listeners = list(self._batch_listeners)
-        now_taken = self._notify_all(listeners, batch_listeners, messages, taken)
+        now_taken, raised = self._notify_all(listeners, batch_listeners, messages, taken)
         done = len(messages)  # how many, from the first, every listener has taken: those are acked
         if now_taken is not None:
             everyone = [*listeners, *batch_listeners]
@@ -1480,17 +1485,17 @@ class GroupManager:
                     self._taken.pop(key, None)
         if now_taken is not None:
             raise DeliveryDeferredError(f"a listener did not take {len(messages) - done} message(s) of group {group!r}",
-                                        taken=done)
+                                        taken=done, raised=raised)
 
     @staticmethod
     def _notify_all(listeners: list[Callable[[Delivered], None]],
                     batch_listeners: list[Callable[[list[Delivered]], None]], messages: list[Delivered],
-                    taken: Mapping[tuple[int, str], list[Any]]) -> dict[tuple[int, str], list[Any]] | None:
+                    taken: Mapping[tuple[int, str], list[Any]]) -> tuple[dict[tuple[int, str], list[Any]] | None, int]:
         """Call each listener with the messages it has not taken yet (``taken``: a re-sent batch).
 
-        Returns None if every call returned; else, per message, the listeners that have it now. One
-        listener's failure does not stop the others; a per-message listener that raised is not called
-        again for the rest of the batch (delivery is FIFO).
+        Returns (None, 0) if every call returned; else, per message, the listeners that have it now,
+        and how many listeners raised. One listener's failure does not stop the others; a per-message
+        listener that raised is not called again for the rest of the batch (delivery is FIFO).
         """
         def pending(callback: Any) -> list[Delivered]:
             if not taken:
@@ -1526,7 +1531,7 @@ class GroupManager:
                                   "again when re-sent", type(exc).__name__, message.group)
                         log.debug("on_message traceback", exc_info=exc)
         if not failed:
-            return None
+            return None, 0
         now = {(m.seq, m.message_id): list(taken.get((m.seq, m.message_id), ())) for m in messages}
         for batch_callback, batch in returned:
             for m in batch:
@@ -1536,7 +1541,7 @@ class GroupManager:
                 have = now[(m.seq, m.message_id)]
                 if not any(c is callback for c in have):
                     have.append(callback)
-        return now
+        return now, len(failed)
 
     def _hand_over(self, g: _Group | None, message: Delivered) -> None:
         """Into the history and the receive() buffer (caller holds the lock)."""

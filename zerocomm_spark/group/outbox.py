@@ -11,9 +11,9 @@ so a count alone could hold gigabytes):
   so one dead member cannot stall a group; nor do members still checking their join (they ack
   nothing until it completes). A publish from a delivery callback waits only past the
   retention limits: the acks it would wait for may wait on that very callback;
-* the *retention* limit: messages owed only to inactive members are dropped past
-  ``retention_max`` messages (``retention_max_bytes`` bytes); such a member learns the range is
-  gone when it asks for it.
+* the *retention* limit: messages owed only to members holding no window (inactive, or still
+  checking their join) are dropped past ``retention_max`` messages (``retention_max_bytes``
+  bytes); such a member learns the range is gone when it asks for it.
 
 Receipts resolve when every *current* member has acked their last message; members added later do
 not count (they were never owed earlier messages) and removed members stop counting. A member told
@@ -546,7 +546,7 @@ class Outbox:
             self.retention_max_bytes is not None and self._total_bytes - self._freed_bytes > self.retention_max_bytes)
 
     def _trim_locked(self) -> None:
-        """Free what every member acked; past the retention limits, what only inactive members lack."""
+        """Free what every member acked; past the retention limits, what only members holding no window lack."""
         members = self._members.values()
         floor = min((s.acked for s in members), default=self._last_seq)
         floor = min(floor, self._unsent_seq - 1)  # keep what the sender has not taken yet

@@ -11,8 +11,8 @@ import base64
 import binascii
 import importlib
 import json
-import threading
 import re
+import threading
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field

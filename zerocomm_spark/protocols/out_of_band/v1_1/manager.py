@@ -23,6 +23,7 @@ from zerocomm_spark.protocols.out_of_band.v1_1.messages import (
     Invitation,
     Service,
 )
+from zerocomm_spark.transport.peer import dialable
 
 __all__ = ["InvitationRecord", "OutOfBandManager", "ReceivedInvitation", "SUPPORTED_SCHEMES"]
 
@@ -32,7 +33,7 @@ RECORD_KIND = "invitation"
 KEY_PURPOSE = "invitation"
 # The handshake protocols we can answer: DID exchange 1.0 and its later minor versions.
 _DIDEXCHANGE_1_X = re.compile(re.escape(DIDEXCHANGE_1_0[:-1]) + r"[0-9]+")
-# Endpoints our transport can dial.
+# The schemes our transport can dial (an endpoint is checked whole with its dialable()).
 SUPPORTED_SCHEMES = ("tcp://", "ipc://", "inproc://")
 
 
@@ -174,7 +175,7 @@ class OutOfBandManager:
             except DIDError as exc:
                 problems.append(f"services[{i}]: {exc.args[0] if exc.args else exc}")
                 continue
-            if not endpoint or not endpoint.startswith(SUPPORTED_SCHEMES):
+            if not dialable(endpoint):  # the transport's own check: accept() could not send to it
                 problems.append(f"services[{i}] has no ZeroMQ endpoint (tcp://, ipc://)")
                 continue
             return ReceivedInvitation(invitation, verkey, endpoint)
