@@ -295,9 +295,10 @@ def load(config: str | os.PathLike[str] | None = None, *, env: Mapping[str, str]
                     value = str(path.parent.absolute() / value)  # the file's own directory, not wherever it is run from
                 values[section][key] = value
                 source[f"{section}.{key}"] = str(path)
+    passphrase_vars = {values["identity"]["passphrase_env"], env.get(ENV_PREFIX + "IDENTITY_PASSPHRASE_ENV")}
     for name, value in env.items():
-        if not name.startswith(ENV_PREFIX) or name in _NOT_SETTINGS:
-            continue
+        if not name.startswith(ENV_PREFIX) or name in _NOT_SETTINGS or name in passphrase_vars:
+            continue  # (the variable identity.passphrase_env names holds the passphrase: not a setting either)
         rest = name[len(ENV_PREFIX):].lower()
         section, _, key = rest.partition("_")
         if section not in DEFAULTS or key not in DEFAULTS[section]:

@@ -155,3 +155,14 @@ def test_an_endless_timeout_in_the_file_is_refused(tmp_path: Path) -> None:
     path.write_text("[agent]\nstop_timeout = inf\n")  # valid TOML
     with pytest.raises(ConfigurationError, match="must be a finite number"):
         cfgmod.load(path, env={})
+
+
+def test_the_passphrase_variable_is_not_taken_for_a_misspelt_setting(tmp_path: Path) -> None:
+    """identity.passphrase_env may name a ZEROCOMM_* variable: it holds the passphrase, and every
+    command warned that it "names no setting"."""
+    path = tmp_path / "z.toml"
+    path.write_text('[identity]\npassphrase_env = "ZEROCOMM_SECRET"\n')
+    cfg = cfgmod.load(path, env={"ZEROCOMM_SECRET": "hunter2", "ZEROCOMM_NOPE": "1"})
+    assert len(cfg.warnings) == 1 and "ZEROCOMM_NOPE" in cfg.warnings[0]
+    cfg = cfgmod.load(None, env={"ZEROCOMM_IDENTITY_PASSPHRASE_ENV": "ZEROCOMM_PW", "ZEROCOMM_PW": "x"})
+    assert cfg.warnings == () and cfg.get("identity", "passphrase_env") == "ZEROCOMM_PW"
