@@ -504,3 +504,33 @@ def test_a_member_still_joining_does_not_hold_the_window_of_a_publisher_that_res
             thread.join(30)
         for agent in agents:
             agent.close()
+
+
+def test_what_a_listener_failed_on_is_forgotten_once_its_ordered_stream_moved_past_it(tmp_path: Path) -> None:
+    """The taken-by record of messages a listener raised for waits for their re-send; if they are
+    skipped instead (lost, void), an ordered stream's next delivery shows they never come back, and
+    the record goes (it stayed until the member left the group)."""
+    from zerocomm_spark.errors import DeliveryDeferredError
+
+    alice = Agent.open(tmp_path / "alice", label="alice", group_config=CONFIG)
+    try:
+        alice.groups.create("g")  # ordered
+        failed: list[int] = []
+
+        def flaky(message: Delivered) -> None:
+            if message.seq == 5 and not failed:
+                failed.append(message.seq)
+                raise ValueError("injected")
+
+        alice.groups.on_message(flaky)
+
+        def delivered(seq: int) -> Delivered:
+            return Delivered("g", f"m{seq}", "did:peer:2.publisher", seq, seq, 0.0, 0.0, b"x")
+
+        with pytest.raises(DeliveryDeferredError):
+            alice.groups._on_deliver_many([delivered(5), delivered(6)])  # noqa: SLF001 - the data plane's entry point
+        assert alice.groups._taken  # noqa: SLF001 - waiting for the re-send of 5 and 6
+        alice.groups._on_deliver_many([delivered(9)])  # noqa: SLF001 - 5..8 were skipped (lost), not re-sent
+        assert not alice.groups._taken  # noqa: SLF001
+    finally:
+        alice.close()
