@@ -232,6 +232,54 @@ def test_torn_tail_is_truncated_and_every_complete_record_kept(jdir: Path, key: 
         assert seqs(j.read(0)) == list(range(1, 71))
 
 
+_CHILD_FILE_SIZE_LIMIT = """
+import resource, sys
+from zerocomm_spark.errors import JournalError
+from zerocomm_spark.journal import Journal
+j = Journal.open(sys.argv[1], key=bytes.fromhex(sys.argv[2]), fsync="never")
+rows = lambda a, b, size: [{"group": "g", "message_id": f"m{s}", "publisher_did": "did:peer:2.x", "seq": s,
+                            "lamport_ts": s, "sent_at": 1, "received_at": 1, "payload": bytes(size)}
+                           for s in range(a, b + 1)]
+j.append(rows(1, 10, 100))
+size = sum(p.stat().st_size for p in j.directory.glob("*.zcj"))
+resource.setrlimit(resource.RLIMIT_FSIZE, (size + 300_000, resource.RLIM_INFINITY))
+try:
+    j.append(rows(11, 60, 20_000))  # ~1 MB in one record: the limit stops its write part-way
+except JournalError as exc:
+    print("append failed:", exc)
+    try:
+        j.append(rows(61, 61, 10))
+    except JournalError as later:
+        print("later append failed:", later)
+        sys.exit(3)
+sys.exit(0)
+"""
+
+
+def test_a_write_cut_off_part_way_fails_the_append_and_reopening_cuts_the_torn_record(
+        jdir: Path, key: bytes) -> None:
+    """A real write that stops part-way through a record (the process's file-size limit: a short write,
+    then EFBIG): the append fails, the journal stops taking appends, and the next open truncates the
+    part that reached the file, so the re-send fills exactly the gap."""
+    import subprocess
+    import sys
+    import textwrap
+
+    done = subprocess.run([sys.executable, "-c", textwrap.dedent(_CHILD_FILE_SIZE_LIMIT), str(jdir), key.hex()],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 3, done.stdout + done.stderr
+    assert "File too large" in done.stdout and "later append failed" in done.stdout
+    (segment,) = segments(jdir)
+    cut_at = segment.stat().st_size
+    with Journal.open(jdir, key=key) as j:
+        assert j.next_offset == 10
+        assert segment.stat().st_size < cut_at  # the part of the record that was written is gone
+        again = [{"group": "g", "message_id": f"m{s}", "publisher_did": "did:peer:2.x", "seq": s, "lamport_ts": s,
+                  "sent_at": 1, "received_at": 1, "payload": bytes(20_000)} for s in range(11, 61)]
+        assert j.append(again).appended == 50
+        assert seqs(j.read(0)) == list(range(1, 61))
+
+
 def test_torn_segment_header_of_a_new_segment_is_rewritten(jdir: Path, key: bytes) -> None:
     journal_with(jdir, key, 4)
     (jdir / f"{20:020d}.zcj").write_bytes(b"ZCJS\x01")  # crash while creating the next segment
