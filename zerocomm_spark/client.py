@@ -142,10 +142,14 @@ def resolve_socket_dir(config: str | os.PathLike[str] | None = None,
             raise ConfigurationError(f"cannot read the configuration file {path}: {exc}") from None
     api = data.get("api") if isinstance(data.get("api"), dict) else {}
     identity = data.get("identity") if isinstance(data.get("identity"), dict) else {}
-    socket_dir = env.get("ZEROCOMM_API_SOCKET_DIR", api.get("socket_dir", ""))
-    identity_dir = env.get("ZEROCOMM_IDENTITY_DIR", identity.get("dir", DEFAULT_IDENTITY_DIR))
-    if not isinstance(socket_dir, str) or not isinstance(identity_dir, str):
+    in_file = {"socket_dir": api.get("socket_dir", ""), "dir": identity.get("dir", DEFAULT_IDENTITY_DIR)}
+    if not all(isinstance(v, str) for v in in_file.values()):
         raise ConfigurationError("api.socket_dir and identity.dir must be strings")
+    if path is not None:  # a relative path in the file is relative to the file, as the agent reads it
+        in_file = {k: v if not v or os.path.isabs(os.path.expanduser(v)) else str(path.parent.absolute() / v)
+                   for k, v in in_file.items()}
+    socket_dir = env.get("ZEROCOMM_API_SOCKET_DIR", in_file["socket_dir"])
+    identity_dir = env.get("ZEROCOMM_IDENTITY_DIR", in_file["dir"])
     if socket_dir:
         return Path(socket_dir).expanduser().absolute()
     return default_socket_dir(identity_dir or DEFAULT_IDENTITY_DIR)

@@ -244,3 +244,34 @@ def test_send_from_stdin_goes_in_chunks_a_request_can_carry(tmp_path: Path) -> N
         assert [r["payload"] for r in rows] == lines
     finally:
         solo.stop()
+
+
+def test_a_config_file_with_relative_paths_names_one_agent_from_any_directory(tmp_path: Path,
+                                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """A relative identity.dir in a file is relative to the file (the agent's reading): the Python
+    client, given that file, looked for the agent's socket relative to its own current directory
+    instead, and found no agent (or, with spawn=True, would start one for another identity)."""
+    from zerocomm_spark.client import Client
+
+    home = tmp_path / "conf"
+    home.mkdir()
+    config = home / "z.toml"
+    config.write_text('[identity]\ndir = "member"\nlabel = "rel"\n')
+    made = subprocess.run([*ZEROCOMM, "--config", "conf/z.toml", "--json", "init"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=60)
+    assert made.returncode == 0, made.stdout + made.stderr
+    assert json.loads(made.stdout)["identity_dir"] == str(home / "member")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    started = subprocess.run([*ZEROCOMM, "--config", str(config), "--json", "agent", "start", "--detach"],
+                             cwd=elsewhere, capture_output=True, text=True, timeout=60)
+    try:
+        assert started.returncode == 0, started.stdout + started.stderr
+        monkeypatch.chdir(elsewhere)
+        for where in ({"where": str(config)}, {"config": str(config)}):
+            with Client.connect(**where, timeout=10) as client:  # type: ignore[arg-type]
+                assert client.status()["label"] == "rel"
+    finally:
+        subprocess.run([*ZEROCOMM, "--config", str(config), "agent", "stop", "--timeout", "15"],
+                       capture_output=True, timeout=30)
+

@@ -123,6 +123,13 @@ def test_client_finds_the_socket_dir_the_agent_uses(tmp_path: Path, monkeypatch:
         (path, {"ZEROCOMM_API_SOCKET_DIR": str(tmp_path / "sock")}),
         (None, {"ZEROCOMM_CONFIG": str(path)}),
     ]
+    (tmp_path / "conf").mkdir()
+    relative = tmp_path / "conf" / "rel.toml"  # relative to the file, whatever the current directory
+    relative.write_text('[identity]\ndir = "member"\n')
+    cases += [(relative, {}), (relative, {"ZEROCOMM_API_SOCKET_DIR": "sock"})]
+    relative_sock = tmp_path / "conf" / "sock.toml"
+    relative_sock.write_text('[api]\nsocket_dir = "../run"\n')
+    cases += [(relative_sock, {}), (relative_sock, {"ZEROCOMM_IDENTITY_DIR": "elsewhere"})]
     for config, env in cases:
         assert resolve_socket_dir(config, env) == cfgmod.load(config, env=env).socket_dir, (config, env)
 
