@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
+import os
 import shlex
 import sys
 import time
@@ -443,6 +444,10 @@ def cmd_init(ctx: Ctx) -> int:
         values = {s: dict(v) for s, v in cfg.values.items()}
         values["identity"]["dir"] = str(cfg.identity_dir)
         values["identity"]["label"] = label
+        for section, key in config_mod._PATH_SETTINGS:  # noqa: SLF001 - meant from here, relative to the file once written
+            value = values[section][key]
+            if value and not os.path.isabs(os.path.expanduser(value)):
+                values[section][key] = str(Path(value).absolute())
         try:
             target.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
             target.write_text(config_mod.render_toml(values), encoding="utf-8")
@@ -494,7 +499,6 @@ def cmd_agent_start(ctx: Ctx) -> int:
     # Everything durable is closed by now. Exit at once: the interpreter would otherwise join
     # worker threads still parked in network waits (pings, resumes) for seconds.
     import logging
-    import os
 
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):

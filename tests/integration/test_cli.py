@@ -275,3 +275,22 @@ def test_a_config_file_with_relative_paths_names_one_agent_from_any_directory(tm
         subprocess.run([*ZEROCOMM, "--config", str(config), "agent", "stop", "--timeout", "15"],
                        capture_output=True, timeout=30)
 
+
+def test_init_writes_the_paths_it_was_given_as_they_were_meant(tmp_path: Path) -> None:
+    """init copies flags and ZEROCOMM_* settings into the file it writes; a relative path there is
+    read relative to the file, so `--set journal.dir=j` typed in one directory named another
+    directory's j once written (init reported one socket directory, the agent then used another)."""
+    work = tmp_path / "work"
+    work.mkdir()
+    config = tmp_path / "conf" / "z.toml"
+    env = {**os.environ, "ZEROCOMM_API_SOCKET_DIR": "sock"}
+    made = subprocess.run([*ZEROCOMM, "--config", str(config), "--json", "--identity-dir", str(tmp_path / "id"),
+                           "--set", "journal.dir=j", "--set", "log.file=logs/agent.log", "init"],
+                          cwd=work, env=env, capture_output=True, text=True, timeout=60)
+    assert made.returncode == 0, made.stdout + made.stderr
+    assert json.loads(made.stdout)["socket_dir"] == str(work / "sock")
+    shown = zerocomm("--config", str(config), "--json", "config")
+    assert shown.code == 0, shown.stderr
+    assert shown.json["journal_dir"] == str(work / "j")
+    assert shown.json["socket_dir"] == str(work / "sock")
+    assert shown.json["values"]["log"]["file"] == str(work / "logs" / "agent.log")
