@@ -663,14 +663,23 @@ _SEND_CHUNK_LINES = 10_000
 _SEND_CHUNK_BYTES = 1 << 20
 
 
-def _stdin_chunks() -> Iterator[list[str]]:
+def _stdin_chunks(request_bytes: Callable[[], int]) -> Iterator[list[str]]:
+    """Lines of stdin in chunks of at most half the agent's request limit (in UTF-8 bytes, as sent),
+    asked for at the first line."""
     chunk: list[str] = []
     size = 0
+    limit = None
     for line in sys.stdin:
+        if limit is None:
+            limit = min(_SEND_CHUNK_BYTES, max(request_bytes() // 2, 1))
         text = line.rstrip("\n")
+        cost = len(text.encode("utf-8", "surrogateescape")) + 64
+        if chunk and size + cost > limit:
+            yield chunk
+            chunk, size = [], 0
         chunk.append(text)
-        size += len(text) + 64
-        if len(chunk) >= _SEND_CHUNK_LINES or size >= _SEND_CHUNK_BYTES:
+        size += cost
+        if len(chunk) >= _SEND_CHUNK_LINES:
             yield chunk
             chunk, size = [], 0
     if chunk:
@@ -683,7 +692,7 @@ def cmd_send(ctx: Ctx) -> int:
         if a.message_id:  # one id for many lines would publish the first and drop the rest as duplicates
             raise errors.ConfigurationError("--id names one message; it cannot go with - (lines from stdin)",
                                             hint="Send each line with its own --id, or leave --id out")
-        chunks: Iterator[list[str]] = _stdin_chunks()
+        chunks: Iterator[list[str]] = _stdin_chunks(lambda: ctx.client().max_request_bytes)
         ids = None
     else:
         chunks = iter([[a.message]])

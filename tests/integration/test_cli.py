@@ -294,3 +294,21 @@ def test_init_writes_the_paths_it_was_given_as_they_were_meant(tmp_path: Path) -
     assert shown.json["journal_dir"] == str(work / "j")
     assert shown.json["socket_dir"] == str(work / "sock")
     assert shown.json["values"]["log"]["file"] == str(work / "logs" / "agent.log")
+
+
+def test_send_from_stdin_fits_its_chunks_to_the_agents_request_limit(tmp_path: Path) -> None:
+    """`send -` cut stdin into chunks of about a million characters whatever the agent takes: with a
+    smaller api.max_request_bytes (or text that is not ASCII: bytes, not characters, fill a request)
+    the first chunk was refused whole with RequestTooLargeError."""
+    lines = [f"{i:05d} " + "é" * 500 + "x" * 494 for i in range(2_000)]  # 1,500 bytes a line, 3 MB in all
+    solo = Member(tmp_path, "solo", "api.max_request_bytes=300000")
+    try:
+        start_all([solo])
+        solo.ok("group", "create", "g")
+        sent = solo.run("send", "g", "-", input="\n".join(lines) + "\n", timeout=120)
+        assert sent.code == 0, sent.stdout + sent.stderr
+        assert sent.json["seqs"] == list(range(1, 2_001))
+        rows = solo.run("history", "g", "--all", timeout=120).json_lines
+        assert [r["payload"] for r in rows] == lines
+    finally:
+        solo.stop()
