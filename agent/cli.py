@@ -465,7 +465,7 @@ def cmd_init(ctx: Ctx) -> int:
         f"{'created' if not existing else 'found'} the identity {label!r} in {cfg.identity_dir}",
         f"{'wrote' if wrote else 'kept the existing'} configuration {target}"
         + ("" if wrote else " (--force to overwrite)"),
-        f"next: zerocomm{'' if not ctx.config_path else ' --config ' + str(target)} agent start --detach",
+        f"next: zerocomm{'' if not ctx.config_path else ' --config ' + shlex.quote(str(target))} agent start --detach",
     ]))
     return EXIT_OK
 

@@ -312,3 +312,25 @@ def test_send_from_stdin_fits_its_chunks_to_the_agents_request_limit(tmp_path: P
         assert [r["payload"] for r in rows] == lines
     finally:
         solo.stop()
+
+
+def test_the_start_command_init_prints_works_as_printed(tmp_path: Path) -> None:
+    """`init --config PATH` prints the command that starts the agent; a PATH with a space (or a quote)
+    was printed bare, so pasted into a shell it named another file (the stop command a detached
+    start prints was quoted already)."""
+    import shlex
+
+    root = tmp_path / "it's my dir"
+    root.mkdir()
+    member = Member(root, "spaced")
+    made = member.run("init", "--identity-dir", str(member.identity), "--label", "spaced", json_out=False)
+    assert made.code == 0, made.stderr
+    line = next(x for x in made.stdout.splitlines() if x.startswith("next: "))
+    argv = shlex.split(line[len("next: "):])  # what a shell makes of it
+    assert argv[:3] == ["zerocomm", "--config", str(member.config)], argv
+    try:
+        started = zerocomm(*argv[1:], "--json")
+        assert started.code == 0, started.stdout + started.stderr
+        assert member.ok("agent", "status")["label"] == "spaced"
+    finally:
+        member.stop()
