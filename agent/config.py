@@ -295,7 +295,9 @@ def load(config: str | os.PathLike[str] | None = None, *, env: Mapping[str, str]
                     value = str(path.parent.absolute() / value)  # the file's own directory, not wherever it is run from
                 values[section][key] = value
                 source[f"{section}.{key}"] = str(path)
-    passphrase_vars = {values["identity"]["passphrase_env"], env.get(ENV_PREFIX + "IDENTITY_PASSPHRASE_ENV")}
+    items = list(flags.items()) if isinstance(flags, Mapping) else [_split_flag(f) for f in flags]
+    passphrase_vars = {values["identity"]["passphrase_env"], env.get(ENV_PREFIX + "IDENTITY_PASSPHRASE_ENV"),
+                       *(value for name, value in items if name == "identity.passphrase_env")}
     for name, value in env.items():
         if not name.startswith(ENV_PREFIX) or name in _NOT_SETTINGS or name in passphrase_vars:
             continue  # (the variable identity.passphrase_env names holds the passphrase: not a setting either)
@@ -306,7 +308,6 @@ def load(config: str | os.PathLike[str] | None = None, *, env: Mapping[str, str]
             continue
         values[section][key] = _coerce(section, key, value, f"env {name}")
         source[f"{section}.{key}"] = f"env {name}"
-    items = flags.items() if isinstance(flags, Mapping) else [_split_flag(f) for f in flags]
     for name, value in items:
         section, key = _split_name(name, "flag")
         values[section][key] = _coerce(section, key, value, f"flag {name}")

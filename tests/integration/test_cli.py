@@ -334,3 +334,14 @@ def test_the_start_command_init_prints_works_as_printed(tmp_path: Path) -> None:
         assert member.ok("agent", "status")["label"] == "spaced"
     finally:
         member.stop()
+
+
+def test_the_passphrase_variable_named_by_a_flag_is_not_a_misspelt_setting(tmp_path: Path) -> None:
+    """identity.passphrase_env set by --set (not the file or the environment) still had every command
+    warn that the ZEROCOMM_* variable it names "names no setting"."""
+    env = {**os.environ, "ZEROCOMM_PW": "correct horse"}
+    shown = zerocomm("--identity-dir", str(tmp_path / "id"), "--set", "identity.passphrase_env=ZEROCOMM_PW",
+                     "--json", "config", env=env)
+    assert shown.code == 0, shown.stderr
+    assert "ZEROCOMM_PW" not in shown.stderr and shown.json["warnings"] == [], shown.stderr
+    assert "correct horse" not in shown.stdout + shown.stderr
