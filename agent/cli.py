@@ -25,6 +25,7 @@ from zerocomm_spark.agent.output import (
     emit_json,
     format_payload,
     format_time,
+    json_payload,
     printable,
     render_pairs,
     render_table,
@@ -763,7 +764,7 @@ def _print_rows(ctx: Ctx, rows: list[dict[str, Any]], labels: _Labels, *, stream
                        "publisher_did": row["publisher_did"], "publisher_label": labels(row["publisher_did"]),
                        "seq": row["seq"], "lamport_ts": row["lamport_ts"], "sent_at": row["sent_at"],
                        "received_at": row["received_at"], "headers": row.get("headers"),
-                       "payload": format_payload(row["payload"])})
+                       **json_payload(row["payload"])})
         return
     shaped = [{"offset": r["offset"], "time": format_time(r["sent_at"]), "from": labels(r["publisher_did"]),
                "seq": r["seq"], "message": format_payload(r["payload"], 200)} for r in rows]

@@ -7,7 +7,9 @@ stream), and the choice must be the same everywhere.
 
 from __future__ import annotations
 
+import base64
 import json
+import re
 import sys
 import threading
 import time
@@ -15,13 +17,32 @@ from collections.abc import Iterable, Mapping, Sequence
 from datetime import datetime, timezone
 from typing import Any, TextIO
 
-__all__ = ["Progress", "emit_json", "printable", "render_table", "short_did", "format_time", "format_payload"]
+__all__ = ["Progress", "emit_json", "printable", "render_table", "short_did", "format_time", "format_payload",
+           "json_payload"]
+
+
+# DEL and the C1 controls: json.dumps leaves them raw with ensure_ascii=False, and a terminal may act on
+# them (U+009B is a CSI). In JSON output they can only be inside strings, where \u escapes mean the same.
+_RAW_CONTROLS = re.compile("[\x7f-\x9f]")
 
 
 def emit_json(value: Any, stream: TextIO | None = None) -> None:
     out = stream or sys.stdout
-    out.write(json.dumps(value, default=str, ensure_ascii=False) + "\n")
+    text = json.dumps(value, default=str, ensure_ascii=False)
+    out.write(_RAW_CONTROLS.sub(lambda m: f"\\u{ord(m.group()):04x}", text) + "\n")
     out.flush()
+
+
+def json_payload(payload: bytes | None) -> dict[str, str | None]:
+    """A payload for JSON output, exactly: ``payload`` its UTF-8 text (control characters JSON-escaped;
+    the hex marker of format_payload if it is not UTF-8), ``payload_base64`` its bytes, always."""
+    if payload is None:
+        return {"payload": None, "payload_base64": None}
+    try:
+        text = payload.decode("utf-8")
+    except UnicodeDecodeError:
+        text = format_payload(payload)
+    return {"payload": text, "payload_base64": base64.b64encode(payload).decode("ascii")}
 
 
 def printable(text: str, keep: str = "") -> str:

@@ -345,3 +345,31 @@ def test_the_passphrase_variable_named_by_a_flag_is_not_a_misspelt_setting(tmp_p
     assert shown.code == 0, shown.stderr
     assert "ZEROCOMM_PW" not in shown.stderr and shown.json["warnings"] == [], shown.stderr
     assert "correct horse" not in shown.stdout + shown.stderr
+
+
+def test_json_history_and_tail_carry_every_payload_exactly(tmp_path: Path) -> None:
+    """A script reading `history --json` or `tail --json` gets each payload as it was sent: text with
+    newlines and control characters as JSON-escaped text (it was a lossy "<N bytes: ...>" marker), any
+    payload's bytes in payload_base64, and no raw control character a terminal would act on."""
+    import base64
+
+    from zerocomm_spark.client import Client
+
+    payloads = [b"two\nlines", "tab\tand \x1b[31mred\x1b[0m and \x9b6n".encode(), b"\x00\xff binary", "plain é".encode()]
+    solo = Member(tmp_path, "solo")
+    try:
+        start_all([solo])
+        solo.ok("group", "create", "g")
+        with Client.connect(config=str(solo.config), timeout=10) as client:
+            client.publish("g", payloads, timeout=30)
+        for command in (("history", "g", "--all"), ("tail", "g", "--no-follow")):
+            done = solo.run(*command, timeout=60)
+            assert done.code == 0, done.stdout + done.stderr
+            rows = done.json_lines
+            assert [base64.b64decode(r["payload_base64"]) for r in rows] == payloads
+            assert [r["payload"] for r in rows[:2]] + [rows[3]["payload"]] == [
+                payloads[0].decode(), payloads[1].decode(), payloads[3].decode()]
+            assert rows[2]["payload"].startswith("<")  # not UTF-8: the marker, the bytes in payload_base64
+            assert not any(c in done.stdout for c in "\x1b\x9b\x00")  # escaped in the JSON text, never raw
+    finally:
+        solo.stop()

@@ -9,7 +9,15 @@ import pytest
 
 from zerocomm_spark import errors
 from zerocomm_spark.agent.cli import EXIT_CODES, build_parser, exit_code_for
-from zerocomm_spark.agent.output import Progress, format_payload, render_pairs, render_table, short_did
+from zerocomm_spark.agent.output import (
+    Progress,
+    emit_json,
+    format_payload,
+    json_payload,
+    render_pairs,
+    render_table,
+    short_did,
+)
 
 
 def test_tables_are_aligned_under_their_headers() -> None:
@@ -26,6 +34,20 @@ def test_payloads_are_shown_safely() -> None:
     assert format_payload(b"x" * 50, 10) == "xxxxxxx..."
     did = "did:peer:2." + "a" * 100
     assert short_did(did).startswith("did:peer") and len(short_did(did)) <= 27
+
+
+def test_json_payloads_are_exact_and_json_lines_carry_no_raw_controls() -> None:
+    text = "a\nb\x1b[2J\x7f\x9bé"
+    shaped = json_payload(text.encode())
+    assert shaped == {"payload": text, "payload_base64": "YQpiG1sySn/Cm8Op"}
+    assert json_payload(b"\xff\x00") == {"payload": "<2 bytes: ff00>", "payload_base64": "/wA="}
+    assert json_payload(None) == {"payload": None, "payload_base64": None}
+    out = io.StringIO()
+    emit_json(shaped, out)
+    line = out.getvalue()
+    assert line.endswith("\n") and line.count("\n") == 1
+    assert not any(c in line for c in ("\x1b", "\x7f", "\x9b"))  # escaped: \u001b, \u007f, \u009b
+    assert json.loads(line) == shaped and "é" in line  # other text stays readable
 
 
 def test_text_from_peers_reaches_no_terminal_raw(capsys) -> None:  # type: ignore[no-untyped-def]
