@@ -162,7 +162,8 @@ def replay(spark: SparkSession, table: str, group: str | None = None, *,
         if start.value > latest_version(spark, path):  # nothing since: Delta would refuse the start
             df = spark.read.format("delta").load(path).where(F.lit(False))
         else:
-            df = reader.load(path).where(F.col("_change_type") == "insert")
+            df = _time_travel(reader, path, as_of) if as_of is not None else reader.load(path)
+            df = df.where(F.col("_change_type") == "insert")
     else:
         reader = spark.read.format("delta")
         if as_of is not None:

@@ -519,3 +519,19 @@ def test_a_provider_row_with_a_null_time_does_not_abort_a_restore_into_delta(spa
                      require_origin=False, deliver=DeltaSink(spark, str(tmp_path / "mine")))
     assert [(r.provider, r.message_id) for r in report.rejected] == [("hostile", "b")]
     assert sorted(table_ids(spark, tmp_path / "mine")) == ["a", "b", "c"]
+
+
+def test_a_since_version_replay_as_of_a_time_the_table_lacks_is_a_configuration_error(spark, tmp_path):
+    """as_of ends a Since.version replay (Delta's endingTimestamp): a time after the newest commit or
+    before the first one raised Delta's AnalysisException there, while the same as_of without since
+    was already a ConfigurationError saying which versions the table has."""
+    from zerocomm_spark.errors import ConfigurationError
+    from zerocomm_spark.pipelines.replay import Since, replay
+
+    table = tmp_path / "t"
+    HistoryWriter(str(table), str(checkpoint(tmp_path)))(source_rows(spark, ["a"]), 0)
+    for beyond in (dt.datetime(2100, 1, 1, tzinfo=dt.timezone.utc), dt.datetime(2000, 1, 1, tzinfo=dt.timezone.utc)):
+        with pytest.raises(ConfigurationError, match="no version as of"):
+            replay(spark, str(table), "g", since=Since.version(0), as_of=beyond)
+    assert [r[0] for r in replay(spark, str(table), "g", since=Since.version(0), as_of=10_000)
+            .select("message_id").collect()] == ["a"]  # a version past the newest ends at the newest
