@@ -71,6 +71,34 @@ def test_another_major_version_or_name_is_refused(message_type: str) -> None:
         BasicMessage.from_dict(data)
 
 
+def test_minor_versions_of_a_major_version_zero_protocol_are_not_the_same_message(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """RFC 0003 ties minor versions together only for major version >= 1: under 0.x (initial
+    development) any minor version may change anything, so 0.2 is not processed as 0.1."""
+    from dataclasses import dataclass
+    from typing import ClassVar
+
+    from zerocomm_spark.protocols import message
+    from zerocomm_spark.protocols.message import AgentMessage, register
+
+    message_types()  # the core protocols loaded first: the copies below are the registry this test adds to
+    monkeypatch.setattr(message, "_REGISTRY", dict(message._REGISTRY))  # noqa: SLF001
+    monkeypatch.setattr(message, "_BY_MAJOR", dict(message._BY_MAJOR))  # noqa: SLF001
+
+    @register
+    @dataclass(kw_only=True)
+    class Draft(AgentMessage):
+        message_type: ClassVar[str] = "https://didcomm.org/zerocomm-test-draft/0.1/note"
+
+    assert isinstance(parse_message(Draft().to_dict()), Draft)
+    for other in ("https://didcomm.org/zerocomm-test-draft/0.2/note", "https://didcomm.org/zerocomm-test-draft/0.0/note"):
+        data = {**Draft().to_dict(), "@type": other}
+        with pytest.raises(UnknownMessageTypeError):
+            parse_message(data)
+        with pytest.raises(ProtocolError, match="'@type'"):
+            Draft.from_dict(data)
+
+
 @pytest.mark.parametrize(
     ("mutate", "field"),
     [

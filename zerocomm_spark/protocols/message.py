@@ -89,10 +89,13 @@ _TYPE_PARTS = re.compile(r"(.+/[^/]+)/([0-9]+)\.([0-9]+)/([^/]+)")
 
 def major_type(message_type: str) -> tuple[str, str, str] | None:
     """(protocol, major version, message name) of a message type URI, or None if it has no
-    ``<protocol>/<major>.<minor>/<name>`` form. Two types with the same triple are the same message
-    to a recipient (RFC 0003: another minor version is processed, fields it does not know ignored)."""
+    ``<protocol>/<major>.<minor>/<name>`` form or its major version is 0. Two types with the same
+    triple are the same message to a recipient (RFC 0003: for major version >= 1, another minor
+    version is processed, fields it does not know ignored; under 0.x any minor version may break)."""
     match = _TYPE_PARTS.fullmatch(normalize_type(message_type))
-    return (match.group(1), str(int(match.group(2))), match.group(4)) if match else None
+    if match is None or int(match.group(2)) == 0:
+        return None
+    return match.group(1), str(int(match.group(2))), match.group(4)
 
 
 # --- field validation --------------------------------------------------------------------------
