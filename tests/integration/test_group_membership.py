@@ -534,3 +534,31 @@ def test_what_a_listener_failed_on_is_forgotten_once_its_ordered_stream_moved_pa
         assert not alice.groups._taken  # noqa: SLF001
     finally:
         alice.close()
+
+
+def test_what_a_listener_failed_on_is_forgotten_once_its_publisher_left(tmp_path: Path) -> None:
+    """The taken-by record of messages a listener raised for waits for their re-send; a publisher
+    that left never re-sends them, so the record goes with it (it stayed until this member left the
+    group: one batch more per departed publisher, for as long as the group lived here)."""
+    alice = Agent.open(tmp_path / "alice", label="alice", group_config=CONFIG)
+    bob = Agent.open(tmp_path / "bob", label="bob", group_config=CONFIG)
+    try:
+        alice.groups.create("g")
+        bob.groups.join("g", via=bob.accept(alice.invite()))
+        bob_did = bob.groups.did
+
+        def failing(messages: list[Delivered]) -> None:  # a journal that cannot take bob's messages
+            raise OSError("disk full (injected)")
+
+        alice.groups.on_messages(failing)
+        bob.groups.publish("g", [b"x", b"y"])
+        _eventually(lambda: any(key[1] == bob_did for key in alice.groups._taken),  # noqa: SLF001
+                    what="alice's listener to fail on bob's messages")
+        bob.groups.leave("g")
+        _eventually(lambda: bob_did not in {m.did for m in alice.groups.dataplane.members("g")},
+                    what="alice to drop bob")
+        time.sleep(0.5)  # a delivery still in flight when bob went has returned by now
+        assert not [key for key in alice.groups._taken if key[1] == bob_did]  # noqa: SLF001
+    finally:
+        bob.close()
+        alice.close()

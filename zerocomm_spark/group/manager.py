@@ -1178,6 +1178,7 @@ class GroupManager:
                 if new.status == LEFT:
                     with self._lock:
                         g.record.peers.pop(new.did, None)
+                        self._taken.pop((g.name, new.did), None)  # its re-sends never come now
                     self.dataplane.remove_member(g.name, new.did)
                     log.info("group %r: %s (%s) left", g.name, new.label, new.did)
                 else:
@@ -1472,7 +1473,9 @@ class GroupManager:
                 done += 1
         with self._lock:
             mine = self._taken.get(key)
-            if now_taken is not None:
+            publisher = g.view.get(key[1]) if g is not None else None
+            if now_taken is not None and g is not None and self._groups.get(group) is g and (
+                    publisher is None or publisher.status != LEFT):  # else nothing is re-sent: nothing to wait for
                 mine = self._taken.setdefault(key, {})
                 mine.update(now_taken)
             if mine:
