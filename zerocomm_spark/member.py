@@ -62,9 +62,11 @@ from zerocomm_spark.protocols.did_exchange.v1_0.messages import (
 from zerocomm_spark.protocols.discover_features.v1_0.manager import DiscoverFeaturesManager
 from zerocomm_spark.protocols.discover_features.v1_0.messages import Disclose, Query
 from zerocomm_spark.protocols.message import (
+    MAX_TYPE_LENGTH,
     AgentMessage,
     ProtocolDescriptor,
     Thread,
+    major_type,
     normalize_type,
     parse_message,
     utc_now,
@@ -202,6 +204,8 @@ class Agent:
         self._outbox = ThreadPoolExecutor(max_workers=4, thread_name_prefix="zerocomm-outbox")
         self._request_peers: dict[str, str] = {}  # request() thread id -> connection id the answer must come on
         self._protocol_types: dict[str, type[AgentMessage]] = {}  # @type -> class, of register_protocol()
+        # (protocol, major version, name) -> class: another minor version of those is the same message (RFC 0003)
+        self._protocol_majors: dict[tuple[str, str, str], type[AgentMessage]] = {}
         self._groups: GroupManager | None = None
         self._group_config = group_config
         self._prepare_groups = prepare_groups
@@ -517,12 +521,18 @@ class Agent:
         with self._lock:
             for message_type, handler in handlers.items():
                 self._handlers[message_type] = self._protocol_handler(handler)
-                self._protocol_types[message_type.message_type] = message_type
+                self._add_protocol_type(message_type)
             for message_type in replies:
                 self._handlers[message_type] = self._on_reply
-                self._protocol_types[message_type.message_type] = message_type
+                self._add_protocol_type(message_type)
             protocols = [p for p in self._features.protocols if p.pid != descriptor.pid]
             self._features = DiscoverFeaturesManager([*protocols, descriptor])
+
+    def _add_protocol_type(self, message_type: type[AgentMessage]) -> None:
+        self._protocol_types[message_type.message_type] = message_type
+        parts = major_type(message_type.message_type)
+        if parts is not None:
+            self._protocol_majors[parts] = message_type
 
     def _protocol_handler(self, handler: ProtocolHandler) -> Callable[[Any, _Inbound], None]:
         def run(message: AgentMessage, context: _Inbound) -> None:
@@ -707,7 +717,12 @@ class Agent:
     def _parse(self, data: Any) -> AgentMessage:
         """Core protocols from the global registry; those added by register_protocol from this agent's table."""
         kind = data.get("@type") if isinstance(data, dict) else None
-        registered = self._protocol_types.get(normalize_type(kind)) if isinstance(kind, str) else None
+        registered = None
+        if isinstance(kind, str):
+            registered = self._protocol_types.get(normalize_type(kind))
+            if registered is None and len(kind) <= MAX_TYPE_LENGTH:  # another minor version: ours too (RFC 0003)
+                parts = major_type(kind)
+                registered = self._protocol_majors.get(parts) if parts is not None else None
         return registered.from_dict(data) if registered is not None else parse_message(data)
 
     def _connected(self, context: _Inbound) -> ConnectionRecord:

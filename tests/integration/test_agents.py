@@ -504,3 +504,69 @@ def test_a_timeout_of_inf_is_refused_and_the_agent_keeps_working(pair: tuple[Any
     time.sleep(0.3)  # an IO loop turn or two
     b.send(conn, "still here", timeout=5)
     assert a.receive(timeout=5).content == "still here"
+
+
+def test_a_registered_protocol_takes_another_minor_version_of_its_messages(tmp_path: Path) -> None:
+    """RFC 0003: a newer agent's 1.x message is processed by an agent that knows 1.0 (core protocols
+    already were; protocols added with register_protocol, the group protocol among them, were looked
+    up by their exact @type and a 1.1 message was refused as unsupported). Another major version is not."""
+    from dataclasses import dataclass
+    from typing import ClassVar
+
+    from zerocomm_spark import Agent
+    from zerocomm_spark.errors import ZeroCommError
+    from zerocomm_spark.protocols.message import DIDCOMM_PREFIX, AgentMessage, ProtocolDescriptor, Thread, req_str
+
+    @dataclass(kw_only=True)
+    class Ask(AgentMessage):
+        message_type: ClassVar[str] = DIDCOMM_PREFIX + "zc-minor-test/1.0/ask"
+        text: str
+
+        def body(self) -> dict[str, Any]:
+            return {"text": self.text}
+
+        @classmethod
+        def parse_body(cls, data: Any) -> dict[str, Any]:
+            return {"text": req_str(data, "text")}
+
+    @dataclass(kw_only=True)
+    class NewerAsk(Ask):  # what an agent that speaks 1.3 sends: a field 1.0 does not know
+        message_type: ClassVar[str] = DIDCOMM_PREFIX + "zc-minor-test/1.3/ask"
+
+        def body(self) -> dict[str, Any]:
+            return {"text": self.text, "priority": "high"}
+
+    @dataclass(kw_only=True)
+    class OtherMajorAsk(Ask):
+        message_type: ClassVar[str] = DIDCOMM_PREFIX + "zc-minor-test/2.0/ask"
+
+    @dataclass(kw_only=True)
+    class Answer(AgentMessage):
+        message_type: ClassVar[str] = DIDCOMM_PREFIX + "zc-minor-test/1.0/answer"
+        text: str
+
+        def body(self) -> dict[str, Any]:
+            return {"text": self.text}
+
+        @classmethod
+        def parse_body(cls, data: Any) -> dict[str, Any]:
+            return {"text": req_str(data, "text")}
+
+    seen: list[tuple[str, str]] = []
+
+    def answer(message: Ask, record: Any) -> Answer:
+        seen.append((type(message).__name__, message.text))
+        return Answer(text=message.text.upper(), thread=Thread(thid=message.id))
+
+    descriptor = ProtocolDescriptor(DIDCOMM_PREFIX + "zc-minor-test/1.0", ("responder",))
+    with Agent.open(tmp_path / "old", label="old") as old, Agent.open(tmp_path / "new", label="new") as new:
+        old.register_protocol(descriptor, {Ask: answer})
+        new.register_protocol(ProtocolDescriptor(DIDCOMM_PREFIX + "zc-minor-test/1.3", ("asker",)), {},
+                              replies=(Answer,))
+        conn = new.accept(old.invite(), timeout=10)
+        reply = new.request(conn, NewerAsk(text="hello"), timeout=10)
+        assert isinstance(reply, Answer) and reply.text == "HELLO"
+        assert seen == [("Ask", "hello")]  # taken as the 1.0 message it knows, the new field ignored
+        with pytest.raises(ZeroCommError, match="unsupported|no handler"):
+            new.request(conn, OtherMajorAsk(text="nope"), timeout=10)
+        assert seen == [("Ask", "hello")]
