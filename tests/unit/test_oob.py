@@ -258,3 +258,34 @@ def test_a_service_endpoint_the_transport_cannot_dial_is_refused_with_the_invita
     data["services"][0]["serviceEndpoint"] = endpoint
     with pytest.raises(InvitationError, match="no usable service"):
         OutOfBandManager.parse_url(_url_for(data))
+
+
+@pytest.mark.parametrize("accept, usable", [
+    (None, True),  # no preference given
+    (["didcomm/aip1"], True),
+    (["didcomm/v2", "didcomm/aip2;env=rfc19"], True),
+    (["didcomm/aip2; env=rfc19"], True),
+    (["didcomm/v2"], False),
+    (["didcomm/aip2;env=rfc587"], False),
+])
+def test_an_invitation_that_accepts_no_rfc0019_envelope_is_refused_before_any_request(
+        accept: list[str] | None, usable: bool) -> None:
+    """RFC 0434 `accept` names the envelopes the inviter takes: one that takes only DIDComm v2 (or
+    RFC 0587) was answered with an RFC 0019 envelope anyway, which it cannot open."""
+    data = _invitation().to_dict()
+    data.pop("accept")
+    if accept is not None:
+        data["accept"] = accept
+    if usable:
+        assert OutOfBandManager.parse_url(_url_for(data)).invitation.label == "alice"
+    else:
+        with pytest.raises(InvitationError, match="accepts only .*RFC 0019"):
+            OutOfBandManager.parse_url(_url_for(data))
+
+
+def test_an_invitation_without_accept_is_written_back_without_one() -> None:
+    data = _invitation().to_dict()
+    assert data["accept"] == ["didcomm/aip1", "didcomm/aip2;env=rfc19"]  # ours say what we take
+    data.pop("accept")
+    parsed = Invitation.from_url(_url_for(data))
+    assert parsed.accept == [] and "accept" not in parsed.to_dict()  # not "accept": [] (which would mean none)

@@ -33,6 +33,8 @@ RECORD_KIND = "invitation"
 KEY_PURPOSE = "invitation"
 # The handshake protocols we can answer: DID exchange 1.0 and its later minor versions.
 _DIDEXCHANGE_1_X = re.compile(re.escape(DIDEXCHANGE_1_0[:-1]) + r"[0-9]+")
+#: RFC 0434 `accept` values that mean an RFC 0019 envelope, the only kind this agent sends.
+_RFC0019_MEDIA_TYPES = frozenset({"didcomm/aip1", "didcomm/aip2;env=rfc19"})
 # The schemes our transport can dial (an endpoint is checked whole with its dialable()).
 SUPPORTED_SCHEMES = ("tcp://", "ipc://", "inproc://")
 
@@ -160,6 +162,13 @@ class OutOfBandManager:
             raise InvitationError(
                 "the invitation offers no handshake protocol we speak (need https://didcomm.org/didexchange/1.x)"
             )
+        # RFC 0434 `accept`: the envelopes the inviter takes, if it says. Ours are RFC 0019 (DIDComm v1).
+        if invitation.accept and not any(a.replace(" ", "").lower() in _RFC0019_MEDIA_TYPES for a in invitation.accept):
+            shown = ", ".join(a[:64] for a in invitation.accept[:4])
+            raise InvitationError(
+                f"the invitation accepts only {shown}; this agent sends DIDComm v1 envelopes (RFC 0019: "
+                "didcomm/aip1 or didcomm/aip2;env=rfc19)",
+                hint="Ask the inviter for an invitation that accepts didcomm/aip1 or didcomm/aip2;env=rfc19")
         problems: list[str] = []
         for i, service in enumerate(invitation.services):
             try:

@@ -89,7 +89,8 @@ class Invitation(AgentMessage):
         for name in ("label", "goal_code", "goal"):
             if getattr(self, name) is not None:
                 out[name] = getattr(self, name)
-        out["accept"] = list(self.accept)
+        if self.accept:  # none given means no preference (RFC 0434): an empty list would say "nothing"
+            out["accept"] = list(self.accept)
         out["handshake_protocols"] = list(self.handshake_protocols)
         out["services"] = [s.to_dict() if isinstance(s, Service) else s for s in self.services]
         return out
