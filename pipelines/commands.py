@@ -84,7 +84,7 @@ def ingest(ctx: Any) -> int:
 
 def replay(ctx: Any) -> int:
     """Print the group's history in causal order (or as JSON lines with --json)."""
-    from zerocomm_spark.agent.output import emit_json, format_payload, format_time, render_table
+    from zerocomm_spark.agent.output import emit_json, format_payload, format_time, json_payload, render_table
     from zerocomm_spark.pipelines.replay import Since
     from zerocomm_spark.pipelines.replay import replay as read
 
@@ -105,12 +105,13 @@ def replay(ctx: Any) -> int:
             emit_json({"group": r["group"], "message_id": r["message_id"], "publisher_did": r["publisher_did"],
                        "publisher_label": r["publisher_label"], "seq": r["seq"], "lamport_ts": r["lamport_ts"],
                        "sent_at": r["sent_at"], "received_at": r["received_at"], "headers": r["headers"],
-                       "payload": format_payload(r["payload"]) if r["payload_key_id"] is None else None,
+                       **(json_payload(r["payload"]) if r["payload_key_id"] is None
+                          else {"payload": None, "payload_base64": None}),
                        "sealed": r["payload_key_id"] is not None, "origin_ok": r.get("origin_ok")})
         return 0
     shaped = [{"lamport": r["lamport_ts"], "time": format_time(r["sent_at"]),
                "from": r["publisher_label"] or r["publisher_did"][-12:], "seq": r["seq"],
-               "origin": origin_label(r),
+               "origin": origin_label(r, key.key_id if key is not None else None),
                "message": "(sealed)" if r["payload_key_id"] else format_payload(r["payload"], 200)} for r in rows]
     columns = [("lamport", "LAMPORT"), ("time", "SENT"), ("from", "FROM"), ("seq", "SEQ")]
     if a.verify:
@@ -119,14 +120,19 @@ def replay(ctx: Any) -> int:
     return 0
 
 
-def origin_label(row: Mapping[str, Any]) -> str:
+def origin_label(row: Mapping[str, Any], key_id: str | None = None) -> str:
     """The ORIGIN column: "unsigned" for a row nobody signed (sent through the command line or an
-    agent without a signer), which is not the same as a signature that fails ("FAILED")."""
+    agent without a signer), and "sealed" for a signed row whose payload is sealed with a history key
+    other than ``key_id`` (the one given, if any): neither is a signature that fails ("FAILED"). A row
+    still sealed under the given key was altered or moved: FAILED."""
     if "origin_ok" not in row:
         return ""
     if row["origin_ok"]:
         return "ok"
-    return "unsigned" if row.get("origin_sig") is None else "FAILED"
+    if row.get("origin_sig") is None:
+        return "unsigned"
+    sealed_with = row.get("payload_key_id")
+    return "sealed" if sealed_with is not None and sealed_with != key_id else "FAILED"
 
 
 def compact(ctx: Any) -> int:

@@ -75,3 +75,7 @@ def test_the_origin_column_tells_an_unsigned_row_from_a_forged_one() -> None:
     assert origin_label({"origin_ok": False, "origin_sig": b"s" * 64}) == "FAILED"
     assert origin_label({"origin_ok": False, "origin_sig": None}) == "unsigned"  # sent without a signer
     assert origin_label({"origin_sig": None}) == ""  # not verified
+    # Signed, but sealed with a history key we were not given: it cannot be checked, it did not fail.
+    sealed = {"origin_ok": False, "origin_sig": b"s" * 64, "payload_key_id": "k1"}
+    assert origin_label(sealed) == "sealed" and origin_label(sealed, "k2") == "sealed"
+    assert origin_label(sealed, "k1") == "FAILED"  # still sealed under the key given: altered or moved
