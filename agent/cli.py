@@ -902,8 +902,8 @@ def cmd_config(ctx: Ctx) -> int:
 # --- entry point -------------------------------------------------------------------------------
 
 
-def _report_error(exc: BaseException, as_json: bool) -> int:
-    code = exit_code_for(exc)
+def _report_error(exc: BaseException, as_json: bool, code: int | None = None) -> int:
+    code = exit_code_for(exc) if code is None else code
     if as_json:
         emit_json({"ok": False, "error": error_header(None, exc)["error"], "exit_code": code})
     else:
@@ -958,9 +958,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _report_error(errors.ConfigurationError(str(exc)), as_json)
     except OSError as exc:  # a local file or device failed: said like any error (JSON under --json), no traceback
         where = f" ({exc.filename})" if getattr(exc, "filename", None) else ""
+        # The documented code of what happened: a timeout is 4, a permission refused 7, the rest 1.
+        code = EXIT_PERMISSION if isinstance(exc, PermissionError) else exit_code_for(exc)
         return _report_error(errors.ZeroCommError(
             f"{type(exc).__name__}: {exc.strerror or exc}{where}",
-            hint="Check that path and its permissions; the settings in force are shown by `zerocomm config`"), as_json)
+            hint="Check that path and its permissions; the settings in force are shown by `zerocomm config`"),
+            as_json, code)
     finally:
         if ctx is not None:
             ctx.close()

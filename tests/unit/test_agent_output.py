@@ -252,3 +252,23 @@ def test_the_stop_command_printed_by_a_detached_start_stops_that_agent(tmp_path,
     assert argv[0] == "zerocomm" and argv[-2:] == ["agent", "stop"]
     stopping = cli.Ctx(build_parser().parse_args(argv[1:]))
     assert stopping.config_path == str(config) and stopping.config.identity_dir == identity
+
+
+@pytest.mark.parametrize("raised, code", [(PermissionError(13, "Permission denied", "/srv/x"), 7),
+                                          (TimeoutError("timed out"), 4),
+                                          (FileNotFoundError(2, "No such file or directory", "/srv/y"), 1)])
+def test_a_local_os_error_exits_with_the_documented_code(raised: OSError, code: int, tmp_path, monkeypatch,  # type: ignore[no-untyped-def]
+                                                         capsys) -> None:
+    """A local PermissionError or TimeoutError (an OSError) was said like any other error, exit 1:
+    their documented codes are 7 (permission denied) and 4 (a deadline passed)."""
+    from zerocomm_spark.agent import cli
+
+    def failing(ctx: object) -> int:
+        raise raised
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.delenv("ZEROCOMM_CONFIG", raising=False)
+    monkeypatch.setattr(cli, "cmd_config", failing)
+    assert cli.main(["--identity-dir", str(tmp_path / "id"), "--json", "config"]) == code
+    answer = json.loads(capsys.readouterr().out)
+    assert answer["exit_code"] == code and type(raised).__name__ in answer["error"]["message"]
