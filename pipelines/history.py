@@ -326,7 +326,8 @@ def _read_checkpoint_id(spark: SparkSession, checkpoint: str) -> str:
 
 def _batch_planned_ms(spark: SparkSession, checkpoint: str, batch_id: int) -> int:
     """When Spark planned this batch (``batchTimestampMs`` in ``<checkpoint>/offsets/<id>``, kept
-    when the batch is re-run): no commit of it can be older. 0 (look at the whole log) if unknown.
+    when the batch is re-run): no commit of it, or of a later batch, can be older. 0 (look at the
+    whole log) if unknown.
 
     Taken from the file's content, not its modification time, so a copied checkpoint keeps it.
     """
@@ -387,7 +388,11 @@ class HistoryWriter:
             append_new_rows(rows, self.table_path, {"userMetadata": tag}, record_empty=True)
             committed = True
         else:
-            planned_ms = 0 if follows else _batch_planned_ms(spark, self.checkpoint, batch_id)
+            # How far back the lookup must go: no commit of this batch, or of any later one, is older
+            # than the plan of the batch before it, whichever run planned that one (batches are
+            # planned in order; a checkpoint put back from an older copy keeps its last batch's file,
+            # while the batch that follows is planned anew, later than the table's commits of it).
+            planned_ms = 0 if follows else _batch_planned_ms(spark, self.checkpoint, max(batch_id - 1, 0))
             committed, ahead = _append_history(rows, self.table_path, app_id=app_id, version=batch_id,
                                                look=not follows, not_before_ms=planned_ms, delta_txn=self.delta_txn)
             if ahead is not None:

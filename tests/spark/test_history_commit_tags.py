@@ -296,6 +296,32 @@ def test_a_checkpoint_put_back_behind_the_table_writes_nothing_twice_and_loses_n
     assert last_tagged_batch(spark, str(table), second.app_id(spark)).batch == 3
 
 
+def test_a_put_back_checkpoint_finds_the_table_ahead_past_other_writers_older_commits(spark, tmp_path):
+    """The lookup walked back only to an hour before the re-run batch's plan time. A checkpoint put
+    back from an older copy plans that batch anew, hours after the table got it; with another
+    writer's commit (another query, a compact()) on top that is more than an hour older than the new
+    plan, the walk stopped there, never saw the query's own newer batches and wrote them again. It
+    now walks back to the plan of the batch before, which the put-back copy keeps."""
+    table, ck = tmp_path / "t", checkpoint(tmp_path)
+    ensure_table(spark, str(table))
+    start = dt.datetime.now()
+    first = HistoryWriter(str(table), str(ck))
+    for batch_id, ids in enumerate([["p"], ["q"], ["r"]]):
+        plan(ck, batch_id, start + dt.timedelta(seconds=batch_id))
+        first(source_rows(spark, ids), batch_id)
+    HistoryWriter(str(table), str(checkpoint(tmp_path)))(source_rows(spark, ["other"]), 0)  # another writer
+    # Three hours later the checkpoint is put back from a copy taken after batch 0: batches 1 and 2
+    # are planned anew, now, over the same rows (and the other writer's commit is hours old).
+    later = start + dt.timedelta(hours=3)
+    for batch_id in (1, 2):
+        plan(ck, batch_id, later)
+    again = HistoryWriter(str(table), str(ck))
+    again(source_rows(spark, ["q", "r"]), 1)
+    again(source_rows(spark, ["s"]), 2)
+    ids = table_ids(spark, table)
+    assert sorted(ids) == ["other", "p", "q", "r", "s"], ids
+
+
 def test_a_catch_up_that_appended_nothing_still_tells_a_restart_the_checkpoint_is_behind(spark, tmp_path):
     """A catch-up batch whose rows the table all holds still commits its tag: a driver dying right
     after it must not make the restart take its re-planned batch for one the table holds."""
