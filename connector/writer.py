@@ -23,6 +23,7 @@ import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 from pyspark.sql.datasource import (
@@ -97,23 +98,35 @@ def _derived_ids(prefix: str, payload: pa.ChunkedArray | pa.Array, headers: pa.C
 
 
 def _chunks(batches: Iterator[pa.RecordBatch], rows: int, size: int) -> Iterator[pa.Table]:
-    """Re-cut the input into publish calls of at most ``rows`` messages and about ``size`` payload bytes
-    (a single bigger message still goes alone), keeping row order."""
+    """Re-cut the input into publish calls of at most ``rows`` messages and ``size`` payload bytes
+    (a single bigger message still goes alone), keeping row order.
+
+    By each row's own size: an input batch's average let a run of big rows (ten 1 MB rows among a
+    thousand tiny ones) into one call past the limit, and past api.max_request_bytes at every retry.
+    """
     pending: list[pa.RecordBatch] = []
     count = weight = 0
     for batch in batches:
         if batch.num_rows == 0:
             continue
-        per_row = max(1, batch.column("payload").nbytes // batch.num_rows)
+        lengths = pc.fill_null(pc.binary_length(batch.column("payload")), 0)
+        ends = np.cumsum(lengths.to_numpy(zero_copy_only=False), dtype=np.int64)  # bytes up to each row
         at = 0
         while at < batch.num_rows:
-            room = max(1, (size - weight) // per_row)
-            take = min(rows - count, batch.num_rows - at, room)
+            before = int(ends[at - 1]) if at else 0
+            fits = int(np.searchsorted(ends, before + size - weight, side="right")) - at
+            take = min(rows - count, batch.num_rows - at, fits)
+            if take < 1:
+                if pending:  # the next row does not fit: send what is waiting first
+                    yield pa.Table.from_batches(pending)
+                    pending, count, weight = [], 0, 0
+                    continue
+                take = 1  # bigger than the limit on its own: it goes alone
             pending.append(batch.slice(at, take))
             count += take
-            weight += take * per_row
+            weight += int(ends[at + take - 1]) - before
             at += take
-            if count >= rows or weight + per_row > size:
+            if count >= rows or weight >= size:
                 yield pa.Table.from_batches(pending)
                 pending, count, weight = [], 0, 0
     if pending:

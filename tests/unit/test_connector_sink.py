@@ -121,3 +121,29 @@ def test_a_streaming_task_without_a_batch_id_publishes_nothing(member, monkeypat
     with pytest.raises(StreamContextError, match="batchId"):
         sink.write(batches(["x"]))
     assert member.delivered == {}
+
+
+def test_publish_batch_bytes_bounds_every_call_even_when_payload_sizes_are_skewed(member):
+    """publishBatchBytes is payload bytes per publish call. Cutting by the input batch's average row
+    size put ten 1 MB rows (and the tiny ones around them) in one 10 MB call under an 8 MiB limit; with
+    bigger rows a call passed the agent's api.max_request_bytes and failed at every retry."""
+    sizes: list[int] = []
+    publish = member.publish
+
+    def recording(group, table, timeout):
+        sizes.append(sum(len(p) for p in table.column("payload").to_pylist()))
+        return publish(group, table, timeout)
+
+    member.publish = recording
+    columns = SinkColumns(payload_is_string=False, has_message_id=False, has_headers=False)
+    limit = 4 * 1024 * 1024
+    options = SinkOptions.parse({"group": "g", "publishBatchBytes": str(limit)})
+    big, small = b"x" * 1_000_000, b"y"
+    rows = [small] * 5 + [big] * 10 + [small] * 985 + [b"z" * (limit + 10)] + [small] * 3
+    done = publish_partition(iter([pa.record_batch({"payload": pa.array(rows, pa.binary())})]), options, columns,
+                             "q.0.0", 0)
+    assert done.messages == len(rows) and len(member.delivered) == len(rows)
+    assert sum(sizes) == sum(len(r) for r in rows)
+    # every call within the limit, except the one message bigger than it, which goes alone
+    assert all(size <= limit for size in sizes if size != limit + 10), sizes
+    assert limit + 10 in sizes
