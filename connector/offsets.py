@@ -468,15 +468,27 @@ def split_ranges(start: ZeroCommOffset, end: ZeroCommOffset, *, max_per_slice: i
     if not spans:
         return []
     total = sum(stop - first for _, first, stop in spans)
-    target = max(1, min(max_per_slice, -(-total // min_slices)))
+    # Pieces per publisher in proportion to its share of min_slices (largest remainders first), and
+    # enough that none holds more than max_per_slice. A slice size rounded up cut 9 messages into 3 slices
+    # for min_slices=4.
+    wanted = min(min_slices, total)
+    pieces = [max(1, -(-(stop - first) // max_per_slice), (stop - first) * wanted // total)
+              for _, first, stop in spans]
+    short = wanted - sum(pieces)
+    if short > 0:
+        by_remainder = sorted(range(len(spans)), key=lambda i: -((spans[i][2] - spans[i][1]) * wanted % total))
+        for i in by_remainder:
+            if short == 0:
+                break
+            if pieces[i] < spans[i][2] - spans[i][1]:
+                pieces[i] += 1
+                short -= 1
     slices: list[SeqSlice] = []
-    for (group, did), first, stop in spans:
-        count = stop - first
-        pieces = max(1, -(-count // target))
-        size = -(-count // pieces)
+    for ((group, did), first, stop), n in zip(spans, pieces):
+        size = -(-(stop - first) // n)
         at = first
-        while at < stop:
-            nxt = min(stop, at + size)
+        for left in range(n, 0, -1):  # n slices: never fewer messages left than slices to make
+            nxt = at + min(size, stop - at - (left - 1))
             slices.append(SeqSlice(group, did, at, nxt))
             at = nxt
     return slices

@@ -258,3 +258,23 @@ def test_starting_timestamp_lands_on_a_row_the_member_holds():
     assert link.first_sent_at_or_after(A, 4_000, span) == 4
     assert link.first_sent_at_or_after(A, 1, span) == 1
     assert link.first_sent_at_or_after(A, 99_000, span) == 11  # after everything: the next seq
+
+
+@pytest.mark.parametrize("counts, min_slices", [((9,), 4), ((5, 5), 3), ((7, 1, 1), 5), ((100, 3), 9), ((3,), 3)])
+def test_split_ranges_makes_at_least_min_slices_when_there_are_that_many_messages(counts, min_slices):
+    """minPartitions is "at least this many Spark partitions per batch": 9 messages with
+    minPartitions=4 came out as 3 partitions of 3 (the slice size was rounded up, then the count)."""
+    keys = [("g", f"did:peer:2.p{i}") for i in range(len(counts))]
+    start = ZeroCommOffset({k: 1 for k in keys})
+    end = ZeroCommOffset({k: 1 + n for k, n in zip(keys, counts)})
+    slices = split_ranges(start, end, max_per_slice=1000, min_slices=min_slices)
+    assert len(slices) >= min_slices, slices
+    assert sum(s.count for s in slices) == sum(counts) and all(s.count >= 1 for s in slices)
+    for key, n in zip(keys, counts):
+        parts = sorted((s.first, s.end) for s in slices if (s.group, s.publisher) == key)
+        assert parts[0][0] == 1 and parts[-1][1] == 1 + n
+        assert all(parts[i][1] == parts[i + 1][0] for i in range(len(parts) - 1))
+    # never more than max_per_slice, and never more slices than messages
+    small = split_ranges(start, end, max_per_slice=2, min_slices=min_slices)
+    assert all(s.count <= 2 for s in small) and sum(s.count for s in small) == sum(counts)
+    assert len(split_ranges(start, end, max_per_slice=1000, min_slices=10**6)) == sum(counts)
