@@ -17,7 +17,7 @@ from typing import Literal
 from zerocomm_spark.errors import ConnectorOptionError, InvalidGroupNameError
 from zerocomm_spark.group.topics import check_group
 
-from zerocomm_spark.connector.offsets import EndingOffsets, StartingOffsets
+from zerocomm_spark.connector.offsets import LATEST, EndingOffsets, StartingOffsets
 
 __all__ = [
     "SINK_OPTIONS",
@@ -212,6 +212,12 @@ class SourceOptions:
                                        hint="Remove it, or use trigger(availableNow=True) to stop at the newest "
                                             "messages seen at start")
         ending = EndingOffsets.parse(opts.get("endingoffsets"), groups)
+        if mode == "batch" and (starting.kind == "latest" or LATEST in starting.per_group.values()
+                                or LATEST in starting.per_publisher.values()):
+            # [latest, ...) is empty: the read came back with nothing, without a word (as Kafka refuses it)
+            raise ConnectorOptionError("startingOffsets at latest (or -1) would read nothing in a batch read",
+                                       hint="Use startingOffsets=earliest (the default for spark.read) or seqs, or "
+                                            "spark.readStream for messages from now on")
         max_per_trigger = _int(opts, "maxMessagesPerTrigger", None)
         if mode == "batch" and max_per_trigger is not None:
             raise ConnectorOptionError("option maxMessagesPerTrigger applies to streams, not to batch reads",

@@ -101,3 +101,16 @@ def test_option_tables_document_every_option():
         assert all(isinstance(v, str) and v for v in table.values())
     assert {"group", "startingOffsets", "startingTimestamp", "maxMessagesPerTrigger", "failOnDataLoss",
             "includeHeaders"} <= set(SOURCE_OPTIONS)
+
+
+@pytest.mark.parametrize("starting", ["latest", " Latest", '{"g": "latest"}', '{"g": {"did:peer:2.bob": -1}}'])
+def test_a_batch_read_starting_at_latest_is_refused_like_one_ending_at_earliest(starting):
+    """spark.read reads [startingOffsets, endingOffsets) once: from latest that is nothing, so every such
+    read came back empty without a word (endingOffsets=earliest, as empty, is refused)."""
+    with pytest.raises(ConnectorOptionError, match="startingOffsets .*latest.* would read nothing") as info:
+        SourceOptions.parse({"group": "g", "startingOffsets": starting}, mode="batch")
+    assert "earliest" in info.value.hint
+    # streams start at latest by default; a batch read may start at earliest or at seqs
+    assert SourceOptions.parse({"group": "g", "startingOffsets": starting}, mode="stream").starting is not None
+    SourceOptions.parse({"group": "g", "startingOffsets": '{"g": {"did:peer:2.bob": 5}}'}, mode="batch")
+    SourceOptions.parse({"group": "g", "startingOffsets": '{"g": "earliest"}'}, mode="batch")
