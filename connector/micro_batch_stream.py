@@ -161,11 +161,12 @@ class ZeroCommMicroBatchStream(DataSourceStreamReader, SupportsTriggerAvailableN
     def partitions(self, start: dict, end: dict) -> Sequence[InputPartition]:
         stop = ZeroCommOffset.from_dict(end)
         begin = stop.planned_start(ZeroCommOffset.from_dict(start))  # a re-run first batch: its planned start
-        if any(key not in self._labels for key in stop):
-            try:
-                self._labels.update(self._member().labels(self.options.groups))
-            except ZeroCommError as exc:  # labels are a courtesy; reading must not fail for them
-                log.warning("zerocomm source: cannot fetch publisher labels (%s)", describe(exc))
+        # Asked for every batch, not kept from the first: a publisher that left has no label (null), as
+        # in a batch read; one call per group.
+        try:
+            self._labels = self._member().labels(self.options.groups)
+        except ZeroCommError as exc:  # labels are a courtesy; reading must not fail for them
+            log.warning("zerocomm source: cannot fetch publisher labels (%s)", describe(exc))
         return plan_partitions(self.options, begin, stop, self._labels)
 
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:

@@ -112,3 +112,36 @@ def test_a_member_whose_reads_contradict_what_it_says_it_holds_fails_at_the_time
     with pytest.raises(IncompleteReadError):
         seqs(read_partition(partition(1, 6, timeout=2.0)))
     assert 2.5 <= clock.now <= 4.0
+
+
+def test_a_streams_publisher_label_is_null_once_the_publisher_left_as_documented():
+    """publisher_label is "its label in this member's view (null once it left)": a batch read asks the
+    member each time, but a stream kept the first label it saw for the whole query, and went on
+    labelling the rows of a publisher that had left the group."""
+    from pyspark.sql.types import StructType
+
+    from zerocomm_spark.connector.micro_batch_stream import ZeroCommMicroBatchStream
+    from zerocomm_spark.connector.offsets import ZeroCommOffset
+    from zerocomm_spark.connector.options import SourceOptions
+
+    class View:
+        def __init__(self) -> None:
+            self.members = {(GROUP, DID): "bob"}
+
+        def labels(self, groups):
+            return dict(self.members)
+
+    view = View()
+    stream = ZeroCommMicroBatchStream(SourceOptions.parse({"group": GROUP}, mode="stream"), StructType())
+    stream._link = view  # type: ignore[assignment]  # noqa: SLF001 - the driver's member, a stand-in
+
+    def labels(start: int, end: int) -> list[str | None]:
+        parts = stream.partitions(ZeroCommOffset({(GROUP, DID): start}).to_dict(),
+                                  ZeroCommOffset({(GROUP, DID): end}).to_dict())
+        return [p.label for p in parts]
+
+    assert labels(1, 5) == ["bob"]
+    del view.members[(GROUP, DID)]  # bob left the group
+    assert labels(5, 9) == [None]
+    view.members[(GROUP, DID)] = "robert"  # and a label can change
+    assert labels(9, 12) == ["robert"]
