@@ -106,18 +106,24 @@ class SeenMessages:
 
     def _compact(self) -> None:
         """Rewrite the log with the handled entries in memory (under the lock; messages still being
-        handled are not among them), replacing it atomically."""
+        handled are not among them), replacing it atomically.
+
+        The new file's descriptor becomes the log's: no open after the rename can fail and leave
+        the closed descriptor's number in use (the next entry would go to whoever reused it)."""
         assert self._path is not None
         tmp = self._path.with_suffix(".tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND | os.O_CLOEXEC, 0o600)
         try:
-            os.write(fd, b"".join(self._seen))
+            view = memoryview(b"".join(self._seen))
+            while view:
+                view = view[os.write(fd, view):]
             os.fsync(fd)
-        finally:
+            os.replace(tmp, self._path)
+        except BaseException:
             os.close(fd)
-        os.replace(tmp, self._path)
-        os.close(self._fd)
-        self._fd = os.open(self._path, os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC)
+            raise
+        old, self._fd = self._fd, fd
+        os.close(old)
         self._logged = len(self._seen)
 
     def __len__(self) -> int:

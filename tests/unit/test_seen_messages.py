@@ -63,3 +63,42 @@ def test_a_rewrite_of_the_log_keeps_out_messages_still_being_handled(tmp_path: P
     again = SeenMessages(path, b"k" * 32, capacity=3)
     assert again.claim(running)
     again.close()
+
+
+def test_a_failed_rewrite_never_leaves_the_log_writing_into_another_file(tmp_path: Path, monkeypatch) -> None:
+    """The rewrite used to close the log, then open it again: if that open failed (EMFILE while
+    another thread took the freed slot), the closed descriptor's number stayed in use, and the next
+    handled message was appended to whatever file or socket got that number next (a keystore log,
+    say, which then fails to open as altered). A rewrite must swap descriptors without a gap."""
+    import os
+
+    from zerocomm_spark import seen_messages
+
+    path = tmp_path / SEEN_FILE
+    seen = SeenMessages(path, b"k" * 32, capacity=2)
+    real_open = os.open
+
+    def no_reopen(file, flags, *args, **kwargs):  # type: ignore[no-untyped-def]
+        if Path(file) == path:
+            raise OSError(24, "Too many open files")
+        return real_open(file, flags, *args, **kwargs)
+
+    monkeypatch.setattr(seen_messages.os, "open", no_reopen)
+    digests = [seen.digest("s", f"m-{i}") for i in range(6)]
+    for d in digests[:4]:  # the 4th handled entry rewrites the log (2 x capacity)
+        assert seen.claim(d)
+        seen.handled(d)
+    monkeypatch.setattr(seen_messages.os, "open", real_open)
+    bystander = tmp_path / "keystore.log"
+    fd = os.open(bystander, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)  # may get a freed number
+    try:
+        for d in digests[4:]:
+            assert seen.claim(d)
+            seen.handled(d)
+    finally:
+        os.close(fd)
+        seen.close()
+    assert bystander.read_bytes() == b""
+    again = SeenMessages(path, b"k" * 32, capacity=2)
+    assert [again.claim(d) for d in digests[4:]] == [False, False]  # still remembered across a restart
+    again.close()
