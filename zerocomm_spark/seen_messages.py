@@ -11,6 +11,7 @@ loss can cost the last entries, which reopens replay for those few messages only
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import logging
 import os
@@ -97,7 +98,9 @@ class SeenMessages:
             if self._fd < 0:
                 return
             try:
-                os.write(self._fd, digest)
+                if os.write(self._fd, digest) != _DIGEST:  # a full disk: take the part back, or every
+                    os.ftruncate(self._fd, self._logged * _DIGEST)  # later entry is misread at open
+                    raise OSError(errno.ENOSPC, "the entry was cut short")
                 self._logged += 1
                 if self._logged >= 2 * self._capacity:
                     self._compact()

@@ -102,3 +102,33 @@ def test_a_failed_rewrite_never_leaves_the_log_writing_into_another_file(tmp_pat
     again = SeenMessages(path, b"k" * 32, capacity=2)
     assert [again.claim(d) for d in digests[4:]] == [False, False]  # still remembered across a restart
     again.close()
+
+
+def test_a_short_append_does_not_shift_every_later_entry(tmp_path: Path, monkeypatch) -> None:
+    """write(2) on a full disk may write part of an entry and return its length. The entries are
+    read back in 16-byte steps, so a partial one left in the file misreads every entry after it at
+    the next open: replay protection lost for all of them, without a word."""
+    import os
+
+    from zerocomm_spark import seen_messages
+
+    path = tmp_path / SEEN_FILE
+    seen = SeenMessages(path, b"k" * 32, capacity=100)
+    real_write = os.write
+    short = [True]
+
+    def write_part(fd, data):  # type: ignore[no-untyped-def]
+        if short and len(data) == 16:
+            short.clear()
+            return real_write(fd, bytes(data)[:7])  # the disk filled up mid-entry
+        return real_write(fd, data)
+
+    monkeypatch.setattr(seen_messages.os, "write", write_part)
+    digests = [seen.digest("s", f"m-{i}") for i in range(4)]
+    for d in digests:
+        assert seen.claim(d)
+        seen.handled(d)
+    seen.close()
+    again = SeenMessages(path, b"k" * 32, capacity=100)
+    assert [again.claim(d) for d in digests[1:]] == [False, False, False]  # the entries after it are intact
+    again.close()
