@@ -253,7 +253,6 @@ class AgentCalls:
                     runs.append([i])
             for run in runs:
                 run_payloads, run_ids = [payloads[i] for i in run], [ids[i] for i in run]
-                sent_at = time.time()
                 try:
                     receipt = groups.publish(group, run_payloads, message_ids=run_ids, headers=headers[run[0]],
                                              timeout=min(req.remaining(), limit))
@@ -266,7 +265,7 @@ class AgentCalls:
                                              timeout=min(req.remaining(), limit))
                 if ingest is not None:  # seqs are assigned and tracked in the same order (the group lock)
                     journaled.append(ingest.track_own(receipt, group, groups.did, run_payloads, run_ids,
-                                                      headers[run[0]], sent_at))
+                                                      headers[run[0]]))
                 with self._published_lock:
                     for i, seq in zip(run, receipt.seqs):
                         seqs[i] = seq

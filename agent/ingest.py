@@ -98,12 +98,14 @@ class JournalIngest:
         self._own_thread.start()
 
     def track_own(self, receipt: Any, group: str, publisher: str, payloads: list[bytes], ids: list[str],
-                  headers: dict[str, str] | None, sent_at: float) -> threading.Event:
+                  headers: dict[str, str] | None) -> threading.Event:
         """Journal these just-published messages when ``receipt`` resolves; the event is set then.
 
-        Callers publish and track under one lock per group, so entries are queued in seq order.
+        Their ``sent_at`` is the receipt's: the time the data plane stamped on them, which every
+        other member journals too. Callers publish and track under one lock per group, so entries
+        are queued in seq order.
         """
-        sent = _micros(sent_at)
+        sent = _micros(receipt.sent_at)
         pairs = list(headers.items()) if headers else None
         rows = [{"group": group, "message_id": mid, "publisher_did": publisher, "seq": seq, "lamport_ts": ts,
                  "sent_at": sent, "headers": pairs, "payload": payload}

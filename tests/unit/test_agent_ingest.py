@@ -77,3 +77,27 @@ def test_a_wait_with_a_nan_timeout_ends_at_once(ingest):
     waiter.join(5.0)
     ingest.end_waits()  # frees the old code's spinning waiter, so the fixture can close
     assert done == [False] and time.monotonic() - began < 5.0
+
+
+@dataclass
+class Receipt:
+    seqs: tuple
+    lamport_ts: tuple
+    sent_at: float
+
+    def done(self) -> bool:
+        return True
+
+    def wait(self, timeout: float = 0) -> None:
+        return None
+
+
+def test_own_messages_are_journaled_with_the_send_time_members_receive(ingest):
+    """The publisher's journal row had the agent's clock before the publish call, not the sent_at
+    the data plane stamped and every other member journals for that message."""
+    receipt = Receipt(seqs=(1, 2), lamport_ts=(5, 6), sent_at=1_800_000_000.123456)
+    done = ingest.track_own(receipt, GROUP, PUBLISHER, [b"a", b"b"], ["m-1", "m-2"], None)
+    assert done.wait(10)
+    rows = ingest.journal.read(0).to_pylist()
+    assert [r["seq"] for r in rows] == [1, 2]
+    assert {r["sent_at"].timestamp() for r in rows} == {1_800_000_000.123456}

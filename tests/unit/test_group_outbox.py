@@ -387,3 +387,19 @@ def test_a_publish_from_a_delivery_callback_waits_only_past_retention() -> None:
         publish_bytes(box, [10] * 3, timeout=0.05, in_callback=True)  # past retention_max it waits too
     with pytest.raises(BackpressureError):
         publish_bytes(box, [800], timeout=0.05, in_callback=True)  # and past retention_max_bytes
+
+
+def test_the_receipt_carries_the_send_time_its_messages_travel_with() -> None:
+    """The agent journals its own messages from the receipt; it stamped them with a time of its own,
+    taken before a publish that may wait for the window, so the publisher's journal and every other
+    member's disagreed on a message's sent_at (by the wait, seconds under backpressure)."""
+    box = Outbox("g", window=1, retention_max=10)
+    box.add_member("bob")
+    publish(box, 1)
+    threading.Timer(0.3, lambda: box.ack("bob", 1)).start()
+    before = time.time()
+    receipt = publish(box, 1, timeout=5.0)  # waits for the window
+    sent = box.take_unsent(10)
+    assert [m.seq for m in sent] == [1, 2]
+    assert receipt.sent_at == sent[1].sent_at
+    assert receipt.sent_at >= before + 0.25

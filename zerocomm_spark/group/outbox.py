@@ -62,14 +62,15 @@ class MemberAckState:
 class PublishReceipt:
     """The promise of a ``publish`` call: resolves when every current member acked its messages."""
 
-    __slots__ = ("_done", "_error", "_last", "_outbox", "lamport_ts", "message_ids", "seqs")
+    __slots__ = ("_done", "_error", "_last", "_outbox", "lamport_ts", "message_ids", "sent_at", "seqs")
 
     def __init__(self, outbox: Outbox, message_ids: tuple[str, ...], seqs: tuple[int, ...],
-                 lamport_ts: tuple[int, ...]) -> None:
+                 lamport_ts: tuple[int, ...], sent_at: float = 0.0) -> None:
         self._outbox = outbox
         self.message_ids = message_ids
         self.seqs = seqs
         self.lamport_ts = lamport_ts
+        self.sent_at = sent_at  # what the messages carry as sent_at (epoch seconds), as every member gets it
         self._last = seqs[-1] if seqs else 0
         self._done = False  # guarded by the outbox's condition: no Event per publish
         self._error: BaseException | None = None
@@ -341,7 +342,7 @@ class Outbox:
                 ends.append(total)
             self._total_bytes = total
             self._last_seq += n
-            receipt = PublishReceipt(self, tuple(message_ids), tuple(range(first, first + n)), stamps)
+            receipt = PublishReceipt(self, tuple(message_ids), tuple(range(first, first + n)), stamps, now)
             if self._members and n:
                 self._receipts.append(receipt)
             else:
