@@ -100,6 +100,7 @@ def replay(ctx: Any) -> int:
     if a.limit and a.limit > 0:
         df = df.limit(a.limit)
     rows = df.toArrow().to_pylist()
+    key_id = key.key_id if key is not None else None
     if ctx.json:
         for r in rows:
             emit_json({"group": r["group"], "message_id": r["message_id"], "publisher_did": r["publisher_did"],
@@ -107,11 +108,12 @@ def replay(ctx: Any) -> int:
                        "sent_at": r["sent_at"], "received_at": r["received_at"], "headers": r["headers"],
                        **(json_payload(r["payload"]) if r["payload_key_id"] is None
                           else {"payload": None, "payload_base64": None}),
-                       "sealed": r["payload_key_id"] is not None, "origin_ok": r.get("origin_ok")})
+                       "sealed": r["payload_key_id"] is not None, "origin_ok": r.get("origin_ok"),
+                       "origin": origin_label(r, key_id) or None})
         return 0
     shaped = [{"lamport": r["lamport_ts"], "time": format_time(r["sent_at"]),
                "from": r["publisher_label"] or r["publisher_did"][-12:], "seq": r["seq"],
-               "origin": origin_label(r, key.key_id if key is not None else None),
+               "origin": origin_label(r, key_id),
                "message": "(sealed)" if r["payload_key_id"] else format_payload(r["payload"], 200)} for r in rows]
     columns = [("lamport", "LAMPORT"), ("time", "SENT"), ("from", "FROM"), ("seq", "SEQ")]
     if a.verify:

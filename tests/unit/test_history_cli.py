@@ -79,3 +79,45 @@ def test_the_origin_column_tells_an_unsigned_row_from_a_forged_one() -> None:
     sealed = {"origin_ok": False, "origin_sig": b"s" * 64, "payload_key_id": "k1"}
     assert origin_label(sealed) == "sealed" and origin_label(sealed, "k2") == "sealed"
     assert origin_label(sealed, "k1") == "FAILED"  # still sealed under the key given: altered or moved
+
+
+def test_replay_json_says_what_the_origin_column_says(monkeypatch, capsys, tmp_path):
+    """`history replay --verify --json` gave origin_ok false alike for a row nobody signed, a row sealed
+    with a key not given and a forged one; the table tells them apart (ORIGIN), so the JSON does too."""
+    import datetime as dt
+    import json
+
+    import zerocomm_spark.pipelines.commands as commands
+    import zerocomm_spark.pipelines.replay as replay_mod
+    from zerocomm_spark.agent.cli import main as zerocomm
+
+    at = dt.datetime(2026, 1, 2, tzinfo=dt.timezone.utc)
+
+    def row(seq, sig, ok, key_id=None):
+        return {"group": "g", "message_id": f"m{seq}", "publisher_did": "did:key:z6Mkp", "publisher_label": "p",
+                "seq": seq, "lamport_ts": seq, "sent_at": at, "received_at": at, "headers": None,
+                "payload": b"x", "payload_key_id": key_id, "origin_sig": sig, "origin_ok": ok}
+
+    rows = [row(1, b"s" * 64, True), row(2, None, False), row(3, b"s" * 64, False), row(4, b"s" * 64, False, "k9")]
+
+    class Frame:
+        def limit(self, n):
+            return self
+
+        def toArrow(self):
+            class Table:
+                def to_pylist(self):
+                    return rows
+            return Table()
+
+    monkeypatch.setenv("HOME", str(tmp_path))  # no configuration of this host's
+    monkeypatch.delenv("ZEROCOMM_CONFIG", raising=False)
+    monkeypatch.setattr(commands, "_spark", lambda: None)
+    monkeypatch.setattr(replay_mod, "replay", lambda *a, **k: Frame())
+    assert zerocomm(["--json", "history", "replay", "g", "--table", "/t", "--verify"]) == 0
+    out = [json.loads(x) for x in capsys.readouterr().out.splitlines() if x.strip()]
+    assert [r["origin"] for r in out] == ["ok", "unsigned", "FAILED", "sealed"]
+    assert [r["origin_ok"] for r in out] == [True, False, False, False]
+    rows = [{k: v for k, v in r.items() if k != "origin_ok"} for r in rows]  # not verified: no verdict
+    assert zerocomm(["--json", "history", "replay", "g", "--table", "/t"]) == 0
+    assert {json.loads(x)["origin"] for x in capsys.readouterr().out.splitlines() if x.strip()} == {None}
