@@ -328,6 +328,19 @@ class Ctx:
                 sys.stderr.write(f"zerocomm: warning: {warning}\n")
         self._client: Client | None = None
 
+    def command(self, words: str) -> str:
+        """``zerocomm <words>`` for this same agent: the --config file and the flags given, quoted to paste."""
+        again = "".join(f" {option} {shlex.quote(value)}" for option, value in
+                        ([("--config", str(self.config_path))] if self.config_path else [])
+                        + [("--set", o) for o in self.config.overrides()])
+        return f"zerocomm{again} {words}"
+
+    def start_hint(self) -> str:
+        """What to run when no agent answers for this configuration."""
+        plain = "zerocomm agent start --detach"
+        exact = self.command("agent start --detach")
+        return f"Start it with `{plain}`" + ("" if exact == plain else f" (for this agent: `{exact}`)")
+
     def client(self) -> Client:
         if self._client is None:
             self._client = self._connect()
@@ -354,8 +367,7 @@ class Ctx:
             if not getattr(self.args, "spawn", False):
                 raise errors.AgentNotRunningError(
                     f"no agent is running for {cfg.identity_dir}",
-                    hint="Start it with `zerocomm agent start --detach` (same --config/--identity-dir), "
-                         "or add --spawn")
+                    hint=f"{self.start_hint()}, or add --spawn")
             from zerocomm_spark.agent.daemon import start_detached
 
             try:
@@ -384,8 +396,7 @@ class Ctx:
         if holder is None:  # whoever was starting it gave up or failed
             raise errors.AgentNotRunningError(
                 f"no agent is running for {cfg.identity_dir}",
-                hint="Start it with `zerocomm agent start --detach` (same --config/--identity-dir); if that fails, "
-                     f"its log is {log_file_of(cfg)}")
+                hint=f"{self.start_hint()}; if that fails, its log is {log_file_of(cfg)}")
         who = f"pid {holder}" if holder > 0 else "pid unknown"
         if (read_health(cfg.socket_dir) or {}).get("state") == "stopping":
             raise errors.AgentNotRunningError(
@@ -476,14 +487,12 @@ def cmd_agent_start(ctx: Ctx) -> int:
 
     if getattr(ctx.args, "detach", False):
         # The same file and flags (--identity-dir, --socket-dir...: the agent they name), quoted to paste as is.
-        again = "".join(f" {option} {shlex.quote(value)}" for option, value in
-                        ([("--config", str(ctx.config_path))] if ctx.config_path else [])
-                        + [("--set", o) for o in ctx.config.overrides()])
+        stop = ctx.command("agent stop")
         health = start_detached(ctx.config, timeout=getattr(ctx.args, "timeout", None))
         ctx.out(health, lambda: f"agent {health.get('label')!r} running in the background (pid {health.get('pid')})\n"
                                 f"  API  {health.get('endpoints', {}).get('api')}\n"
                                 f"  log  {health.get('log_file')}\n"
-                                f"stop it with: zerocomm{again} agent stop")
+                                f"stop it with: {stop}")
         return EXIT_OK
 
     def ready(health: dict[str, Any]) -> None:
@@ -522,7 +531,13 @@ def cmd_agent_stop(ctx: Ctx) -> int:
 def cmd_agent_status(ctx: Ctx) -> int:
     from zerocomm_spark.agent.daemon import agent_status
 
-    status = agent_status(ctx.config, timeout=min(ctx.timeout, 5.0))
+    try:
+        status = agent_status(ctx.config, timeout=min(ctx.timeout, 5.0))
+    except errors.AgentNotRunningError as exc:
+        message = str(exc)
+        if exc.hint and message.endswith(f". {exc.hint}"):
+            message = message[: -len(exc.hint) - 2]
+        raise errors.AgentNotRunningError(message, hint=ctx.start_hint()) from None
     endpoints = status.get("endpoints") or {}
     journal = status.get("journal") or {}
 

@@ -373,3 +373,21 @@ def test_json_history_and_tail_carry_every_payload_exactly(tmp_path: Path) -> No
             assert not any(c in done.stdout for c in "\x1b\x9b\x00")  # escaped in the JSON text, never raw
     finally:
         solo.stop()
+
+
+def test_the_start_command_a_missing_agent_is_told_names_this_agent(tmp_path: Path) -> None:
+    """A member with its own --config was told "Start it with `zerocomm agent start --detach`" by
+    `agent status` and every other command: pasted as printed, that starts the default
+    configuration's agent (or fails, that one running), not the one asked about."""
+    solo = Member(tmp_path, "solo")
+    solo.init()
+    expected = f"zerocomm --config {solo.config} agent start --detach"
+    try:
+        for command in (("agent", "status"), ("group", "list")):
+            missing = solo.run(*command)
+            assert missing.code == 3 and expected in missing.json["error"]["hint"], missing.json
+        pasted = subprocess.run([*ZEROCOMM, *expected.split()[1:]], capture_output=True, text=True, timeout=60)
+        assert pasted.returncode == 0, pasted.stderr
+        assert solo.ok("agent", "status")["label"] == "solo"
+    finally:
+        solo.stop()
