@@ -93,11 +93,11 @@ examples:
   zerocomm init --label alice                  create an identity and a config file
   zerocomm agent start --detach                run the agent in the background
   zerocomm invite                              print an invitation URL for another member
-  zerocomm connect 'tcp://...?oob=...'         accept one (DID exchange)
+  zerocomm connect 'https://...?oob=...'       accept one (DID exchange)
   zerocomm group create sensors
   zerocomm group join sensors --via alice      join through a member you are connected to
   zerocomm send sensors 'hello'                publish; returns once every member has it
-  zerocomm tail sensors                        follow the group's messages, like tail -f
+  zerocomm tail sensors                        follow the group's messages, like tail -F
 """
 
 
@@ -202,7 +202,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("group", metavar="GROUP")
     p.add_argument("message", metavar="MESSAGE", help="the text, or - to publish each line of stdin")
     p.add_argument("--id", dest="message_id", metavar="ID", help="the message id (re-sending the same id is safe)")
-    p = add(sub, "tail", "print a group's messages as they arrive (from the journal), like tail -f", cmd_tail)
+    p = add(sub, "tail", "print a group's messages as they arrive (from the journal), like tail -F (across agent "
+                         "restarts)", cmd_tail)
     p.add_argument("group", metavar="GROUP")
     p.add_argument("-n", "--lines", type=int, default=10, metavar="N", help="show the last N first (default 10)")
     p.add_argument("--no-follow", action="store_true", help="print the last N and stop")

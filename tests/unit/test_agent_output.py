@@ -272,3 +272,17 @@ def test_a_local_os_error_exits_with_the_documented_code(raised: OSError, code: 
     assert cli.main(["--identity-dir", str(tmp_path / "id"), "--json", "config"]) == code
     answer = json.loads(capsys.readouterr().out)
     assert answer["exit_code"] == code and type(raised).__name__ in answer["error"]["message"]
+
+
+def test_the_help_examples_show_what_the_commands_do() -> None:
+    """`zerocomm --help` showed `connect 'tcp://...?oob=...'` (an invitation is an https://...?oob= URL)
+    and tail "like tail -f" (it follows across agent restarts: tail -F, as the README says)."""
+    from zerocomm_spark.protocols.out_of_band.v1_1.messages import DEFAULT_URL_BASE
+
+    parser = build_parser()
+    text = parser.format_help()
+    scheme = DEFAULT_URL_BASE.split("//")[0]
+    assert scheme == "https:" and f"zerocomm connect '{scheme}//...?oob=...'" in text
+    assert "tail -f" not in text and "like tail -F" in text
+    tail = parser._subparsers._group_actions[0].choices["tail"]  # noqa: SLF001
+    assert "tail -f" not in tail.format_help() and "tail -F" in tail.format_help()
