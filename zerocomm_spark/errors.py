@@ -191,7 +191,8 @@ class InvitationError(ProtocolError):
 class ConnectionNotFoundError(ProtocolError):
     """No connection with the named peer exists."""
 
-    hint = "Accept an invitation from that peer first (agent.accept(url)) or check the peer's DID."
+    hint = ("Accept an invitation from that peer first (agent.accept(url), or `zerocomm connect URL`) or check the "
+            "peer's id, label or DID (agent.connections(), or `zerocomm connections`).")
 
 
 class ReplayError(ProtocolError):
@@ -330,7 +331,8 @@ class GroupExistsError(GroupError):
 class GroupNotFoundError(GroupError):
     """This member is not in a group of that name."""
 
-    hint = "Create it, or join it through a member (join(group, via=connection)); groups() lists yours."
+    hint = ("Create it, or join it through a member (join(group, via=connection), or `zerocomm group join GROUP "
+            "--via PEER`); groups() (`zerocomm group list`) lists yours.")
 
 
 class JoinRefusedError(GroupError):

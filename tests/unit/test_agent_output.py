@@ -286,3 +286,14 @@ def test_the_help_examples_show_what_the_commands_do() -> None:
     assert "tail -f" not in text and "like tail -F" in text
     tail = parser._subparsers._group_actions[0].choices["tail"]  # noqa: SLF001
     assert "tail -f" not in tail.format_help() and "tail -F" in tail.format_help()
+
+
+def test_not_found_hints_name_the_command_too() -> None:
+    """The CLI prints an error's hint as "what to do"; for a missing group or connection it named only
+    the Python calls (join(group, via=connection), agent.accept(url)), as ReadOnlyMemberError's does not."""
+    from zerocomm_spark import errors
+
+    assert "zerocomm group join" in errors.GroupNotFoundError("x").hint
+    assert "zerocomm group list" in errors.GroupNotFoundError("x").hint
+    assert "zerocomm connect" in errors.ConnectionNotFoundError("x").hint
+    assert "zerocomm connections" in errors.ConnectionNotFoundError("x").hint
