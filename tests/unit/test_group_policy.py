@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -34,7 +35,7 @@ from zerocomm_spark.protocols.group.v1_0.messages import (
     SubscribeResponse,
     ViewUpdate,
 )
-from zerocomm_spark.protocols.message import Thread, message_types
+from zerocomm_spark.protocols.message import Thread, b64url_encode, message_types
 
 ALICE = "did:key:z6MkAlice"
 BOB = "did:key:z6MkBob"
@@ -115,6 +116,19 @@ def test_a_ticket_proves_who_admitted_whom() -> None:
         replace(Ticket.issue("g", BOB, acceptor), issued_at=time.time() + 3600).verify(group="g", member=BOB)
     with pytest.raises(MalformedGroupMessageError):
         Ticket.from_dict({"group": "g"})
+
+
+@pytest.mark.parametrize("issued_at", [float("nan"), float("inf"), float("-inf")])
+def test_a_ticket_issued_at_no_time_never_passes_for_one_that_does_not_expire(issued_at: float) -> None:
+    """NaN compared false both ways, so a ticket signed with issued_at NaN (JSON allows it) passed the
+    age check and never expired; infinities are refused the same way."""
+    acceptor = KeyPair.generate()
+    forged = replace(Ticket.issue("g", BOB, acceptor), issued_at=issued_at)
+    forged = replace(forged, signature=b64url_encode(acceptor.sign(forged._signed_part())))  # noqa: SLF001 - signed as sent
+    with pytest.raises(SignatureError, match="expired"):
+        forged.verify(group="g", member=BOB)
+    with pytest.raises(MalformedGroupMessageError, match="finite"):
+        Ticket.from_dict(json.loads(json.dumps(forged.to_dict())))
 
 
 # --- store -------------------------------------------------------------------------------------

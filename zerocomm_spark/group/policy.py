@@ -24,6 +24,7 @@ current member elsewhere), and :class:`AnyOf`/:class:`AllOf` to combine them.
 from __future__ import annotations
 
 import json
+import math
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Mapping
@@ -241,7 +242,7 @@ class Ticket:
         if nonce is not None and self.nonce != nonce:
             raise SignatureError("the ticket answers another join request")
         age = time.time() - self.issued_at
-        if age < -300 or age > TICKET_MAX_AGE_S:  # minutes of clock skew are fine
+        if not -300 <= age <= TICKET_MAX_AGE_S:  # minutes of clock skew are fine (and NaN is neither)
             raise SignatureError("the ticket was issued in the future or has expired")
         try:
             verkey = verkey_from_did_key(self.by)
@@ -266,8 +267,8 @@ class Ticket:
             raise MalformedGroupMessageError(f"ticket field '{exc.args[0]}' is missing") from None
         if not all(isinstance(v, str) and 0 < len(v) <= 1024 for v in values.values()):
             raise MalformedGroupMessageError("ticket fields group, member, by and signature are strings")
-        if not isinstance(issued_at, (int, float)) or isinstance(issued_at, bool):
-            raise MalformedGroupMessageError("ticket field 'issued_at' is a number")
+        if not isinstance(issued_at, (int, float)) or isinstance(issued_at, bool) or not math.isfinite(issued_at):
+            raise MalformedGroupMessageError("ticket field 'issued_at' is a finite number")
         nonce = data.get("nonce", "")
         if not isinstance(nonce, str) or len(nonce) > 256:
             raise MalformedGroupMessageError("ticket field 'nonce' is a string")
