@@ -518,8 +518,7 @@ def test_a_registered_protocol_takes_another_minor_version_of_its_messages(tmp_p
     from zerocomm_spark.protocols.message import DIDCOMM_PREFIX, AgentMessage, ProtocolDescriptor, Thread, req_str
 
     @dataclass(kw_only=True)
-    class Ask(AgentMessage):
-        message_type: ClassVar[str] = DIDCOMM_PREFIX + "zc-minor-test/1.0/ask"
+    class Text(AgentMessage):
         text: str
 
         def body(self) -> dict[str, Any]:
@@ -528,6 +527,10 @@ def test_a_registered_protocol_takes_another_minor_version_of_its_messages(tmp_p
         @classmethod
         def parse_body(cls, data: Any) -> dict[str, Any]:
             return {"text": req_str(data, "text")}
+
+    @dataclass(kw_only=True)
+    class Ask(Text):
+        message_type: ClassVar[str] = DIDCOMM_PREFIX + "zc-minor-test/1.0/ask"
 
     @dataclass(kw_only=True)
     class NewerAsk(Ask):  # what an agent that speaks 1.3 sends: a field 1.0 does not know
@@ -541,16 +544,8 @@ def test_a_registered_protocol_takes_another_minor_version_of_its_messages(tmp_p
         message_type: ClassVar[str] = DIDCOMM_PREFIX + "zc-minor-test/2.0/ask"
 
     @dataclass(kw_only=True)
-    class Answer(AgentMessage):
+    class Answer(Text):
         message_type: ClassVar[str] = DIDCOMM_PREFIX + "zc-minor-test/1.0/answer"
-        text: str
-
-        def body(self) -> dict[str, Any]:
-            return {"text": self.text}
-
-        @classmethod
-        def parse_body(cls, data: Any) -> dict[str, Any]:
-            return {"text": req_str(data, "text")}
 
     seen: list[tuple[str, str]] = []
 
