@@ -23,6 +23,7 @@ from zerocomm_spark.agent.server import CallRegistry, Param, Request, non_empty,
 from zerocomm_spark.client import PROTOCOL_VERSION, ipc_to_table, table_to_ipc
 from zerocomm_spark.errors import (
     BadRequestError,
+    DataLossError,
     GroupError,
     OffsetOutOfRangeError,
     PeerTimeoutError,
@@ -406,7 +407,14 @@ class AgentCalls:
         chunk = max(want * 4, 1024)
         while upto > earliest and rows < want:
             frm = max(earliest, upto - chunk)
-            table = _compact(journal.read(frm, upto))
+            try:
+                table = _compact(journal.read(frm, upto))
+            except DataLossError:  # retention deleted the oldest rows since `earliest` was read
+                moved = journal.earliest_offset()
+                if moved <= frm:
+                    raise
+                earliest = moved  # the scan ends at what is left, as if it had started there
+                continue
             if group is not None:
                 table = table.filter(pc.equal(table.column("group"), group))
             pieces.insert(0, table)

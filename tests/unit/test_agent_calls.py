@@ -62,6 +62,32 @@ def test_the_last_rows_of_a_rare_group_are_sought_only_within_the_deadline(tmp_p
         assert table.num_rows == 0 and end == 20_000
 
 
+def test_the_last_rows_scan_goes_on_from_what_retention_left(tmp_path) -> None:
+    """`read(last=N)` read the journal's earliest offset once; when retention deleted the oldest
+    segments meanwhile, the scan's read of them raised DataLossError instead of ending at what is left."""
+    from zerocomm_spark.agent.calls import AgentCalls
+    from zerocomm_spark.journal import Journal
+
+    with Journal.open(tmp_path / "j", key=bytes(32), fsync="never", segment_bytes=4096, retention_bytes=8192) as journal:
+        for i in range(200):
+            journal.append([{"group": "rare" if i in (3, 150) else "busy", "message_id": f"m{i}",
+                             "publisher_did": "did:peer:x", "seq": i + 1, "lamport_ts": i, "sent_at": 0,
+                             "payload": b"p" * 200}])
+        stale = journal.earliest_offset()
+        assert stale == 0
+        journal.commit(120)
+        journal.enforce_retention()  # what the syncer does between the scan's reads
+        left = journal.earliest_offset()
+        assert 3 < left <= 120
+        reads: list[int] = []  # the scan read `earliest` before retention ran, then reads: the race, in order
+        journal.earliest_offset = lambda: stale if not reads else left  # type: ignore[method-assign]
+        real_read = journal.read
+        journal.read = lambda *a, **k: (reads.append(1), real_read(*a, **k))[1]  # type: ignore[method-assign]
+        calls = AgentCalls(_Process(journal))  # type: ignore[arg-type]
+        table, end = calls._tail("rare", 5, 1000, 1 << 30, _Request(60.0))  # noqa: SLF001
+        assert table.column("message_id").to_pylist() == ["m150"] and end == 200  # m3 is gone: no error
+
+
 class _Receipt:
     def __init__(self, seqs: list[int]) -> None:
         self.seqs = seqs
