@@ -403,3 +403,36 @@ def test_the_receipt_carries_the_send_time_its_messages_travel_with() -> None:
     assert [m.seq for m in sent] == [1, 2]
     assert receipt.sent_at == sent[1].sent_at
     assert receipt.sent_at >= before + 0.25
+
+
+def _in_thread(fn, seconds: float = 3.0) -> BaseException | None:  # type: ignore[no-untyped-def]
+    """Run ``fn`` in a daemon thread; the exception it raised, or a failure if it is still running."""
+    out: list[BaseException | None] = []
+
+    def run() -> None:
+        try:
+            fn()
+        except BaseException as exc:  # noqa: BLE001
+            out.append(exc)
+        else:
+            out.append(None)
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(seconds)
+    if t.is_alive():
+        pytest.fail(f"still waiting after {seconds}s: a NaN timeout is no deadline")
+    return out[0]
+
+
+def test_a_nan_timeout_is_refused_rather_than_waited_on_forever() -> None:
+    """NaN compares false both ways: `remaining <= 0` never held and the wait spun without end."""
+    box = Outbox("g", window=2, retention_max=10)
+    box.add_member("bob")
+    r = publish(box, 2)
+    err = _in_thread(lambda: r.wait(float("nan")))
+    assert isinstance(err, ValueError) and "timeout" in str(err)
+    err = _in_thread(lambda: publish(box, 1, timeout=float("nan")))  # the window is full
+    assert isinstance(err, ValueError) and "timeout" in str(err)
+    assert box.last_seq == 2  # nothing was published
+

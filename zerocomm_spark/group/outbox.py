@@ -86,6 +86,8 @@ class PublishReceipt:
         """
         if not isinstance(timeout, (int, float)) or isinstance(timeout, bool):
             raise TypeError("wait() takes a timeout in seconds; every wait has a deadline")
+        if timeout != timeout:  # NaN: no comparison with it holds, so the deadline would never pass
+            raise ValueError("wait() takes a timeout in seconds, got NaN; every wait has a deadline")
         deadline = time.monotonic() + max(timeout, 0.0)
         cond = self._outbox._cond  # noqa: SLF001
         with cond:
@@ -294,6 +296,8 @@ class Outbox:
         each other from their callbacks would each wait for acks that only the other's callback
         returning lets it send.
         """
+        if timeout != timeout:  # NaN: the deadline would never pass and the wait would spin
+            raise ValueError("publish takes a timeout in seconds, got NaN; every wait has a deadline")
         n = len(payloads)
         nbytes = sum(map(len, payloads))
         window = self.retention_max if in_callback else self.window
