@@ -436,3 +436,23 @@ def test_a_nan_timeout_is_refused_rather_than_waited_on_forever() -> None:
     assert isinstance(err, ValueError) and "timeout" in str(err)
     assert box.last_seq == 2  # nothing was published
 
+
+def test_a_receipt_resolved_with_an_error_at_its_deadline_is_not_reported_as_delivered() -> None:
+    """The deadline passed; before the laggards were read the receipt resolved, as dropped for a
+    member: wait() must raise that error (or time out), never return as if every member had it."""
+    box, receipts = _past_retention_while_inactive("dead")
+    box.set_active("dead", True)
+    box.note_gone("dead", 1, 6)
+    laggards = box.laggards
+
+    def resolve_then_read(seq: int) -> list[str]:
+        box.ack("dead", box.last_seq)  # resolves receipts[0] with MessagesDroppedError
+        return laggards(seq)
+
+    box.laggards = resolve_then_read  # type: ignore[method-assign]
+    with pytest.raises((MessagesDroppedError, PeerTimeoutError)):
+        receipts[0].wait(0)
+    box.ack("dead", box.last_seq)  # (a no-op if the laggards were read)
+    assert receipts[0].done()
+    with pytest.raises(MessagesDroppedError):
+        receipts[0].wait(0)

@@ -96,9 +96,12 @@ class PublishReceipt:
                 if remaining <= 0:
                     break
                 cond.wait(min(remaining, 1.0))
-        if not self._done:
-            missing = self._outbox.laggards(self._last)
-            if not missing:  # resolved between the wait and the check
+            # Read under the same lock: a receipt resolving (perhaps with an error) after the wait
+            # must not be mistaken for one every member acked.
+            done = self._done
+            missing = [] if done else self._outbox._laggards_locked(self._last)  # noqa: SLF001
+        if not done:
+            if not missing:  # every member acked: it resolves with the progress that did it
                 return
             shown = ", ".join(sorted(missing)[:8]) + (" ..." if len(missing) > 8 else "")
             raise PeerTimeoutError(
@@ -478,7 +481,10 @@ class Outbox:
     def laggards(self, seq: int) -> list[str]:
         """Current members that have not acked ``seq``."""
         with self._lock:
-            return [did for did, s in self._members.items() if s.acked < seq]
+            return self._laggards_locked(seq)
+
+    def _laggards_locked(self, seq: int) -> list[str]:
+        return [did for did, s in self._members.items() if s.acked < seq]
 
     def lag(self) -> dict[str, int]:
         """Unacked messages per member."""
