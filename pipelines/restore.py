@@ -18,7 +18,9 @@ The exchange follows seed 003's announce / request-or-ignore relaying, so nothin
    first) and must match what that provider announced; a row of the wrong types (nulls included) is
    rejected like a forged one. A row that fails is rejected, never delivered, and its
    key is requested from the next provider that announced it (the fallback the seed's comments ask
-   for); a key no provider could prove is reported missing.
+   for); a key no provider could prove is reported missing. A provider that raises or answers
+   something that is not a history table is treated the same way (its keys go to the next
+   provider), never aborting the restore; a ConfigurationError (the caller's set-up) still raises.
 4. Only then is anything **delivered**: every verified row once, in causal order
    (lamport_ts, publisher_did).
 
@@ -308,6 +310,11 @@ class RestoreReport:
 _UNKNOWN, _REQUESTED, _DONE, _FAILED = 0, 1, 2, 3
 
 
+def _failure(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else ""
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
 def _malformed(mid: Any, did: Any, seq: Any, lamport: Any) -> bool:
     """A key whose fields do not have their types (a broken or hostile provider)."""
     return not (isinstance(mid, str) and isinstance(did, str) and type(seq) is int and type(lamport) is int)
@@ -476,12 +483,22 @@ def restore(group: str, providers: Sequence[HistoryProvider], *, have: Have | No
 
     # 1-2. announce, then request or ignore, key by key, in announcement order.
     for index, provider in enumerate(providers):
-        keys = provider.announce(group, since_lamport)
-        report.offered[provider.name] = keys.num_rows
-        ids = keys.column("message_id").to_pylist()
-        dids = keys.column("publisher_did").to_pylist()
-        seqs = keys.column("seq").to_pylist()
-        lamports = keys.column("lamport_ts").to_pylist()
+        try:
+            keys = provider.announce(group, since_lamport)
+            ids = keys.column("message_id").to_pylist()
+            dids = keys.column("publisher_did").to_pylist()
+            seqs = keys.column("seq").to_pylist()
+            lamports = keys.column("lamport_ts").to_pylist()
+            if not len(ids) == len(dids) == len(seqs) == len(lamports):
+                raise ValueError("key columns of different lengths")
+        except ConfigurationError:
+            raise  # the caller's set-up (a missing or foreign table), not a provider failing to serve
+        except Exception as exc:  # one provider failing (or announcing garbage) never aborts the restore
+            report.offered[provider.name] = 0
+            report.ignored[provider.name] = 0
+            report.rejected.append(Rejection(provider.name, None, f"announce failed ({_failure(exc)})"))
+            continue
+        report.offered[provider.name] = len(ids)
         ignore: list[str] = []
         for mid, did, seq, lamport in zip(ids, dids, seqs, lamports):
             if _malformed(mid, did, seq, lamport):
@@ -510,7 +527,13 @@ def restore(group: str, providers: Sequence[HistoryProvider], *, have: Have | No
                 ignore.append(mid)
         report.ignored[provider.name] = len(ignore)
         if ignore:
-            provider.ignore(group, ignore)
+            try:
+                provider.ignore(group, ignore)
+            except ConfigurationError:
+                raise
+            except Exception as exc:  # flow control only: nothing the restore does depends on it
+                log.warning("history provider %s failed to take %d ignore(s): %s", provider.name, len(ignore),
+                            _failure(exc))
     for mid in held_at:
         if mid not in state:  # every provider announced it at a position the member holds
             state[mid] = _DONE
@@ -534,11 +557,21 @@ def restore(group: str, providers: Sequence[HistoryProvider], *, have: Have | No
                 report.requested[provider.name] = report.requested.get(provider.name, 0) + len(chunk)
                 if not first_round:
                     report.refetched += len(chunk)
-                rows = provider.request(group, chunk)
-                report.received[provider.name] = report.received.get(provider.name, 0) + rows.num_rows
                 asked = {mid: announced[(index, mid)] for mid in chunk}
-                good, rejections = _check_rows(rows, provider.name, asked, history_key, require_origin,
-                                               verify_threads, group)
+                try:
+                    rows = provider.request(group, chunk)
+                    if not isinstance(rows, pa.Table):
+                        raise TypeError(f"answered {type(rows).__name__}, not an Arrow table")
+                except ConfigurationError:
+                    raise
+                except Exception as exc:  # its keys go to the next provider that announced them
+                    reason = f"provider failed ({_failure(exc)})"
+                    good, rejections = history_arrow_schema().empty_table(), [
+                        Rejection(provider.name, mid, reason) for mid in chunk]
+                else:
+                    report.received[provider.name] = report.received.get(provider.name, 0) + rows.num_rows
+                    good, rejections = _check_rows(rows, provider.name, asked, history_key, require_origin,
+                                                   verify_threads, group)
                 report.rejected.extend(rejections)
                 good_ids = set(good.column("message_id").to_pylist())
                 for mid in good_ids:

@@ -293,3 +293,41 @@ def test_reading_what_the_member_has_past_its_deadline_is_a_zerocomm_error():
 
     with pytest.raises(ApiTimeoutError, match="journal"):
         have_from_client(SlowClient(), "g", timeout=0.1)
+
+
+def test_a_provider_that_fails_or_announces_garbage_does_not_abort_the_restore(alice):
+    """One provider's error (an unreadable table, a dropped link) or a malformed announcement raised
+    out of restore and lost what the other providers offered; its keys now go to the next provider."""
+    rows = make_rows(alice, 3, label="f")
+
+    class Down(ArrowProvider):
+        def request(self, group, message_ids):
+            raise OSError("history table unreadable")
+
+    class Garbage(ArrowProvider):
+        def announce(self, group, since_lamport=None):
+            return table(rows).select(["message_id"])        # no publisher, seq or Lamport time
+
+    class Mute(ArrowProvider):
+        def announce(self, group, since_lamport=None):
+            raise ConnectionError("provider went away")
+
+    class Broken(ArrowProvider):
+        def request(self, group, message_ids):
+            return None                                       # not an Arrow table at all
+
+    class Grumpy(ArrowProvider):
+        def ignore(self, group, message_ids):
+            raise RuntimeError("cannot account")              # ignore is flow control: nothing rides on it
+
+    for bad in (Down, Garbage, Mute, Broken):
+        delivered: list[pa.Table] = []
+        report = restore("g", [bad(table(rows), "bad"), ArrowProvider(table(rows), "honest")],
+                         deliver=delivered.append)
+        assert sorted(report.delivered_ids) == ["f-0", "f-1", "f-2"] and report.missing == [], bad
+        assert report.rejected and all(r.provider == "bad" for r in report.rejected), bad
+        assert sorted(delivered[0].column("message_id").to_pylist()) == ["f-0", "f-1", "f-2"]
+    assert restore("g", [ArrowProvider(table(rows), "first"), Grumpy(table(rows), "grumpy")]).delivered == 3
+    alone = restore("g", [Down(table(rows), "down")])        # no one else: missing, reported, not raised
+    assert alone.delivered == 0 and sorted(alone.missing) == ["f-0", "f-1", "f-2"]
+    assert {r.reason for r in alone.rejected} == {"provider failed (OSError: history table unreadable)"}
