@@ -31,10 +31,12 @@ Providers are anything with ``announce``/``request``/``ignore`` (:class:`History
 from __future__ import annotations
 
 import logging
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from zerocomm_spark.errors import ApiTimeoutError, ConfigurationError, TamperedEnvelopeError
@@ -310,6 +312,31 @@ class RestoreReport:
 _UNKNOWN, _REQUESTED, _DONE, _FAILED = 0, 1, 2, 3
 
 
+def _bounded(call: Callable[[], Any], timeout: float | None, what: str) -> Any:
+    """``call()``, or ApiTimeoutError once ``timeout`` seconds passed (the call is left to finish on
+    a daemon thread: a provider that never answers cannot hold the restore, nor the interpreter's exit)."""
+    if timeout is None:
+        return call()
+    done = threading.Event()
+    box: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            box["value"] = call()
+        except BaseException as exc:  # handed to the caller below
+            box["error"] = exc
+        finally:
+            done.set()
+
+    threading.Thread(target=run, name="zerocomm-restore-provider", daemon=True).start()
+    if not done.wait(timeout):
+        raise ApiTimeoutError(f"{what} took over {timeout}s",
+                              hint="Raise restore(..., provider_timeout=...) if this provider is only slow")
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
+
+
 def _failure(exc: BaseException) -> str:
     text = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else ""
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
@@ -453,14 +480,16 @@ def _check_rows(rows: pa.Table, provider: str, asked: Mapping[str, tuple[str, in
 def restore(group: str, providers: Sequence[HistoryProvider], *, have: Have | None = None,
             deliver: Callable[[pa.Table], None] | None = None, history_key: HistoryKey | None = None,
             since_lamport: int | None = None, require_origin: bool = True, verify_threads: int = 2,
-            request_chunk: int = 50_000) -> RestoreReport:
+            request_chunk: int = 50_000, provider_timeout: float | None = None) -> RestoreReport:
     """Fill a member's gap in ``group`` from ``providers``; see the module doc for the exchange.
 
     ``have``: what the member already holds (have_from_client / have_from_journal /
     have_from_table). ``deliver`` receives the verified rows once, in causal order, with clear
     payloads, as one Arrow table (nothing is delivered before every row was verified).
     ``require_origin=False`` accepts rows without (or with a bad) origin proof: only for history
-    from a trusted provider written before publishers signed.
+    from a trusted provider written before publishers signed. ``provider_timeout`` (seconds) bounds
+    each announce and request call: a provider that has not answered by then is given up on like one
+    that failed (its keys go to the next provider that announced them); None waits as long as it takes.
     """
     import pyarrow as pa
 
@@ -469,6 +498,11 @@ def restore(group: str, providers: Sequence[HistoryProvider], *, have: Have | No
     for name, value in (("request_chunk", request_chunk), ("verify_threads", verify_threads)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ConfigurationError(f"restore's {name} is an int >= 1, not {value!r}")
+    if provider_timeout is not None and (isinstance(provider_timeout, bool)
+                                         or not isinstance(provider_timeout, (int, float))
+                                         or not provider_timeout > 0):
+        raise ConfigurationError(f"restore's provider_timeout is a number of seconds > 0 (or None), "
+                                 f"not {provider_timeout!r}")
     names = [p.name for p in providers]
     if len(set(names)) != len(names):
         raise ConfigurationError(f"history providers need distinct names, got {names}")
@@ -484,7 +518,8 @@ def restore(group: str, providers: Sequence[HistoryProvider], *, have: Have | No
     # 1-2. announce, then request or ignore, key by key, in announcement order.
     for index, provider in enumerate(providers):
         try:
-            keys = provider.announce(group, since_lamport)
+            keys = _bounded(partial(provider.announce, group, since_lamport), provider_timeout,
+                            f"{provider.name}'s announce")
             ids = keys.column("message_id").to_pylist()
             dids = keys.column("publisher_did").to_pylist()
             seqs = keys.column("seq").to_pylist()
@@ -559,7 +594,8 @@ def restore(group: str, providers: Sequence[HistoryProvider], *, have: Have | No
                     report.refetched += len(chunk)
                 asked = {mid: announced[(index, mid)] for mid in chunk}
                 try:
-                    rows = provider.request(group, chunk)
+                    rows = _bounded(partial(provider.request, group, chunk), provider_timeout,
+                                    f"{provider.name}'s answer to a request for {len(chunk)} key(s)")
                     if not isinstance(rows, pa.Table):
                         raise TypeError(f"answered {type(rows).__name__}, not an Arrow table")
                 except ConfigurationError:

@@ -331,3 +331,36 @@ def test_a_provider_that_fails_or_announces_garbage_does_not_abort_the_restore(a
     alone = restore("g", [Down(table(rows), "down")])        # no one else: missing, reported, not raised
     assert alone.delivered == 0 and sorted(alone.missing) == ["f-0", "f-1", "f-2"]
     assert {r.reason for r in alone.rejected} == {"provider failed (OSError: history table unreadable)"}
+
+
+def test_a_provider_that_never_answers_is_given_up_on_at_the_deadline(alice):
+    """Restore called announce and request with no deadline: one hung provider held it forever."""
+    import threading
+    import time
+
+    rows = make_rows(alice, 3, label="s")
+    release = threading.Event()
+
+    class Hung(ArrowProvider):
+        def request(self, group, message_ids):
+            release.wait(30)                                  # a provider that never answers
+            return super().request(group, message_ids)
+
+    class Silent(ArrowProvider):
+        def announce(self, group, since_lamport=None):
+            release.wait(30)
+            return super().announce(group, since_lamport)
+
+    try:
+        for hung in (Hung, Silent):
+            began = time.monotonic()
+            report = restore("g", [hung(table(rows), "hung"), ArrowProvider(table(rows), "honest")],
+                             provider_timeout=0.3)
+            assert time.monotonic() - began < 5, hung
+            assert sorted(report.delivered_ids) == ["s-0", "s-1", "s-2"] and report.missing == [], hung
+            assert report.rejected and all(r.provider == "hung" and "0.3" in r.reason
+                                           for r in report.rejected), hung
+        with pytest.raises(ConfigurationError, match="provider_timeout"):
+            restore("g", [ArrowProvider(table(rows), "p")], provider_timeout=0)
+    finally:
+        release.set()
