@@ -338,8 +338,13 @@ def _bounded(call: Callable[[], Any], timeout: float | None, what: str) -> Any:
 
 
 def _failure(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else ""
-    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+    """What went wrong, for the report and the log: the type, and an OSError's reason; never other
+    exceptions' text, which can quote the value that failed (a payload, say)."""
+    if isinstance(exc, OSError) and exc.strerror:
+        return f"{type(exc).__name__}: {exc.strerror}"
+    if isinstance(exc, (ApiTimeoutError, TimeoutError)):
+        return f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"  # our own text: a name and a number
+    return type(exc).__name__
 
 
 def _malformed(mid: Any, did: Any, seq: Any, lamport: Any) -> bool:

@@ -302,7 +302,7 @@ def test_a_provider_that_fails_or_announces_garbage_does_not_abort_the_restore(a
 
     class Down(ArrowProvider):
         def request(self, group, message_ids):
-            raise OSError("history table unreadable")
+            raise OSError(5, "history table unreadable")  # as the OS raises it: errno and reason
 
     class Garbage(ArrowProvider):
         def announce(self, group, since_lamport=None):
@@ -331,6 +331,13 @@ def test_a_provider_that_fails_or_announces_garbage_does_not_abort_the_restore(a
     alone = restore("g", [Down(table(rows), "down")])        # no one else: missing, reported, not raised
     assert alone.delivered == 0 and sorted(alone.missing) == ["f-0", "f-1", "f-2"]
     assert {r.reason for r in alone.rejected} == {"provider failed (OSError: history table unreadable)"}
+    # Other exceptions' text is left out: it can quote the value that failed (a payload, say).
+    class Leaky(ArrowProvider):
+        def request(self, group, message_ids):
+            raise ValueError("could not convert b'SECRET-PAYLOAD'")
+
+    leaky = restore("g", [Leaky(table(rows), "leaky")])
+    assert {r.reason for r in leaky.rejected} == {"provider failed (ValueError)"}
 
 
 def test_a_provider_that_never_answers_is_given_up_on_at_the_deadline(alice):
