@@ -485,7 +485,7 @@ def _check_rows(rows: pa.Table, provider: str, asked: Mapping[str, tuple[str, in
 def restore(group: str, providers: Sequence[HistoryProvider], *, have: Have | None = None,
             deliver: Callable[[pa.Table], None] | None = None, history_key: HistoryKey | None = None,
             since_lamport: int | None = None, require_origin: bool = True, verify_threads: int = 2,
-            request_chunk: int = 50_000, provider_timeout: float | None = None) -> RestoreReport:
+            request_chunk: int = 50_000, provider_timeout: float | None = 600.0) -> RestoreReport:
     """Fill a member's gap in ``group`` from ``providers``; see the module doc for the exchange.
 
     ``have``: what the member already holds (have_from_client / have_from_journal /
@@ -494,7 +494,8 @@ def restore(group: str, providers: Sequence[HistoryProvider], *, have: Have | No
     ``require_origin=False`` accepts rows without (or with a bad) origin proof: only for history
     from a trusted provider written before publishers signed. ``provider_timeout`` (seconds) bounds
     each announce and request call: a provider that has not answered by then is given up on like one
-    that failed (its keys go to the next provider that announced them); None waits as long as it takes.
+    that failed (its keys go to the next provider that announced them). The default, 10 minutes, is
+    far beyond a Delta scan of a large table but still a deadline; None waits as long as it takes.
     """
     import pyarrow as pa
 

@@ -369,5 +369,8 @@ def test_a_provider_that_never_answers_is_given_up_on_at_the_deadline(alice):
                                            for r in report.rejected), hung
         with pytest.raises(ConfigurationError, match="provider_timeout"):
             restore("g", [ArrowProvider(table(rows), "p")], provider_timeout=0)
+        import inspect
+
+        assert inspect.signature(restore).parameters["provider_timeout"].default == 600.0  # a deadline by default
     finally:
         release.set()
