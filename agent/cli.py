@@ -535,10 +535,7 @@ def cmd_agent_status(ctx: Ctx) -> int:
     try:
         status = agent_status(ctx.config, timeout=min(ctx.timeout, 5.0))
     except errors.AgentNotRunningError as exc:
-        message = str(exc)
-        if exc.hint and message.endswith(f". {exc.hint}"):
-            message = message[: -len(exc.hint) - 2]
-        raise errors.AgentNotRunningError(message, hint=ctx.start_hint()) from None
+        raise errors.AgentNotRunningError(exc.message, hint=ctx.start_hint()) from None
     endpoints = status.get("endpoints") or {}
     journal = status.get("journal") or {}
 
@@ -724,9 +721,7 @@ def cmd_send(ctx: Ctx) -> int:
                 result = ctx.client().publish(a.group, lines, message_ids=ids, timeout=ctx.timeout)
             except ZeroCommError as exc:
                 if message_ids:  # earlier chunks went out: say how far, so the rest can be sent again
-                    text, hint = str(exc), exc.hint
-                    if hint and text.endswith(f". {hint}"):
-                        text = text[: -len(hint) - 2]
+                    text, hint = exc.message, exc.hint
                     text += f" (the first {len(message_ids)} line(s) were sent and acknowledged)"
                     exc.args = (f"{text}. {hint}" if hint else text,)
                 raise
@@ -924,10 +919,7 @@ def _report_error(exc: BaseException, as_json: bool, code: int | None = None) ->
         emit_json({"ok": False, "error": error_header(None, exc)["error"], "exit_code": code})
     else:
         if isinstance(exc, ZeroCommError):
-            message = str(exc)
-            hint = exc.hint
-            if hint and message.endswith(f". {hint}"):
-                message = message[: -len(hint) - 2]
+            message, hint = exc.message, exc.hint
             sys.stderr.write(f"zerocomm: error: {printable(message, keep=chr(10))}\n")  # may quote a peer
             if hint:
                 sys.stderr.write(f"  what to do: {printable(hint, keep=chr(10))}\n")

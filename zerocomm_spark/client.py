@@ -236,9 +236,7 @@ def decode_header(frame: bytes) -> dict[str, Any]:
 def error_header(request_id: Any, exc: BaseException) -> dict[str, Any]:
     """The reply describing ``exc``: class name, message without hint, and hint, never a traceback."""
     if isinstance(exc, ZeroCommError):
-        name, message, hint = type(exc).__name__, str(exc), exc.hint
-        if hint and message.endswith(f". {hint}"):
-            message = message[: -len(hint) - 2]
+        name, message, hint = type(exc).__name__, exc.message, exc.hint
     else:
         name, message, hint = "ApiError", "the agent failed while handling the call (see its log)", ApiError.hint
     return {"v": PROTOCOL_VERSION, "id": request_id, "ok": False,

@@ -16,6 +16,12 @@ class ZeroCommError(Exception):
         self.hint = hint if hint is not None else self.hint
         super().__init__(f"{message}. {self.hint}" if self.hint else message)
 
+    @property
+    def message(self) -> str:
+        """What went wrong without the hint (``str()`` says both), for those who show the two apart."""
+        text = str(self)
+        return text[: -len(self.hint) - 2] if self.hint and text.endswith(f". {self.hint}") else text
+
 
 # --- configuration and usage -------------------------------------------------------------------
 

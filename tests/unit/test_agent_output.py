@@ -297,3 +297,10 @@ def test_not_found_hints_name_the_command_too() -> None:
     assert "zerocomm group list" in errors.GroupNotFoundError("x").hint
     assert "zerocomm connect" in errors.ConnectionNotFoundError("x").hint
     assert "zerocomm connections" in errors.ConnectionNotFoundError("x").hint
+
+
+def test_an_errors_message_is_its_text_without_the_hint() -> None:
+    exc = errors.ConfigurationError("bad value", hint="Fix it")
+    assert str(exc) == "bad value. Fix it" and exc.message == "bad value" and exc.hint == "Fix it"
+    assert errors.ZeroCommError("plain").message == "plain"
+    assert errors.ConfigurationError("uses the class hint").message == "uses the class hint"
