@@ -93,6 +93,9 @@ SECRET = "c2VjcmV0LXZhbHVl"
     ("lamport", 1.5, "'lamport'"),
     ("sent_at", "now", "'sent_at'"),
     ("sent_at", -1.0, "'sent_at'"),
+    pytest.param("sent_at", 10**400, "'sent_at'", id="sent_at-int-beyond-float"),  # was an OverflowError
+    ("sent_at", 1e300, "'sent_at'"),  # finite, but no journal timestamp holds it (int64 microseconds)
+    ("sent_at", float("nan"), "'sent_at'"),
     ("payload", 7, "'payload'"),
     ("payload", SECRET + "!", "'payload'"),
     ("headers", {"k": 1}, "'headers'"),
@@ -106,6 +109,19 @@ def test_invalid_message_fields_are_named(field: str, value: object, named: str)
     text = str(err.value)
     assert named in text and "messages[1]" in text
     assert SECRET not in text  # values never appear in errors
+
+
+def test_every_sent_at_a_batch_may_carry_fits_a_journal_timestamp() -> None:
+    """What decode accepts is journaled as int64 microseconds: a larger value was acked, then either
+    skipped by the journal or (past ~1.8e302 s) raised OverflowError in the ingest on every re-send."""
+    from zerocomm_spark.agent.ingest import _micros
+
+    obj = _json(_batch(1))
+    obj["messages"][0]["sent_at"] = dm.MAX_SENT_AT
+    assert _micros(dm.decode(json.dumps(obj)).messages[0].sent_at) <= 2**63 - 1
+    obj["messages"][0]["sent_at"] = int(dm.MAX_SENT_AT) + 1
+    with pytest.raises(MalformedDataMessageError, match="'sent_at'"):
+        dm.decode(json.dumps(obj))
 
 
 def test_missing_field_is_named() -> None:

@@ -34,7 +34,6 @@ from __future__ import annotations
 import binascii
 import dataclasses
 import json
-import math
 import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -58,6 +57,7 @@ __all__ = [
     "MAX_BATCH_MESSAGES",
     "MAX_HEADERS",
     "MAX_ID_LENGTH",
+    "MAX_SENT_AT",
     "MAX_SEQ",
     "PROTOCOL",
     "RESEND",
@@ -87,11 +87,13 @@ MAX_ID_LENGTH = 256
 MAX_HEADERS = 64
 MAX_HEADER_LENGTH = 4096
 MAX_SEQ = 2**63 - 1
+# The journal keeps sent_at as int64 microseconds (about 9.2e12 s): a later time could be delivered and
+# acked, then never journaled. Also below where float() of a JSON integer overflows.
+MAX_SENT_AT = 9e12
 
 _b64encode = binascii.b2a_base64
 _b64decode = binascii.a2b_base64
 _json_str = encode_basestring_ascii
-_INF = math.inf
 
 # The data-signed wrapper has one fixed layout, so the signed bytes are cut out by position.
 _SIG_BYTES = _nacl.crypto_sign_BYTES  # 64
@@ -364,7 +366,7 @@ def _messages(items: list[Any]) -> tuple[DataMessage, ...]:
             payload = item["payload"]
             if (type(mid) is str and type(seq) is int and type(lamport) is int and type(payload) is str
                     and prev < seq <= MAX_SEQ and 0 <= lamport <= MAX_SEQ and 0 < len(mid) <= MAX_ID_LENGTH
-                    and (type(sent_at) is float or type(sent_at) is int) and 0 <= sent_at < _INF):
+                    and (type(sent_at) is float or type(sent_at) is int) and 0 <= sent_at <= MAX_SENT_AT):
                 headers = item.get("headers") if len(item) > 5 else None
                 if headers is not None:
                     headers = _headers(headers, f"messages[{i}].")
@@ -399,8 +401,9 @@ def _message_checked(item: Any, index: int) -> DataMessage:
     if type(lamport) is not int or not 0 <= lamport <= MAX_SEQ:
         raise _bad(f"{where}'lamport' must be an integer from 0 to 2**63-1")
     sent_at = item.get("sent_at")
-    if (type(sent_at) is not float and type(sent_at) is not int) or not math.isfinite(sent_at) or sent_at < 0:
-        raise _bad(f"{where}'sent_at' must be a non-negative number of epoch seconds")
+    # Compared, never passed to math.isfinite: that raises OverflowError for an int beyond a float.
+    if (type(sent_at) is not float and type(sent_at) is not int) or not 0 <= sent_at <= MAX_SENT_AT:
+        raise _bad(f"{where}'sent_at' must be a number of epoch seconds from 0 to {MAX_SENT_AT:g}")
     payload = item.get("payload")
     if type(payload) is not str:
         raise _bad(f"{where}'payload' must be a base64 string")

@@ -1,0 +1,144 @@
+"""Seeded mutation fuzzing of every parser that reads what a peer, a client or the disk hands us.
+
+The house rule under test: bad input gets a ZeroCommError (whose message says what to do), never a
+raw TypeError, KeyError, OverflowError, UnicodeEncodeError..., and no small input costs unbounded
+time. Each loop is deterministic (fixed seeds, a fixed number of cases) and takes well under a
+few seconds, so it runs in CI; a failure prints the seed and case that broke.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import random
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+
+from zerocomm_spark.errors import ZeroCommError
+from zerocomm_spark.group import datamessage as dm
+from zerocomm_spark.keys.keypair import KeyPair
+from zerocomm_spark.transport import frames
+
+pytestmark = pytest.mark.timeout(60)
+
+# Values that break naive parsers: wrong types, extremes, NaN/inf, lone surrogates, nesting.
+JUNK: tuple[Any, ...] = (
+    None, True, False, 0, -1, 1, 2**64, -(2**63), 10**400, 1e300, 1.5, float("nan"), float("inf"),
+    float("-inf"), "", "x", "\ud800", "A" * 300, [], [1], {}, {"a": 1}, [[[[]]]], "did:peer:2", "=", "!!!!",
+    "\x00", "-1", "1e999",
+)
+
+
+def _paths(value: Any, path: tuple[Any, ...] = ()) -> Iterator[tuple[Any, ...]]:
+    yield path
+    if isinstance(value, dict):
+        for key, item in value.items():
+            yield from _paths(item, (*path, key))
+    elif isinstance(value, list):
+        for index, item in enumerate(value):
+            yield from _paths(item, (*path, index))
+
+
+def _at(value: Any, path: tuple[Any, ...]) -> Any:
+    for key in path:
+        value = value[key]
+    return value
+
+
+def mutate_json(rng: random.Random, value: Any) -> Any:
+    """One structural change somewhere in a JSON value: a junk value, a dropped key, a cut string..."""
+    out = copy.deepcopy(value)
+    path = rng.choice(list(_paths(out)))
+    current = _at(out, path)
+    op = rng.randrange(6)
+    if op == 1 and path:
+        del _at(out, path[:-1])[path[-1]]
+        return out
+    if op == 2 and isinstance(current, str) and current:
+        chars = list(current)
+        for _ in range(rng.randint(1, 4)):
+            chars[rng.randrange(len(chars))] = rng.choice("aZ09-_=+/ \x00\u00e9?#&%:;\ud800")
+        new: Any = "".join(chars)
+    elif op == 3 and isinstance(current, str):
+        new = current[: rng.randrange(len(current) + 1)]
+    elif op == 4 and isinstance(current, dict):
+        current[rng.choice(["@type", "@id", "~thread", "id", "x"])] = rng.choice(JUNK)
+        return out
+    elif op == 5:
+        new = [current] if rng.random() < 0.5 else {"k": current}
+    else:
+        new = rng.choice(JUNK)
+    if not path:
+        return new
+    _at(out, path[:-1])[path[-1]] = new
+    return out
+
+
+def dumps(value: Any) -> bytes:
+    """JSON as a hostile peer may write it: NaN/Infinity and lone surrogates included."""
+    return json.dumps(value, ensure_ascii=False).encode("utf-8", "surrogatepass")
+
+
+def mutate_bytes(rng: random.Random, data: bytes) -> bytes:
+    """Bit flips, cuts, insertions and truncation."""
+    out = bytearray(data)
+    for _ in range(rng.randint(1, 4)):
+        op = rng.randrange(4)
+        if op == 0 and out:
+            out[rng.randrange(len(out))] ^= 1 << rng.randrange(8)
+        elif op == 1 and out:
+            start = rng.randrange(len(out))
+            del out[start : start + rng.randint(1, 8)]
+        elif op == 2:
+            at = rng.randrange(len(out) + 1)
+            out[at:at] = bytes(rng.randrange(256) for _ in range(rng.randint(1, 8)))
+        elif op == 3 and out:
+            del out[rng.randrange(len(out)) :]
+    return bytes(out)
+
+
+def only_project_errors(parse: Callable[[Any], object], cases: Iterator[Any]) -> None:
+    """Run ``parse`` on every case: returning or raising a ZeroCommError is fine, anything else fails."""
+    for number, case in enumerate(cases):
+        try:
+            parse(case)
+        except ZeroCommError:
+            pass
+        except Exception as exc:  # noqa: BLE001 - the point of the test
+            pytest.fail(f"case {number}: {type(exc).__name__}: {exc!s:.200} on input {case!r:.400}")
+
+
+# --- group data plane and peer frames ------------------------------------------------------------
+
+
+def _data_samples() -> list[bytes]:
+    key = KeyPair.generate()
+    batch = dm.DataBatch("g", "did:example:alice", tuple(
+        dm.DataMessage(f"id-{i}", i, 100 + i, 1_700_000_000.5 + i, b"x" * i, {"a": "b"} if i % 2 else None)
+        for i in range(1, 4)), base=1, last=9, gone=(3, 6))
+    return [dm.encode(batch), dm.encode(batch, signer=key), dm.encode(dm.Hello("g", "a", "b", "n", 1, 2), signer=key),
+            dm.encode(dm.Ack("g", "a", "b", 3, "n")), dm.encode(dm.ResendRequest("g", "a", "b", 1, 5))]
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_data_plane_messages_mutated_as_json_are_refused_cleanly(seed: int) -> None:
+    rng = random.Random(seed)
+    samples = [json.loads(s) for s in _data_samples() if not s.startswith(dm._SIGNED_HEAD)]  # noqa: SLF001
+    only_project_errors(dm.decode, (dumps(mutate_json(rng, rng.choice(samples))) for _ in range(1500)))
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_data_plane_messages_mutated_as_bytes_are_refused_cleanly(seed: int) -> None:
+    rng = random.Random(seed)
+    samples = _data_samples()
+    only_project_errors(dm.decode, (mutate_bytes(rng, rng.choice(samples)) for _ in range(1500)))
+
+
+def test_peer_frames_mutated_are_refused_cleanly() -> None:
+    rng = random.Random(7)
+    samples = [frames.encode(m) for m in (frames.RpcRequest(1, 5, 0, b"abc"), frames.RpcResponse(5, 0, b"x"),
+                                          frames.DirectSend(1, 0, b"y"), frames.Ping(3), frames.Pong(3),
+                                          frames.Error(frames.ErrorCode(1), b"\x01\x02", 9))]
+    only_project_errors(frames.decode, (mutate_bytes(rng, rng.choice(samples)) for _ in range(5000)))
