@@ -142,3 +142,31 @@ def test_peer_frames_mutated_are_refused_cleanly() -> None:
                                           frames.DirectSend(1, 0, b"y"), frames.Ping(3), frames.Pong(3),
                                           frames.Error(frames.ErrorCode(1), b"\x01\x02", 9))]
     only_project_errors(frames.decode, (mutate_bytes(rng, rng.choice(samples)) for _ in range(5000)))
+
+
+# --- group membership: member entries as peers announce them -----------------------------------
+
+
+def _member_entry() -> dict[str, Any]:
+    from zerocomm_spark.group.view import MemberEntry, member_did_for
+
+    key = KeyPair.generate()
+    entry = MemberEntry(did=member_did_for(key.verkey), label="caf\u00e9", role="read_write", status="active",
+                        peer_endpoint="tcp://127.0.0.1:4000", publish_endpoint="tcp://127.0.0.1:5000",
+                        group_verkey=KeyPair.generate().verkey, transport_key="T" * 40,
+                        invitation="https://zerocomm.invalid/?oob=x", version=3, ticket={"by": "did:key:z6Mk"})
+    return entry.signed(key).to_dict()
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_member_entries_mutated_are_refused_cleanly(seed: int) -> None:
+    from zerocomm_spark.group.view import parse_entries
+
+    rng = random.Random(seed)
+    entries = [_member_entry(), _member_entry()]
+
+    def parse(view: Any) -> None:
+        parse_entries(view, skip_invalid=True)
+        parse_entries(view)
+
+    only_project_errors(parse, (mutate_json(rng, entries) for _ in range(1500)))

@@ -81,6 +81,10 @@ def test_an_entry_cannot_be_reattributed_to_another_did(keys: list[KeyPair]) -> 
     lambda d: d.update(group_verkey="0OIl" * 11),  # not base58
     lambda d: d.update(group_verkey="2" * 300),
     lambda d: d.update(transport_key="T" * 39),
+    # JSON may spell a lone surrogate ("\\ud800"); signing or hashing the entry raised UnicodeEncodeError
+    lambda d: d.update(label="m\ud800"),
+    lambda d: d.update(invitation="\udc00"),
+    lambda d: d.update(ticket={"by": "\ud800"}),
 ])
 def test_malformed_entries_are_refused_naming_the_field(keys: list[KeyPair], mutate) -> None:  # type: ignore[no-untyped-def]
     data = _entry(keys[0]).to_dict()
@@ -96,6 +100,14 @@ def test_parse_entries_verifies_every_signature(keys: list[KeyPair]) -> None:
     with pytest.raises(SignatureError):
         parse_entries([good, bad])
     assert len(parse_entries([good, bad], verify=False)) == 2
+
+
+def test_an_entry_with_a_lone_surrogate_is_skipped_alone_in_a_view(keys: list[KeyPair]) -> None:
+    good = _entry(keys[0]).to_dict()
+    hostile = json.loads(json.dumps(dict(_entry(keys[1]).to_dict(), label="\ud800")))
+    assert parse_entries([good, hostile], skip_invalid=True) == [MemberEntry.from_dict(good)]
+    with pytest.raises(MalformedGroupMessageError):
+        parse_entries([good, hostile])
 
 
 def test_next_version_grows_even_past_a_version_from_the_future() -> None:
@@ -262,6 +274,11 @@ def test_a_status_for_another_group_or_broken_blob_is_refused() -> None:
         open_status("g", b"not zstd at all", mine, b.keys.get)
     with pytest.raises(MalformedGroupMessageError):
         open_status("g", zstandard.ZstdCompressor().compress(b"[1,2]"), mine, b.keys.get)
+    # a section holding a lone surrogate (valid JSON, but no UTF-8 text): refused, not UnicodeEncodeError
+    outer = json.loads(zstandard.ZstdDecompressor().decompress(blob))
+    outer["sections"]["x-ab"]["iv"] = "\ud800"
+    with pytest.raises(MalformedGroupMessageError):
+        open_status("g", zstandard.ZstdCompressor().compress(json.dumps(outer).encode()), mine, b.keys.get)
     # a section whose plaintext is not a status
     env = json.loads(pack(b'{"@type":"x"}', [a.rel[b.did].verkey], sender=b.rel[a.did]))
     outer = {"@type": "https://didcomm.org/zerocomm-group/1.0/status-sections", "@id": "1", "group": "g",

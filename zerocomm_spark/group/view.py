@@ -93,7 +93,18 @@ def _field_str(data: Mapping[str, Any], name: str, *, allow_empty: bool = False)
     value = data.get(name)
     if not isinstance(value, str) or (not value and not allow_empty) or len(value) > _MAX_FIELD:
         raise MalformedGroupMessageError(f"member entry field '{name}' must be a string of at most {_MAX_FIELD} characters")
+    if not value.isascii() and not _is_utf8_text(value):
+        raise MalformedGroupMessageError(f"member entry field '{name}' holds a lone surrogate (\\ud800-\\udfff), not text")
     return value
+
+
+def _is_utf8_text(value: str) -> bool:
+    """JSON can spell a lone surrogate, which has no UTF-8 form: the entry could not be signed or hashed."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _canonical(value: Any) -> bytes:
@@ -174,8 +185,12 @@ class MemberEntry:
                 values["version"] = version
             elif f.name == "ticket":
                 ticket = data.get("ticket")
-                if ticket is not None and (not isinstance(ticket, Mapping) or len(_canonical(ticket)) > _MAX_FIELD):
-                    raise MalformedGroupMessageError("member entry field 'ticket' must be a small JSON object")
+                try:
+                    bad = ticket is not None and (not isinstance(ticket, Mapping) or len(_canonical(ticket)) > _MAX_FIELD)
+                except UnicodeEncodeError:  # a lone surrogate somewhere in it
+                    bad = True
+                if bad:
+                    raise MalformedGroupMessageError("member entry field 'ticket' must be a small JSON object of text")
                 values["ticket"] = dict(ticket) if ticket is not None else None
             else:
                 values[f.name] = _field_str(data, f.name, allow_empty=f.name in ("signature", "label"))
@@ -372,7 +387,11 @@ def open_status(group: str, blob: bytes, mine: Mapping[str, str],
         section = sections.get(exchange_id)
         if section is None:
             continue
-        unpacked = unpack(_canonical(section), lookup)
+        try:
+            envelope = _canonical(section)
+        except UnicodeEncodeError:
+            raise MalformedGroupMessageError("a status section holds a lone surrogate, not an envelope") from None
+        unpacked = unpack(envelope, lookup)
         if unpacked.sender_verkey != their_verkey:
             raise EnvelopeError("a status section was not packed by the member its exchange id belongs to")
         try:
