@@ -89,7 +89,11 @@ class Param:
             return self.default
         ok = isinstance(value, self.kind) and not (self.kind is not bool and isinstance(value, bool))
         if self.kind is float and isinstance(value, int) and not isinstance(value, bool):
-            ok, value = True, float(value)
+            try:
+                ok, value = True, float(value)
+            except OverflowError:  # JSON takes integers of hundreds of digits; no float holds them
+                raise BadRequestError(f"{call}: {name!r} must be a finite number, not an integer of "
+                                      f"{value.bit_length()} bits") from None
         if not ok:
             raise BadRequestError(f"{call}: {name!r} must be {_TYPE_NAMES.get(self.kind, self.kind.__name__)}, "
                                   f"not {_json_type(value)}")

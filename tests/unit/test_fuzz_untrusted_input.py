@@ -170,3 +170,43 @@ def test_member_entries_mutated_are_refused_cleanly(seed: int) -> None:
         parse_entries(view)
 
     only_project_errors(parse, (mutate_json(rng, entries) for _ in range(1500)))
+
+
+# --- the agent's local API: request headers and call arguments ---------------------------------
+
+
+def _api_registry() -> Any:
+    from zerocomm_spark.agent.calls import build_registry
+
+    return build_registry(object())  # type: ignore[arg-type] - parse() never reaches a handler
+
+
+def test_a_number_argument_given_as_an_integer_beyond_a_float_is_a_bad_request() -> None:
+    from zerocomm_spark.errors import BadRequestError
+
+    registry = _api_registry()
+    with pytest.raises(BadRequestError, match="'wait'"):  # float() of it raised OverflowError
+        registry.parse({"v": 1, "id": "1", "call": "read", "args": {"wait": 10**400}}, None)
+    with pytest.raises(BadRequestError, match="'wait'"):
+        registry.parse({"v": 1, "id": "1", "call": "read", "args": {"wait": float("nan")}}, None)
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_api_requests_mutated_are_refused_cleanly(seed: int) -> None:
+    from zerocomm_spark.client import decode_header
+
+    rng = random.Random(seed)
+    registry = _api_registry()
+    valid = {str: "text", int: 3, float: 2.5, bool: True, list: [], dict: {}}
+
+    def request() -> bytes:
+        call = registry.get(rng.choice(registry.names()))
+        args = {name: valid[param.kind] for name, param in call.params.items() if rng.random() < 0.7}
+        header = {"v": 1, "id": "r1", "call": call.name, "args": args, "timeout": 5}
+        return dumps(mutate_json(rng, header))
+
+    def parse(frame: bytes) -> None:
+        header = decode_header(frame)
+        registry.parse(header, b"bulk" if rng.random() < 0.5 else None)
+
+    only_project_errors(parse, (request() for _ in range(3000)))
