@@ -210,3 +210,87 @@ def test_api_requests_mutated_are_refused_cleanly(seed: int) -> None:
         registry.parse(header, b"bulk" if rng.random() < 0.5 else None)
 
     only_project_errors(parse, (request() for _ in range(3000)))
+
+
+# --- DIDComm messages, invitations, DID documents and did:peer ---------------------------------
+
+
+def _didcomm_samples() -> tuple[list[dict[str, Any]], str, str, dict[str, Any]]:
+    from zerocomm_spark.did.peer import create_peer_did, did_key, resolve
+    from zerocomm_spark.protocols.did_exchange.v1_0.manager import signed_did_doc
+    from zerocomm_spark.protocols.did_exchange.v1_0.messages import DIDXProblemReport, DIDXRequest, DIDXResponse
+    from zerocomm_spark.protocols.message import Thread
+    from zerocomm_spark.protocols.out_of_band.v1_1.messages import Invitation, Service
+
+    key = KeyPair.generate()
+    did = create_peer_did(key.verkey, "tcp://127.0.0.1:5555", group_endpoint="tcp://127.0.0.1:5556")
+    invitation = Invitation(services=[Service(recipient_keys=[did_key(key.verkey)], service_endpoint="tcp://h:1"),
+                                      did], label="inviter")
+    messages = [
+        invitation.to_dict(),
+        DIDXRequest(label="bob", did=did, did_doc_attach=signed_did_doc(did, key),
+                    thread=Thread(pthid=invitation.id)).to_dict(),
+        DIDXResponse(did=did, did_doc_attach=signed_did_doc(did, key), thread=Thread(thid="t")).to_dict(),
+        DIDXProblemReport(code="request_not_accepted", explanation="no", thread=Thread(thid="t")).to_dict(),
+    ]
+    return messages, invitation.to_url(), did, resolve(did).to_dict()
+
+
+def _handle_message(data: Any) -> None:
+    """Parse as the agent does, then what its handlers do with the parts: attached docs, DIDs, URLs."""
+    from zerocomm_spark.did.peer import resolve
+    from zerocomm_spark.protocols.did_exchange.v1_0.manager import verify_did_doc
+    from zerocomm_spark.protocols.message import parse_message
+    from zerocomm_spark.protocols.out_of_band.v1_1.messages import Invitation
+
+    message = parse_message(data)
+    if isinstance(message, Invitation):
+        Invitation.from_url(message.to_url())
+    did = getattr(message, "did", None)
+    if did is not None:
+        resolve(did)
+        verify_did_doc(did, getattr(message, "did_doc_attach", None), signer=None, required=False)
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_didcomm_messages_mutated_are_refused_cleanly(seed: int) -> None:
+    rng = random.Random(seed)
+    messages, _, _, _ = _didcomm_samples()
+    only_project_errors(_handle_message, (json.loads(dumps(mutate_json(rng, rng.choice(messages))))
+                                          for _ in range(800)))
+
+
+def test_invitation_urls_dids_and_did_documents_mutated_are_refused_cleanly() -> None:
+    from zerocomm_spark.did.peer import DIDDocument, resolve
+    from zerocomm_spark.protocols.out_of_band.v1_1.messages import Invitation
+
+    rng = random.Random(11)
+    _, url, did, document = _didcomm_samples()
+    only_project_errors(Invitation.from_url, (mutate_bytes(rng, url.encode()).decode("latin-1") for _ in range(1500)))
+    only_project_errors(resolve, (mutate_bytes(rng, did.encode()).decode("latin-1") for _ in range(1500)))
+    only_project_errors(DIDDocument.from_dict, (mutate_json(rng, document) for _ in range(1500)))
+
+
+def test_an_overlong_base58_key_is_refused_at_once_not_decoded_in_quadratic_time() -> None:
+    """base58 decoding is quadratic: a 200k-character "key" (a JWS kid, a publicKeyBase58) took
+    half a minute of CPU per message, and a 16 MiB frame holds much longer ones."""
+    import time
+
+    from zerocomm_spark.did.peer import DIDDocument, verkey_from_did_key
+    from zerocomm_spark.errors import DIDError
+    from zerocomm_spark.protocols.message import Attachment, b64url_encode
+
+    long_key = "2" * 200_000
+    kid = "did:key:z" + long_key
+    protected = b64url_encode(json.dumps({"alg": "EdDSA", "kid": kid}).encode())
+    document = {"id": "did:example:1", "authentication": ["#k"],
+                "verificationMethod": [{"id": "#k", "type": "Ed25519VerificationKey2018", "publicKeyBase58": long_key}]}
+    started = time.monotonic()
+    with pytest.raises(DIDError) as refused:
+        verkey_from_did_key(kid)
+    assert len(str(refused.value)) < 1000  # the message does not quote the 200k characters
+    with pytest.raises(ZeroCommError):
+        Attachment(base64="e30", jws={"protected": protected, "signature": "AA"}).signer()
+    with pytest.raises(DIDError):
+        DIDDocument.from_dict(document)
+    assert time.monotonic() - started < 1.0

@@ -97,7 +97,8 @@ def _multikey(codec: bytes, raw: bytes) -> str:
 def _decode_multikey(value: str, where: str) -> tuple[bytes, bytes]:
     """(codec, raw 32 bytes) of a multibase base58btc multicodec key, or DIDError."""
     if not isinstance(value, str) or not value.startswith("z") or not _B58.match(value[1:]):
-        raise DIDError(f"{where}: {value!r} is not a multibase base58btc ('z...') key")
+        shown = value[:60] if isinstance(value, str) else type(value).__name__  # a hostile value may be huge
+        raise DIDError(f"{where}: {shown!r} is not a multibase base58btc ('z...') key")
     data = b58decode(value[1:])
     codec, raw = data[:2], data[2:]
     if codec not in (ED25519_CODEC, X25519_CODEC):

@@ -19,7 +19,15 @@ def b58encode(data: bytes) -> str:
     return base58.b58encode(data).decode("ascii")
 
 
+# base58 decoding takes time quadratic in the length; every key is 32 bytes (+ a 2-byte multicodec
+# prefix), at most 47 characters. Longer text from a peer (a JWS kid, a publicKeyBase58) is refused
+# before it is decoded: 200k characters cost half a minute of CPU.
+MAX_BASE58_CHARS = 128
+
+
 def b58decode(text: str) -> bytes:
+    if len(text) > MAX_BASE58_CHARS:
+        raise DIDError(f"a key of {len(text)} characters is too long for base58 (keys take at most {MAX_BASE58_CHARS})")
     try:
         return base58.b58decode(text)
     except ValueError as exc:
