@@ -294,3 +294,127 @@ def test_an_overlong_base58_key_is_refused_at_once_not_decoded_in_quadratic_time
     with pytest.raises(DIDError):
         DIDDocument.from_dict(document)
     assert time.monotonic() - started < 1.0
+
+
+# --- RFC 0019 envelopes, with a real recipient key -----------------------------------------------
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_envelopes_mutated_are_refused_cleanly(seed: int) -> None:
+    import base64
+
+    from zerocomm_spark.envelope import pack, unpack
+
+    rng = random.Random(seed)
+    alice, bob, carol = KeyPair.generate(), KeyPair.generate(), KeyPair.generate()
+    lookup = {bob.verkey: bob}.get
+
+    def b64e(data: bytes) -> str:
+        return base64.urlsafe_b64encode(data).decode("ascii")
+
+    def case() -> bytes:
+        envelope = pack(b'{"a":1}', [carol.verkey, bob.verkey][: rng.randint(1, 2)] + [bob.verkey],
+                        alice if rng.random() < 0.6 else None)
+        outer = json.loads(envelope)
+        header = json.loads(base64.urlsafe_b64decode(outer["protected"]))
+        kind = rng.randrange(4)
+        if kind == 0:
+            return mutate_bytes(rng, envelope)
+        if kind == 1:
+            return dumps(mutate_json(rng, outer))
+        if kind == 2:
+            outer["protected"] = b64e(dumps(mutate_json(rng, header)))
+        else:
+            outer["protected"] = b64e(mutate_bytes(rng, base64.urlsafe_b64decode(outer["protected"])))
+        return json.dumps(outer).encode()
+
+    only_project_errors(lambda envelope: unpack(envelope, lookup), (case() for _ in range(1500)))
+
+
+# --- Arrow IPC bulk frames of the local API -------------------------------------------------------
+
+
+def test_arrow_ipc_bulk_frames_mutated_are_refused_cleanly() -> None:
+    import pyarrow as pa
+
+    from zerocomm_spark.agent.calls import _publish_rows
+    from zerocomm_spark.client import ipc_to_table
+
+    table = pa.table({"payload": [b"abc", b"de" * 50, None], "message_id": ["a", None, "c"],
+                      "headers": pa.array([{"k": "v"}, None, {}], pa.map_(pa.string(), pa.string())),
+                      "d": pa.array(["x", "y", "x"]).dictionary_encode()})
+    samples = []
+    for compression in (None, "lz4", "zstd"):
+        sink = pa.BufferOutputStream()
+        with pa.ipc.new_stream(sink, table.schema, options=pa.ipc.IpcWriteOptions(compression=compression)) as out:
+            out.write_table(table)
+            out.write_table(table)
+        samples.append(sink.getvalue().to_pybytes())
+    rng = random.Random(5)
+    only_project_errors(lambda frame: _publish_rows(ipc_to_table(frame, max_bytes=1 << 20)),
+                        (mutate_bytes(rng, rng.choice(samples)) for _ in range(3000)))
+
+
+# --- the journal's files on open: segments, side files, commit points ----------------------------
+
+
+def test_journal_files_damaged_on_disk_open_with_clear_errors_or_recovery(tmp_path: Any) -> None:
+    import os
+    import shutil
+
+    import nacl.utils
+
+    from zerocomm_spark.journal import Journal
+
+    t0 = 1_700_000_000_000_000
+
+    def rows(first: int, last: int, publisher: str) -> list[dict[str, Any]]:
+        return [{"group": "g", "message_id": f"m-{publisher[-3:]}-{s}", "publisher_did": publisher, "seq": s,
+                 "lamport_ts": s, "sent_at": t0 + s, "received_at": t0 + s, "headers": {"t": str(s)},
+                 "payload": b"p" * 40} for s in range(first, last + 1)]
+
+    key = nacl.utils.random(32)
+    base = tmp_path / "base"
+    with Journal.open(base, key=key, segment_bytes=4096, fsync="never") as journal:
+        for a in range(10):
+            journal.append(rows(a * 5 + 1, a * 5 + 5, "did:peer:2.alice"))
+            journal.append(rows(a * 3 + 1, a * 3 + 3, "did:peer:2.bob"))
+        journal.commit(20)
+        journal.commit(10, consumer="c1")
+        journal.add_superseded("g", "did:peer:2.alice", [3, 4])
+    rng = random.Random(3)
+
+    def damaged(number: int) -> Any:
+        work = tmp_path / f"w{number}"
+        shutil.copytree(base, work)
+        files = sorted(p for p in work.iterdir() if p.is_file())
+        for _ in range(rng.randint(1, 2)):
+            victim = rng.choice(files)
+            data = victim.read_bytes()
+            op = rng.randrange(3)
+            if op == 0:
+                data = mutate_bytes(rng, data)
+            elif op == 1 and data:
+                at = rng.randrange(len(data))
+                data = data[:at] + os.urandom(8) + data[at + 8 :]
+            else:
+                data = data[: rng.randrange(len(data) + 1)]
+            victim.write_bytes(data)
+        return work
+
+    def reopen(work: Any) -> None:
+        with Journal.open(work, key=key, segment_bytes=4096, fsync="never") as journal:
+            for read in (lambda: journal.read(journal.earliest_offset),
+                         lambda: journal.read_by_seq("g", "did:peer:2.alice", 1, 50)):
+                try:
+                    read()
+                except ZeroCommError:
+                    pass  # a damaged record is named when a read reaches it
+            journal.latest()
+            journal.consumers()
+            journal.superseded("g", "did:peer:2.alice", 1, 50)
+            journal.offset_for_timestamp(t0 + 30)
+            journal.append(rows(51, 53, "did:peer:2.alice"))
+        shutil.rmtree(work)
+
+    only_project_errors(reopen, (damaged(n) for n in range(60)))
