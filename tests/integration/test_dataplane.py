@@ -989,3 +989,40 @@ def test_members_replying_from_their_callbacks_with_full_windows_do_not_deadlock
     assert errors == []
     assert [d.payload for d in alice.from_(bob) if d.payload.startswith(b"re:")] == [
         b"re:" + p for p in payloads(alice.did, 50)]
+
+
+# --- what a buggy or hostile member may claim over the peer transport -----------------------------
+
+
+def direct_from(sender: Node, to: Node, body: bytes, group: str = "g") -> None:
+    """A GROUP_DATA DirectSend from ``sender`` to ``to``, authcrypted as its data plane does it."""
+    m = sender.dp._groups[group].members[to.did]  # noqa: SLF001 - the member's own keys for ``to``
+    env = envelope.pack(body, [m.info.relationship_verkey], sender=m.my_key)
+    sender.tr.send(to.tr.endpoint, ProtocolId.GROUP_DATA, env)
+
+
+def test_an_ack_for_messages_not_yet_sent_does_not_resolve_their_receipt(make, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """alice's sender cannot get a batch out; bob (buggy, or lying) acks alice's newest seq anyway.
+    The receipt of messages bob cannot have received must wait for them to be sent and acked."""
+    alice, bob = make("alice"), make("bob")
+    form_group([alice, bob], mode="shared")
+    stuck = threading.Event()
+    real = alice.dp._send_batch  # noqa: SLF001
+
+    def cannot_send(g, msgs):  # type: ignore[no-untyped-def]
+        if not stuck.is_set():
+            raise RuntimeError("injected: the batch stays queued")
+        return real(g, msgs)
+
+    monkeypatch.setattr(alice.dp, "_send_batch", cannot_send)
+    receipt = alice.dp.publish("g", payloads("alice", 3))
+    assert receipt.seqs == (1, 2, 3)
+    direct_from(bob, alice, dm.encode(dm.Ack("g", alice.did, bob.did, 3, None)))
+    deadline = time.monotonic() + 1.5
+    while not receipt.done() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert not receipt.done(), "an ack for unsent messages resolved their receipt"
+    assert alice.dp.stats()["unacked"]["g"][bob.did] == 3
+    stuck.set()
+    receipt.wait(10)
+    assert [d.payload for d in bob.from_(alice)] == payloads("alice", 3)

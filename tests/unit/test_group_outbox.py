@@ -76,6 +76,7 @@ def test_continue_after_moves_an_unused_sequence_and_members_bases_with_it() -> 
     assert box.base_of("bob") == 7  # not owed seqs that will never exist
     r = publish(box, 2)
     assert r.seqs == (8, 9) and not r.done()
+    box.take_unsent(100)  # on the wire: a member acks only what it was sent
     box.ack("bob", 9)
     assert r.done()
     assert box.continue_after(9) is True  # at or behind what was published: nothing to do
@@ -93,6 +94,7 @@ def test_receipt_resolves_when_every_current_member_acked() -> None:
     box.add_member("bob")
     box.add_member("carol")
     r = publish(box, 3)
+    box.take_unsent(100)
     assert not r.done()
     box.ack("bob", 3)
     assert not r.done()
@@ -114,6 +116,7 @@ def test_removing_the_laggard_resolves_and_late_joiners_are_not_owed_earlier_mes
     box.remove_member("bob")
     assert r.done()
     r2 = publish(box, 1)
+    box.take_unsent(100)
     assert not r2.done()
     box.ack("dave", 3)
     assert r2.done()
@@ -123,6 +126,7 @@ def test_re_adding_a_member_keeps_its_progress() -> None:
     box = Outbox("g", window=100, retention_max=1000)
     box.add_member("bob")
     publish(box, 5)
+    box.take_unsent(100)
     box.ack("bob", 2)
     assert box.add_member("bob") == 2
     assert box.base_of("bob") == 2
@@ -133,6 +137,7 @@ def test_window_blocks_then_raises_backpressure_naming_the_slowest() -> None:
     box.add_member("fast")
     box.add_member("slow")
     publish(box, 8)
+    box.take_unsent(100)
     box.ack("fast", 8)
     t = time.monotonic()
     with pytest.raises(BackpressureError) as err:
@@ -147,6 +152,7 @@ def test_window_opens_when_acks_arrive() -> None:
     box = Outbox("g", window=10, retention_max=100)
     box.add_member("bob")
     publish(box, 10)
+    box.take_unsent(100)
     threading.Timer(0.1, box.ack, args=("bob", 6)).start()
     t = time.monotonic()
     r = publish(box, 5, timeout=5)
@@ -165,6 +171,7 @@ def test_inactive_members_do_not_hold_the_window_but_keep_their_messages() -> No
     box.add_member("live")
     box.add_member("dead")
     publish(box, 5)
+    box.take_unsent(100)
     box.ack("live", 5)
     box.set_active("dead", False)
     publish(box, 5, timeout=0.5)  # would block if "dead" held the window
@@ -181,6 +188,7 @@ def test_a_member_checking_its_join_holds_no_window_but_is_still_owed_and_pushed
     box.add_member("joiner")
     box.set_joining("joiner", True)
     first = publish(box, 5)
+    box.take_unsent(100)
     box.ack("live", 5)
     publish(box, 5, timeout=0.5)  # would block if the joiner held the window
     box.take_unsent(100)
@@ -396,10 +404,11 @@ def test_the_receipt_carries_the_send_time_its_messages_travel_with() -> None:
     box = Outbox("g", window=1, retention_max=10)
     box.add_member("bob")
     publish(box, 1)
+    first = box.take_unsent(10)  # on the wire: bob can ack it
     threading.Timer(0.3, lambda: box.ack("bob", 1)).start()
     before = time.time()
     receipt = publish(box, 1, timeout=5.0)  # waits for the window
-    sent = box.take_unsent(10)
+    sent = first + box.take_unsent(10)
     assert [m.seq for m in sent] == [1, 2]
     assert receipt.sent_at == sent[1].sent_at
     assert receipt.sent_at >= before + 0.25
@@ -456,3 +465,20 @@ def test_a_receipt_resolved_with_an_error_at_its_deadline_is_not_reported_as_del
     assert receipts[0].done()
     with pytest.raises(MessagesDroppedError):
         receipts[0].wait(0)
+
+
+def test_an_ack_past_what_was_sent_counts_only_up_to_what_was_sent() -> None:
+    """A member cannot have delivered what was never put on the wire: a buggy or lying member acking
+    seqs still queued for the sender must not resolve their receipts, free them or open the window."""
+    box = Outbox("g", window=4, retention_max=10)
+    box.add_member("bob")
+    first = publish(box, 2)
+    box.take_unsent(100)  # seqs 1-2 are on the wire
+    second = publish(box, 2)  # seqs 3-4 still wait for the sender
+    assert box.ack("bob", 4) is True  # progress: up to seq 2
+    assert first.done() and not second.done()
+    assert box.base_of("bob") == 2 and box.held() == 2
+    assert box.ack("bob", 4) is False  # nothing sent past seq 2 yet: no progress
+    assert [m.seq for m in box.take_unsent(100)] == [3, 4]  # nothing was freed before it was sent
+    box.ack("bob", 4)
+    assert second.done() and box.held() == 0

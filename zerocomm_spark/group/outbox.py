@@ -404,12 +404,16 @@ class Outbox:
     # --- acks and retransmission ---------------------------------------------------------------
 
     def ack(self, did: str, seq: int) -> bool:
-        """Record that ``did`` delivered up to ``seq``; returns whether it was progress."""
+        """Record that ``did`` delivered up to ``seq``; returns whether it was progress.
+
+        Capped at what was sent: a member cannot have delivered a message not yet put on the wire,
+        so an ack past it (a buggy or lying member) must not resolve receipts or free messages early.
+        """
         with self._lock:
             state = self._members.get(did)
             if state is None:
                 return False
-            seq = min(seq, self._last_seq)
+            seq = min(seq, self._unsent_seq - 1)
             if seq <= state.acked:
                 return False
             state.acked = seq
