@@ -482,3 +482,24 @@ def test_an_ack_past_what_was_sent_counts_only_up_to_what_was_sent() -> None:
     assert [m.seq for m in box.take_unsent(100)] == [3, 4]  # nothing was freed before it was sent
     box.ack("bob", 4)
     assert second.done() and box.held() == 0
+
+
+def test_gone_ranges_reported_again_and_overlapping_are_counted_once() -> None:
+    """A member is told a range is gone once per answer that covers it: two holes reported apart and
+    then a wider answer covering both must count each dropped seq once in the receipt's error."""
+    box = Outbox("g", window=20, retention_max=20)
+    box.add_member("live")
+    box.add_member("dead")
+    receipt = publish(box, 12)
+    box.take_unsent(100)
+    box.ack("live", 12)
+    box.note_gone("dead", 3, 4)
+    box.note_gone("dead", 7, 8)
+    box.note_gone("dead", 2, 9)  # covers both: one range 2-9, eight seqs
+    box.note_gone("dead", 8, 10)  # overlaps its end
+    box.note_gone("dead", 12, 12)
+    box.note_gone("dead", 11, 11)  # adjacent on both sides: 2-12
+    box.ack("dead", 12)
+    with pytest.raises(MessagesDroppedError, match="dead") as err:
+        receipt.wait(0)
+    assert "dead (11)" in str(err.value), str(err.value)

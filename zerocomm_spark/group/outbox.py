@@ -458,12 +458,16 @@ class Outbox:
             first = max(first, state.acked + 1)
             if first > last:
                 return
-            ranges = self._dropped.setdefault(did, [])
-            for r in ranges:
-                if r[0] <= last + 1 and first <= r[1] + 1:  # overlapping or adjacent: merge
-                    r[0], r[1] = min(r[0], first), max(r[1], last)
-                    return
-            ranges.append([first, last])
+            # Merged with every range it overlaps or touches: the same seqs are reported again by each
+            # answer covering them, and ranges left overlapping would count them twice in the error.
+            kept: list[list[int]] = []
+            for lo, hi in self._dropped.get(did, ()):
+                if lo <= last + 1 and first <= hi + 1:
+                    first, last = min(lo, first), max(hi, last)
+                else:
+                    kept.append([lo, hi])
+            kept.append([first, last])
+            self._dropped[did] = kept
 
     def stalled(self, after: float) -> list[tuple[str, int]]:
         """Active members lagging behind what was sent with no progress for ``after`` seconds.
