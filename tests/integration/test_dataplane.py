@@ -1026,3 +1026,63 @@ def test_an_ack_for_messages_not_yet_sent_does_not_resolve_their_receipt(make, m
     stuck.set()
     receipt.wait(10)
     assert [d.payload for d in bob.from_(alice)] == payloads("alice", 3)
+
+
+@pytest.mark.parametrize("lacking", [False, True])
+def test_an_open_ended_resend_request_does_not_report_seqs_the_member_holds_as_dropped(make, monkeypatch,  # type: ignore[no-untyped-def]
+                                                                                     lacking: bool) -> None:
+    """bob received alice's messages but not yet where his stream starts (no hello), while alice,
+    his join still being checked, dropped what only he lacked past retention_max. His request
+    "everything from seq 1" (no upper bound) was answered "1-200 are gone" and alice failed those
+    receipts naming bob, though he held them and delivered them. Those he really lacks (``lacking``:
+    seqs 26-50 never reached him) must still fail their receipt, naming him."""
+    cfg = replace(FAST, window=50, retention_max=100, keepalive_ms=60_000, dead_after_ms=120_000)
+    alice, bob, carol = make("alice", cfg), make("bob", cfg), make("carol", cfg)
+    form_group([alice, carol], mode="shared")
+    bob.group_keys["g"] = bob.ks.create_key("group", ref="g")
+    bob.dp.open_group("g", mode="shared", ordered=True, group_key=bob.group_keys["g"], role="read_write")
+    gate = threading.Event()
+    real_request = bob.dp._request_resend  # noqa: SLF001
+
+    def held_back(g, m, first, last):  # type: ignore[no-untyped-def]
+        if gate.is_set():
+            real_request(g, m, first, last)
+
+    monkeypatch.setattr(bob.dp, "_request_resend", held_back)  # bob asks only once alice dropped them
+    missed = set(range(26, 51)) if lacking else set()
+    real_accept = bob.dp._accept_batch  # noqa: SLF001
+
+    def lossy(g, m, batch):  # type: ignore[no-untyped-def]
+        if batch.base is None:  # the data path, not an answer
+            batch = replace(batch, messages=tuple(x for x in batch.messages if x.seq not in missed))
+        real_accept(g, m, batch)
+
+    monkeypatch.setattr(bob.dp, "_accept_batch", lossy)
+    accepted = alice.dp.stats()["subscriptions_accepted"]
+    for a, b in ((alice, bob), (bob, alice), (carol, bob), (bob, carol)):
+        a.dp.add_member("g", remote(b, a, "g"))
+    alice.dp.set_joining("g", bob.did, True)
+    deadline = time.monotonic() + 10
+    while alice.dp.stats()["subscriptions_accepted"] < accepted + 2 and time.monotonic() < deadline:
+        time.sleep(0.02)  # bob's SUB takes alice's data and state topics: nothing of hers misses him
+    receipts = [alice.dp.publish("g", payloads("alice", 25, start=25 * i), timeout=10) for i in range(12)]
+    assert carol.wait(lambda: len(carol.from_(alice)) == 300)
+    stream = bob.dp._groups["g"].streams  # noqa: SLF001
+    deadline = time.monotonic() + 10
+    held = 300 - len(missed)
+    while (alice.did not in stream or stream[alice.did].waiting_count < held) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert stream[alice.did].waiting_count == held and not stream[alice.did].has_baseline
+    assert alice.dp.stats()["retention_dropped"] >= 200
+    gate.set()
+    assert bob.wait(lambda: len(bob.from_(alice)) == held)
+    assert [d.payload for d in bob.from_(alice)] == [p for i, p in enumerate(payloads("alice", 300))
+                                                     if i + 1 not in missed]
+    for r in receipts:
+        if missed & set(r.seqs):
+            with pytest.raises(MessagesDroppedError, match="retention") as err:
+                r.wait(10)
+            assert f"{bob.did} ({len(missed)})" in str(err.value) and carol.did not in str(err.value)
+        else:
+            r.wait(10)  # bob has every one of them: none was dropped for him
+    assert bob.dp.stats()["lost"] == len(missed)

@@ -1986,6 +1986,12 @@ class DataPlane:
         frame = self._transport.max_frame_bytes - _RPC_HEAD
         msgs, gone = g.outbox.get_range(first, last, cfg.resend_max,
                                         max(1, min(cfg.batch_max_bytes * 4, self._answer_room * 3 // 4)))
+        if gone is not None and last is None:
+            # An open-ended request (a member that does not know where its stream starts yet, or just
+            # restored its position) may cover seqs it holds back: called gone, their receipts would
+            # fail naming it though it delivers them. It learns its base and what follows here, then
+            # asks for its actual holes, and that answer says what is gone.
+            gone = None
         if gone is not None:  # it skips them and acks past them: their receipts must not say delivered
             g.outbox.note_gone(m.info.did, *gone)
         while True:
