@@ -1086,3 +1086,81 @@ def test_an_open_ended_resend_request_does_not_report_seqs_the_member_holds_as_d
         else:
             r.wait(10)  # bob has every one of them: none was dropped for him
     assert bob.dp.stats()["lost"] == len(missed)
+
+
+def _blocked_receiver(alice: Node, bob: Node) -> threading.Event:
+    """bob's receiver thread stuck in his delivery callback (on one message of alice's) until the
+    returned event is set: nothing queued for it is taken meanwhile."""
+    gate, entered = threading.Event(), threading.Event()
+
+    def stuck(d: Delivered) -> None:
+        entered.set()
+        gate.wait(30)
+
+    bob.hook = stuck
+    alice.dp.publish("g", [b"hold on"])
+    assert entered.wait(10)
+    return gate
+
+
+def _settled(node: Node, frames_in: int, timeout: float = 20.0) -> None:
+    """Wait until ``node``'s transport read ``frames_in`` frames and its workers handled them."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        st = node.tr.stats()
+        if st["frames_in"] >= frames_in and st["inbox"] == 0:
+            break
+        time.sleep(0.02)
+    time.sleep(0.3)  # the last jobs taken from the inbox finish their handler
+
+
+def test_a_heartbeat_flood_cannot_grow_the_receive_queue_without_bound(make) -> None:  # type: ignore[no-untyped-def]
+    """Heartbeats come over the peer transport, whose workers hand them to the receiver: they were
+    queued whatever its backlog. A member sending them by the thousand (buggy, or hostile) while the
+    receiver is busy grew the queue, in memory, as long as it kept on."""
+    cfg = replace(FAST, recv_queue_max=8, resend_after_ms=60_000)
+    alice, bob = make("alice", cfg), make("bob", cfg)
+    form_group([alice, bob], mode="shared")
+    gate = _blocked_receiver(alice, bob)
+    g = alice.dp._groups["g"]  # noqa: SLF001 - alice's own heartbeat, as _heartbeat_stalled builds it
+    beat = dm.encode(dm.DataBatch("g", alice.did, (), base=g.outbox.base_of(bob.did), last=g.wire_seq,
+                                  member=bob.did), signer=g.group_key)
+    frames_in = bob.tr.stats()["frames_in"]
+    for _ in range(500):
+        direct_from(alice, bob, beat)
+    _settled(bob, frames_in + 500)
+    queued = [item for item in list(bob.dp._rx) if item[0] == "batch"]  # noqa: SLF001
+    assert len(queued) <= cfg.recv_queue_max, len(queued)
+    assert bob.dp.stats()["receive_queue_full"] >= 500 - cfg.recv_queue_max
+    gate.set()
+    bob.hook = None
+    receipt = alice.dp.publish("g", payloads("alice", 5))
+    receipt.wait(10)  # bob goes on as usual
+    assert [d.payload for d in bob.from_(alice)] == [b"hold on", *payloads("alice", 5)]
+
+
+def test_resend_answers_piling_up_behind_a_busy_receiver_are_bounded(make) -> None:  # type: ignore[no-untyped-def]
+    """Answers are queued for the receiver too. Requests go on past request_timeout_s while it is
+    busy, so their answers must not pile up in memory unbounded: those past the bound are dropped,
+    their requests end, and what they asked for is asked again."""
+    cfg = replace(FAST, recv_queue_max=8)
+    alice, bob = make("alice", cfg), make("bob", cfg)
+    form_group([alice, bob], mode="shared")
+    gate = _blocked_receiver(alice, bob)
+    g = bob.dp._groups["g"]  # noqa: SLF001
+    stream = g.streams[alice.did]
+    for _ in range(40):  # as the receive timers would, request after request
+        stream.nacks_sent(1)
+        bob.dp._request_resend(g, g.members[alice.did], 1, 1)  # noqa: SLF001
+    deadline = time.monotonic() + 20
+    while bob.tr.stats()["pending"] and time.monotonic() < deadline:
+        time.sleep(0.02)
+    time.sleep(0.2)  # every request answered: the last answers are being handed over
+    queued = [item for item in list(bob.dp._rx) if item[0] == "answer"]  # noqa: SLF001
+    assert len(queued) == cfg.recv_queue_max
+    assert bob.dp.stats()["receive_queue_full"] == 40 - cfg.recv_queue_max
+    assert stream._nacks_out == cfg.recv_queue_max  # noqa: SLF001 - dropped answers ended their requests
+    gate.set()
+    bob.hook = None
+    alice.dp.publish("g", payloads("alice", 5)).wait(10)
+    assert [d.payload for d in bob.from_(alice)] == [b"hold on", *payloads("alice", 5)]

@@ -227,7 +227,8 @@ class DataPlaneConfig:
     max_message_bytes: int = 4 * 1024 * 1024
     sndhwm: int = 2_000
     rcvhwm: int = 2_000
-    recv_queue_max: int = 64  # envelopes decoded-but-undelivered before SUBs stop being read
+    recv_queue_max: int = 64  # envelopes decoded-but-undelivered before SUBs stop being read (and heartbeats,
+    # resend answers over the peer transport, each kind, before they are dropped)
     ack_interval_ms: float = 50.0
     ack_every: int = 2_048
     nack_after_ms: float = 100.0
@@ -326,7 +327,7 @@ class _Stats:
         "retransmits", "heartbeats", "nacks_sent", "nacks_served", "nack_failures", "duplicates_dropped",
         "rejected_non_member", "rejected_read_only", "rejected_malformed", "not_for_me", "wrong_topic",
         "lost", "subscriptions_accepted", "subscriptions_refused", "callback_errors", "probes_sent",
-        "backpressure_stalls", "publish_resets", "forged_batches", "deliveries_deferred",
+        "backpressure_stalls", "publish_resets", "forged_batches", "deliveries_deferred", "receive_queue_full",
     )
 
     def __init__(self) -> None:
@@ -496,6 +497,9 @@ class DataPlane:
         # receiver
         self._rx_ident: int | None = None  # the receiver thread: delivery callbacks run on it
         self._rx: deque[tuple[Any, ...]] = deque()
+        # Items in _rx that came over the peer transport, by kind ("batch": heartbeats, "answer"):
+        # each kind is bounded by recv_queue_max, as the SUBs are, and one cannot crowd out the other.
+        self._rx_peer: dict[str, int] = {"batch": 0, "answer": 0}
         self._rx_cond = threading.Condition(threading.Lock())
         self._rx_lock = threading.RLock()
         # liveness and probes
@@ -1002,6 +1006,8 @@ class DataPlane:
         ``duplicates_dropped``, ``lost`` (skipped because the publisher no longer held them),
         ``deliveries_deferred`` (delivered messages a callback did not take: not acked, taken when re-sent).
         Drops by reason: ``rejected_non_member``, ``rejected_read_only``, ``rejected_malformed``,
+        ``receive_queue_full`` (heartbeats and resend answers dropped while ``recv_queue_max`` of them
+        waited for the receiver: the publisher repeats heartbeats, missing seqs are asked again),
         ``not_for_me`` (single mode, skipped unread), ``wrong_topic``, ``subscriptions_refused``,
         ``forged_batches`` (batches or hellos without a valid signature by their publisher's group
         key, or signed for another member).
@@ -1497,6 +1503,23 @@ class DataPlane:
             self._rx.append(item)
             self._rx_cond.notify()
 
+    def _rx_put_peer(self, item: tuple[Any, ...]) -> bool:
+        """Queue what arrived over the peer transport, unless ``recv_queue_max`` of its kind wait
+        already: transport workers are not throttled like the SUBs, so a flood (or answers piling
+        up behind a slow callback) would otherwise grow the queue without bound. False if dropped."""
+        kind = item[0]
+        with self._rx_cond:
+            if self._rx_peer[kind] >= self.config.recv_queue_max:
+                dropped = True
+            else:
+                dropped = False
+                self._rx_peer[kind] += 1
+                self._rx.append(item)
+                self._rx_cond.notify()
+        if dropped:
+            self._stats.add(receive_queue_full=1)
+        return not dropped
+
     def _receiver_main(self) -> None:
         self._rx_ident = threading.get_ident()
         cfg = self.config
@@ -1508,6 +1531,8 @@ class DataPlane:
                 if not rx:
                     self._rx_cond.wait(max(next_tick - time.monotonic(), 0.001))
                 item = rx.popleft() if rx else None
+                if item is not None and item[0] in self._rx_peer:
+                    self._rx_peer[item[0]] -= 1
             if item is not None:  # one envelope at a time, so acks and NACKs are never starved
                 try:
                     self._handle_rx(item)
@@ -1847,7 +1872,12 @@ class DataPlane:
             return
         self._stats.add(nacks_sent=1)
         group, did = g.name, m.info.did
-        fut.add_done_callback(lambda f: self._rx_put(("answer", group, did, f)))
+        fut.add_done_callback(lambda f: self._queue_answer(group, did, f))
+
+    def _queue_answer(self, group: str, did: str, fut: Future[bytes]) -> None:
+        if not self._rx_put_peer(("answer", group, did, fut)):
+            # Not taken: the request is over, and what it asked for is asked again at nack_retry_ms pace.
+            self._nack_done(group, did)
 
     def _nack_done(self, group: str, did: str) -> None:
         g = self._groups.get(group)
@@ -1953,7 +1983,8 @@ class DataPlane:
                     probe[2].set()
         elif isinstance(msg, dm.DataBatch):  # a publisher's heartbeat: it waits for our ack
             if self._authentic(g, m, msg):
-                self._rx_put(("batch", g.name, m.info.did, msg))
+                # Dropped when too many wait: the publisher sends another while our acks stall.
+                self._rx_put_peer(("batch", g.name, m.info.did, msg))
         else:
             self._stats.add(rejected_malformed=1)
 
