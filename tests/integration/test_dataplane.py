@@ -1164,3 +1164,35 @@ def test_resend_answers_piling_up_behind_a_busy_receiver_are_bounded(make) -> No
     bob.hook = None
     alice.dp.publish("g", payloads("alice", 5)).wait(10)
     assert [d.payload for d in bob.from_(alice)] == [b"hold on", *payloads("alice", 5)]
+
+
+def test_a_publisher_announcing_seqs_it_never_sends_is_not_asked_for_them_forever(make, caplog) -> None:  # type: ignore[no-untyped-def]
+    """A heartbeat announcing seq 2**63-1 (a faulty or hostile publisher) is a tail bob lacks: he
+    asked for it, the answer held nothing and said nothing was gone, and he asked again at every
+    receive tick, forever. An answer like that now withdraws the announcement, once per announcement,
+    with one warning naming the publisher (and no payload)."""
+    alice, bob = make("alice"), make("bob")
+    form_group([alice, bob], mode="shared")
+    alice.dp.publish("g", [b"secret payload"]).wait(10)
+    g = alice.dp._groups["g"]  # noqa: SLF001 - alice's keys sign the lie, as a faulty alice would
+    lie = dm.encode(dm.DataBatch("g", alice.did, (), base=0, last=dm.MAX_SEQ, member=bob.did), signer=g.group_key)
+    before = bob.dp.stats()["nacks_sent"]
+    caplog.set_level("WARNING", logger="zerocomm_spark.group.dataplane")
+    direct_from(alice, bob, lie)
+    deadline = time.monotonic() + 10
+    while bob.dp.stats()["implausible_announcements"] < 1 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    time.sleep(1.5)  # FAST: a receive tick every 10 ms, a tail asked for after 300 ms
+    assert bob.dp.stats()["nacks_sent"] - before <= 2
+    assert bob.dp.stats()["implausible_announcements"] == 1
+    assert bob.dp.stats()["lag"]["g"][alice.did] == 0
+    warned = [r.getMessage() for r in caplog.records if "announced" in r.getMessage()]
+    assert len(warned) == 1 and alice.did in warned[0] and str(dm.MAX_SEQ) in warned[0]
+    assert "secret" not in caplog.text
+    for _ in range(3):  # announced again: asked once more each time, warned at most every 10 s
+        direct_from(alice, bob, lie)
+        time.sleep(0.6)
+    assert bob.dp.stats()["nacks_sent"] - before <= 8
+    assert len([r for r in caplog.records if "announced" in r.getMessage()]) == 1
+    alice.dp.publish("g", payloads("alice", 3)).wait(10)  # the stream goes on as usual
+    assert [d.payload for d in bob.from_(alice)] == [b"secret payload", *payloads("alice", 3)]

@@ -287,3 +287,19 @@ def test_held_bytes_follow_baselines_and_skips() -> None:
     assert s.set_baseline(2) == ["m" * 100, "m" * 100]  # 3, 4 released; 9 held (5..8 missing)
     assert s.held_bytes == 100
     assert s.skip(5, 8) == ["m" * 100] and s.held_bytes == 0
+
+
+def test_an_announced_tail_the_publisher_did_not_back_is_withdrawn_until_announced_again() -> None:
+    s, clock = stream()
+    s.offer(1, "m1")
+    s.offer(3, "m3")  # held: seq 2 is a hole, backed by what arrived
+    s.note_announced(2**63 - 1)
+    assert s.lacks(2) and not s.lacks(3) and not s.lacks(1)
+    assert s.withdraw_announced() == 2**63 - 1
+    assert s.announced == 3 and s.lag() == 2 and s.missing() == [(2, 2)]  # the hole stays
+    assert s.withdraw_announced() is None  # nothing announced past what arrived
+    s.offer(2, "m2")
+    assert s.gap_since is None and s.lag() == 0
+    s.note_announced(2**63 - 1)  # announced again: a gap again
+    clock.now += 10
+    assert s.due_nacks(0.1, 0.3, 100) == [(4, 103)]

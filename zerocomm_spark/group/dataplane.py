@@ -328,6 +328,7 @@ class _Stats:
         "rejected_non_member", "rejected_read_only", "rejected_malformed", "not_for_me", "wrong_topic",
         "lost", "subscriptions_accepted", "subscriptions_refused", "callback_errors", "probes_sent",
         "backpressure_stalls", "publish_resets", "forged_batches", "deliveries_deferred", "receive_queue_full",
+        "implausible_announcements",
     )
 
     def __init__(self) -> None:
@@ -510,6 +511,7 @@ class DataPlane:
         self._pinger: ThreadPoolExecutor | None = None
         self._probes: dict[str, tuple[str, str, threading.Event]] = {}
         self._forged_logged: dict[tuple[str, str], tuple[float, int]] = {}  # (group, did) -> (last log, since)
+        self._unbacked_logged: dict[tuple[str, str], tuple[float, int]] = {}  # the same, for announcements
 
     # --- lifecycle ---------------------------------------------------------------------------
 
@@ -1008,6 +1010,8 @@ class DataPlane:
         Drops by reason: ``rejected_non_member``, ``rejected_read_only``, ``rejected_malformed``,
         ``receive_queue_full`` (heartbeats and resend answers dropped while ``recv_queue_max`` of them
         waited for the receiver: the publisher repeats heartbeats, missing seqs are asked again),
+        ``implausible_announcements`` (resend answers without the seqs their publisher announced, nor
+        saying them gone: the announcement is ignored until made again),
         ``not_for_me`` (single mode, skipped unread), ``wrong_topic``, ``subscriptions_refused``,
         ``forged_batches`` (batches or hellos without a valid signature by their publisher's group
         key, or signed for another member).
@@ -1872,10 +1876,10 @@ class DataPlane:
             return
         self._stats.add(nacks_sent=1)
         group, did = g.name, m.info.did
-        fut.add_done_callback(lambda f: self._queue_answer(group, did, f))
+        fut.add_done_callback(lambda f: self._queue_answer(group, did, f, first, last))
 
-    def _queue_answer(self, group: str, did: str, fut: Future[bytes]) -> None:
-        if not self._rx_put_peer(("answer", group, did, fut)):
+    def _queue_answer(self, group: str, did: str, fut: Future[bytes], first: int, last: int | None) -> None:
+        if not self._rx_put_peer(("answer", group, did, fut, first, last)):
             # Not taken: the request is over, and what it asked for is asked again at nack_retry_ms pace.
             self._nack_done(group, did)
 
@@ -1887,7 +1891,7 @@ class DataPlane:
                 if stream is not None:
                     stream.nack_done()
 
-    def _on_resend_answer(self, group: str, did: str, fut: Future[bytes]) -> None:
+    def _on_resend_answer(self, group: str, did: str, fut: Future[bytes], first: int, last: int | None) -> None:
         self._nack_done(group, did)  # whatever the answer holds: the next request may go out
         try:
             data = fut.result(0)
@@ -1914,11 +1918,36 @@ class DataPlane:
             return
         if not self._authentic(g, m, batch):
             return
+        self._accept_batch(g, m, batch)
         with self._rx_lock:
             stream = g.streams.get(did)
-            if stream is not None:
-                stream.nack_answered()
-        self._accept_batch(g, m, batch)
+            if stream is None:
+                return
+            if last is None or batch.messages or batch.gone is not None or not stream.lacks(first):
+                stream.nack_answered()  # if a hole remains (the answer was capped), ask again without waiting
+                return
+            # Asked for seqs it announced, it sent none and said none are gone: an honest publisher
+            # has them or says they are gone. Asking again at every tick would go on forever.
+            withdrawn = stream.withdraw_announced()
+        self._unbacked(g, did, first, withdrawn)
+
+    def _unbacked(self, g: _Group, did: str, first: int, withdrawn: int | None) -> None:
+        """Count and log (rate-limited, numbers only) a publisher whose answer did not back its claims."""
+        self._stats.add(implausible_announcements=1)
+        now = time.monotonic()
+        key = (g.name, did)
+        last_log, suppressed = self._unbacked_logged.get(key, (float("-inf"), 0))
+        if now - last_log < 10.0:
+            self._unbacked_logged[key] = (last_log, suppressed + 1)
+            return
+        self._unbacked_logged[key] = (now, 0)
+        claim = (f"announced seqs up to {withdrawn}" if withdrawn is not None
+                 else "sent seqs after a hole it keeps open")
+        log.warning("group %r: %s %s but, asked for seq %d on, sent none of them and none were gone (a faulty "
+                    "or hostile publisher); %s%s", g.name, did, claim, first,
+                    "the announcement is ignored until it announces again" if withdrawn is not None
+                    else "the hole is asked for again at nack_retry_ms pace",
+                    f" ({suppressed} more since the last warning)" if suppressed else "")
 
     def _apply_restore(self, g: _Group, positions: Mapping[str, int]) -> None:
         for did, pos in positions.items():

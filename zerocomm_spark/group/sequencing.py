@@ -286,6 +286,23 @@ class PublisherStream(Generic[T]):
             self.announced = last
             self._update_gap()
 
+    def lacks(self, seq: int) -> bool:
+        """Whether ``seq`` is still wanted here: not delivered, not held back (nor received early)."""
+        return self.next_seq is not None and seq >= self.next_seq and seq not in self._held
+
+    def withdraw_announced(self) -> int | None:
+        """Forget an announced tail past what arrived (the publisher had none of it when asked).
+
+        Returns the withdrawn announcement, or None if there was no tail. Announced again, it is a
+        gap again: asked for once per announcement, never at every tick.
+        """
+        top = max(self.highest, self.delivered)
+        if self.announced <= top:
+            return None
+        withdrawn, self.announced = self.announced, top
+        self._update_gap()
+        return withdrawn
+
     def skip(self, first: int, last: int, *, count_lost: bool = True) -> list[T]:
         """The publisher no longer holds ``first..last``: give up on them and release what follows.
 
