@@ -32,6 +32,12 @@ class ConfigurationError(ZeroCommError):
     hint = "Check the named setting against conf/zerocomm.toml and the README."
 
 
+class InvalidTimeoutError(ConfigurationError, ValueError):
+    """A timeout is not a finite number of seconds: every wait has a deadline."""
+
+    hint = "Give a finite number of seconds; to wait longer, wait again when it passes (nothing is lost meanwhile)."
+
+
 # --- keys and identities -----------------------------------------------------------------------
 
 

@@ -1196,3 +1196,29 @@ def test_a_publisher_announcing_seqs_it_never_sends_is_not_asked_for_them_foreve
     assert len([r for r in caplog.records if "announced" in r.getMessage()]) == 1
     alice.dp.publish("g", payloads("alice", 3)).wait(10)  # the stream goes on as usual
     assert [d.payload for d in bob.from_(alice)] == [b"secret payload", *payloads("alice", 3)]
+
+
+def test_waiting_for_a_receipt_without_a_deadline_is_refused(make) -> None:  # type: ignore[no-untyped-def]
+    """bob is gone and will never ack: wait(inf) on alice's receipt waited forever."""
+    from zerocomm_spark.errors import ConfigurationError
+
+    alice, bob = make("alice"), make("bob")
+    form_group([alice, bob], mode="shared")
+    bob.stop()
+    receipt = alice.dp.publish("g", [b"to nobody"])
+    outcome: list[BaseException | None] = []
+
+    def wait_forever() -> None:
+        try:
+            receipt.wait(float("inf"))
+            outcome.append(None)
+        except BaseException as exc:  # noqa: BLE001 - asserted below
+            outcome.append(exc)
+
+    t = threading.Thread(target=wait_forever, daemon=True)
+    t.start()
+    t.join(3)
+    assert not t.is_alive(), "wait(inf) is still waiting: no deadline"
+    assert isinstance(outcome[0], ConfigurationError) and "finite" in str(outcome[0])
+    with pytest.raises(PeerTimeoutError, match=bob.did):
+        receipt.wait(0.2)  # a finite wait still names the member that did not ack

@@ -503,3 +503,33 @@ def test_gone_ranges_reported_again_and_overlapping_are_counted_once() -> None:
     with pytest.raises(MessagesDroppedError, match="dead") as err:
         receipt.wait(0)
     assert "dead (11)" in str(err.value), str(err.value)
+
+
+@pytest.mark.parametrize("timeout", [float("inf"), 1e300, None, "5"])
+def test_a_receipt_wait_without_a_finite_deadline_is_refused(timeout: object) -> None:
+    """Every wait has a deadline: wait(inf) waited forever on a member that never acks (and a timeout
+    beyond threading's limit overflows). Refused like NaN, as the transport and agent calls refuse it."""
+    from zerocomm_spark.errors import ConfigurationError
+    from zerocomm_spark.transport.peer import MAX_TIMEOUT
+
+    box = Outbox("g", window=2, retention_max=10)
+    box.add_member("bob")
+    r = publish(box, 1)
+    err = _in_thread(lambda: r.wait(timeout))  # type: ignore[arg-type]
+    assert isinstance(err, ConfigurationError) and "finite" in str(err), err
+    assert not r.done()
+    box.take_unsent(10)
+    box.ack("bob", 1)
+    r.wait(MAX_TIMEOUT)  # the longest deadline there is: returns at once, resolved
+    r.wait(0)
+
+
+def test_a_publish_waiting_for_the_window_without_a_finite_deadline_is_refused() -> None:
+    from zerocomm_spark.errors import ConfigurationError
+
+    box = Outbox("g", window=1, retention_max=10)
+    box.add_member("bob")
+    publish(box, 1)  # the window is full
+    err = _in_thread(lambda: publish(box, 1, timeout=float("inf")))
+    assert isinstance(err, ConfigurationError) and "finite" in str(err), err
+    assert box.last_seq == 1

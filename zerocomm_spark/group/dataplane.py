@@ -807,8 +807,9 @@ class DataPlane:
         """Queue ``payloads`` for every member, in order; returns once they are buffered.
 
         Seqs and Lamport timestamps are assigned now (see the receipt). If the group's window of
-        unacked messages (``window``, ``window_bytes``) is full this waits up to ``timeout`` and then
-        raises BackpressureError, having sent nothing. Called from a delivery callback it waits only
+        unacked messages (``window``, ``window_bytes``) is full this waits up to ``timeout`` (finite
+        seconds, like the receipt's ``wait``: NaN and inf are refused) and then raises
+        BackpressureError, having sent nothing. Called from a delivery callback it waits only
         past ``retention_max``/``retention_max_bytes``: the acks it would wait for may wait on this
         very callback (two members replying to each other). Passing ``message_ids`` makes a retry
         after a crash idempotent: receivers drop ids they already delivered. ``headers`` apply to

@@ -35,13 +35,29 @@ from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-from zerocomm_spark.errors import BackpressureError, GroupError, MessagesDroppedError, PeerTimeoutError
+from zerocomm_spark.errors import (
+    BackpressureError,
+    GroupError,
+    InvalidTimeoutError,
+    MessagesDroppedError,
+    PeerTimeoutError,
+)
 from zerocomm_spark.group.datamessage import DataMessage
 from zerocomm_spark.group.lamport import MAX_TIME
+from zerocomm_spark.transport.peer import MAX_TIMEOUT  # the longest wait: threading's waits overflow past it
 
 __all__ = ["MemberAckState", "Outbox", "PublishReceipt"]
 
 log = logging.getLogger(__name__)
+
+
+def _check_timeout(timeout: object, what: str) -> float:
+    """Every wait has a deadline: NaN never passes, inf never comes, None and non-numbers mean neither."""
+    if (not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or timeout != timeout
+            or timeout > MAX_TIMEOUT):
+        raise InvalidTimeoutError(f"{what} takes a finite timeout in seconds (at most {MAX_TIMEOUT:g}), "
+                                  f"got {timeout!r}; every wait has a deadline")
+    return float(timeout)
 
 
 @dataclass(slots=True)
@@ -82,12 +98,12 @@ class PublishReceipt:
     def wait(self, timeout: float = 30.0) -> None:
         """Return once every current member acked; PeerTimeoutError naming the laggards otherwise.
 
-        Always bounded: a member that never acks (gone, or partitioned) must not hang the caller.
+        Always bounded: a member that never acks (gone, or partitioned) must not hang the caller. So
+        ``timeout`` is a finite number of seconds, at most the transport's ``MAX_TIMEOUT``, as for
+        every call that waits on peers; 0 (or less) only checks. None, NaN and inf are refused
+        (InvalidTimeoutError, a ConfigurationError): to wait longer, wait again.
         """
-        if not isinstance(timeout, (int, float)) or isinstance(timeout, bool):
-            raise TypeError("wait() takes a timeout in seconds; every wait has a deadline")
-        if timeout != timeout:  # NaN: no comparison with it holds, so the deadline would never pass
-            raise ValueError("wait() takes a timeout in seconds, got NaN; every wait has a deadline")
+        timeout = _check_timeout(timeout, "wait()")
         deadline = time.monotonic() + max(timeout, 0.0)
         cond = self._outbox._cond  # noqa: SLF001
         with cond:
@@ -299,8 +315,7 @@ class Outbox:
         each other from their callbacks would each wait for acks that only the other's callback
         returning lets it send.
         """
-        if timeout != timeout:  # NaN: the deadline would never pass and the wait would spin
-            raise ValueError("publish takes a timeout in seconds, got NaN; every wait has a deadline")
+        timeout = _check_timeout(timeout, "publish")  # NaN or inf: the window wait would never end
         n = len(payloads)
         nbytes = sum(map(len, payloads))
         window = self.retention_max if in_callback else self.window
