@@ -38,6 +38,7 @@ from urllib.parse import urlsplit
 
 from zerocomm_spark import errors
 from zerocomm_spark.connections import Connection, ConnectionRecord, ConnectionStore
+from zerocomm_spark.deadlines import check_timeout
 from zerocomm_spark.envelope import pack, unpack
 from zerocomm_spark.errors import (
     AgentClosedError,
@@ -819,10 +820,7 @@ def _resolve(future: Future[Any], value: Any = None, error: BaseException | None
 
 def _deadline(timeout: float) -> float:
     # Finite and bounded like the transport's own calls: an infinite one would reach the transport.
-    if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or not 0 < timeout <= MAX_TIMEOUT:
-        raise ConfigurationError(f"timeout must be a finite positive number of seconds (at most {MAX_TIMEOUT:g}), "
-                                 f"got {timeout!r}")
-    return time.monotonic() + float(timeout)
+    return time.monotonic() + check_timeout(timeout)
 
 
 def _remaining(deadline: float, what: str) -> float:

@@ -26,6 +26,7 @@ from zerocomm_spark.errors import (
     FrameTooLargeError,
     GroupError,
     GroupNotOpenError,
+    InvalidTimeoutError,
     MalformedGroupMessageError,
     MessagesDroppedError,
     NotAMemberError,
@@ -533,6 +534,14 @@ def test_api_errors_are_specific(make) -> None:  # type: ignore[no-untyped-def]
     with pytest.raises(NotAMemberError):
         alice.dp.probe("g", "did:example:nobody", timeout=0.2)
     assert alice.dp.publish("g", []).done()
+    # Every wait has a deadline: a timeout that never passes is refused before anything waits.
+    for forever in (float("inf"), float("nan"), None, 10.0**300):
+        with pytest.raises(InvalidTimeoutError):
+            alice.dp.probe("g", "did:example:nobody", timeout=forever)  # type: ignore[arg-type]
+        with pytest.raises(InvalidTimeoutError):
+            alice.dp.publish_state("g", b"state", timeout=forever)  # type: ignore[arg-type]
+        with pytest.raises(InvalidTimeoutError):
+            alice.dp.restore_positions("g", {}, timeout=forever)  # type: ignore[arg-type]
 
 
 # --- reliability ---------------------------------------------------------------------------------

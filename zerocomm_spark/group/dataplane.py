@@ -70,6 +70,7 @@ from zmq.auth.thread import ThreadAuthenticator
 from zmq.utils.monitor import parse_monitor_message
 
 from zerocomm_spark import envelope
+from zerocomm_spark.deadlines import check_timeout
 from zerocomm_spark.errors import (
     BackpressureError,
     ConfigurationError,
@@ -895,6 +896,7 @@ class DataPlane:
         g = self._group(group)
         if not isinstance(blob, (bytes, bytearray, memoryview)):
             raise TypeError("a state blob is bytes")
+        timeout = check_timeout(timeout)
         fut: Future[None] = Future()
         self._io_send_ctrl([g.state_topic, bytes(blob)], fut)
         try:
@@ -915,7 +917,7 @@ class DataPlane:
         """
         self._check_running()
         start = time.monotonic()
-        deadline = start + timeout
+        deadline = start + check_timeout(timeout)
         nonce = secrets.token_hex(12)
         event = threading.Event()
         self._probes[nonce] = (group, did, event)
@@ -990,6 +992,7 @@ class DataPlane:
         Publishers not yet added are remembered and asked once ``add_member`` adds them.
         """
         self._check_running()
+        timeout = check_timeout(timeout)
         g = self._group(group)
         clean = {}
         for did, pos in positions.items():

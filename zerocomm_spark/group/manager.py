@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 from zerocomm_spark.connections import ConnectionRecord, ConnectionStore
+from zerocomm_spark.deadlines import check_timeout
 from zerocomm_spark.errors import (
     AgentClosedError,
     ConfigurationError,
@@ -734,9 +735,7 @@ class GroupManager:
         check_group(group)
         if role not in ROLES:
             raise ConfigurationError(f"role is read_write or read_only, got {role!r}")
-        if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or not timeout > 0:
-            raise ConfigurationError(f"timeout must be a positive number of seconds, got {timeout!r}")
-        deadline = time.monotonic() + timeout
+        deadline = time.monotonic() + check_timeout(timeout)
         the_policy = policy_from_dict(policy if policy is not None else self.config.default_policy)
         connection = self._agent.connection(via)
         acceptor = self._record(connection.id)

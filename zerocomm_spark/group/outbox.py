@@ -35,29 +35,14 @@ from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-from zerocomm_spark.errors import (
-    BackpressureError,
-    GroupError,
-    InvalidTimeoutError,
-    MessagesDroppedError,
-    PeerTimeoutError,
-)
+from zerocomm_spark.errors import BackpressureError, GroupError, MessagesDroppedError, PeerTimeoutError
 from zerocomm_spark.group.datamessage import DataMessage
 from zerocomm_spark.group.lamport import MAX_TIME
-from zerocomm_spark.transport.peer import MAX_TIMEOUT  # the longest wait: threading's waits overflow past it
+from zerocomm_spark.deadlines import check_timeout
 
 __all__ = ["MemberAckState", "Outbox", "PublishReceipt"]
 
 log = logging.getLogger(__name__)
-
-
-def _check_timeout(timeout: object, what: str) -> float:
-    """Every wait has a deadline: NaN never passes, inf never comes, None and non-numbers mean neither."""
-    if (not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or timeout != timeout
-            or timeout > MAX_TIMEOUT):
-        raise InvalidTimeoutError(f"{what} takes a finite timeout in seconds (at most {MAX_TIMEOUT:g}), "
-                                  f"got {timeout!r}; every wait has a deadline")
-    return float(timeout)
 
 
 @dataclass(slots=True)
@@ -103,7 +88,7 @@ class PublishReceipt:
         every call that waits on peers; 0 (or less) only checks. None, NaN and inf are refused
         (InvalidTimeoutError, a ConfigurationError): to wait longer, wait again.
         """
-        timeout = _check_timeout(timeout, "wait()")
+        timeout = check_timeout(timeout, "wait()'s timeout", only_check=True)
         deadline = time.monotonic() + max(timeout, 0.0)
         cond = self._outbox._cond  # noqa: SLF001
         with cond:
@@ -315,7 +300,7 @@ class Outbox:
         each other from their callbacks would each wait for acks that only the other's callback
         returning lets it send.
         """
-        timeout = _check_timeout(timeout, "publish")  # NaN or inf: the window wait would never end
+        timeout = check_timeout(timeout, "publish's timeout", only_check=True)  # NaN or inf: the window wait would never end
         n = len(payloads)
         nbytes = sum(map(len, payloads))
         window = self.retention_max if in_callback else self.window

@@ -17,6 +17,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from zerocomm_spark.deadlines import check_timeout
 from zerocomm_spark.errors import (
     ConfigurationError,
     DataLossError,
@@ -121,8 +122,7 @@ class Journal:
         for name, limit in (("retention_bytes", retention_bytes), ("retention_ms", retention_ms)):
             if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 0):
                 raise ConfigurationError(f"{name} must be None or an int >= 0, not {limit!r}")
-        if not isinstance(timeout, (int, float)) or timeout <= 0:
-            raise ConfigurationError(f"timeout must be a positive number of seconds, not {timeout!r}")
+        check_timeout(timeout, "the journal's timeout")  # NaN or inf: a full queue's wait would never end
         threads = read_threads if read_threads is not None else min(4, os.cpu_count() or 1)
         if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
             raise ConfigurationError(f"read_threads must be an int >= 1, not {read_threads!r}")

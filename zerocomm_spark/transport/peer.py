@@ -36,6 +36,7 @@ from typing import Any
 
 import zmq
 
+from zerocomm_spark.deadlines import MAX_TIMEOUT, check_timeout
 from zerocomm_spark.errors import (
     ConfigurationError,
     FrameError,
@@ -394,7 +395,7 @@ class PeerTransport:
     ) -> Future[bytes]:
         """Send an RpcRequest; the future resolves to the response payload or fails at the deadline."""
         _check_endpoint(endpoint)
-        _check_timeout(timeout)
+        check_timeout(timeout)
         future: Future[bytes] = Future()
         with self._lock:
             self._check_running()
@@ -441,7 +442,7 @@ class PeerTransport:
     def ping(self, endpoint: str, timeout: float = 5.0) -> float:
         """Round-trip time in seconds, measured from the moment the Ping left this process."""
         _check_endpoint(endpoint)
-        _check_timeout(timeout)
+        check_timeout(timeout)
         future: Future[float] = Future()
         with self._lock:
             self._check_running()
@@ -1063,17 +1064,6 @@ def _check_endpoint(endpoint: str) -> None:
         raise ConfigurationError(f"a peer endpoint looks like tcp://host:port, got {endpoint[:200]!r}"
                                  if isinstance(endpoint, str) else
                                  f"a peer endpoint looks like tcp://host:port, got {type(endpoint).__name__}")
-
-
-#: The longest timeout a call takes. Every wait has a deadline: an infinite (or absurdly long) one
-#: would overflow the IO loop's poll computation and the waits of threading, killing the transport.
-MAX_TIMEOUT = threading.TIMEOUT_MAX / 2
-
-
-def _check_timeout(timeout: float) -> None:
-    if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or not 0 < timeout <= MAX_TIMEOUT:
-        raise ConfigurationError(f"timeout must be a finite positive number of seconds (at most {MAX_TIMEOUT:g}), "
-                                 f"got {timeout!r}")
 
 
 def _wait(future: Future[Any], timeout: float, what: str) -> Any:
