@@ -786,7 +786,7 @@ class GroupManager:
             raise SignatureError(f"the ticket from {who} is not signed by the member it claims to be")
         with self._lock:
             record.mode, record.ordered, record.consistent_join = mode, ordered, consistent
-            record.ticket = reply.ticket
+            record.ticket = ticket.to_dict()  # as verified: extra fields the acceptor added (a NaN) failed our saves
             for entry in entries:
                 if entry.did != self.did:
                     g.view.merge(entry)

@@ -107,6 +107,16 @@ def _is_utf8_text(value: str) -> bool:
     return True
 
 
+def _storable(value: Any) -> bool:
+    """Small, UTF-8 text and finite numbers only: the entry lands in the group's keystore record,
+    which refuses NaN/Infinity, so one held in a view failed every later save of the group."""
+    try:
+        text = json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+        return len(text.encode("utf-8")) <= _MAX_FIELD
+    except (ValueError, TypeError, UnicodeEncodeError, RecursionError):  # NaN/inf, a non-JSON value, a lone surrogate
+        return False
+
+
 def _canonical(value: Any) -> bytes:
     return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
 
@@ -185,12 +195,9 @@ class MemberEntry:
                 values["version"] = version
             elif f.name == "ticket":
                 ticket = data.get("ticket")
-                try:
-                    bad = ticket is not None and (not isinstance(ticket, Mapping) or len(_canonical(ticket)) > _MAX_FIELD)
-                except UnicodeEncodeError:  # a lone surrogate somewhere in it
-                    bad = True
-                if bad:
-                    raise MalformedGroupMessageError("member entry field 'ticket' must be a small JSON object of text")
+                if ticket is not None and (not isinstance(ticket, Mapping) or not _storable(ticket)):
+                    raise MalformedGroupMessageError(
+                        "member entry field 'ticket' must be a small JSON object of text and finite numbers")
                 values["ticket"] = dict(ticket) if ticket is not None else None
             else:
                 values[f.name] = _field_str(data, f.name, allow_empty=f.name in ("signature", "label"))

@@ -1,0 +1,139 @@
+"""Hostile but well-formed membership messages against a real group manager (real keystore, real
+agents in this process): what the handlers do with them once the parsers let them through.
+
+The rules under test: a handler answers with a ZeroCommError (or a problem report, or drops the
+entry with a log line), never a raw ValueError/OverflowError/ZMQError; and nothing a peer sends can
+leave state behind that later fails to persist (the keystore refuses NaN, so a NaN held in a view
+made every later save of the group raise). Loops are seeded and bounded to a few seconds.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import random
+from collections.abc import Iterator
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from zerocomm_spark import Agent
+from zerocomm_spark.envelope import pack
+from zerocomm_spark.errors import MalformedGroupMessageError, ZeroCommError
+from zerocomm_spark.group.manager import GroupConfig
+from zerocomm_spark.group.policy import Ticket
+from zerocomm_spark.group.proof import connection_proof
+from zerocomm_spark.group.view import MemberEntry, parse_entries, seal_status
+from zerocomm_spark.keys.keypair import KeyPair
+from zerocomm_spark.protocols.group.v1_0 import messages as gm
+
+pytestmark = pytest.mark.timeout(120)
+
+#: Values that pass "is it JSON" but not "is it sane": non-finite and out-of-range numbers, lone
+#: surrogates, empty and huge strings, path-like names, wrong containers.
+HOSTILE: tuple[Any, ...] = (float("nan"), float("inf"), float("-inf"), 10**400, 2**63, 2**63 - 1, -1, "\ud800",
+                            "", "A" * 100_000, "../x", [], {}, "tcp://x", "tcp://127.0:=#1:5")
+
+
+def _paths(value: Any, path: tuple[Any, ...] = ()) -> Iterator[tuple[Any, ...]]:
+    if path:
+        yield path
+    if isinstance(value, dict):
+        for key, item in value.items():
+            yield from _paths(item, (*path, key))
+    elif isinstance(value, list):
+        for index, item in enumerate(value):
+            yield from _paths(item, (*path, index))
+
+
+def inject(rng: random.Random, value: Any) -> Any:
+    """``value`` with one or two of its leaves replaced by a hostile value."""
+    out = copy.deepcopy(value)
+    paths = list(_paths(out))
+    for _ in range(rng.randint(1, 2)):
+        path = rng.choice(paths)
+        parent = out
+        for key in path[:-1]:
+            parent = parent[key]
+        if isinstance(parent, (dict, list)):
+            try:
+                parent[path[-1]] = copy.deepcopy(rng.choice(HOSTILE))
+            except (IndexError, KeyError, TypeError):
+                pass
+    return out
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    """alice created group g and bob joined it; carol is connected to alice but in no group."""
+    base = Path(tmp_path_factory.mktemp("agents"))
+    config = GroupConfig(digest_interval_s=60.0)  # no background repair: the test drives everything
+    agents = [Agent.open(base / n, label=n, group_config=config) for n in ("alice", "bob", "carol")]
+    alice, bob, carol = agents
+    try:
+        alice.groups.create("g")
+        via = bob.accept(alice.invite(), timeout=10)
+        bob.groups.join("g", via=via, timeout=30)
+        carol_via = carol.accept(alice.invite(), timeout=10)
+        yield {"alice": alice, "bob": bob, "carol": carol, "bob_conn": via.id, "carol_conn": carol_via.id}
+    finally:
+        for agent in agents:
+            agent.close()
+
+
+def _bob_entry(pair: dict[str, Any], **changes: Any) -> MemberEntry:
+    bob = pair["bob"]
+    g = bob.groups._groups["g"]  # noqa: SLF001 - what bob announces, changed as a hostile bob would
+    mine = bob.groups._own(g)  # noqa: SLF001
+    return replace(mine, **changes).signed(bob.groups._member_key)  # noqa: SLF001
+
+
+def _alice_saves(pair: dict[str, Any]) -> None:
+    """Alice's group record still persists (a save after any change must not raise)."""
+    alice = pair["alice"]
+    alice.groups._save(alice.groups._groups["g"])  # noqa: SLF001
+    alice.groups.set_policy("g", {"kind": "open"})
+
+
+# --- NaN / Infinity in a member entry's ticket ----------------------------------------------------
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_a_member_entry_whose_ticket_holds_a_non_finite_number_is_refused(bad: float) -> None:
+    key = KeyPair.generate()
+    from zerocomm_spark.group.view import member_did_for
+
+    entry = MemberEntry(did=member_did_for(key.verkey), label="x", role="read_write", status="active",
+                        peer_endpoint="tcp://127.0.0.1:4000", publish_endpoint="tcp://127.0.0.1:5000",
+                        group_verkey=KeyPair.generate().verkey, transport_key="T" * 40, invitation="x",
+                        version=3, ticket={"by": "did:key:z6Mk", "x": [bad]}).signed(key)
+    raw = json.loads(json.dumps(entry.to_dict()))  # as it comes off the wire: Python's json reads NaN
+    with pytest.raises(MalformedGroupMessageError, match="ticket"):
+        MemberEntry.from_dict(raw)
+    assert parse_entries([raw], skip_invalid=True) == []
+
+
+def test_a_view_update_with_a_nan_ticket_does_not_wedge_the_group_record(pair: dict[str, Any]) -> None:
+    """Before: alice merged bob's re-signed entry (ticket holding NaN) into her view, the save then
+    raised InvalidRecordError (the keystore writes allow_nan=False) and so did every later save of
+    the group (invite, set_policy, new members) for as long as she held that entry."""
+    bob, alice = pair["bob"], pair["alice"]
+    good = _bob_entry(pair)
+    evil = replace(good, ticket={**(good.ticket or {}), "x": float("nan")},
+                   version=good.version + 1).signed(bob.groups._member_key)  # noqa: SLF001
+    bob.deliver(pair["bob_conn"], gm.ViewUpdate(group="g", entries=[evil.to_dict()]), timeout=10)
+    held = alice.groups._groups["g"].view.get(bob.groups.did)  # noqa: SLF001
+    assert held is not None and "x" not in (held.ticket or {})
+    _alice_saves(pair)
+    alice.groups.invite("g")  # saves the group record too
+
+
+def test_a_join_response_ticket_is_stored_as_parsed_not_as_sent() -> None:
+    """The joiner kept the acceptor's ticket dict as sent (extra fields and all) in its record and
+    its own entry; an extra NaN field failed the join's save."""
+    key = KeyPair.generate()
+    ticket = Ticket.issue("g", "did:key:zMember", key, nonce="n").to_dict()
+    parsed = Ticket.from_dict({**ticket, "extra": float("nan")})
+    assert parsed.to_dict() == ticket
