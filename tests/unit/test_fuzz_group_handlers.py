@@ -137,3 +137,40 @@ def test_a_join_response_ticket_is_stored_as_parsed_not_as_sent() -> None:
     ticket = Ticket.issue("g", "did:key:zMember", key, nonce="n").to_dict()
     parsed = Ticket.from_dict({**ticket, "extra": float("nan")})
     assert parsed.to_dict() == ticket
+
+
+# --- numbers at type limits in tickets -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("issued_at", [10**400, -(10**400), 2**1024], ids=["1e400", "-1e400", "2^1024"])
+def test_a_ticket_issued_at_an_integer_beyond_a_float_is_malformed_not_an_overflow(issued_at: int) -> None:
+    ticket = {"group": "g", "member": "did:key:zA", "by": "did:key:zB", "signature": "AA", "issued_at": issued_at}
+    with pytest.raises(MalformedGroupMessageError, match="issued_at"):
+        Ticket.from_dict(ticket)
+
+
+def test_a_subscribe_with_a_ticket_issued_at_beyond_a_float_is_refused_cleanly(pair: dict[str, Any]) -> None:
+    """carol (connected, not a member) subscribes presenting a ticket whose issued_at is 10**400:
+    checking whether it vouches for her raised OverflowError out of the handler."""
+    carol, alice = pair["carol"], pair["alice"]
+    entry = _carol_entry(pair)
+    ticket = {"group": "g", "member": entry.did, "by": alice.groups.did, "signature": "AA", "issued_at": 10**400,
+              "nonce": ""}
+    reply = carol.request(pair["carol_conn"], gm.Subscribe(
+        group="g", member=entry.to_dict(), settings={"mode": "shared", "ordered": True, "consistent_join": True},
+        ticket=ticket, proof=_carol_proof(pair)), timeout=10)
+    assert isinstance(reply, (gm.GroupProblemReport, gm.SubscribeResponse))
+
+
+def _carol_entry(pair: dict[str, Any]) -> MemberEntry:
+    carol, alice = pair["carol"], pair["alice"]
+    mine = alice.groups._own(alice.groups._groups["g"])  # noqa: SLF001 - endpoints that parse
+    key = carol.groups._member_key  # noqa: SLF001
+    return replace(mine, did=carol.groups.did, label="carol", version=1, ticket=None,
+                   group_verkey=KeyPair.generate().verkey).signed(key)
+
+
+def _carol_proof(pair: dict[str, Any]) -> str:
+    carol = pair["carol"]
+    record = carol._store.find(pair["carol_conn"])  # noqa: SLF001
+    return connection_proof(carol.groups._member_key, "g", carol.groups.did, record.my_did)  # noqa: SLF001

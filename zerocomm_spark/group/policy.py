@@ -267,8 +267,11 @@ class Ticket:
             raise MalformedGroupMessageError(f"ticket field '{exc.args[0]}' is missing") from None
         if not all(isinstance(v, str) and 0 < len(v) <= 1024 for v in values.values()):
             raise MalformedGroupMessageError("ticket fields group, member, by and signature are strings")
-        if not isinstance(issued_at, (int, float)) or isinstance(issued_at, bool) or not math.isfinite(issued_at):
-            raise MalformedGroupMessageError("ticket field 'issued_at' is a finite number")
+        # An int beyond a float (10**400) made math.isfinite raise OverflowError out of every handler
+        # that checks a ticket; no real clock is anywhere near 1e15 seconds.
+        if (not isinstance(issued_at, (int, float)) or isinstance(issued_at, bool)
+                or (isinstance(issued_at, int) and abs(issued_at) > 10**15) or not math.isfinite(issued_at)):
+            raise MalformedGroupMessageError("ticket field 'issued_at' is a finite number of seconds since the epoch")
         nonce = data.get("nonce", "")
         if not isinstance(nonce, str) or len(nonce) > 256:
             raise MalformedGroupMessageError("ticket field 'nonce' is a string")
