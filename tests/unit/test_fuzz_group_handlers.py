@@ -174,3 +174,38 @@ def _carol_proof(pair: dict[str, Any]) -> str:
     carol = pair["carol"]
     record = carol._store.find(pair["carol_conn"])  # noqa: SLF001
     return connection_proof(carol.groups._member_key, "g", carol.groups.did, record.my_did)  # noqa: SLF001
+
+
+# --- endpoints a member announces ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("endpoint", ["tcp://x", "tcp://127.0:=#1:5", "tcp://h:70000", "ipc://", "t#p://h:1",
+                                      "tcp://\ud800:1", "tcp://" + "a" * 2000 + ":1"])
+def test_a_member_entry_with_an_endpoint_no_socket_can_connect_to_is_refused(endpoint: str) -> None:
+    from zerocomm_spark.group.view import member_did_for
+
+    key = KeyPair.generate()
+    for field in ("publish_endpoint", "peer_endpoint"):
+        entry = MemberEntry(did=member_did_for(key.verkey), label="x", role="read_write", status="active",
+                            peer_endpoint="tcp://127.0.0.1:4000", publish_endpoint="tcp://[::1]:5000",
+                            group_verkey=KeyPair.generate().verkey, transport_key="T" * 40, invitation="x",
+                            version=3, ticket=None)
+        raw = {**entry.to_dict(), field: endpoint}
+        with pytest.raises(MalformedGroupMessageError, match=field):
+            MemberEntry.from_dict(raw)
+
+
+def test_a_view_update_announcing_an_unconnectable_publish_endpoint_is_skipped(pair: dict[str, Any]) -> None:
+    """bob re-signs his entry with publish_endpoint 'tcp://127.0:=#1:5' (it has '://', the only
+    check): alice dropped her SUB to bob's old endpoint, then connect() raised ZMQError out of the
+    handler, and bob's stream stopped reaching her. Now the entry is skipped and nothing changes."""
+    bob, alice = pair["bob"], pair["alice"]
+    before = alice.groups._groups["g"].view.get(bob.groups.did)  # noqa: SLF001
+    good = _bob_entry(pair)
+    evil = replace(good, publish_endpoint="tcp://127.0:=#1:5", version=good.version + 1).signed(
+        bob.groups._member_key)  # noqa: SLF001
+    bob.deliver(pair["bob_conn"], gm.ViewUpdate(group="g", entries=[evil.to_dict()]), timeout=10)
+    held = alice.groups._groups["g"].view.get(bob.groups.did)  # noqa: SLF001
+    assert held is not None and held.publish_endpoint == before.publish_endpoint
+    member = next(m for m in alice.groups.dataplane.members("g") if m.did == bob.groups.did)
+    assert member.publish_endpoint == before.publish_endpoint

@@ -97,6 +97,7 @@ from zerocomm_spark.group.outbox import Outbox, PublishReceipt
 from zerocomm_spark.group.sequencing import PublisherStream
 from zerocomm_spark.keys.keypair import KeyPair, verkey_to_x25519
 from zerocomm_spark.transport.frames import ProtocolId
+from zerocomm_spark.transport.peer import connectable
 
 if TYPE_CHECKING:
     from zerocomm_spark.transport.peer import PeerInfo, PeerTransport
@@ -694,8 +695,9 @@ class DataPlane:
             except (DIDError, ValueError, TypeError):
                 raise MalformedGroupMessageError(f"the member's {name} is not a base58 Ed25519 public key") from None
         for ep in (member.publish_endpoint, member.peer_endpoint):
-            if not isinstance(ep, str) or "://" not in ep:
-                raise ConfigurationError(f"a member endpoint looks like tcp://host:port, got {ep!r}")
+            if not connectable(ep):  # checked before anything changes: the IO thread's connect() would raise
+                shown = ep[:200] if isinstance(ep, str) else type(ep).__name__
+                raise ConfigurationError(f"a member endpoint looks like tcp://host:port, got {shown!r}")
         my_key = self._keystore.get(member.my_relationship_verkey)
         info = replace(member, transport_key=server_key.decode("ascii"))
         with self._lock:

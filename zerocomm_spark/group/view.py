@@ -40,6 +40,7 @@ from zerocomm_spark.errors import DIDError, EnvelopeError, MalformedGroupMessage
 from zerocomm_spark.group.topics import check_group
 from zerocomm_spark.keys.keypair import KeyPair, verify_signature, verkey_to_x25519
 from zerocomm_spark.protocols.message import b64url_decode, b64url_encode
+from zerocomm_spark.transport.peer import connectable
 
 __all__ = [
     "ACTIVE",
@@ -211,6 +212,11 @@ class MemberEntry:
         # batch sealed for all members at once, so it is refused here, where the entry comes in.
         if not _usable_verkey(values["group_verkey"]):
             raise MalformedGroupMessageError("member entry field 'group_verkey' must be a base58 Ed25519 public key") from None
+        # Endpoints the data plane connects a socket to: one connect() refuses (tcp://x) raised ZMQError
+        # out of the handler, after the member's old subscription was already dropped.
+        for name in ("peer_endpoint", "publish_endpoint"):
+            if not connectable(values[name]):
+                raise MalformedGroupMessageError(f"member entry field '{name}' must be an endpoint like tcp://host:port")
         transport_key = values["transport_key"]
         if len(transport_key) != 40 or not transport_key.isascii():
             raise MalformedGroupMessageError("member entry field 'transport_key' must be a 40-character Z85 CURVE key")

@@ -24,6 +24,7 @@ import itertools
 import logging
 import os
 import queue
+import re
 import secrets
 import threading
 import time
@@ -72,6 +73,7 @@ __all__ = [
     "PeerInfo",
     "PeerTransport",
     "RpcHandler",
+    "connectable",
     "dialable",
 ]
 
@@ -1055,6 +1057,27 @@ def dialable(endpoint: object) -> bool:
     """
     return (isinstance(endpoint, str) and endpoint.startswith(_SCHEMES) and len(endpoint) <= 1024
             and endpoint.isprintable())  # no control characters, no lone surrogates (connect() raised)
+
+
+_TCP_ENDPOINT = re.compile(r"tcp://(?:\[[0-9A-Fa-f:.]{2,45}\]|[A-Za-z0-9](?:[A-Za-z0-9._-]{0,251}[A-Za-z0-9])?):([0-9]{1,5})")
+
+
+def connectable(endpoint: object) -> bool:
+    """Whether a ZeroMQ socket's connect() takes ``endpoint``: tcp://HOST:PORT (a name, an IPv4 or a
+    bracketed IPv6 address), ipc://PATH (up to 100 bytes, the socket path limit) or inproc://NAME.
+
+    Stricter than :func:`dialable`: the data plane connects a SUB to what a member announced, on its
+    IO thread, and connect() raises ZMQError for ``tcp://x`` or ``tcp://127.0:=#1:5`` alike.
+    """
+    if not dialable(endpoint):
+        return False
+    assert isinstance(endpoint, str)
+    if endpoint.startswith("ipc://"):
+        return 0 < len(endpoint[6:].encode("utf-8")) <= 100
+    if endpoint.startswith("inproc://"):
+        return 0 < len(endpoint) - 9 <= 256
+    match = _TCP_ENDPOINT.fullmatch(endpoint)
+    return match is not None and 0 < int(match.group(1)) <= 65535
 
 
 def _check_endpoint(endpoint: str) -> None:
