@@ -54,14 +54,13 @@ def inject(rng: random.Random, value: Any) -> Any:
     paths = list(_paths(out))
     for _ in range(rng.randint(1, 2)):
         path = rng.choice(paths)
-        parent = out
-        for key in path[:-1]:
-            parent = parent[key]
-        if isinstance(parent, (dict, list)):
-            try:
-                parent[path[-1]] = copy.deepcopy(rng.choice(HOSTILE))
-            except (IndexError, KeyError, TypeError):
-                pass
+        try:  # the first change may have replaced a node the second path goes through
+            parent = out
+            for key in path[:-1]:
+                parent = parent[key]
+            parent[path[-1]] = copy.deepcopy(rng.choice(HOSTILE))
+        except (IndexError, KeyError, TypeError):
+            pass
     return out
 
 
@@ -209,3 +208,82 @@ def test_a_view_update_announcing_an_unconnectable_publish_endpoint_is_skipped(p
     assert held is not None and held.publish_endpoint == before.publish_endpoint
     member = next(m for m in alice.groups.dataplane.members("g") if m.did == bob.groups.did)
     assert member.publish_endpoint == before.publish_endpoint
+
+
+# --- seeded fuzzing of every membership handler ------------------------------------------------------
+
+
+def _handle(agent: Agent, sender: Agent, connection_id: str, message: dict[str, Any]) -> None:
+    """``message`` authcrypted by ``sender`` over the connection and handled as alice's transport would."""
+    record = sender._store.find(connection_id)  # noqa: SLF001
+    envelope = pack(json.dumps(message).encode(), [record.their_verkey],
+                    sender=sender._keystore.get(record.my_verkey))  # noqa: SLF001
+    agent._handle(envelope)  # noqa: SLF001
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_membership_handlers_fed_hostile_values_answer_with_project_errors(pair: dict[str, Any], seed: int) -> None:
+    rng = random.Random(seed)
+    alice, bob, carol = pair["alice"], pair["bob"], pair["carol"]
+    settings = {"mode": "shared", "ordered": True, "consistent_join": True}
+    bob_key, carol_key = bob.groups._member_key, carol.groups._member_key  # noqa: SLF001
+    base = _bob_entry(pair)
+    bob_proof = connection_proof(bob_key, "g", bob.groups.did, bob._store.find(pair["bob_conn"]).my_did)  # noqa: SLF001
+    carol_entry, carol_proof = _carol_entry(pair), _carol_proof(pair)
+    ticket = Ticket.issue("g", carol.groups.did, alice.groups._member_key).to_dict()  # noqa: SLF001 - a real one
+    bob_ticket = base.ticket or {}
+    version = base.version + 1_000_000 * (seed + 1)
+
+    def signed(data: Any, key: KeyPair) -> Any:
+        """Re-signed if it still parses and names the key's owner: the handler then goes deep."""
+        try:
+            entry = MemberEntry.from_dict(data)
+            return entry.signed(key).to_dict()
+        except ZeroCommError:
+            return data
+
+    for number in range(400):
+        version += 10
+        entry = inject(rng, {**base.to_dict(), "version": version}) if rng.random() < 0.8 else {
+            **base.to_dict(), "version": version}
+        bob_body = signed(entry, bob_key)
+        carol_body = signed(inject(rng, carol_entry.to_dict()), carol_key)
+        choices: list[tuple[Agent, str, type[Any], dict[str, Any]]] = [
+            (bob, "bob_conn", gm.ViewUpdate, {"group": "g", "entries": [bob_body]}),
+            (bob, "bob_conn", gm.Subscribe, {"group": "g", "member": bob_body, "settings": settings,
+                                             "ticket": inject(rng, bob_ticket), "proof": bob_proof}),
+            (bob, "bob_conn", gm.Digest, inject(rng, {"group": "g", "state_hash": "0" * 64,
+                                                      "versions": {alice.groups.did: 1, bob.groups.did: 2}})),
+            (carol, "carol_conn", gm.Subscribe, {"group": "g", "member": carol_body, "settings": settings,
+                                                 "ticket": inject(rng, ticket), "proof": carol_proof}),
+            (carol, "carol_conn", gm.JoinRequest, {"group": "g", "member": carol_body, "proof": carol_proof}),
+            (carol, "carol_conn", gm.ViewUpdate, {"group": "g", "entries": [carol_body]}),
+        ]
+        sender, conn, kind, body = rng.choice(choices)
+        if rng.random() < 0.3:
+            body = inject(rng, body)
+        message = {"@type": kind.message_type, "@id": f"fuzz-{seed}-{number}", **body}
+        try:
+            _handle(alice, sender, pair[conn], message)
+        except ZeroCommError:
+            pass
+        except Exception as exc:  # noqa: BLE001 - the point of the test
+            pytest.fail(f"case {number}: {kind.__name__} raised {type(exc).__name__}: {exc!s:.200} "
+                        f"on {json.dumps(body, default=str)[:400]}")
+        if rng.random() < 0.15:  # the same entries on the state topic, as a status section
+            try:
+                status = [MemberEntry.from_dict(bob_body)]
+            except ZeroCommError:
+                status = []
+            if status:
+                blob = seal_status("g", bob.groups.did, status, bob.groups._sections(bob.groups._groups["g"]))  # noqa: SLF001
+                try:
+                    alice.groups._handle_status("g", blob)  # noqa: SLF001 - what the control thread runs
+                except Exception as exc:  # noqa: BLE001
+                    pytest.fail(f"case {number}: a status raised {type(exc).__name__}: {exc!s:.200}")
+        try:
+            alice.groups._save(alice.groups._groups["g"])  # noqa: SLF001
+        except ZeroCommError as exc:
+            pytest.fail(f"case {number}: after {kind.__name__} the group record no longer saves: {exc!s:.200}")
+    info = alice.groups.info("g")
+    assert bob.groups.did in {m.did for m in info.members}
