@@ -287,3 +287,24 @@ def test_membership_handlers_fed_hostile_values_answer_with_project_errors(pair:
             pytest.fail(f"case {number}: after {kind.__name__} the group record no longer saves: {exc!s:.200}")
     info = alice.groups.info("g")
     assert bob.groups.did in {m.did for m in info.members}
+
+
+# --- group names --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["\ud800", "x\udfffy"])
+def test_creating_a_group_whose_name_holds_a_lone_surrogate_is_refused_up_front(pair: dict[str, Any],
+                                                                                name: str) -> None:
+    """check_group let it through; create() then made a group key and an invitation and raised
+    UnicodeEncodeError when the name became a topic. Now it is InvalidGroupNameError, nothing made."""
+    from zerocomm_spark.errors import InvalidGroupNameError
+    from zerocomm_spark.group.topics import check_group
+
+    alice = pair["alice"]
+    keys = len(alice._keystore.keys())  # noqa: SLF001
+    with pytest.raises(InvalidGroupNameError, match="lone surrogate"):
+        check_group(name)
+    with pytest.raises(InvalidGroupNameError, match="lone surrogate"):
+        alice.groups.create(name)
+    assert name not in alice.groups.groups()
+    assert len(alice._keystore.keys()) == keys  # noqa: SLF001 - no group key made for it
