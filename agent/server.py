@@ -97,6 +97,9 @@ class Param:
         if not ok:
             raise BadRequestError(f"{call}: {name!r} must be {_TYPE_NAMES.get(self.kind, self.kind.__name__)}, "
                                   f"not {_json_type(value)}")
+        if self.kind is str and not value.isascii() and not _is_text(value):
+            # JSON spells lone surrogates; no UTF-8 holds one, so journal reads (Arrow) and topics raised.
+            raise BadRequestError(f"{call}: {name!r} holds a lone surrogate (\\ud800-\\udfff); send UTF-8 text")
         if self.kind is float and not math.isfinite(value):
             # Python's json reads NaN and Infinity: a NaN wait never ends (every comparison is false).
             raise BadRequestError(f"{call}: {name!r} must be a finite number, not {value!r}")
@@ -110,6 +113,14 @@ class Param:
             if problem:
                 raise BadRequestError(f"{call}: {name!r} {problem}")
         return value
+
+
+def _is_text(value: str) -> bool:
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _json_type(value: Any) -> str:

@@ -191,6 +191,21 @@ def test_a_number_argument_given_as_an_integer_beyond_a_float_is_a_bad_request()
         registry.parse({"v": 1, "id": "1", "call": "read", "args": {"wait": float("nan")}}, None)
 
 
+@pytest.mark.parametrize("call, args, name", [
+    ("read", {"group": "g\ud800"}, "group"),  # reached pyarrow's compute, which raised TypeError
+    ("create", {"group": "\ud800"}, "group"),
+    ("send", {"peer": "bob", "message": "hi \udc00"}, "message"),
+    ("invite", {"label": "\ud800"}, "label"),
+])
+def test_a_text_argument_holding_a_lone_surrogate_is_a_bad_request(call: str, args: dict[str, Any], name: str) -> None:
+    """JSON can spell "\\ud800"; no UTF-8 holds it. Such arguments passed the type check and failed
+    deep in the handler with a non-project error (the client saw a generic internal error)."""
+    from zerocomm_spark.errors import BadRequestError
+
+    with pytest.raises(BadRequestError, match=f"'{name}' holds a lone surrogate"):
+        _api_registry().parse({"v": 1, "id": "1", "call": call, "args": args}, None)
+
+
 @pytest.mark.parametrize("seed", range(2))
 def test_api_requests_mutated_are_refused_cleanly(seed: int) -> None:
     from zerocomm_spark.client import decode_header
