@@ -308,3 +308,17 @@ def test_creating_a_group_whose_name_holds_a_lone_surrogate_is_refused_up_front(
         alice.groups.create(name)
     assert name not in alice.groups.groups()
     assert len(alice._keystore.keys()) == keys  # noqa: SLF001 - no group key made for it
+
+
+# --- the in-process API's waits -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("forever", [float("nan"), float("inf"), 1e308])
+def test_receive_refuses_a_timeout_that_never_passes(pair: dict[str, Any], forever: float) -> None:
+    """NaN waited forever (no comparison with it holds) and inf raised OverflowError from the wait."""
+    from zerocomm_spark.errors import InvalidTimeoutError, ReceiveTimeoutError
+
+    with pytest.raises(InvalidTimeoutError, match="every wait has a deadline"):
+        pair["alice"].groups.receive("g", timeout=forever)
+    with pytest.raises(ReceiveTimeoutError):
+        pair["alice"].groups.receive("g", timeout=0)  # 0 only looks

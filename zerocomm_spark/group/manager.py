@@ -1586,9 +1586,11 @@ class GroupManager:
             return list(g.history)
 
     def receive(self, group: str | None = None, timeout: float | None = 10.0) -> Delivered:
-        """The next message not yet received (of ``group``, or of any group); waits up to ``timeout``."""
+        """The next message not yet received (of ``group``, or of any group); waits up to ``timeout``
+        seconds (0 or less: only looks; None: until one comes or the groups close, as Agent.receive)."""
         self._check_open()
-        deadline = None if timeout is None else time.monotonic() + timeout
+        # NaN never passed the deadline check below (it waited forever) and inf overflowed the wait.
+        deadline = None if timeout is None else time.monotonic() + check_timeout(timeout, only_check=True)
         with self._inbox_cond:
             while True:
                 if self._closed:
