@@ -31,6 +31,7 @@ Providers are anything with ``announce``/``request``/``ignore`` (:class:`History
 from __future__ import annotations
 
 import logging
+import operator
 import threading
 import time
 import uuid
@@ -91,8 +92,19 @@ class Have:
     def from_rows(cls, ids: Iterable[str], dids: Iterable[str] = (), seqs: Iterable[int] = ()) -> "Have":
         """Ids, and the contiguous-from-1 prefix of each publisher's seqs as its position."""
         by_did: dict[str, set[int]] = {}
-        for did, seq in zip(dids, seqs):
-            by_did.setdefault(did, set()).add(int(seq))
+        for row, (did, seq) in enumerate(zip(dids, seqs)):
+            try:
+                if isinstance(seq, bool):
+                    raise TypeError
+                number = operator.index(seq)  # ints (numpy's too); not None, floats or text
+            except TypeError:
+                # A position is only as good as its seqs: guessing one (or skipping it) could skip a message.
+                raise ConfigurationError(
+                    f"Have.from_rows: the seq of row {row} (publisher {did!r}) is "
+                    f"{'null' if seq is None else type(seq).__name__}, not an int",
+                    hint="Pass each row's seq as an int (the journal's or history table's seq column), or build "
+                         "Have(message_ids=...) from ids alone") from None
+            by_did.setdefault(did, set()).add(number)
         positions = {}
         for did, held in by_did.items():
             top = 0

@@ -374,3 +374,11 @@ def test_a_provider_that_never_answers_is_given_up_on_at_the_deadline(alice):
         assert inspect.signature(restore).parameters["provider_timeout"].default == 600.0  # a deadline by default
     finally:
         release.set()
+
+
+@pytest.mark.parametrize("seq", [None, "two", 2.5, True])
+def test_have_from_rows_with_a_seq_that_is_not_an_int_is_a_clear_error(seq):
+    """A null seq (a row read without its seq, or an outer join's gap) raised a bare TypeError from int()."""
+    with pytest.raises(ConfigurationError, match=r"row 1 .*seq"):
+        Have.from_rows(["x", "y"], ["d", "d"], [1, seq])
+    assert Have.from_rows(["x", "y"], ["d", "d"], [1, 2]).positions == {"d": 2}
