@@ -427,3 +427,27 @@ def test_a_response_from_a_did_we_cannot_dial_abandons_the_exchange(alice: Side,
         bob.didx.receive_response(message, recipient_verkey=unpacked.recipient_verkey,  # type: ignore[arg-type]
                                   sender_verkey=unpacked.sender_verkey)
     assert bob.store.get(b_record.connection_id).state == "abandoned"
+
+
+def test_a_did_doc_attachment_without_an_id_is_refused(alice: Side, bob: Side) -> None:
+    """A signed doc with no "id" was taken as being about the message's DID (the check defaulted to it):
+    the signature then vouched for a document that names no DID at all."""
+    _, received, b_record, request, b_key = _request(alice, bob)
+    nameless = {k: v for k, v in request.did_doc_attach.json().items() if k != "id"}  # type: ignore[union-attr]
+    request.did_doc_attach = Attachment.from_json(nameless)
+    request.did_doc_attach.sign(b_key)
+    with pytest.raises(ProtocolError, match="no 'id'"):
+        _accept(alice, request, b_key, received.recipient_key)
+    assert len(alice.store) == 0
+
+    _, received, b_record, request, b_key = _request(alice, bob)
+    _, response, a_key = _accept(alice, request, b_key, received.recipient_key)
+    nameless = {k: v for k, v in response.did_doc_attach.json().items() if k != "id"}  # type: ignore[union-attr]
+    response.did_doc_attach = Attachment.from_json(nameless)
+    response.did_doc_attach.sign(alice.keystore.get(received.recipient_key))  # the invitation key: a valid signer
+    _refused_and_abandoned(bob, b_record, response, b_key, a_key, ProtocolError)
+    for bad_id in (None, 5, ""):
+        doc = Attachment.from_json({"id": bad_id})
+        doc.sign(b_key)
+        with pytest.raises(ProtocolError, match="no 'id'"):
+            verify_did_doc(request.did, doc, signer=None, required=False)

@@ -60,7 +60,15 @@ def verify_did_doc(did: str, attachment: Attachment | None, *, signer: str | Non
     if signer is not None and actual != signer:
         raise SignatureError("the DID doc is signed by a key other than the expected one")
     attached = attachment.json()
-    if not isinstance(attached, dict) or attached.get("id", did) != did:
+    if not isinstance(attached, dict):
+        raise ProtocolError("field 'did_doc~attach' is not a DID document (a JSON object)")
+    doc_id = attached.get("id")
+    if not isinstance(doc_id, str) or not doc_id:
+        # A signed doc that names no DID vouches for nothing; taking it as about 'did' would be a guess.
+        raise ProtocolError("field 'did_doc~attach' is a DID document with no 'id': it names no DID",
+                            hint="The peer's agent must attach its full DID document (with its 'id'); ask its "
+                                 "operator to upgrade, then accept a fresh invitation")
+    if doc_id != did:
         raise ProtocolError("field 'did_doc~attach' describes another DID than field 'did'")
     return doc
 
