@@ -25,7 +25,7 @@ __all__ = ["RunLock", "identity_in_use", "read_health", "read_pid", "held_by", "
 
 def write_json_atomic(path: Path, data: dict[str, Any]) -> None:
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
     try:
         os.write(fd, (json.dumps(data, indent=1, sort_keys=True) + "\n").encode("utf-8"))
     finally:

@@ -16,10 +16,12 @@ import hashlib
 import logging
 import os
 import secrets
+import stat
 import threading
 from collections import OrderedDict
 from pathlib import Path
 
+from zerocomm_spark.errors import KeystoreError
 from zerocomm_spark.keys.keystore import Keystore
 
 __all__ = ["SeenMessages", "SEEN_FILE"]
@@ -46,8 +48,13 @@ class SeenMessages:
         self._logged = 0  # entries in the log file
         self._fd = -1
         if path is not None:
-            self._load(path)
-            self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            self._fd = _open_private(path, os.O_RDWR | os.O_APPEND | os.O_CREAT)
+            try:
+                self._load(path)
+            except BaseException:
+                os.close(self._fd)
+                self._fd = -1
+                raise
 
     @classmethod
     def open(cls, directory: Path, keystore: Keystore, capacity: int) -> "SeenMessages":
@@ -58,18 +65,24 @@ class SeenMessages:
         return cls(directory / SEEN_FILE, key, capacity)
 
     def _load(self, path: Path) -> None:
-        try:
-            raw = path.read_bytes()
-        except FileNotFoundError:
-            return
+        """Read the log through the descriptor just opened (never by name again: no second lookup
+        that a link planted meanwhile could redirect)."""
+        chunks = []
+        offset = 0
+        while True:
+            chunk = os.pread(self._fd, 1 << 20, offset)
+            if not chunk:
+                break
+            chunks.append(chunk)
+            offset += len(chunk)
+        raw = b"".join(chunks)
         whole = len(raw) - len(raw) % _DIGEST  # a torn last entry (a crash mid-write) is dropped
         entries = [raw[i:i + _DIGEST] for i in range(0, whole, _DIGEST)]
         for digest in entries[-self._capacity:]:
             self._seen[digest] = None
         self._logged = len(entries)
         if whole != len(raw):
-            with open(path, "r+b") as f:
-                f.truncate(whole)
+            os.ftruncate(self._fd, whole)
 
     def digest(self, sender: str, message_id: str) -> bytes:
         return hashlib.blake2b(f"{sender}\0{message_id}".encode("utf-8", "surrogatepass"), key=self._key,
@@ -115,7 +128,13 @@ class SeenMessages:
         the closed descriptor's number in use (the next entry would go to whoever reused it)."""
         assert self._path is not None
         tmp = self._path.with_suffix(".tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND | os.O_CLOEXEC, 0o600)
+        try:  # a leftover of a crash mid-rewrite, or a planted link: removed, never written through
+            tmp.unlink()
+        except FileNotFoundError:
+            pass
+        # O_EXCL: a link made between the unlink and here fails the rewrite (an OSError: the caller
+        # keeps the old log), it is never followed.
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_APPEND | os.O_CLOEXEC, 0o600)
         try:
             view = memoryview(b"".join(self._seen))
             while view:
@@ -137,3 +156,24 @@ class SeenMessages:
             if self._fd >= 0:
                 os.close(self._fd)
                 self._fd = -1
+
+
+def _open_private(path: Path, flags: int) -> int:
+    """Open a file of the identity directory as the keystore and journal open theirs: O_NOFOLLOW (a
+    link planted in the directory must not redirect the writes), and only a regular file."""
+    try:
+        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise KeystoreError(
+                f"{path} is a symbolic link; the agent follows no link in its identity directory (one planted "
+                "there would redirect its writes)",
+                hint="Remove the link (the agent then starts a new log: messages handled before may be accepted "
+                     "once more), and check who else can write the identity directory") from None
+        raise KeystoreError(f"cannot open {path}: {exc.strerror}") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise KeystoreError(f"{path} is not a regular file",
+                            hint="Remove it (the agent then starts a new log), and check who else can write the "
+                                 "identity directory")
+    return fd

@@ -132,3 +132,39 @@ def test_a_short_append_does_not_shift_every_later_entry(tmp_path: Path, monkeyp
     again = SeenMessages(path, b"k" * 32, capacity=100)
     assert [again.claim(d) for d in digests[1:]] == [False, False, False]  # the entries after it are intact
     again.close()
+
+
+def test_a_link_planted_in_place_of_the_log_is_refused_and_never_written_through(tmp_path: Path) -> None:
+    """The log was opened without O_NOFOLLOW: a symlink planted at seen-messages.log (or at the
+    rewrite's temporary file) sent every handled message's entry into the file it points to."""
+    import os
+
+    import pytest
+
+    from zerocomm_spark.errors import KeystoreError
+
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"precious")
+    path = tmp_path / SEEN_FILE
+    path.symlink_to(victim)
+    with pytest.raises(KeystoreError, match="symbolic link"):
+        SeenMessages(path, b"k" * 32, capacity=2)
+    assert victim.read_bytes() == b"precious"
+    path.unlink()
+
+    seen = SeenMessages(path, b"k" * 32, capacity=2)
+    path.with_suffix(".tmp").symlink_to(victim)  # where the rewrite writes the compacted log
+    digests = [seen.digest("s", f"m-{i}") for i in range(5)]
+    for d in digests:  # the 4th handled entry rewrites the log
+        assert seen.claim(d)
+        seen.handled(d)
+    seen.close()
+    assert victim.read_bytes() == b"precious"
+    assert not path.is_symlink() and not path.with_suffix(".tmp").exists()
+    again = SeenMessages(path, b"k" * 32, capacity=2)
+    assert [again.claim(d) for d in digests[3:]] == [False, False]
+    again.close()
+    os.remove(path)
+    os.mkfifo(path)  # not a link, still not a file to keep entries in
+    with pytest.raises(KeystoreError, match="not a regular file"):
+        SeenMessages(path, b"k" * 32, capacity=2)

@@ -42,7 +42,7 @@ _COMMIT_MAGIC = b"ZCJC\x01"
 def write_atomic(path: Path, data: bytes, *, fsync: bool) -> None:
     """Replace ``path`` by ``data`` so that a crash leaves the old or the new file, never a torn one."""
     tmp = path.with_name(f".{path.name}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     try:
         view = memoryview(data)
         while view:

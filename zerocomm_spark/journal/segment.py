@@ -109,7 +109,7 @@ class Segment:
 def create_segment(directory: Path, base_offset: int, created_us: int) -> tuple[Segment, int]:
     """A new, empty segment and its write descriptor (append mode)."""
     path = directory / segment_name(base_offset)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND | os.O_CLOEXEC, 0o600)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     try:
         _write_all(fd, codec.encode_segment_header(base_offset, created_us))
     except BaseException:
@@ -119,7 +119,7 @@ def create_segment(directory: Path, base_offset: int, created_us: int) -> tuple[
 
 
 def open_for_append(segment: Segment) -> int:
-    fd = os.open(segment.path, os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC)
+    fd = os.open(segment.path, os.O_WRONLY | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC)
     if os.fstat(fd).st_size != segment.size:
         os.ftruncate(fd, segment.size)
     return fd

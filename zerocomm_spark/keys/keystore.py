@@ -632,7 +632,7 @@ class Keystore:
             _apply(self._state, change)
             seq += 1
         self._log_seq, self._log_size = seq, offset
-        self._log_fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC)
+        self._log_fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC)
         if offset < len(data):
             os.ftruncate(self._log_fd, offset)
             _sync_data(self._log_fd)
@@ -642,7 +642,7 @@ class Keystore:
     def _create_log(self) -> None:
         """A new, empty log with the current id, atomically in place."""
         _write_atomic(self._directory / LOG_FILE, _LOG_MAGIC + self._log_id)
-        self._log_fd = os.open(self._directory / LOG_FILE, os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC)
+        self._log_fd = os.open(self._directory / LOG_FILE, os.O_WRONLY | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC)
         self._log_seq, self._log_size = 0, _LOG_HEADER_BYTES
 
     def _compact(self, *, previous: bytes | None) -> None:
@@ -684,7 +684,7 @@ class Keystore:
                 self._broken = exc.strerror or str(exc)
                 raise
         try:
-            new_fd = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC)
+            new_fd = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC)
         except OSError as exc:
             self._broken = exc.strerror or str(exc)
             raise
