@@ -1455,3 +1455,30 @@ def test_segments_awaiting_a_sync_under_never_are_forgotten_once_retention_delet
         assert len(on_disk) <= 4
         assert len(remembered) <= 100  # bounded by what is on disk plus a margin, not by the 150 rolls
         j.sync()  # what is left still gets its fsync without errors
+
+
+def test_a_late_re_send_of_a_superseded_seq_is_not_journaled_once_its_id_left_the_window(jdir: Path,
+                                                                                      key: bytes) -> None:
+    """A new seq dropped by the id rule did not count as the publisher's: a re-send of it after its
+    id had left the dedup window passed both rules and was journaled (the id twice), in this run or
+    after a reopen."""
+    bob = "did:peer:2.Ez6LSbob"
+    with Journal.open(jdir, key=key, dedup_window=4) as j:
+        j.append([row(1, message_id="task-row-1")])  # the first attempt, via alice
+        assert j.append([row(1, bob, message_id="bob-1"), row(2, bob, message_id="task-row-1")]).appended == 1
+        assert j.superseded(GROUP, bob, 1, 10) == [(2, 2)]
+        for s in range(2, 12):  # task-row-1 leaves the window
+            j.append([row(s)])
+        assert j.append([row(2, bob, message_id="task-row-1")]).duplicates == 1  # the late re-send
+        assert j.append([row(2, bob, message_id="task-row-1"), row(3, bob, message_id="bob-3")]).appended == 1
+        assert seqs(j.read_by_seq(GROUP, bob, 1, 10)) == [1, 3]
+        # The last seq a publisher used, superseded: the same holds.
+        assert j.append([row(4, bob, message_id="task-row-1")]).appended == 1  # out of the window: a new row
+        assert j.append([row(5, bob, message_id="bob-3")]).duplicates == 1  # bob-3 is recent: superseded
+        for s in range(12, 22):
+            j.append([row(s)])
+        assert j.append([row(5, bob, message_id="bob-3")]).duplicates == 1
+    with Journal.open(jdir, key=key, dedup_window=4) as j:
+        assert j.append([row(5, bob, message_id="bob-3")]).duplicates == 1
+        assert j.append([row(2, bob, message_id="task-row-1"), row(6, bob, message_id="bob-6")]).appended == 1
+        assert seqs(j.read_by_seq(GROUP, bob, 1, 10)) == [1, 3, 4, 6]

@@ -283,6 +283,14 @@ class Journal:
         entry = self._state.get(key)
         return None if entry is None else entry[0]
 
+    def _any_superseded(self, key: Key, first: int, last: int) -> bool:
+        """Whether a seq of ``key`` in ``first..last`` is superseded: it had its message, dropped by the
+        id rule, so a re-send of it is a duplicate even once its id has left the dedup window."""
+        if not self._superseded.has(key):  # nearly every publisher: no lock on the append path
+            return False
+        with self._lock:
+            return bool(self._superseded.within(key, first, last))
+
     def _publish(self, segment: Segment, entries: list[tuple[RecordEntry, list[Run]]]) -> None:
         with self._lock:
             for entry, runs in entries:

@@ -420,12 +420,17 @@ def _distinct(h: np.ndarray) -> bool:
 
 
 def filter_new(batch: pa.RecordBatch, last_seq: Callable[[Key], int | None], pending: dict[Key, int],
-               recent: RecentIds, pending_ids: set[bytes] | None) -> Filtered:
+               recent: RecentIds, pending_ids: set[bytes] | None,
+               was_superseded: Callable[[Key, int, int], bool] | None = None) -> Filtered:
     """Apply the idempotence rule against what is journaled and what this group already kept.
 
     ``pending`` (last seq per publisher) and ``pending_ids`` (None for a one-append group) are this
     group's overlay and are updated with the kept rows; ``recent`` is not: the writer adds ids once
     their record is written, so a side file saved mid-group never names rows that a crash could lose.
+    ``was_superseded(key, first, last)`` says whether a seq in that range was superseded (dropped by the
+    id rule before): such a seq is a duplicate too. Not by raising the publisher's last seq: the
+    superseded file is saved before the rows it drops are written, so after a crash the rows below
+    a superseded seq come again and must be kept.
     """
     n = batch.num_rows
     use_ids = recent.window > 0  # dedup_window=0 turns the id rule off (and its per-row cost)
@@ -447,7 +452,8 @@ def filter_new(batch: pa.RecordBatch, last_seq: Callable[[Key], int | None], pen
         if maybe_remembered:
             remembered = recent.holds_each(hashes, slots, id_column)
         if ((last is None or seqs[0] > last) and (n == 1 or bool((seqs[1:] > seqs[:-1]).all()))
-                and (not use_ids or (distinct and (remembered is None or not remembered.any())))):
+                and (not use_ids or (distinct and (remembered is None or not remembered.any())))
+                and (was_superseded is None or not was_superseded(key, int(seqs[0]), int(seqs[-1])))):
             if pending_ids is not None and use_ids:  # several appends in this group: check among them too
                 ids = id_values(id_column)
                 if pending_ids.isdisjoint(ids):
@@ -477,6 +483,8 @@ def filter_new(batch: pa.RecordBatch, last_seq: Callable[[Key], int | None], pen
             last = last_seq(key)
         if last is not None and seq <= last:
             continue
+        if was_superseded is not None and was_superseded(key, seq, seq):
+            continue  # its message came before under this seq and was dropped by the id rule
         if use_ids:
             message_id = ids[i]  # type: ignore[index]
             if remembered[i] or message_id in seen:

@@ -65,6 +65,10 @@ class Superseded:
         plain = json.dumps(doc, separators=(",", ":")).encode()
         write_atomic(self._path, _MAGIC + crypto.seal(plain, _MAGIC, self._key), fsync=self._fsync)
 
+    def has(self, key: Key) -> bool:
+        """Whether ``key`` has any superseded seq (a dict lookup: safe without the journal's lock)."""
+        return key in self._ranges
+
     def within(self, key: Key, first: int, last: int) -> list[tuple[int, int]]:
         """The superseded seqs of ``key`` in ``first..last``, as inclusive ranges."""
         out = []

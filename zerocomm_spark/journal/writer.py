@@ -397,7 +397,8 @@ class Writer:
         metas: list[_RecordMeta] = []
         superseded: list[tuple[index.Key, int]] = []
         for request in group:
-            kept = filter_new(request.batch, j._last_seq, pending, self._recent, pending_ids)  # noqa: SLF001
+            kept = filter_new(request.batch, j._last_seq, pending, self._recent, pending_ids,  # noqa: SLF001
+                              j._any_superseded)  # noqa: SLF001
             mark = self._recent.mark(kept.slots) if kept.slots is not None else None
             superseded += kept.superseded
             batch = kept.batch
