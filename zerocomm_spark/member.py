@@ -198,12 +198,13 @@ class Agent:
         self._oob = OutOfBandManager(keystore, self._endpoint, label)
         self._didx = DIDExchangeManager(keystore, self._store, self._oob, endpoint=self._endpoint, label=label)
         self._features = DiscoverFeaturesManager()
-        self._waiters: dict[tuple[str, str], Future[Any]] = {}
+        # (kind, thread id, connection id the answer must come on; None for the DID exchange, whose
+        # response the exchange manager ties to our request by its recipient key) -> the waiter
+        self._waiters: dict[tuple[str, str, str | None], Future[Any]] = {}
         self._inbox: queue.Queue[Any] = queue.Queue()
         self._history: deque[ReceivedMessage] = deque(maxlen=MAX_HISTORY)
         self._seen = SeenMessages.open(keystore.directory, keystore, MAX_SEEN)  # replay protection
         self._outbox = ThreadPoolExecutor(max_workers=4, thread_name_prefix="zerocomm-outbox")
-        self._request_peers: dict[str, str] = {}  # request() thread id -> connection id the answer must come on
         self._protocol_types: dict[str, type[AgentMessage]] = {}  # @type -> class, of register_protocol()
         # (protocol, major version, name) -> class: another minor version of those is the same message (RFC 0003)
         self._protocol_majors: dict[tuple[str, str, str], type[AgentMessage]] = {}
@@ -483,13 +484,13 @@ class Agent:
         deadline = _deadline(timeout)
         record = self._resolve(peer)
         request = self._features.create_query(query)
-        waiter = self._waiter("discover", request.id)
+        waiter = self._waiter("discover", request.id, record.connection_id)
         try:
             self._deliver_to(record, request, _remaining(deadline, "the discover-features query"))
             protocols: list[ProtocolDescriptor] = self._await(waiter, deadline, "the discover-features answer")
             return protocols
         finally:
-            self._drop_waiter("discover", request.id)
+            self._drop_waiter("discover", request.id, record.connection_id)
 
     def ping(self, peer: str | Connection, timeout: float = 10.0) -> float:
         """Round-trip seconds of an RFC 0048 trust ping: proves both agents and their keys work."""
@@ -497,14 +498,14 @@ class Agent:
         deadline = _deadline(timeout)
         record = self._resolve(peer)
         request = Ping(response_requested=True)
-        waiter = self._waiter("ping", request.id)
+        waiter = self._waiter("ping", request.id, record.connection_id)
         started = time.monotonic()
         try:
             self._deliver_to(record, request, _remaining(deadline, "the trust ping"))
             self._await(waiter, deadline, "the trust ping response")
             return time.monotonic() - started
         finally:
-            self._drop_waiter("ping", request.id)
+            self._drop_waiter("ping", request.id, record.connection_id)
 
     # --- extension point: other DIDComm protocols ------------------------------------------------
 
@@ -552,17 +553,13 @@ class Agent:
         self._check_open()
         deadline = _deadline(timeout)
         record = self._resolve(peer)
-        waiter = self._waiter("request", message.id)
-        with self._lock:
-            self._request_peers[message.id] = record.connection_id
+        waiter = self._waiter("request", message.id, record.connection_id)
         try:
             self._deliver_to(record, message, _remaining(deadline, f"the {type(message).__name__}"))
             answer: AgentMessage = self._await(waiter, deadline, f"answer to the {type(message).__name__}")
             return answer
         finally:
-            self._drop_waiter("request", message.id)
-            with self._lock:
-                self._request_peers.pop(message.id, None)
+            self._drop_waiter("request", message.id, record.connection_id)
 
     def deliver(self, peer: str | Connection, message: AgentMessage, timeout: float = 10.0) -> None:
         """Send a protocol message; returns once the peer's agent handled it without error."""
@@ -571,9 +568,7 @@ class Agent:
 
     def _on_reply(self, message: AgentMessage, context: _Inbound) -> None:
         record = self._connected(context)
-        with self._lock:
-            expected = self._request_peers.get(message.thid)
-        if expected != record.connection_id or not self._settle("request", message.thid, message):
+        if not self._settle("request", message.thid, message, connection_id=record.connection_id):
             raise ProtocolError(f"the {type(message).__name__} answers no request of ours on this connection")
 
     # --- outbound plumbing ----------------------------------------------------------------------
@@ -646,20 +641,23 @@ class Agent:
             return
         future.add_done_callback(settle)
 
-    def _waiter(self, kind: str, thid: str) -> Future[Any]:
+    def _waiter(self, kind: str, thid: str, connection_id: str | None = None) -> Future[Any]:
+        """A waiter for the answer threaded to ``thid``; with ``connection_id``, only an answer that
+        came on that connection settles it (a thread id is no secret: any peer may learn or pick one)."""
         future: Future[Any] = Future()
         with self._lock:
             self._check_open()
-            self._waiters[(kind, thid)] = future
+            self._waiters[(kind, thid, connection_id)] = future
         return future
 
-    def _drop_waiter(self, kind: str, thid: str) -> None:
+    def _drop_waiter(self, kind: str, thid: str, connection_id: str | None = None) -> None:
         with self._lock:
-            self._waiters.pop((kind, thid), None)
+            self._waiters.pop((kind, thid, connection_id), None)
 
-    def _settle(self, kind: str, thid: str, value: Any = None, error: BaseException | None = None) -> bool:
+    def _settle(self, kind: str, thid: str, value: Any = None, error: BaseException | None = None, *,
+                connection_id: str | None = None) -> bool:
         with self._lock:
-            future = self._waiters.get((kind, thid))
+            future = self._waiters.get((kind, thid, connection_id))
         return future is not None and _resolve(future, value, error)
 
     @staticmethod
@@ -788,9 +786,9 @@ class Agent:
             self._post_to(record, answer, "a trust-ping response")
 
     def _on_ping_response(self, response: PingResponse, context: _Inbound) -> None:
-        self._connected(context)
-        if not self._settle("ping", response.thid, True):
-            raise ProtocolError("the ping response answers no ping of ours")
+        record = self._connected(context)
+        if not self._settle("ping", response.thid, True, connection_id=record.connection_id):
+            raise ProtocolError("the ping response answers no ping of ours on this connection")
 
     def _on_query(self, query: Query, context: _Inbound) -> None:
         record = self._connected(context)
@@ -798,9 +796,9 @@ class Agent:
         self._post_to(record, answer, "a discover-features disclose")
 
     def _on_disclose(self, disclose: Disclose, context: _Inbound) -> None:
-        self._connected(context)
-        if not self._settle("discover", disclose.thid, list(disclose.protocols)):
-            raise ProtocolError("the disclose answers no query of ours")
+        record = self._connected(context)
+        if not self._settle("discover", disclose.thid, list(disclose.protocols), connection_id=record.connection_id):
+            raise ProtocolError("the disclose answers no query of ours on this connection")
 
     def _on_invitation(self, invitation: Invitation, context: _Inbound) -> None:
         raise ProtocolError("an invitation travels out of band; pass its URL to agent.accept(url)")

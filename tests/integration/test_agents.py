@@ -463,12 +463,12 @@ def test_a_ping_in_a_thread_of_its_own_is_answered_on_that_thread(pair: tuple[An
 
     _, b, conn, _ = pair
     ping = Ping(response_requested=True, thread=Thread(thid="their-own-thread"))
-    waiter = b._waiter("ping", "their-own-thread")  # noqa: SLF001
+    waiter = b._waiter("ping", "their-own-thread", conn.id)  # noqa: SLF001
     try:
         b._deliver_to(b._resolve(conn), ping, 5)  # noqa: SLF001
         assert waiter.result(timeout=5) is True
     finally:
-        b._drop_waiter("ping", "their-own-thread")  # noqa: SLF001
+        b._drop_waiter("ping", "their-own-thread", conn.id)  # noqa: SLF001
 
 
 def test_a_discover_query_with_the_legacy_prefix_is_answered(pair: tuple[Any, Any, Any, str]) -> None:
@@ -565,3 +565,52 @@ def test_a_registered_protocol_takes_another_minor_version_of_its_messages(tmp_p
         with pytest.raises(ZeroCommError, match="unsupported|no handler"):
             new.request(conn, OtherMajorAsk(text="nope"), timeout=10)
         assert seen == [("Ask", "hello")]
+
+
+@pytest.mark.parametrize("kind", ["ping", "discover"])
+def test_an_answer_on_another_connection_does_not_settle_a_ping_or_discover(tmp_path: Path, kind: str) -> None:
+    """Ping and discover-features waiters were keyed by thread id alone: any connected peer that learnt
+    (or guessed) the id could answer in the silent peer's place, and the caller took it as that peer's."""
+    from zerocomm_spark.errors import ProtocolError, RemoteError, ZeroCommError
+    from zerocomm_spark.member import Agent
+    from zerocomm_spark.protocols.discover_features.v1_0.messages import Disclose, Query
+    from zerocomm_spark.protocols.message import Thread
+    from zerocomm_spark.protocols.trust_ping.v1_0.messages import Ping, PingResponse
+
+    with Agent.open(tmp_path / "a", label="a") as a, Agent.open(tmp_path / "b", label="b") as b, \
+            Agent.open(tmp_path / "m", label="mallory") as m:
+        b.accept(a.invite(), timeout=10)
+        m.accept(a.invite(), timeout=10)
+        by_label = {c.label: c for c in a.connections()}
+        to_m = next(c for c in m.connections())
+        # b takes pings and queries but never answers them: a waits on its connection to b.
+        b._handlers[Ping] = b._handlers[Query] = lambda message, context: None  # noqa: SLF001
+        thids: list[str] = []
+        real_waiter = a._waiter  # noqa: SLF001
+
+        def spy(kind_: str, thid: str, *args: Any) -> Any:
+            thids.append(thid)
+            return real_waiter(kind_, thid, *args)
+
+        a._waiter = spy  # type: ignore[method-assign]  # noqa: SLF001
+        outcome: list[Any] = []
+
+        def call() -> None:
+            try:
+                outcome.append(a.ping(by_label["b"], timeout=3) if kind == "ping"
+                               else a.discover(by_label["b"], timeout=3))
+            except ZeroCommError as exc:
+                outcome.append(exc)
+
+        caller = threading.Thread(target=call)
+        caller.start()
+        deadline = time.monotonic() + 5
+        while not thids and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert thids
+        forged = (PingResponse(thread=Thread(thid=thids[0])) if kind == "ping"
+                  else Disclose(protocols=[], thread=Thread(thid=thids[0])))
+        with pytest.raises((ProtocolError, RemoteError)):
+            m._deliver_to(m._resolve(to_m), forged, 5)  # noqa: SLF001
+        caller.join(10)
+        assert len(outcome) == 1 and isinstance(outcome[0], PeerTimeoutError), outcome
