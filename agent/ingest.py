@@ -94,6 +94,8 @@ class JournalIngest:
         self._waits_ended = False
         self._own: list[_Own] = []  # in seq order per group: a receipt resolves after all earlier ones
         self._own_cond = threading.Condition()
+        self._own_stop = False  # close(): journal what is acked by then (until the drain deadline), then end
+        self._drain_until = 0.0
         self._own_thread = threading.Thread(target=self._own_main, name="zerocomm-journal-own", daemon=True)
         self._own_thread.start()
 
@@ -116,43 +118,58 @@ class JournalIngest:
             self._own_cond.notify_all()
         return entry.done
 
+    def _take_own(self) -> list[_Own]:
+        """The resolved entries that may go now: per group, only a prefix (they hold consecutive seqs)."""
+        with self._own_cond:
+            blocked: set[str] = set()
+            take: list[_Own] = []
+            for e in self._own:
+                group = e.rows[0]["group"]
+                if group in blocked:
+                    continue
+                if e.receipt.done():
+                    take.append(e)
+                else:
+                    blocked.add(group)
+            for e in take:
+                self._own.remove(e)
+            return take
+
     def _own_main(self) -> None:
-        while not self._closing:
-            with self._own_cond:
-                ready = [e for e in self._own if e.receipt.done()]
-                if not ready:
-                    self._own_cond.wait(0.02)
-                    continue
-                # Per group, only a prefix of resolved entries may go (they hold consecutive seqs).
-                blocked: set[str] = set()
-                take: list[_Own] = []
-                for e in self._own:
-                    group = e.rows[0]["group"]
-                    if group in blocked:
-                        continue
-                    if e.receipt.done():
-                        take.append(e)
-                    else:
-                        blocked.add(group)
-                for e in take:
-                    self._own.remove(e)
-            rows: list[dict[str, Any]] = []
-            for e in take:
-                try:
-                    e.receipt.wait(0)
-                except Exception:  # noqa: BLE001 - not acknowledged (group left or closed): not journaled
-                    continue
-                rows.extend(e.rows)
-            if rows:
-                result = self._append(rows)
-                self.metrics.add(own_journaled=result.appended)
-                for i, row in enumerate(rows):
-                    if i not in result.rejected:
-                        self.metrics.journaled(row["group"], row["publisher_did"], row["seq"])
-                with self._cond:
-                    self._cond.notify_all()
-            for e in take:
-                e.done.set()
+        while not self._own_stop:
+            take = self._take_own()
+            if not take:
+                with self._own_cond:
+                    if not self._own_stop:
+                        self._own_cond.wait(0.02)
+                continue
+            self._journal_own(take)
+        # Stopping gracefully: what the group acked before it stopped is journaled before the journal
+        # closes (a client told "published" reads it after a restart too), within the drain deadline.
+        while time.monotonic() < self._drain_until:
+            take = self._take_own()
+            if not take:
+                break
+            self._journal_own(take)
+
+    def _journal_own(self, take: list[_Own]) -> None:
+        rows: list[dict[str, Any]] = []
+        for e in take:
+            try:
+                e.receipt.wait(0)
+            except Exception:  # noqa: BLE001 - not acknowledged (group left or closed): not journaled
+                continue
+            rows.extend(e.rows)
+        if rows:
+            result = self._append(rows)
+            self.metrics.add(own_journaled=result.appended)
+            for i, row in enumerate(rows):
+                if i not in result.rejected:
+                    self.metrics.journaled(row["group"], row["publisher_did"], row["seq"])
+            with self._cond:
+                self._cond.notify_all()
+        for e in take:
+            e.done.set()
 
     def on_message(self, message: Any) -> None:
         """Append one delivered message (a ``Delivered``); returns only once the journal has it."""
@@ -258,11 +275,32 @@ class JournalIngest:
             self._waits_ended = True
             self._cond.notify_all()
 
-    def close(self) -> None:
+    def close(self, drain_timeout: float = 5.0) -> None:
+        """Stop taking deliveries and journal this member's own messages the group acked already.
+
+        Call it after the group manager closed (no ack comes later), before the journal closes; the
+        drain is bounded by ``drain_timeout`` seconds, and what it leaves is counted in the log."""
         self._closing = True
         with self._cond:
             self._cond.notify_all()
-        self._own_thread.join(2.0)
+        with self._own_cond:
+            self._drain_until = time.monotonic() + max(drain_timeout, 0.0)
+            self._own_stop = True
+            self._own_cond.notify_all()
+        self._own_thread.join(max(drain_timeout, 0.0) + 2.0)
+        with self._own_cond:
+            left = sum(len(e.rows) for e in self._own if e.receipt.done() and _acked(e.receipt))
+        if left or self._own_thread.is_alive():
+            event(log, logging.WARNING, "own messages acked by the group were not journaled before the stop deadline",
+                  messages=left or None, drain_timeout=drain_timeout)
+
+
+def _acked(receipt: Any) -> bool:
+    try:
+        receipt.wait(0)
+    except Exception:  # noqa: BLE001 - failed (group left or closed): never journaled, not lost here
+        return False
+    return True
 
 
 def _abort(exc: BaseException) -> None:

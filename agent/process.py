@@ -194,7 +194,8 @@ class AgentProcess:
             ("api", lambda: self.server.close(timeout=max(1.0, timeout / 2)) if self.server else None),
             # The member closes its group manager first: no delivery reaches the journal after this.
             ("member", lambda: self.member.close() if self.member else None),
-            ("ingest", lambda: self.ingest.close() if self.ingest else None),
+            # Own messages the group acked before it closed go into the journal before it closes.
+            ("ingest", lambda: self.ingest.close(drain_timeout=max(1.0, timeout / 4)) if self.ingest else None),
             ("journal", lambda: self.journal.close() if self.journal else None),
             ("run files", lambda: self._lock.release() if self._lock else None),
         ]

@@ -101,3 +101,33 @@ def test_own_messages_are_journaled_with_the_send_time_members_receive(ingest):
     rows = ingest.journal.read(0).to_pylist()
     assert [r["seq"] for r in rows] == [1, 2]
     assert {r["sent_at"].timestamp() for r in rows} == {1_800_000_000.123456}
+
+
+class LateReceipt(Receipt):
+    """A receipt the group acknowledges at a moment the test picks."""
+
+    def __init__(self, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]
+        super().__init__(*args, **kwargs)
+        self.acked = False
+
+    def done(self) -> bool:
+        return self.acked
+
+
+def test_own_messages_acked_just_before_a_stop_are_journaled_before_the_journal_closes(tmp_path):
+    """The own-message thread ended as soon as close() was called: messages the group had acked but
+    the thread had not picked up yet (it looks every 20 ms) were never journaled, though the
+    publisher was (or would have been) told they were published."""
+    for attempt in range(5):
+        journal = Journal.open(tmp_path / f"journal-{attempt}", key=bytes(range(32)), fsync="never")
+        ingest = JournalIngest(journal, Metrics(), on_fatal=lambda exc: None)
+        receipt = LateReceipt(seqs=(1, 2), lamport_ts=(5, 6), sent_at=1_800_000_000.0)
+        done = ingest.track_own(receipt, GROUP, PUBLISHER, [b"a", b"b"], ["m-1", "m-2"], None)
+        time.sleep(0.05)  # the thread has looked: nothing acked yet
+        receipt.acked = True  # the last ack arrives as the agent stops
+        ingest.close()
+        try:
+            assert done.is_set()
+            assert [r["seq"] for r in journal.read(0).to_pylist()] == [1, 2]
+        finally:
+            journal.close()
