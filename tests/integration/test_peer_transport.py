@@ -640,6 +640,59 @@ def test_frames_beyond_the_hard_cap_drop_the_connection_not_the_listener(
     assert client.request(server.endpoint, ECHO, b"ok", timeout=5) == b"echo:ok"
 
 
+def test_a_multipart_message_past_the_whole_message_bound_is_dropped_with_one_clear_line(
+    server: PeerTransport, client: PeerTransport, raw: zmq.Socket[bytes], caplog: pytest.LogCaptureFixture
+) -> None:
+    """ZMQ_MAXMSGSIZE bounds each part only: 40 parts just under it (2.7 MB where one 4 kB frame is
+    allowed) were read whole and answered as any multipart message. Past the bound for a whole
+    message it is dropped unanswered, said in one line with its sizes and no payload byte."""
+    part = b"\x03\x00" + b"PAYLOAD-SECRET" * 4_900  # each part under the 69,632-byte hard cap
+    raw.send_multipart([part] * 40)
+    with caplog.at_level("WARNING", logger="zerocomm_spark.transport.peer"):
+        _wait_until(lambda: server.stats()["malformed_in"] == 1)
+        assert _recv(raw, timeout=0.5) is None
+    lines = [r.getMessage() for r in caplog.records if "dropped a 40-part message" in r.getMessage()]
+    assert len(lines) == 1 and f"{40 * len(part)} bytes" in lines[0] and "whole message" in lines[0]
+    assert not any("PAYLOAD-SECRET" in r.getMessage() for r in caplog.records)
+    assert server.stats()["bytes_in"] == 40 * len(part)
+    # A small multipart message is still refused with an answer, and the same peer is still served.
+    raw.send_multipart([encode(RpcRequest(0, 1, 1, b"a")), b"extra"])
+    reply = _recv(raw)
+    assert reply is not None and decode(reply) == Error(ErrorCode.PARSING_ERROR, b"\x03\x00")
+    raw.send(encode(RpcRequest(ECHO, 9, 17, b"raw")))
+    assert decode(_recv(raw) or b"") == RpcResponse(9, 17, b"echo:raw")
+    assert client.request(server.endpoint, ECHO, b"ok", timeout=5) == b"echo:ok"
+
+
+def test_a_multipart_reply_past_the_whole_message_bound_is_dropped(caplog: pytest.LogCaptureFixture) -> None:
+    client = PeerTransport(max_frame_bytes=4096).start()
+    ctx = zmq.Context()
+    router = ctx.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    endpoint = f"tcp://127.0.0.1:{router.bind_to_random_port('tcp://127.0.0.1')}"
+    try:
+        fut = client.request_async(endpoint, ECHO, b"q", timeout=2.0)
+        assert router.poll(3000)
+        identity, frame = router.recv_multipart()
+        rid = decode(frame).request_id  # type: ignore[union-attr]
+        big = encode(RpcResponse(rid, 1, b"PAYLOAD-SECRET" * 4_000))
+        with caplog.at_level("WARNING", logger="zerocomm_spark.transport.peer"):
+            router.send_multipart([identity, *[big] * 60])  # each part under the hard cap, 3.4 MB in all
+            with pytest.raises(PeerTimeoutError):
+                fut.result(timeout=5)
+        assert any("dropped a 60-part message" in r.getMessage() for r in caplog.records)
+        assert not any("PAYLOAD-SECRET" in r.getMessage() for r in caplog.records)
+        fut = client.request_async(endpoint, ECHO, b"q2", timeout=5)  # the DEALER is still usable
+        assert router.poll(3000)
+        identity, frame = router.recv_multipart()
+        router.send_multipart([identity, encode(RpcResponse(decode(frame).request_id, 1, b"fine"))])  # type: ignore[union-attr]
+        assert fut.result(timeout=5) == b"fine"
+    finally:
+        client.close()
+        router.close(linger=0)
+        ctx.term()
+
+
 # --- API edges --------------------------------------------------------------------------------
 
 

@@ -200,7 +200,8 @@ class PeerTransport:
         self._bind = bind
         self._max_frame = max_frame_bytes
         # Frames between max_frame_bytes and this cap are read and refused with TooLarge; beyond
-        # it ZeroMQ drops the connection before buffering, which bounds memory per message.
+        # it ZeroMQ drops the connection before buffering. ZMQ_MAXMSGSIZE bounds each part of a
+        # message only: a multipart message is bounded as a whole when read (_recv_message).
         self._hard_cap = max(2 * max_frame_bytes, max_frame_bytes + 65536)
         self._workers_n = workers
         self._identity = identity
@@ -779,30 +780,69 @@ class PeerTransport:
             with self._lock:
                 self._inbox_bytes -= len(job.payload)
 
+    def _recv_message(self, sock: zmq.Socket[bytes], envelope: int) -> tuple[list[zmq.Frame], int, int] | None:
+        """One message read part by part: (its parts, its part count, its bytes), the first
+        ``envelope`` parts (a ROUTER's routing id) not counted; None if nothing is waiting.
+
+        Why not recv_multipart: a peer may send any number of parts, each under ZMQ_MAXMSGSIZE.
+        Past the whole-message bound (the hard cap: one legitimate frame) the parts read are let go
+        as they come and the rest only counted, so the message is dropped with one log line instead
+        of being held whole a second time (libzmq itself delivers a message only once all its
+        parts arrived; our parts are one frame, so any multipart message is refused).
+        """
+        first = sock.recv(zmq.NOBLOCK, copy=False)
+        parts = [first]
+        count, size = (0, 0) if envelope else (1, len(first.buffer))
+        more = first.more
+        while more:
+            part = sock.recv(zmq.NOBLOCK, copy=False)  # a message's parts arrive together: never Again
+            more = part.more
+            if len(parts) < envelope:
+                parts.append(part)
+                continue
+            count += 1
+            size += len(part.buffer)
+            if size <= self._hard_cap and len(parts) < envelope + 1:
+                parts.append(part)  # the first frame: what a refusal answers about
+            # later parts are dropped here and freed: never more than the bound and one part held
+        return parts, count, size
+
+    def _over_bound(self, count: int, size: int, source: str) -> bool:
+        """A message past the whole-message bound: logged (sizes only) and dropped unanswered, as
+        ZeroMQ drops a single frame past the hard cap."""
+        if size <= self._hard_cap:
+            return False
+        self._stats.add(frames_in=1, bytes_in=size, malformed_in=1)
+        log.warning("dropped a %d-part message of %d bytes from %s: over the %d-byte bound for a whole message "
+                    "(ZMQ_MAXMSGSIZE only bounds each part; max_frame_bytes=%d)", count, size, source,
+                    self._hard_cap, self._max_frame)
+        return True
+
     def _read_router(self, router: zmq.Socket[bytes]) -> None:
         for _ in range(_RECV_BATCH):
             if self._backlog_full():  # a turn's batch could overshoot the byte budget by 256 frames
                 return
             try:
-                parts = router.recv_multipart(zmq.NOBLOCK, copy=False)
+                parts, count, size = self._recv_message(router, 1)
             except zmq.Again:
                 return
+            if self._over_bound(count, size, _fmt_id(parts[0].bytes)):
+                continue
             try:
-                self._on_inbound(parts)
+                self._on_inbound(parts, count, size)
             except Exception:  # noqa: BLE001 - one bad frame must not stop the listener
                 self._stats.add(malformed_in=1)
                 log.exception("failed to handle an inbound frame; listener continues")
 
-    def _on_inbound(self, parts: list[zmq.Frame]) -> None:
+    def _on_inbound(self, parts: list[zmq.Frame], count: int, size: int) -> None:
         identity = parts[0].bytes
         frames = parts[1:]
-        size = sum(len(f.buffer) for f in frames)
         self._stats.add(frames_in=1, bytes_in=size)
-        if len(frames) != 1:
+        if count != 1:
             first = frames[0].buffer if frames else memoryview(b"")
             if len(first) > self._max_frame:
                 first = first[:2]
-            reason = f"{len(frames)} ZeroMQ frames where one is expected"
+            reason = f"{count} ZeroMQ frames ({size} bytes) where one is expected"
             self._refuse(identity, first, ErrorCode.PARSING_ERROR, reason)
             return
         data = frames[0].buffer
@@ -867,21 +907,22 @@ class PeerTransport:
     def _read_dealer(self, sock: zmq.Socket[bytes], endpoint: str) -> None:
         for _ in range(_RECV_BATCH):
             try:
-                parts = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                parts, count, size = self._recv_message(sock, 0)
             except zmq.Again:
                 return
+            if self._over_bound(count, size, endpoint):
+                continue
             try:
-                self._on_reply(parts, endpoint)
+                self._on_reply(parts, endpoint, count, size)
             except Exception:  # noqa: BLE001 - keep serving the other replies
                 self._stats.add(malformed_in=1)
                 log.exception("failed to handle a reply from %s", endpoint)
 
-    def _on_reply(self, parts: list[zmq.Frame], endpoint: str) -> None:
-        size = sum(len(f.buffer) for f in parts)
+    def _on_reply(self, parts: list[zmq.Frame], endpoint: str, count: int, size: int) -> None:
         self._stats.add(frames_in=1, bytes_in=size)
-        if len(parts) != 1 or size > self._max_frame:
+        if count != 1 or size > self._max_frame:
             self._stats.add(malformed_in=1)
-            log.warning("ignored a reply from %s: %d ZeroMQ frames, %d bytes", endpoint, len(parts), size)
+            log.warning("ignored a reply from %s: %d ZeroMQ frames, %d bytes", endpoint, count, size)
             return
         try:
             msg = decode(parts[0].buffer)
