@@ -163,6 +163,7 @@ def replay(spark: SparkSession, table: str, group: str | None = None, *,
             df = spark.read.format("delta").load(path).where(F.lit(False))
         else:
             df = _time_travel(reader, path, as_of) if as_of is not None else reader.load(path)
+            _check_change_feed(df, path, int(start.value))
             df = df.where(F.col("_change_type") == "insert")
     else:
         reader = spark.read.format("delta")
@@ -194,6 +195,35 @@ def replay(spark: SparkSession, table: str, group: str | None = None, *,
     return df
 
 
+def _delta_reason(text: str, fallback: str) -> str:
+    """The first line of Delta's message (error class, versions; never row data), for ours."""
+    return text.strip().splitlines()[0][:300] if text.strip() else fallback
+
+
+def _check_change_feed(df: DataFrame, path: str, start: int) -> None:
+    """Plan a change-data-feed read now: a start before the table recorded its change data fails
+    only at planning, otherwise the user's first action, as Delta's AnalysisException. Planning
+    lists the range's files from the log; no data is read."""
+    from pyspark.errors import AnalysisException
+
+    jdf = getattr(df, "_jdf", None)
+    if jdf is None:  # Spark Connect: no plan to ask for here; Delta says it at the first action
+        return
+    try:
+        jdf.queryExecution().executedPlan()
+    except AnalysisException as exc:
+        text = str(exc)
+        if not any(mark in text for mark in ("DELTA_MISSING_CHANGE_DATA", "DELTA_VERSION_NOT_FOUND",
+                                             "DELTA_CHANGE_DATA_FILE_NOT_FOUND", "change data was not recorded")):
+            raise
+        raise ConfigurationError(
+            f"the history table at {path} has no change data feed from version {start} on "
+            f"({_delta_reason(text, type(exc).__name__)})",
+            hint="Start Since.version at or after the version its change data feed was enabled at and still "
+                 "keeps (DESCRIBE HISTORY delta.`<table>` shows both), or replay without since, or with "
+                 "Since.timestamp or Since.lamport, which read the table itself") from None
+
+
 def _time_travel(reader: Any, path: str, as_of: int | datetime | str) -> DataFrame:
     """The table as of ``as_of``; a version or time the table does not have is a ConfigurationError
     saying which it has, not Delta's AnalysisException."""
@@ -206,7 +236,7 @@ def _time_travel(reader: Any, path: str, as_of: int | datetime | str) -> DataFra
         if not any(mark in text for mark in ("DELTA_TIMESTAMP", "DELTA_VERSION", "time travel", "Cannot time travel",
                                              "DELTA_CANNOT_TIME_TRAVEL")):
             raise
-        first = text.strip().splitlines()[0][:300] if text.strip() else type(exc).__name__
+        first = _delta_reason(text, type(exc).__name__)
         raise ConfigurationError(
             f"the history table at {path} has no version as of {as_of!r} ({first})",
             hint="Give a version between 0 and the newest, or a time between the first and the newest commit "

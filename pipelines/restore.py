@@ -37,6 +37,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from datetime import datetime
 from functools import partial
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
@@ -235,7 +236,13 @@ class DeltaProvider:
     """A Delta history table served as a provider: keys by a narrow scan, payloads by a join on ids."""
 
     def __init__(self, spark: SparkSession, table_path: str, name: str | None = None, *,
-                 as_of: int | None = None) -> None:
+                 as_of: int | datetime | str | None = None) -> None:
+        """``as_of``: serve the table as it was at this Delta version, or at this time (a datetime or
+        an ISO 8601 string); one the table does not have is a ConfigurationError at first use."""
+        if as_of is not None and (isinstance(as_of, bool) or not isinstance(as_of, (int, datetime, str))
+                                  or (isinstance(as_of, int) and as_of < 0)):
+            raise ConfigurationError(f"DeltaProvider's as_of is a Delta version (an int >= 0) or a time "
+                                     f"(a datetime or an ISO 8601 string), not {as_of!r}")
         self.spark = spark
         self.table_path = str(table_path)
         self.name = name or self.table_path
@@ -249,10 +256,18 @@ class DeltaProvider:
 
             require_history_table(self.spark, self.table_path)
             self._checked = True
+        from zerocomm_spark.pipelines.replay import _aware, _time_travel
+
         reader = self.spark.read.format("delta")
-        if self.as_of is not None:
+        if self.as_of is None:
+            return reader.load(self.table_path)
+        if isinstance(self.as_of, int):
             reader = reader.option("versionAsOf", str(self.as_of))
-        return reader.load(self.table_path)
+        else:
+            reader = reader.option("timestampAsOf", _aware(self.as_of).isoformat())
+        # A version or time the table lacks is the caller's set-up, not this provider failing to serve:
+        # a ConfigurationError, which restore() raises instead of reporting the provider as failed.
+        return _time_travel(reader, self.table_path, self.as_of)
 
     def announce(self, group: str, since_lamport: int | None = None) -> pa.Table:
         from pyspark.sql import functions as F

@@ -561,3 +561,47 @@ def test_a_since_version_replay_as_of_a_time_the_table_lacks_is_a_configuration_
             replay(spark, str(table), "g", since=Since.version(0), as_of=beyond)
     assert [r[0] for r in replay(spark, str(table), "g", since=Since.version(0), as_of=10_000)
             .select("message_id").collect()] == ["a"]  # a version past the newest ends at the newest
+
+
+def test_a_provider_as_of_a_version_or_time_the_table_lacks_is_a_configuration_error(spark, tmp_path):
+    """DeltaProvider(as_of=...) at a version (or time) the table does not have failed inside
+    announce: restore reported the provider as failed ("announce failed (AnalysisException)") and
+    went on, instead of telling the caller that its as_of was wrong."""
+    from zerocomm_spark.errors import ConfigurationError
+    from zerocomm_spark.pipelines.restore import DeltaProvider, restore
+
+    table = tmp_path / "t"
+    writer = HistoryWriter(str(table), str(checkpoint(tmp_path)))
+    writer(source_rows(spark, ["a"]), 0)
+    writer(source_rows(spark, ["b"]), 1)
+    for missing in (99, dt.datetime(2000, 1, 1, tzinfo=dt.timezone.utc)):
+        with pytest.raises(ConfigurationError, match="no version as of"):
+            restore("g", [DeltaProvider(spark, str(table), "p", as_of=missing)], require_origin=False)
+    with pytest.raises(ConfigurationError, match="as_of"):
+        DeltaProvider(spark, str(table), "p", as_of=-1)
+    first = DeltaProvider(spark, str(table), "p", as_of=1)  # version 0 made the table, 1 holds "a"
+    assert first.announce("g").column("message_id").to_pylist() == ["a"]
+    newest = spark.sql(f"DESCRIBE HISTORY delta.`{table}`").where("version = 2").first()["timestamp"]  # UTC
+    at_newest = DeltaProvider(spark, str(table), "p", as_of=newest.isoformat())  # a time: an ISO string
+    assert sorted(at_newest.announce("g").column("message_id").to_pylist()) == ["a", "b"]
+
+
+def test_a_since_version_replay_before_the_change_data_feed_is_a_configuration_error(spark, tmp_path):
+    """A table whose change data feed was enabled after it was made: Since.version before that left
+    replay() returning a DataFrame whose first action raised Delta's DELTA_MISSING_CHANGE_DATA."""
+    from zerocomm_spark.errors import ConfigurationError
+    from zerocomm_spark.pipelines.replay import Since, replay
+
+    table = tmp_path / "t"
+    ensure_table(spark, str(table), properties={"delta.enableChangeDataFeed": "false"})
+    writer = HistoryWriter(str(table), str(checkpoint(tmp_path)))
+    writer(source_rows(spark, ["a"]), 0)  # version 1
+    spark.sql(f"ALTER TABLE delta.`{table}` SET TBLPROPERTIES ('delta.enableChangeDataFeed' = 'true')")  # 2
+    writer(source_rows(spark, ["b"]), 1)  # version 3
+    for start in (0, 1):
+        with pytest.raises(ConfigurationError, match=f"no change data feed from version {start}"):
+            replay(spark, str(table), "g", since=Since.version(start))
+        with pytest.raises(ConfigurationError, match="DESCRIBE HISTORY"):
+            replay(spark, str(table), "g", since=Since.version(start), as_of=3)
+    assert [r[0] for r in replay(spark, str(table), "g", since=Since.version(2)).select("message_id").collect()] \
+        == ["b"]
