@@ -672,9 +672,20 @@ class GroupManager:
 
     def _add_member(self, g: _Group, entry: MemberEntry, record: ConnectionRecord) -> None:
         """Add (or update) ``entry`` on the data plane. A member still checking its join acks nothing
-        until it completes, so it holds no publish window meanwhile (``_apply`` clears that after)."""
+        until it completes, so it holds no publish window meanwhile (``_apply`` clears that after).
+
+        The flag follows the view as it is now, read and set under the lock: ``entry`` may have been
+        read before an ``_apply`` that merged the member's active entry and cleared the flag, and
+        setting it from ``entry`` put it back for good (the member never held a window again).
+        """
         self.dataplane.add_member(g.name, self._remote(entry, record))
-        self.dataplane.set_joining(g.name, entry.did, entry.status == JOINING)
+        self._sync_joining(g, entry.did)
+
+    def _sync_joining(self, g: _Group, did: str) -> None:
+        """Set the data plane's joining flag of ``did`` from the view (the lock makes read and set one step)."""
+        with self._lock:
+            current = g.view.get(did)
+            self.dataplane.set_joining(g.name, did, current is not None and current.status == JOINING)
 
     def _pair_did(self, g: _Group, record: ConnectionRecord) -> str | None:
         """The member DID we have a relationship with over this connection, in this group."""
@@ -1188,7 +1199,7 @@ class GroupManager:
                         if record is not None and g.phase in (_ACTIVE, _RESUMING):
                             self._add_member(g, new, record)
                     if old is not None and old.status == JOINING and new.status != JOINING:
-                        self.dataplane.set_joining(g.name, new.did, False)  # its join checked out: it acks now
+                        self._sync_joining(g, new.did)  # its join checked out: it acks now
             except GroupError as exc:
                 log.info("group %r: data plane not updated for %s (%s)", g.name, new.did, type(exc).__name__)
         if changes:
