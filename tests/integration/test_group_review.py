@@ -56,3 +56,39 @@ def test_a_stale_joining_entry_does_not_put_the_join_flag_back_after_apply_clear
     assert record is not None
     alice.groups._add_member(g, stale, record)  # noqa: SLF001 - the rest of the racing subscribe
     assert not _joining(alice, "g", bob_did)
+
+
+def test_an_unordered_stream_forgets_who_took_a_message_its_publisher_no_longer_holds(
+        tmp_path: Path) -> None:
+    """One of bob's two listeners raises for "x": the other took it, which is recorded so the re-sent
+    "x" goes only to the first. alice restarts and no longer holds "x": bob skips it. Unordered, the
+    record stayed until bob left the group (a leak per skipped message)."""
+    failing = {"on": True}
+
+    def picky(message: Delivered) -> None:
+        if failing["on"] and message.payload == b"x":
+            raise OSError("disk full (injected)")
+
+    def prepare(agent: Agent, manager: GroupManager) -> None:
+        manager.on_message(lambda m: None)
+        manager.on_message(picky)
+
+    alice = Agent.open(tmp_path / "alice", label="alice", group_config=CONFIG)
+    bob = Agent.open(tmp_path / "bob", label="bob", group_config=CONFIG, prepare_groups=prepare)
+    agents = [alice, bob]
+    try:
+        alice.groups.create("u", ordered=False)
+        bob.groups.join("u", via=bob.accept(alice.invite(), timeout=10), timeout=30)
+        alice_did = alice.groups.did
+        alice.groups.publish("u", [b"x"])
+        wait_for(lambda: bob.groups._taken.get(("u", alice_did)), 10.0, "bob's listener to fail on x")  # noqa: SLF001
+        alice.close()
+        alice = agents[0] = Agent.open(tmp_path / "alice", label="alice", group_config=CONFIG)
+        alice.groups.wait_active("u", timeout=20)
+        failing["on"] = False
+        alice.groups.publish("u", [b"y"]).wait(20)  # past "x": bob skipped it
+        wait_for(lambda: bob.groups.dataplane.positions("u").get(alice_did, 0) >= 2, 10.0, "bob past x")
+        wait_for(lambda: not bob.groups._taken, 5.0, "bob to forget who took x")  # noqa: SLF001
+    finally:
+        for agent in agents:
+            agent.close()

@@ -1461,6 +1461,7 @@ class GroupManager:
         listener raised; a re-sent message goes only to the listeners that have not taken it.
         """
         group, key = messages[0].group, (messages[0].group, messages[0].publisher_did)
+        passed = self._passed(group, key[1])
         with self._lock:
             g = self._groups.get(group)
             if g is not None and g.phase == _JOINING:
@@ -1491,14 +1492,45 @@ class GroupManager:
             if mine:
                 for message in messages[:done]:
                     mine.pop((message.seq, message.message_id), None)
-                if g is not None and g.record.ordered:  # delivered in order: nothing older comes back
-                    for stale in [k for k in mine if k[0] < messages[0].seq]:
-                        del mine[stale]
+                # Nothing older comes back: ordered, what comes is in order; either way, nothing at or
+                # below the delivered position (taken by all, or skipped: the publisher lost it).
+                floor = messages[0].seq - 1 if g is not None and g.record.ordered else passed
+                for stale in [k for k in mine if k[0] <= floor]:
+                    del mine[stale]
                 if not mine:
                     self._taken.pop(key, None)
         if now_taken is not None:
             raise DeliveryDeferredError(f"a listener did not take {len(messages) - done} message(s) of group {group!r}",
                                         taken=done, raised=raised)
+
+    def _passed(self, group: str, publisher: str) -> int:
+        """The publisher's seq up to which this member is done (0 if unknown): never re-sent to us."""
+        try:
+            return self.dataplane.positions(group).get(publisher, 0)
+        except GroupError:
+            return 0
+
+    def _prune_taken(self, g: _Group) -> None:
+        """Forget who took seqs the stream has passed. Unordered streams clean up only here and at
+        a delivery: a skipped message (its publisher lost it) is never re-sent to clear its record."""
+        with self._lock:
+            publishers = [did for group, did in self._taken if group == g.name]
+        if not publishers:
+            return
+        try:
+            positions = self.dataplane.positions(g.name)
+        except GroupError:
+            return
+        with self._lock:
+            for did in publishers:
+                mine = self._taken.get((g.name, did))
+                if mine is None:
+                    continue
+                floor = positions.get(did, 0)
+                for stale in [k for k in mine if k[0] <= floor]:
+                    del mine[stale]
+                if not mine:
+                    del self._taken[(g.name, did)]
 
     @staticmethod
     def _notify_all(listeners: list[Callable[[Delivered], None]],
@@ -1783,6 +1815,7 @@ class GroupManager:
                     next_persist = now + self.config.persist_interval_s
                     for g in self._active_groups():
                         self._persist_positions(g)
+                        self._prune_taken(g)
                 if now >= next_repair:
                     next_repair = now + self.config.digest_interval_s * random.uniform(0.75, 1.25)
                     for g in self._active_groups():
