@@ -315,6 +315,9 @@ class _Group:
         self.ack_needed: set[str] = set()
         self.sync_at: dict[str, float] = {}
         self.pending_restore: dict[str, int] = {}
+        # Publishers whose stream position here came from restore_positions (a restart of ours) and
+        # which have sent no base since: it may lag what we delivered (and acked) before the restart.
+        self.restored: set[str] = set()
         self.wire_seq = outbox.last_seq  # highest seq handed to ZeroMQ (set by the IO thread)
         self.pack_lock = threading.Lock()
         self.pack_failed_logged = 0.0  # monotonic time of the last "packing failed" log line (rate limit)
@@ -752,6 +755,7 @@ class DataPlane:
                 self._rel_keys.pop(m.my_key.verkey, None)
         with self._rx_lock:
             g.streams.pop(did, None)
+            g.restored.discard(did)
             g.positions.pop(did, None)
             g.acks_sent.pop(did, None)
             g.ack_needed.discard(did)
@@ -1681,6 +1685,8 @@ class DataPlane:
         with self._rx_lock:
             stream = self._stream(g, did)
             if batch.base is not None:
+                restored = did in g.restored
+                g.restored.discard(did)  # from this base on, our position is what the publisher acked
                 if not stream.has_baseline:
                     out.extend(stream.set_baseline(batch.base))
                 elif batch.base > stream.delivered:
@@ -1695,11 +1701,27 @@ class DataPlane:
                         if stream.lost > before:
                             log.warning("group %r: %d message(s) of %s received but not taken here are no longer "
                                         "held by it (it restarted) and were skipped", g.name, stream.lost - before, did)
+                    voided: tuple[int, int] | None = None
                     if batch.void is not None:
                         first, last = max(batch.void[0], stream.delivered + 1), min(batch.void[1], batch.base)
+                        if first <= last:
+                            voided = (first, last)
                         if 0 <= last - first < _VOID_MAX:
                             void = list(range(first, last + 1))
-                    out.extend(stream.skip(stream.delivered + 1, batch.base, count_lost=False))
+                    if restored:  # what lies between may have been delivered before our restart
+                        out.extend(stream.skip(stream.delivered + 1, batch.base, count_lost=False))
+                    else:
+                        # Our position is exact, so the publisher counts acks we never sent: it restarted
+                        # after a member ahead of us reported those seqs. We never got them and nobody
+                        # holds them for us now: lost, but for the void ones (maybe never used).
+                        before = stream.lost
+                        if voided is not None:
+                            out.extend(stream.skip(stream.delivered + 1, voided[0] - 1))
+                            out.extend(stream.skip(stream.delivered + 1, voided[1], count_lost=False))
+                        out.extend(stream.skip(stream.delivered + 1, batch.base))
+                        if stream.lost > before:
+                            log.warning("group %r: %d message(s) of %s never reached this member and are no longer "
+                                        "held by it (it restarted) and were skipped", g.name, stream.lost - before, did)
             if batch.last is not None:
                 stream.note_announced(batch.last)
             if batch.gone is not None:
@@ -1964,6 +1986,7 @@ class DataPlane:
                     out = stream.set_baseline(pos)
                 elif stream.delivered < pos:
                     out = stream.skip(stream.delivered + 1, pos, count_lost=False)
+                g.restored.add(did)
                 g.positions[did] = stream.delivered
                 m = g.members.get(did)
                 if m is None:
