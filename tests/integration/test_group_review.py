@@ -6,7 +6,6 @@ real crypto)."""
 from __future__ import annotations
 
 import dataclasses
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -146,3 +145,35 @@ def test_messages_a_member_behind_the_others_never_got_count_as_lost_after_the_p
     finally:
         for agent in agents:
             agent.close()
+
+
+def test_a_listener_registered_twice_is_refused_and_unregisters_once(pair: tuple[Agent, Agent]) -> None:
+    alice, _ = pair
+    calls: list[Delivered] = []
+
+    def listener(message: Delivered) -> None:
+        calls.append(message)
+
+    for register in (alice.groups.on_message, alice.groups.on_messages, alice.groups.on_superseded):
+        remove = register(listener)  # type: ignore[arg-type]
+        with pytest.raises(ConfigurationError, match="registered already") as info:
+            register(listener)  # type: ignore[arg-type]
+        assert isinstance(info.value, ZeroCommError) and "unregister" in str(info.value).lower()
+        remove()
+        remove()  # a second call changes nothing
+        register(listener)()  # free again once unregistered
+
+
+def test_a_bound_method_registered_twice_is_refused_too(pair: tuple[Agent, Agent]) -> None:
+    alice, _ = pair
+
+    class Sink:
+        def take(self, message: Delivered) -> None:
+            pass
+
+    sink = Sink()
+    remove = alice.groups.on_message(sink.take)
+    with pytest.raises(ConfigurationError, match="registered already"):
+        alice.groups.on_message(sink.take)  # a new bound-method object, the same listener
+    remove()
+    alice.groups.on_message(Sink().take)()  # another object's method is another listener

@@ -1659,7 +1659,8 @@ class GroupManager:
 
         Runs on the delivery thread in publisher order; returns a function that unregisters it. If it
         raises, that message and the rest of its batch are not acked: the publisher re-sends them
-        and they are offered again (only to the listeners that did not take them).
+        and they are offered again (only to the listeners that did not take them). A callable
+        registered already (and not unregistered) is refused with ConfigurationError.
         """
         return self._listen(self._listeners, callback, "on_message")
 
@@ -1674,9 +1675,18 @@ class GroupManager:
         return self._listen(self._batch_listeners, callback, "on_messages")
 
     def _listen(self, listeners: list[Any], callback: Any, name: str) -> Callable[[], None]:
+        """Register ``callback`` once. A second registration is refused: who took a re-sent message
+        is tracked per listener, so two registrations would count as one (one's failure hidden by
+        the other's success, the same message offered twice), and one unregister removes one."""
         if not callable(callback):
             raise ConfigurationError(f"{name} takes a callable")
         with self._lock:
+            if callback in listeners:  # equality, as unregistering uses: a bound method made anew matches
+                raise ConfigurationError(
+                    f"this {name} callback ({getattr(callback, '__qualname__', type(callback).__name__)}) is "
+                    "registered already",
+                    hint="Unregister it first (call the function its registration returned), or register "
+                         "a distinct callable if it must run twice")
             listeners.append(callback)
 
         def remove() -> None:
