@@ -56,7 +56,10 @@ SINK_OPTIONS: dict[str, str] = {
     "publishBatchBytes": "bytes of payload per publish call at most (default 8388608)",
 }
 # Options Spark itself passes to a data source (or that users set for Spark, not for us).
-_SPARK_OWNED = {"path", "paths", "checkpointlocation", "queryname", "__checkpointlocation"}
+_SPARK_OWNED = {"checkpointlocation", "queryname", "__checkpointlocation"}
+# What load(path) / save(path) / start(path) pass: a group is not a path, and ignoring one silently
+# read or wrote the group option's group while the code said another.
+_PATHS = {"path", "paths"}
 
 _TRUE = {"true", "1", "yes", "on"}
 _FALSE = {"false", "0", "no", "off"}
@@ -69,6 +72,12 @@ def _check_known(options: Mapping[str, str], known: Mapping[str, str], other: Ma
     out: dict[str, str] = {}
     for key, value in options.items():
         low = key.lower()
+        if low in _PATHS:
+            call = "load()" if what == "read" else "save() or start()"
+            raise ConnectorOptionError(
+                f"format(\"zerocomm\") {what}s take no path, but {call} was given {value!r}",
+                hint=f"Name the group with .option(\"group\", ...) and call {call.split(' or ')[0]} without a "
+                     "path" + ("; the checkpoint goes in .option(\"checkpointLocation\", ...)" if what == "write" else ""))
         if low in canonical:
             out[low] = value
             continue

@@ -791,6 +791,16 @@ def test_bad_options_fail_at_load_naming_the_option(spark, options, words):
     assert time.monotonic() - started < 60
 
 
+def test_a_path_given_to_load_is_refused_naming_the_group_option(spark):
+    """spark.readStream.format("zerocomm").load("sensors") ignored "sensors" without a word."""
+    started = time.monotonic()
+    for reader in (spark.readStream, spark.read):
+        with pytest.raises(Exception, match="take no path, but load\\(\\) was given 'sensors'") as info:
+            reader.format("zerocomm").option("group", "g").load("sensors")
+        assert 'option(\"group\", ...)' in str(info.value) or '.option("group", ...)' in str(info.value)
+    assert time.monotonic() - started < 60
+
+
 def _fails_fast(spark, frame, words: list[str], tmp_path, timeout: float = 90) -> None:
     started = time.monotonic()
     query = frame.writeStream.format("noop").option("checkpointLocation", str(tmp_path / uuid.uuid4().hex)).start()

@@ -26,7 +26,7 @@ def test_source_options_are_case_insensitive_and_typed():
     opts = SourceOptions.parse({"GROUP": "a, b,a", "maxmessagespertrigger": "25", "FailOnDataLoss": "false",
                                 "includeHeaders": "TRUE", "agent": " /run/zc ", "agentTimeoutMs": "1500",
                                 "minPartitions": "4", "readTimeoutMs": "250", "startingOffsets": "earliest",
-                                "checkpointLocation": "/tmp/x", "path": "ignored"}, mode="stream")
+                                "checkpointLocation": "/tmp/x"}, mode="stream")
     assert opts.groups == ("a", "b")
     assert opts.max_messages_per_trigger == 25
     assert opts.fail_on_data_loss is False and opts.include_headers is True
@@ -114,3 +114,16 @@ def test_a_batch_read_starting_at_latest_is_refused_like_one_ending_at_earliest(
     assert SourceOptions.parse({"group": "g", "startingOffsets": starting}, mode="stream").starting is not None
     SourceOptions.parse({"group": "g", "startingOffsets": '{"g": {"did:peer:2.bob": 5}}'}, mode="batch")
     SourceOptions.parse({"group": "g", "startingOffsets": '{"g": "earliest"}'}, mode="batch")
+
+
+@pytest.mark.parametrize("key", ["path", "PATH", "paths"])
+def test_a_path_is_refused_naming_the_group_option(key):
+    """load("sensors") passes the path option, which was dropped without a word: the read went to
+    whatever the group option named (or failed on a missing group) while the code said "sensors"."""
+    with pytest.raises(ConnectorOptionError, match="reads take no path, but load\\(\\) was given 'sensors'") as info:
+        SourceOptions.parse({"group": "g", key: "sensors"})
+    assert '.option("group", ...)' in info.value.hint
+    with pytest.raises(ConnectorOptionError, match="writes take no path, but save\\(\\) or start\\(\\) was given") as info:
+        SinkOptions.parse({"group": "g", key: "/tmp/out"})
+    assert '.option("group", ...)' in info.value.hint and "checkpointLocation" in info.value.hint
+    SinkOptions.parse({"group": "g", "checkpointLocation": "/c", "queryName": "q"})  # Spark's own still pass
