@@ -118,6 +118,14 @@ class MemberLink:
         value = agent.get("label")
         return value if isinstance(value, str) else None
 
+    @property
+    def max_request_bytes(self) -> int:
+        """The largest request the agent takes (its api.max_request_bytes, as it said at connect)."""
+        from zerocomm_spark.client import DEFAULT_MAX_REQUEST_BYTES
+
+        limit = getattr(self._client, "max_request_bytes", None)
+        return limit if isinstance(limit, int) and limit > 0 else DEFAULT_MAX_REQUEST_BYTES
+
     def check_groups(self, groups: Iterable[str]) -> None:
         """Fail early and clearly when this member is not in a group the query names."""
         mine = self.group_names()

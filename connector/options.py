@@ -53,7 +53,8 @@ SINK_OPTIONS: dict[str, str] = {
     **_COMMON,
     "publishTimeoutMs": "how long to wait for the group to acknowledge a batch of messages (default 120000)",
     "publishBatchSize": "messages per publish call, each acknowledged by the group (default 2000)",
-    "publishBatchBytes": "bytes of payload per publish call at most (default 8388608)",
+    "publishBatchBytes": "bytes of payload per publish call at most (default 8388608; at most the agent's "
+                         "api.max_request_bytes)",
 }
 # Options Spark itself passes to a data source (or that users set for Spark, not for us).
 _SPARK_OWNED = {"checkpointlocation", "queryname", "__checkpointlocation"}

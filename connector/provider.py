@@ -65,13 +65,17 @@ class ZeroCommDataSource(DataSource):
         return ZeroCommMicroBatchStream(self._source_options(schema, "stream"), schema)
 
     def _sink(self, schema: StructType, overwrite: bool, what: str) -> tuple[SinkOptions, SinkColumns]:
+        from zerocomm_spark.connector.writer import check_sink_at_start
+
         options = SinkOptions.parse(self.options)
         if overwrite:
             raise SinkSchemaError(f"format(\"zerocomm\") {what} only appends messages to a group; it cannot "
                                   "overwrite or complete-rewrite what members already received",
                                   hint="Use mode('append') for writes and outputMode('append' or 'update') for "
                                        "streams")
-        return options, sink_columns(schema)
+        columns = sink_columns(schema)
+        check_sink_at_start(options)
+        return options, columns
 
     def writer(self, schema: StructType, overwrite: bool) -> DataSourceWriter:
         from zerocomm_spark.connector.writer import ZeroCommBatchWriter

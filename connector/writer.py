@@ -19,9 +19,10 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import pyarrow as pa
@@ -32,14 +33,14 @@ from pyspark.sql.datasource import (
     WriterCommitMessage,
 )
 
-from zerocomm_spark.errors import PublishNotAcknowledgedError, StreamContextError
+from zerocomm_spark.errors import ConnectorOptionError, PublishNotAcknowledgedError, StreamContextError, ZeroCommError
 
 from zerocomm_spark.connector.agent_link import MemberLink
 from zerocomm_spark.connector.options import SinkOptions
 from zerocomm_spark.connector.schema import SinkColumns
 
-__all__ = ["ZeroCommBatchWriter", "ZeroCommCommitMessage", "ZeroCommStreamWriter", "derived_id",
-           "message_id_prefix", "publish_partition"]
+__all__ = ["ZeroCommBatchWriter", "ZeroCommCommitMessage", "ZeroCommStreamWriter", "check_publish_limit",
+           "check_sink_at_start", "derived_id", "message_id_prefix", "publish_partition"]
 
 log = logging.getLogger("zerocomm_spark.connector")
 
@@ -133,6 +134,34 @@ def _chunks(batches: Iterator[pa.RecordBatch], rows: int, size: int) -> Iterator
         yield pa.Table.from_batches(pending)
 
 
+#: How long start()/save() waits for the driver host's agent to say its request limit (it is not started for it).
+_START_CHECK_S = 5.0
+
+
+def check_publish_limit(options: SinkOptions, max_request_bytes: int, where: str) -> None:
+    """Refuse a publishBatchBytes no request can carry: every publish call of a full chunk would fail."""
+    if options.publish_batch_bytes > max_request_bytes:
+        raise ConnectorOptionError(
+            f"option publishBatchBytes is {options.publish_batch_bytes}, more than the {max_request_bytes} bytes "
+            f"the agent {where} takes in one request (api.max_request_bytes): such publish calls can never succeed",
+            hint=f"Set publishBatchBytes to at most {max_request_bytes} (default 8388608; leave room for message "
+                 "ids and headers), or raise api.max_request_bytes in that agent's zerocomm.toml")
+
+
+def check_sink_at_start(options: SinkOptions) -> None:
+    """At start()/save() on the driver: check the options against the driver host's agent, so a
+    query that could never publish fails before it runs. Tasks check their own host's agent too;
+    a driver without a running agent is not a failure here (none is started for this)."""
+    agent = replace(options.agent, spawn=False, timeout_s=min(options.agent.timeout_s, _START_CHECK_S))
+    try:
+        link = MemberLink.connect(agent)
+    except ZeroCommError as exc:
+        log.debug("zerocomm sink: no agent on the driver's host to check the options against (%s)", type(exc).__name__)
+        return
+    with link:
+        check_publish_limit(options, link.max_request_bytes, f"on the driver's host {os.uname().nodename}")
+
+
 def publish_partition(batches: Iterator[pa.RecordBatch], options: SinkOptions, columns: SinkColumns,
                       prefix: str, partition: int) -> ZeroCommCommitMessage:
     """Publish a task's rows in order through this host's member; return once the group has them all."""
@@ -148,6 +177,7 @@ def publish_partition(batches: Iterator[pa.RecordBatch], options: SinkOptions, c
                 continue
             if link is None:
                 link = MemberLink.connect(options.agent)
+                check_publish_limit(options, link.max_request_bytes, f"on host {os.uname().nodename}")
             payload = chunk.column("payload")
             if columns.payload_is_string:
                 payload = payload.cast(pa.binary())

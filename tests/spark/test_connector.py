@@ -846,6 +846,33 @@ def test_sink_refuses_bad_input_at_start(spark, members, tmp_path):
          .option("group", "g").mode("overwrite").save())
 
 
+def test_a_publish_batch_bytes_no_request_can_carry_is_refused_at_start(spark, members, tmp_path):
+    """publishBatchBytes past the agent's api.max_request_bytes (64 MiB here) can never be published:
+    every task failed at every retry. start() and save() refuse it, naming the option and the limit."""
+    bob = members["bob"]
+    too_big = str(64 * 1024 * 1024 + 1)
+    started = time.monotonic()
+    frame = spark.readStream.format("rate").load().selectExpr("CAST(value AS STRING) AS payload")
+    writer = (frame.writeStream.format("zerocomm").option("group", "g").option("agent", str(bob.config))
+              .option("publishBatchBytes", too_big).option("checkpointLocation", str(tmp_path / "ck")))
+    words = f"publishBatchBytes is {too_big}, more than the 67108864 bytes"
+    try:
+        query = writer.start()
+    except Exception as exc:  # noqa: BLE001 - refused by start() itself
+        assert words in str(exc)
+    else:
+        try:
+            with pytest.raises(Exception, match=words):
+                query.awaitTermination(90)
+        finally:
+            query.stop()
+    with pytest.raises(Exception, match=words):
+        (spark.range(3).selectExpr("CAST(id AS STRING) AS payload").write.format("zerocomm")
+         .option("group", "g").option("agent", str(bob.config)).option("publishBatchBytes", too_big)
+         .mode("append").save())
+    assert time.monotonic() - started < 90
+
+
 # --- several executor processes, each with its own member ---------------------------------------
 
 _CLUSTER_APP = textwrap.dedent("""

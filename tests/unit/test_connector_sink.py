@@ -11,7 +11,7 @@ from zerocomm_spark.connector import writer
 from zerocomm_spark.connector.options import SinkOptions
 from zerocomm_spark.connector.schema import SinkColumns
 from zerocomm_spark.connector.writer import publish_partition
-from zerocomm_spark.errors import PublishNotAcknowledgedError
+from zerocomm_spark.errors import ConnectorOptionError, PublishNotAcknowledgedError
 
 
 class Member:
@@ -26,6 +26,7 @@ class Member:
         return self
 
     label = "alice"
+    max_request_bytes = 64 * 1024 * 1024  # the agent's api.max_request_bytes (its default)
 
     def close(self) -> None:
         pass
@@ -147,3 +148,17 @@ def test_publish_batch_bytes_bounds_every_call_even_when_payload_sizes_are_skewe
     # every call within the limit, except the one message bigger than it, which goes alone
     assert all(size <= limit for size in sizes if size != limit + 10), sizes
     assert limit + 10 in sizes
+
+
+def test_a_publish_batch_bytes_past_the_agents_request_limit_is_refused_before_publishing(member):
+    """publishBatchBytes had no upper bound: past the agent's api.max_request_bytes every full chunk
+    failed at the agent, at every retry of the task. The task refuses it before publishing anything."""
+    member.max_request_bytes = 1000
+    columns = SinkColumns(payload_is_string=True, has_message_id=False, has_headers=False)
+    options = SinkOptions.parse({"group": "g", "publishBatchBytes": "1001"})
+    with pytest.raises(ConnectorOptionError, match="publishBatchBytes is 1001, more than the 1000 bytes") as info:
+        publish_partition(batches(["a", "b"]), options, columns, "q.0.0", 0)
+    assert "api.max_request_bytes" in str(info.value) and "at most 1000" in info.value.hint
+    assert member.calls == 0 and not member.delivered
+    at_limit = SinkOptions.parse({"group": "g", "publishBatchBytes": "1000"})
+    assert publish_partition(batches(["a", "b"]), at_limit, columns, "q.0.0", 0).messages == 2
