@@ -105,6 +105,11 @@ class ZeroCommMicroBatchStream(DataSourceStreamReader, SupportsTriggerAvailableN
             link = self._member()
             offset = self.options.starting.resolve(
                 ranges, lambda key, ts: link.first_sent_at_or_after(key, ts, ranges[key]))
+            unknown = self.options.starting.unknown(ranges)
+            if unknown:  # DIDs are not secret; a misspelt one would wait forever without a word
+                log.warning("zerocomm source: startingOffsets names %d publisher(s) this member has no messages of "
+                            "yet (%s); each is read from its position, or (-2/-1) from its first message, once it "
+                            "appears", len(unknown), ", ".join(f"{g}/{d}" for g, d in unknown))
             offset = offset.with_consumer(f"spark-{uuid.uuid4().hex}")  # this query, to the member's journal
             log.info("zerocomm source starts at %s", offset.to_json())
             self._initial = offset.to_dict()

@@ -282,9 +282,18 @@ class StartingOffsets:
             choice = self.per_publisher.get(key, self.per_group.get(key[0], self.default))
             positions[key] = _concrete(choice, span)
         for key, choice in self.per_publisher.items():
-            if key not in positions:  # named but not (yet) known on this member
-                positions[key] = choice if choice >= 1 else 1
+            # Named but not (yet) known on this member: a seq is kept (read from it once it comes);
+            # -2 and -1 leave the publisher out, so it is introduced when it appears at its first
+            # retained seq, as any new publisher is. Seq 1 instead (a member that joined after the
+            # publisher's first messages never holds them) read as data loss - and for -1 ("only
+            # what comes from now on") nothing held now is older than what comes.
+            if key not in positions and choice >= 1:
+                positions[key] = choice
         return ZeroCommOffset(positions)
+
+    def unknown(self, known: Mapping[PublisherKey, SeqRange]) -> list[PublisherKey]:
+        """Publishers the JSON names that ``known`` lacks (for a warning: a misspelt DID waits forever)."""
+        return sorted(key for key in self.per_publisher if key not in known)
 
 
 @dataclass(frozen=True)
@@ -313,7 +322,20 @@ class EndingOffsets:
     def resolve(self, known: Mapping[PublisherKey, SeqRange]) -> ZeroCommOffset:
         """Ends at most at what the member holds now: a batch read is planned once, and a seq past the
         publisher's latest would have the read wait for messages that may never come (and a huge one
-        had the planner cut billions of slices)."""
+        had the planner cut billions of slices).
+
+        A publisher named that the member does not know is an error, as an unknown partition in
+        Kafka's endingOffsets is: ignoring it read nothing of it without a word (a misspelt DID, or a
+        member that never received from it)."""
+        missing = [key for key in self.per_publisher if key not in known]
+        if missing:
+            group, did = missing[0]
+            listed = ", ".join(sorted(d for g, d in known if g == group)) or "none"
+            raise ConnectorOptionError(
+                f"endingOffsets names {len(missing)} publisher(s) the member on this host has no messages of, "
+                f"e.g. {did} in group {group!r} (its publishers there: {listed})",
+                hint="Check the DID (the publisher_did column, or `zerocomm group members GROUP`), or leave the "
+                     "publisher out of endingOffsets to read up to what the member holds")
         positions: dict[PublisherKey, int] = {}
         for key, span in known.items():
             choice = self.per_publisher.get(key, self.per_group.get(key[0], LATEST))

@@ -302,6 +302,57 @@ def test_the_initial_offset_is_decided_once_per_query(members, group):
         stream.stop()
 
 
+def test_publishers_named_in_offsets_but_unknown_to_the_member(members):
+    """carol published twice before alice joined: alice never holds her seqs 1 and 2. A stream on alice
+    naming carol at -1 (latest) before alice has anything of hers started her at seq 1, and read her
+    first messages' range [1, 3) as data loss; now she is introduced at her first retained seq once
+    she appears. A batch read whose endingOffsets names a publisher alice does not know ignored it
+    without a word; now it is refused, as Kafka refuses an unknown partition."""
+    from pyspark.sql.types import StructType
+
+    from zerocomm_spark.connector.batch_reader import ZeroCommBatchReader
+    from zerocomm_spark.connector.micro_batch_stream import ZeroCommMicroBatchStream
+    from zerocomm_spark.connector.options import SourceOptions
+    from zerocomm_spark.connector.schema import source_schema
+    from zerocomm_spark.errors import ConnectorOptionError
+
+    alice, bob, carol = members["alice"], members["bob"], members["carol"]
+    name = f"late{uuid.uuid4().hex[:8]}"
+    form_group([bob, carol], name)
+    publish(carol, name, ["one", "two"])
+    via = next((c["id"] for c in alice.client().connections() if c.get("label") == "bob"
+                and c.get("state") in ("completed", "complete", "active")), None)
+    if via is None:
+        via = alice.client().accept(bob.client().invite(), timeout=60)["id"]
+    alice.client().join(name, via=via, timeout=60)
+    carol_did = carol.did(name)
+    publish(bob, name, ["hello"])  # alice knows bob; carol not yet
+    wait_for(lambda: (name, bob.did(name)) in _ranges_of(alice, name), 30, "alice to journal bob's message")
+
+    options = SourceOptions.parse({"group": name, "agent": str(alice.config),
+                                   "startingOffsets": json.dumps({name: {carol_did: -1}})}, mode="stream")
+    stream = ZeroCommMicroBatchStream(options, StructType())
+    try:
+        start = stream.initialOffset()
+        assert carol_did not in start["groups"][name]  # not seq 1
+        publish(carol, name, ["three"])  # her seq 3: the first alice holds
+        wait_for(lambda: (name, carol_did) in _ranges_of(alice, name), 30, "alice to journal carol's seq 3")
+        end = stream.latestOffset(start, None)
+        assert end["groups"][name][carol_did] == 3  # introduced at her first retained seq, read from the next batch
+    finally:
+        stream.stop()
+
+    ending = json.dumps({name: {"did:peer:2.Ez6LSnotapublisher": 5}})
+    reader = ZeroCommBatchReader(SourceOptions.parse({"group": name, "agent": str(alice.config),
+                                                      "endingOffsets": ending}, mode="batch"), source_schema())
+    with pytest.raises(ConnectorOptionError, match="endingOffsets names 1 publisher.*did:peer:2.Ez6LSnotapublisher"):
+        reader.partitions()
+
+
+def _ranges_of(member: LocalMember, group: str) -> set[tuple[str, str]]:
+    return {(p["group"], p["publisher_did"]) for p in member.client().latest(group)["publishers"]}
+
+
 def test_batch_read_and_offsets_options(spark, members, group):
     alice, bob = members["alice"], members["bob"]
     publish(bob, group, [f"m{i}" for i in range(30)])

@@ -278,3 +278,26 @@ def test_split_ranges_makes_at_least_min_slices_when_there_are_that_many_message
     small = split_ranges(start, end, max_per_slice=2, min_slices=min_slices)
     assert all(s.count <= 2 for s in small) and sum(s.count for s in small) == sum(counts)
     assert len(split_ranges(start, end, max_per_slice=1000, min_slices=10**6)) == sum(counts)
+
+
+@pytest.mark.parametrize("choice", [LATEST, 7])
+def test_ending_offsets_naming_a_publisher_the_member_does_not_know_are_refused(choice):
+    """As Kafka refuses an unknown partition in endingOffsets: the publisher was ignored without a
+    word, and the read came back without any of its messages."""
+    spec = EndingOffsets.parse(json.dumps({"g": {A[1]: 5, "did:peer:2.typo": choice}}), ["g"])
+    with pytest.raises(ConnectorOptionError, match="endingOffsets names 1 publisher.* did:peer:2.typo in group 'g'") \
+            as info:
+        spec.resolve(KNOWN)
+    assert A[1] in str(info.value) and "leave the publisher out" in info.value.hint
+
+
+@pytest.mark.parametrize("choice", [LATEST, EARLIEST])
+def test_a_publisher_named_at_latest_or_earliest_but_not_known_yet_is_introduced_when_it_appears(choice):
+    """It resolved to seq 1: a member that joined after the publisher's first messages never holds
+    them, so the query read [1, first retained) as data loss; and -1 means from now on, when nothing
+    of it is held. Left out, it is introduced at its first retained seq once it appears."""
+    new = ("g", "did:peer:2.new")
+    spec = StartingOffsets.parse(json.dumps({"g": {A[1]: 7, new[1]: choice}}), ["g", "h"], default="latest")
+    got = spec.resolve(KNOWN)
+    assert new not in got and got[A] == 7
+    assert spec.unknown(KNOWN) == [new]
