@@ -328,20 +328,26 @@ class MemberLink:
 
     # --- commit point -----------------------------------------------------------------------------
 
-    def commit(self, end: ZeroCommOffset, groups: Sequence[str]) -> int | None:
+    def commit(self, end: ZeroCommOffset, groups: Sequence[str], *, register: bool = False) -> int | None:
         """Tell the member that everything the query checkpointed may be pruned; never more.
 
         The point is this query's (``end.consumer``; the journal prunes below the lowest of all its
         consumers' points) and covers all of the journal's groups, so it is the lowest of: each
         subscribed publisher's first row not yet checkpointed, and, for every other group, its first row at or after the current commit point (this query never declares
         another group's messages consumed). Returns the commit point now asked for, or None.
+
+        ``register`` (at a query's start, ``end`` its start offsets) commits the point even when it is
+        0 if the journal does not know the consumer yet: until its first commit a query held nothing
+        back, and retention could delete rows it was about to read.
         """
         result = self._call("latest", None)
         next_offset = _int_field(result, ("next_offset",))
         committed = _int_field(result, ("committed_offset", "committed")) or 0
+        unknown = False
         if end.consumer is not None:  # where this query stands, not the slowest one
             own = (result.get("consumers") or {}).get(end.consumer) if isinstance(result, Mapping) else None
-            committed = own if isinstance(own, int) and not isinstance(own, bool) else 0
+            unknown = not isinstance(own, int) or isinstance(own, bool)
+            committed = 0 if unknown else own
         if next_offset is None:
             return None
         point = next_offset
@@ -359,7 +365,7 @@ class MemberLink:
                 row = self._first_row_at_or_after(group, did, last, committed)
             if row is not None:
                 point = min(point, int(row.column("offset")[0].as_py()))
-        if point <= committed:
+        if point <= committed and not (register and unknown):
             return None
         if end.consumer is not None:  # this query's own point: a slower query on the member keeps its rows
             self._call("commit", point, consumer=end.consumer)

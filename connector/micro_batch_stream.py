@@ -67,6 +67,7 @@ class ZeroCommMicroBatchStream(DataSourceStreamReader, SupportsTriggerAvailableN
         self._latest: ZeroCommOffset | None = None  # newest positions seen, for progress reports
         self._labels: dict[PublisherKey, str] = {}
         self._initial: dict | None = None  # initialOffset's answer, given again on every later call
+        self._registered = False  # this run told the member's journal where the query starts
 
     # Pickled into the read UDF for executors: only the options travel.
     def __getstate__(self) -> dict[str, object]:
@@ -127,6 +128,7 @@ class ZeroCommMicroBatchStream(DataSourceStreamReader, SupportsTriggerAvailableN
     def latestOffset(self, start: dict, limit: ReadLimit) -> dict:
         """The end of the next batch: newest positions, capped by the read limit and availableNow."""
         begin = ZeroCommOffset.from_dict(start)
+        self._register(begin)
         ranges = self._ranges(known_first=dict(begin.items()))
         self._latest = ZeroCommOffset({key: span.next for key, span in ranges.items()})
         newest: dict[PublisherKey, int] = {}
@@ -166,6 +168,7 @@ class ZeroCommMicroBatchStream(DataSourceStreamReader, SupportsTriggerAvailableN
     def partitions(self, start: dict, end: dict) -> Sequence[InputPartition]:
         stop = ZeroCommOffset.from_dict(end)
         begin = stop.planned_start(ZeroCommOffset.from_dict(start))  # a re-run first batch: its planned start
+        self._register(begin.with_consumer(stop.consumer))  # a batch re-run after a restart comes first
         # Asked for every batch, not kept from the first: a publisher that left has no label (null), as
         # in a batch read; one call per group.
         try:
@@ -177,6 +180,23 @@ class ZeroCommMicroBatchStream(DataSourceStreamReader, SupportsTriggerAvailableN
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
         assert isinstance(partition, ZeroCommInputPartition)
         return read_partition(partition)
+
+    def _register(self, start: ZeroCommOffset) -> None:
+        """Once per run, at the stream's start: the journal keeps what the query has yet to read.
+
+        Only a commit made the query a consumer of the member's journal, and Spark commits a batch
+        when the next one starts: until then retention could delete rows the query was reading.
+        """
+        if self._registered or not self.options.commit_to_agent or start.consumer is None:
+            return
+        self._registered = True
+        try:
+            point = self._member().commit(start, self.options.groups, register=True)
+            if point is not None:
+                log.debug("zerocomm source registered with the journal at offset %d", point)
+        except ZeroCommError as exc:  # as for commits: the query runs; retention may go ahead of it
+            log.warning("zerocomm source: could not register the query with the agent's journal (%s); retention "
+                        "does not wait for it until its first commit", describe(exc))
 
     # --- after a batch ----------------------------------------------------------------------------
 

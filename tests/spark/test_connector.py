@@ -199,6 +199,38 @@ def _two_queries(spark, alice: LocalMember, bob: LocalMember, group: str, tmp_pa
     assert slow_name not in consumers()
 
 
+def test_a_query_holds_journal_retention_back_from_its_start_not_its_first_commit(spark, members, group, tmp_path):
+    """Spark commits a batch's offsets when it starts the next one, and only a commit made the query a
+    consumer of the member's journal: a query whose first batch was running (or done, with nothing new
+    after it) held nothing back, so retention could delete rows it was reading. It registers at its
+    start offsets now."""
+    alice, bob = members["alice"], members["bob"]
+
+    def consumers() -> dict[str, int]:
+        return {k: v for k, v in alice.client().latest(None)["consumers"].items() if k.startswith("spark-")}
+
+    before = set(consumers())
+    publish(bob, group, [f"m{i}" for i in range(5)])
+    did = bob.did(group)
+    wait_for(lambda: any(p["publisher_did"] == did and p["last_seq"] == 5
+                         for p in alice.client().latest(group)["publishers"]), 30, "alice to journal bob's messages")
+    first = alice.client().read(group=group, publisher=did, first_seq=1, last_seq=1, max_rows=1)
+    first_offset = int(first.column("offset")[0].as_py())
+    query = (source(spark, group, alice, startingOffsets="earliest").writeStream.format("noop")
+             .option("checkpointLocation", str(tmp_path / "ck")).trigger(processingTime="300 milliseconds").start())
+    try:
+        wait_for(lambda: rows_in(query) >= 5, 120, "the first batch")
+        time.sleep(1.0)  # a few idle triggers: nothing new, so no second batch and no commit of the first
+        assert len(query.recentProgress) and sum(1 for p in query.recentProgress if p["numInputRows"]) == 1
+        mine = {k: v for k, v in consumers().items() if k not in before}
+        assert len(mine) == 1, consumers()
+        (point,) = mine.values()
+        assert point <= first_offset  # everything the query reads from is kept for it
+    finally:
+        query.stop()
+    assert query.exception() is None
+
+
 def test_member_link_reads_a_publishers_range_whether_its_rows_are_dense_or_sparse(members, group):
     from zerocomm_spark.connector.agent_link import MemberLink
     from zerocomm_spark.connector.options import AgentOptions
@@ -527,9 +559,15 @@ def test_a_first_batch_rerun_after_a_restart_reads_its_planned_range_and_reports
         with pytest.raises(StreamingQueryException, match="TASK_WRITE_FAILED"):
             query.awaitTermination(180)
         assert (ck / "offsets" / "0").exists() and not list((ck / "commits").glob("[0-9]*"))
-        # meanwhile another consumer of dave's journal lets retention delete the first 2000 messages
+        # meanwhile another consumer of dave's journal would let retention delete the first 2000 messages
         first_kept = dave.client().read(group=group, publisher=did, first_seq=2001, last_seq=2001)
         dave.client().commit(int(first_kept.column("offset")[0].as_py()))
+        # but the query became a consumer when it started, at its start: retention keeps its rows
+        (name,) = [k for k in dave.client().latest(None)["consumers"] if k.startswith("spark-")]
+        time.sleep(2.5)  # retention runs every second and after every commit
+        assert dave.client().latest(None)["earliest_offset"] == 0
+        # until the query is released (an operator who took its checkpoint for gone): then they go
+        assert dave.client().release(name)["released"] is True
         wait_for(lambda: dave.client().latest(None)["earliest_offset"] > 0, 30, "retention to delete segments")
         marker.unlink()
         query = run()
