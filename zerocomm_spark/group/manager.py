@@ -1461,7 +1461,6 @@ class GroupManager:
         listener raised; a re-sent message goes only to the listeners that have not taken it.
         """
         group, key = messages[0].group, (messages[0].group, messages[0].publisher_did)
-        passed = self._passed(group, key[1])
         with self._lock:
             g = self._groups.get(group)
             if g is not None and g.phase == _JOINING:
@@ -1482,6 +1481,10 @@ class GroupManager:
                 if not all(any(c is listener for c in have) for listener in everyone):
                     break
                 done += 1
+        ordered = g is not None and g.record.ordered
+        # Read only when there is a record to prune (rarely: a listener raised), outside our lock (the
+        # data plane's lock comes first): a copy of every publisher's position per batch otherwise.
+        passed = self._passed(group, key[1]) if not ordered and (now_taken is not None or key in self._taken) else 0
         with self._lock:
             mine = self._taken.get(key)
             publisher = g.view.get(key[1]) if g is not None else None
@@ -1494,7 +1497,7 @@ class GroupManager:
                     mine.pop((message.seq, message.message_id), None)
                 # Nothing older comes back: ordered, what comes is in order; either way, nothing at or
                 # below the delivered position (taken by all, or skipped: the publisher lost it).
-                floor = messages[0].seq - 1 if g is not None and g.record.ordered else passed
+                floor = messages[0].seq - 1 if ordered else passed
                 for stale in [k for k in mine if k[0] <= floor]:
                     del mine[stale]
                 if not mine:

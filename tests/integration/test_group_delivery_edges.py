@@ -1,6 +1,6 @@
-"""Group manager defects found by review: a join flag a stale entry put back, taken-by records of
-skipped messages kept in unordered streams, messages a member behind the others lost at a publisher's
-restart but not counted, and a listener registered twice. Agents in this process (real sockets,
+"""Group delivery at its edges: a stale entry must not put a join flag back, unordered streams forget
+who took skipped messages, a member behind the others counts what it lost at a publisher's restart,
+and a listener cannot be registered twice. Agents in this process (real sockets,
 real crypto)."""
 
 from __future__ import annotations
