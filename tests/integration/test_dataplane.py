@@ -1175,6 +1175,32 @@ def test_resend_answers_piling_up_behind_a_busy_receiver_are_bounded(make) -> No
     assert [d.payload for d in bob.from_(alice)] == [b"hold on", *payloads("alice", 5)]
 
 
+def test_no_resend_request_goes_out_while_its_answer_would_find_the_receive_queue_full(make) -> None:  # type: ignore[no-untyped-def]
+    """Answers already queued or on their way fill recv_queue_max: a request then would fetch an
+    answer over the network only for it to be dropped. bob lacks an announced tail and asks for it
+    only once room is back."""
+    alice, bob = make("alice"), make("bob")
+    form_group([alice, bob], mode="shared")
+    alice.dp.publish("g", payloads("alice", 3)).wait(10)
+    assert bob.wait(lambda: sum(d.publisher_did == alice.did for d in bob.got) >= 3)
+    dp = bob.dp
+    with dp._rx_cond:  # noqa: SLF001 - as if recv_queue_max answers were on their way
+        dp._answers_out += dp.config.recv_queue_max  # noqa: SLF001
+    g = alice.dp._groups["g"]  # noqa: SLF001 - alice announces a seq bob never got
+    before = dp.stats()["nacks_sent"]
+    direct_from(alice, bob, dm.encode(dm.DataBatch("g", alice.did, (), base=0, last=g.outbox.last_seq + 1,
+                                                   member=bob.did), signer=g.group_key))
+    time.sleep(1.0)  # FAST: a receive tick every 10 ms, a tail asked for after 300 ms
+    assert dp.stats()["nacks_sent"] == before
+    with dp._rx_cond:  # noqa: SLF001 - the answers arrived and were handled
+        dp._answers_out -= dp.config.recv_queue_max  # noqa: SLF001
+    deadline = time.monotonic() + 10
+    while dp.stats()["nacks_sent"] == before and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert dp.stats()["nacks_sent"] > before
+    assert dp.stats()["receive_queue_full"] == 0
+
+
 def test_a_publisher_announcing_seqs_it_never_sends_is_not_asked_for_them_forever(make, caplog) -> None:  # type: ignore[no-untyped-def]
     """A heartbeat announcing seq 2**63-1 (a faulty or hostile publisher) is a tail bob lacks: he
     asked for it, the answer held nothing and said nothing was gone, and he asked again at every

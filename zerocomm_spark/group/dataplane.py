@@ -506,6 +506,9 @@ class DataPlane:
         # Items in _rx that came over the peer transport, by kind ("batch": heartbeats, "answer"):
         # each kind is bounded by recv_queue_max, as the SUBs are, and one cannot crowd out the other.
         self._rx_peer: dict[str, int] = {"batch": 0, "answer": 0}
+        # Resend requests sent whose answers are not queued yet: requests stop while queued and
+        # awaited answers fill recv_queue_max, so no answer crosses the network only to be dropped.
+        self._answers_out = 0
         self._rx_cond = threading.Condition(threading.Lock())
         self._rx_lock = threading.RLock()
         # liveness and probes
@@ -1865,6 +1868,8 @@ class DataPlane:
         tail = max(nack_after, cfg.resend_after_ms / 1000)
         acks: list[tuple[_Group, str]] = []
         nacks: list[tuple[_Group, str, int, int | None]] = []
+        with self._rx_cond:
+            room = cfg.recv_queue_max - self._rx_peer["answer"] - self._answers_out
         for g in list(self._groups.values()):
             with self._rx_lock:
                 for did, stream in g.streams.items():
@@ -1875,14 +1880,18 @@ class DataPlane:
                         sent, at = g.acks_sent.get(did, (0, float("-inf")))
                         if (stream.delivered > sent or did in g.ack_needed) and now - at >= ack_ivl:
                             acks.append((g, did))
+                        if room <= 0:  # answers enough on their way or waiting: ask at a later tick
+                            continue
                         due = stream.due_nacks(nack_after, retry, cfg.resend_max, tail_after=tail,
-                                               outstanding_for=cfg.request_timeout_s)[:8]
+                                               outstanding_for=cfg.request_timeout_s)[:min(8, room)]
+                        room -= len(due)
                         if due:
                             stream.nacks_sent(len(due))
                         for first, last in due:
                             nacks.append((g, did, first, last))
-                    elif stream.waiting_count and now - g.sync_at.get(did, float("-inf")) >= retry:
+                    elif stream.waiting_count and now - g.sync_at.get(did, float("-inf")) >= retry and room > 0:
                         g.sync_at[did] = now  # data but no baseline: ask where our stream starts
+                        room -= 1
                         nacks.append((g, did, 1, None))
         for g, did in acks:
             self._send_ack(g, did)
@@ -1894,10 +1903,14 @@ class DataPlane:
     def _request_resend(self, g: _Group, m: _Member, first: int, last: int | None) -> None:
         body = dm.encode(dm.ResendRequest(g.name, m.info.did, self.member_did, first, last))
         env = envelope.pack(body, [m.info.relationship_verkey], sender=m.my_key)
+        with self._rx_cond:
+            self._answers_out += 1  # before the request: its answer may come back at once
         try:
             fut = self._transport.request_async(m.info.peer_endpoint, ProtocolId.GROUP_DATA, env,
                                                 timeout=self.config.request_timeout_s)
         except TransportError as exc:
+            with self._rx_cond:
+                self._answers_out -= 1
             self._stats.add(nack_failures=1)
             log.debug("resend request to %s not sent: %s", m.info.did, type(exc).__name__)
             self._nack_done(g.name, m.info.did)
@@ -1907,7 +1920,9 @@ class DataPlane:
         fut.add_done_callback(lambda f: self._queue_answer(group, did, f, first, last))
 
     def _queue_answer(self, group: str, did: str, fut: Future[bytes], first: int, last: int | None) -> None:
-        if not self._rx_put_peer(("answer", group, did, fut, first, last)):
+        with self._rx_cond:
+            self._answers_out -= 1
+        if not self._rx_put_peer(("answer", group, did, fut, first, last)):  # a safety net: room was kept
             # Not taken: the request is over, and what it asked for is asked again at nack_retry_ms pace.
             self._nack_done(group, did)
 
