@@ -77,7 +77,7 @@ from zerocomm_spark.protocols.out_of_band.v1_1.messages import Invitation
 from zerocomm_spark.protocols.trust_ping.v1_0.messages import Ping, PingResponse
 from zerocomm_spark.seen_messages import SeenMessages
 from zerocomm_spark.transport.frames import ProtocolId
-from zerocomm_spark.transport.peer import DEFAULT_MAX_FRAME_BYTES, MAX_TIMEOUT, PeerInfo, PeerTransport
+from zerocomm_spark.transport.peer import DEFAULT_MAX_FRAME_BYTES, MAX_TIMEOUT, PeerInfo, PeerTransport, connectable
 
 if TYPE_CHECKING:
     from zerocomm_spark.group.manager import GroupConfig, GroupManager
@@ -245,8 +245,11 @@ class Agent:
         directory = Path(path).expanduser().absolute()
         if label is not None and (not isinstance(label, str) or not label.strip()):
             raise ConfigurationError("label must be a non-empty string")
-        if advertise is not None and (not isinstance(advertise, str) or "://" not in advertise or "*" in advertise):
-            raise ConfigurationError(f"advertise must be a concrete endpoint like tcp://host:port, got {advertise!r}")
+        # Checked as every peer checks it in our member entries: one they refuse fails every join remotely.
+        if advertise is not None and (not connectable(advertise) or "*" in advertise):
+            raise ConfigurationError(f"advertise must be a concrete endpoint like tcp://host:port, got {advertise!r}",
+                                     hint="Use tcp://HOST:PORT with a name or address peers can reach; bracket an "
+                                          "IPv6 address: tcp://[2001:db8::1]:7000")
         keystore = Keystore.open(directory, passphrase)
         transport: PeerTransport | None = None
         try:

@@ -322,3 +322,46 @@ def test_receive_refuses_a_timeout_that_never_passes(pair: dict[str, Any], forev
         pair["alice"].groups.receive("g", timeout=forever)
     with pytest.raises(ReceiveTimeoutError):
         pair["alice"].groups.receive("g", timeout=0)  # 0 only looks
+
+
+# --- endpoints a member may announce ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("endpoint", [
+    "tcp://127.0.0.1:7000", "tcp://localhost:1", "tcp://node-7.cluster.example.com:65535",
+    "tcp://node-7.cluster.example.com.:7000",  # a fully qualified name's trailing dot
+    "tcp://[::1]:7000", "tcp://[2001:db8::1]:7000", "tcp://[fe80::1%eth0]:7000",  # with a zone
+    "tcp://::1:7000", "tcp://0.0.0.0:7000", "ipc:///tmp/" + "x" * 96, "inproc://plane",
+])
+def test_every_endpoint_zeromq_connects_to_is_connectable(endpoint: str) -> None:
+    """Stricter than libzmq, an endpoint check refuses members whose announcements peers cannot use:
+    one too strict refuses a real member everywhere (its joins fail remotely, a stored view drops it)."""
+    import zmq
+
+    from zerocomm_spark.transport.peer import connectable
+
+    sock = zmq.Context.instance().socket(zmq.SUB)
+    try:
+        sock.connect(endpoint)  # what the data plane's IO thread does with it
+    finally:
+        sock.close(0)
+    assert connectable(endpoint)
+
+
+@pytest.mark.parametrize("endpoint", ["tcp://x", "tcp://127.0:=#1:5", "tcp://h:70000", "tcp://h:0", "tcp://:5",
+                                      "udp://h:5", "tcp://h:5\n", "ipc:///tmp/" + "x" * 200, "tcp://h\ud800:5"])
+def test_an_endpoint_no_socket_can_use_is_not_connectable(endpoint: str) -> None:
+    from zerocomm_spark.transport.peer import connectable
+
+    assert not connectable(endpoint)
+
+
+def test_an_agent_refuses_to_advertise_an_endpoint_its_peers_would_refuse(tmp_path: Path) -> None:
+    """Peers check every member entry with connectable(): an agent advertising what they refuse
+    started fine and then failed every join on the remote side."""
+    from zerocomm_spark.errors import ConfigurationError
+
+    for bad in ("tcp://x", "tcp://host:0", "tcp://*:7000"):
+        with pytest.raises(ConfigurationError, match="advertise"):
+            Agent.open(tmp_path / "a", advertise=bad)
+    Agent.open(tmp_path / "a", advertise="tcp://[fe80::1%eth0]:7000").close()

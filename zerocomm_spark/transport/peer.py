@@ -26,6 +26,7 @@ import os
 import queue
 import re
 import secrets
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -1100,12 +1101,19 @@ def dialable(endpoint: object) -> bool:
             and endpoint.isprintable())  # no control characters, no lone surrogates (connect() raised)
 
 
-_TCP_ENDPOINT = re.compile(r"tcp://(?:\[[0-9A-Fa-f:.]{2,45}\]|[A-Za-z0-9](?:[A-Za-z0-9._-]{0,251}[A-Za-z0-9])?):([0-9]{1,5})")
+# HOST: a bracketed IPv6 address (with a zone, fe80::1%eth0), an unbracketed one (libzmq takes the
+# last colon for the port), or a name or IPv4 address (a fully qualified name may end in a dot).
+_TCP_ENDPOINT = re.compile(r"tcp://(?:\[[0-9A-Fa-f:.]{2,45}(?:%[A-Za-z0-9_.-]{1,64})?\]"
+                           r"|[0-9A-Fa-f]{0,4}(?::[0-9A-Fa-f.]{0,15}){2,8}"
+                           r"|[A-Za-z0-9](?:[A-Za-z0-9._-]{0,251}[A-Za-z0-9])?\.?):([0-9]{1,5})")
+#: Bytes of an ipc:// path at most: a Unix socket's sun_path (108 bytes on Linux, 104 on macOS) less
+#: its terminating NUL.
+_IPC_PATH_MAX = 103 if sys.platform == "darwin" else 107
 
 
 def connectable(endpoint: object) -> bool:
     """Whether a ZeroMQ socket's connect() takes ``endpoint``: tcp://HOST:PORT (a name, an IPv4 or a
-    bracketed IPv6 address), ipc://PATH (up to 100 bytes, the socket path limit) or inproc://NAME.
+    bracketed IPv6 address), ipc://PATH (up to the socket path limit) or inproc://NAME.
 
     Stricter than :func:`dialable`: the data plane connects a SUB to what a member announced, on its
     IO thread, and connect() raises ZMQError for ``tcp://x`` or ``tcp://127.0:=#1:5`` alike.
@@ -1114,7 +1122,7 @@ def connectable(endpoint: object) -> bool:
         return False
     assert isinstance(endpoint, str)
     if endpoint.startswith("ipc://"):
-        return 0 < len(endpoint[6:].encode("utf-8")) <= 100
+        return 0 < len(endpoint[6:].encode("utf-8")) <= _IPC_PATH_MAX
     if endpoint.startswith("inproc://"):
         return 0 < len(endpoint) - 9 <= 256
     match = _TCP_ENDPOINT.fullmatch(endpoint)
