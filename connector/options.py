@@ -53,8 +53,8 @@ SINK_OPTIONS: dict[str, str] = {
     **_COMMON,
     "publishTimeoutMs": "how long to wait for the group to acknowledge a batch of messages (default 120000)",
     "publishBatchSize": "messages per publish call, each acknowledged by the group (default 2000)",
-    "publishBatchBytes": "bytes of payload per publish call at most (default 8388608; at most the agent's "
-                         "api.max_request_bytes)",
+    "publishBatchBytes": "bytes of payload per publish call at most (default 8388608, fitted to the agent's "
+                         "api.max_request_bytes; a value set past it is refused)",
 }
 # Options Spark itself passes to a data source (or that users set for Spark, not for us).
 _SPARK_OWNED = {"checkpointlocation", "queryname", "__checkpointlocation"}
@@ -254,6 +254,7 @@ class SinkOptions:
     publish_timeout_s: float
     publish_batch_size: int
     publish_batch_bytes: int
+    publish_batch_bytes_set: bool = False  # given by the user (refused past the agent's limit) or the default (fitted)
 
     @classmethod
     def parse(cls, options: Mapping[str, str]) -> "SinkOptions":
@@ -264,4 +265,5 @@ class SinkOptions:
         size_bytes = _int(opts, "publishBatchBytes", 8 * 1024 * 1024)
         assert timeout is not None and size is not None and size_bytes is not None
         return cls(group=group, agent=AgentOptions.parse(opts), publish_timeout_s=timeout / 1000.0,
-                   publish_batch_size=size, publish_batch_bytes=size_bytes)
+                   publish_batch_size=size, publish_batch_bytes=size_bytes,
+                   publish_batch_bytes_set="publishbatchbytes" in opts)

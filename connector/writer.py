@@ -17,6 +17,7 @@ reader sees one task's rows in the order they had in the partition.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import logging
 import os
@@ -39,8 +40,8 @@ from zerocomm_spark.connector.agent_link import MemberLink
 from zerocomm_spark.connector.options import SinkOptions
 from zerocomm_spark.connector.schema import SinkColumns
 
-__all__ = ["ZeroCommBatchWriter", "ZeroCommCommitMessage", "ZeroCommStreamWriter", "check_publish_limit",
-           "check_sink_at_start", "derived_id", "message_id_prefix", "publish_partition"]
+__all__ = ["ZeroCommBatchWriter", "ZeroCommCommitMessage", "ZeroCommStreamWriter", "check_sink_at_start",
+           "publish_budget", "derived_id", "message_id_prefix", "publish_partition"]
 
 log = logging.getLogger("zerocomm_spark.connector")
 
@@ -138,14 +139,25 @@ def _chunks(batches: Iterator[pa.RecordBatch], rows: int, size: int) -> Iterator
 _START_CHECK_S = 5.0
 
 
-def check_publish_limit(options: SinkOptions, max_request_bytes: int, where: str) -> None:
-    """Refuse a publishBatchBytes no request can carry: every publish call of a full chunk would fail."""
-    if options.publish_batch_bytes > max_request_bytes:
-        raise ConnectorOptionError(
-            f"option publishBatchBytes is {options.publish_batch_bytes}, more than the {max_request_bytes} bytes "
-            f"the agent {where} takes in one request (api.max_request_bytes): such publish calls can never succeed",
-            hint=f"Set publishBatchBytes to at most {max_request_bytes} (default 8388608; leave room for message "
-                 "ids and headers), or raise api.max_request_bytes in that agent's zerocomm.toml")
+#: What a publish request keeps for what is not payload (message ids, headers, Arrow framing), at least.
+_REQUEST_OVERHEAD = 64 * 1024
+
+
+def publish_budget(options: SinkOptions, max_request_bytes: int, where: str) -> int:
+    """Payload bytes per publish call that fit the agent's api.max_request_bytes with room for ids and
+    headers: the default is fitted to it; a publishBatchBytes set past it is refused (every publish
+    call of a full chunk would fail, at every retry)."""
+    room = max(1, max_request_bytes - max(_REQUEST_OVERHEAD, max_request_bytes // 16))
+    if options.publish_batch_bytes <= room:
+        return options.publish_batch_bytes
+    if not options.publish_batch_bytes_set:
+        return room
+    raise ConnectorOptionError(
+        f"option publishBatchBytes is {options.publish_batch_bytes}, more than the {room} bytes of payload a request "
+        f"to the agent {where} holds (its api.max_request_bytes is {max_request_bytes}, less room for message ids "
+        "and headers): such publish calls can never succeed",
+        hint=f"Set publishBatchBytes to at most {room} or leave it unset (it then fits the agent), or raise "
+             "api.max_request_bytes in that agent's zerocomm.toml")
 
 
 def check_sink_at_start(options: SinkOptions) -> None:
@@ -159,7 +171,7 @@ def check_sink_at_start(options: SinkOptions) -> None:
         log.debug("zerocomm sink: no agent on the driver's host to check the options against (%s)", type(exc).__name__)
         return
     with link:
-        check_publish_limit(options, link.max_request_bytes, f"on the driver's host {os.uname().nodename}")
+        publish_budget(options, link.max_request_bytes, f"on the driver's host {os.uname().nodename}")
 
 
 def publish_partition(batches: Iterator[pa.RecordBatch], options: SinkOptions, columns: SinkColumns,
@@ -171,13 +183,16 @@ def publish_partition(batches: Iterator[pa.RecordBatch], options: SinkOptions, c
     row = 0
     seen: dict[bytes, int] = {}
     link: MemberLink | None = None
+    rest = iter(batches)
+    first = next((b for b in rest if b.num_rows), None)  # an empty partition connects to no agent
     try:
-        for chunk in _chunks(batches, options.publish_batch_size, options.publish_batch_bytes):
-            if chunk.num_rows == 0:
-                continue
-            if link is None:
-                link = MemberLink.connect(options.agent)
-                check_publish_limit(options, link.max_request_bytes, f"on host {os.uname().nodename}")
+        chunks: Iterator[pa.Table] = iter(())
+        if first is not None:
+            link = MemberLink.connect(options.agent)
+            budget = publish_budget(options, link.max_request_bytes, f"on host {os.uname().nodename}")
+            chunks = _chunks(itertools.chain([first], rest), options.publish_batch_size, budget)
+        for chunk in chunks:
+            assert link is not None
             payload = chunk.column("payload")
             if columns.payload_is_string:
                 payload = payload.cast(pa.binary())

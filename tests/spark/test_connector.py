@@ -944,7 +944,7 @@ def test_a_publish_batch_bytes_no_request_can_carry_is_refused_at_start(spark, m
     frame = spark.readStream.format("rate").load().selectExpr("CAST(value AS STRING) AS payload")
     writer = (frame.writeStream.format("zerocomm").option("group", "g").option("agent", str(bob.config))
               .option("publishBatchBytes", too_big).option("checkpointLocation", str(tmp_path / "ck")))
-    words = f"publishBatchBytes is {too_big}, more than the 67108864 bytes"
+    words = f"publishBatchBytes is {too_big}, more than the {64 * 1024 * 1024 * 15 // 16} bytes"
     try:
         query = writer.start()
     except Exception as exc:  # noqa: BLE001 - refused by start() itself

@@ -21,6 +21,7 @@ class Member:
         self.delivered: dict[str, tuple[bytes, object]] = {}
         self.fail_after: int | None = None
         self.calls = 0
+        self.payload_calls: list[list[bytes]] = []  # each publish call's payloads
 
     def connect(self, _agent):
         return self
@@ -37,6 +38,7 @@ class Member:
         self.calls += 1
         ids = table.column("message_id").to_pylist()
         payloads = table.column("payload").to_pylist()
+        self.payload_calls.append(payloads)
         headers = table.column("headers").to_pylist() if "headers" in table.column_names else [None] * len(ids)
         dups = 0
         for mid, payload, head in zip(ids, payloads, headers):
@@ -151,14 +153,28 @@ def test_publish_batch_bytes_bounds_every_call_even_when_payload_sizes_are_skewe
 
 
 def test_a_publish_batch_bytes_past_the_agents_request_limit_is_refused_before_publishing(member):
-    """publishBatchBytes had no upper bound: past the agent's api.max_request_bytes every full chunk
-    failed at the agent, at every retry of the task. The task refuses it before publishing anything."""
-    member.max_request_bytes = 1000
+    """publishBatchBytes had no upper bound: past the agent's api.max_request_bytes (less room for
+    ids and headers) every full chunk failed at the agent, at every retry of the task. The task
+    refuses a value set that high before publishing anything."""
+    member.max_request_bytes = 100_000
+    room = 100_000 - 64 * 1024
     columns = SinkColumns(payload_is_string=True, has_message_id=False, has_headers=False)
-    options = SinkOptions.parse({"group": "g", "publishBatchBytes": "1001"})
-    with pytest.raises(ConnectorOptionError, match="publishBatchBytes is 1001, more than the 1000 bytes") as info:
+    options = SinkOptions.parse({"group": "g", "publishBatchBytes": str(room + 1)})
+    with pytest.raises(ConnectorOptionError, match=f"publishBatchBytes is {room + 1}, more than the {room} bytes") as info:
         publish_partition(batches(["a", "b"]), options, columns, "q.0.0", 0)
-    assert "api.max_request_bytes" in str(info.value) and "at most 1000" in info.value.hint
+    assert "api.max_request_bytes is 100000" in str(info.value) and f"at most {room}" in info.value.hint
     assert member.calls == 0 and not member.delivered
-    at_limit = SinkOptions.parse({"group": "g", "publishBatchBytes": "1000"})
+    at_limit = SinkOptions.parse({"group": "g", "publishBatchBytes": str(room)})
     assert publish_partition(batches(["a", "b"]), at_limit, columns, "q.0.0", 0).messages == 2
+
+
+def test_the_default_publish_batch_bytes_fits_an_agent_with_a_lower_request_limit(member):
+    """An agent configured with api.max_request_bytes below the 8 MiB default: a sink that never set
+    publishBatchBytes publishes, in calls that fit (refusing it failed every such sink at start)."""
+    member.max_request_bytes = 100_000
+    room = 100_000 - 64 * 1024
+    columns = SinkColumns(payload_is_string=True, has_message_id=False, has_headers=False)
+    rows = ["x" * 1000] * 100  # 100 kB of payload: more than one request holds
+    result = publish_partition(batches(rows), SinkOptions.parse({"group": "g"}), columns, "q.0.0", 0)
+    assert result.messages == 100 and member.calls > 1
+    assert all(sum(len(p) for p in call) <= room for call in member.payload_calls)
