@@ -289,7 +289,7 @@ class Journal:
         if not self._superseded.has(key):  # nearly every publisher: no lock on the append path
             return False
         with self._lock:
-            return bool(self._superseded.within(key, first, last))
+            return self._superseded.any_within(key, first, last)
 
     def _publish(self, segment: Segment, entries: list[tuple[RecordEntry, list[Run]]]) -> None:
         with self._lock:

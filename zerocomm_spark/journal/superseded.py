@@ -69,6 +69,15 @@ class Superseded:
         """Whether ``key`` has any superseded seq (a dict lookup: safe without the journal's lock)."""
         return key in self._ranges
 
+    def any_within(self, key: Key, first: int, last: int) -> bool:
+        """Whether a seq of ``key`` in ``first..last`` is superseded: a search of the sorted, disjoint
+        ranges (the append path asks it for every append of such a publisher)."""
+        ranges = self._ranges.get(key)
+        if not ranges:
+            return False
+        at = bisect.bisect_right(ranges, [last, _TOP])  # ranges[:at] start at or before last
+        return at > 0 and ranges[at - 1][1] >= first
+
     def within(self, key: Key, first: int, last: int) -> list[tuple[int, int]]:
         """The superseded seqs of ``key`` in ``first..last``, as inclusive ranges."""
         out = []
