@@ -46,6 +46,7 @@ _MAX_ID = 256
 _SCAN_GATHER_ROWS = 4096  # records filtered together when scanning for one group's rows
 _TAIL_CHUNK_MAX = 65_536  # rows read at once at most when scanning back for the last rows
 _ANSWER_MARGIN_S = 0.25  # a wait that may run to the deadline stops this much short, so the answer arrives in time
+_AT_LEAST_S = 0.001  # a call whose deadline passed still gets a timeout error from what it called, not a refused timeout
 _PAYLOAD_TYPES = (pa.binary(), pa.large_binary(), pa.string(), pa.large_string())
 _HEADERS_TYPE = pa.map_(pa.string(), pa.string())
 
@@ -163,14 +164,14 @@ class AgentCalls:
         return {"url": url}
 
     def accept(self, req: Request, url: str) -> dict[str, Any]:
-        connection = self.member.accept(url, timeout=req.remaining())
+        connection = self.member.accept(url, timeout=max(req.remaining(), _AT_LEAST_S))
         return _plain(connection)
 
     def connections(self, req: Request, include_incomplete: bool) -> list[dict[str, Any]]:
         return _plain(self.member.connections(include_incomplete=include_incomplete))
 
     def send(self, req: Request, peer: str, message: str) -> dict[str, Any]:
-        message_id = self.member.send(peer, message, timeout=req.remaining())
+        message_id = self.member.send(peer, message, timeout=max(req.remaining(), _AT_LEAST_S))
         self.process.metrics.add(basic_messages_out=1)
         return {"message_id": message_id}
 
@@ -178,7 +179,7 @@ class AgentCalls:
         return _plain(self.member.messages(peer))
 
     def ping(self, req: Request, peer: str) -> dict[str, Any]:
-        return {"rtt_s": self.member.ping(peer, timeout=req.remaining())}
+        return {"rtt_s": self.member.ping(peer, timeout=max(req.remaining(), _AT_LEAST_S))}
 
     # --- groups ---------------------------------------------------------------------------------
 

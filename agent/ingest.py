@@ -291,8 +291,10 @@ class JournalIngest:
         with self._own_cond:
             left = sum(len(e.rows) for e in self._own if e.receipt.done() and _acked(e.receipt))
         if left or self._own_thread.is_alive():
-            event(log, logging.WARNING, "own messages acked by the group were not journaled before the stop deadline",
-                  messages=left or None, drain_timeout=drain_timeout)
+            # The other members journaled them (they acked them); only this member's history lacks them.
+            event(log, logging.WARNING, "own messages acked by the group were not journaled here before the stop "
+                  "deadline; the other members have them (raise agent.stop_timeout to give the journal more time)",
+                  messages=left if left else "unknown (a journal append was still running)", drain_timeout=drain_timeout)
 
 
 def _acked(receipt: Any) -> bool:

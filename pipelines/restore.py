@@ -243,6 +243,10 @@ class DeltaProvider:
                                   or (isinstance(as_of, int) and as_of < 0)):
             raise ConfigurationError(f"DeltaProvider's as_of is a Delta version (an int >= 0) or a time "
                                      f"(a datetime or an ISO 8601 string), not {as_of!r}")
+        if isinstance(as_of, str):
+            from zerocomm_spark.pipelines.replay import _aware
+
+            _aware(as_of)  # a string that is no time is refused here, not at the provider's first use
         self.spark = spark
         self.table_path = str(table_path)
         self.name = name or self.table_path

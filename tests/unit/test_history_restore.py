@@ -382,3 +382,14 @@ def test_have_from_rows_with_a_seq_that_is_not_an_int_is_a_clear_error(seq):
     with pytest.raises(ConfigurationError, match=r"row 1 .*seq"):
         Have.from_rows(["x", "y"], ["d", "d"], [1, seq])
     assert Have.from_rows(["x", "y"], ["d", "d"], [1, 2]).positions == {"d": 2}
+
+
+def test_a_delta_provider_refuses_an_as_of_that_is_no_version_or_time_at_once() -> None:
+    from zerocomm_spark.errors import ConfigurationError
+    from zerocomm_spark.pipelines.restore import DeltaProvider
+
+    for bad in ("junk", "2026-13-01", -1, True, 1.5):
+        with pytest.raises(ConfigurationError):
+            DeltaProvider(None, "/lake/history", as_of=bad)  # type: ignore[arg-type]
+    for good in (0, 7, "2026-11-28T03:00:00", "2026-11-28T03:00:00+01:00"):
+        assert DeltaProvider(None, "/lake/history", as_of=good).as_of == good  # type: ignore[arg-type]

@@ -1723,8 +1723,9 @@ class DataPlane:
                             out.extend(stream.skip(stream.delivered + 1, voided[1], count_lost=False))
                         out.extend(stream.skip(stream.delivered + 1, batch.base))
                         if stream.lost > before:
-                            log.warning("group %r: %d message(s) of %s never reached this member and are no longer "
-                                        "held by it (it restarted) and were skipped", g.name, stream.lost - before, did)
+                            log.warning("group %r: %d message(s) of %s not delivered here are no longer held by it "
+                                        "(it restarted) and were skipped (counted as lost)", g.name,
+                                        stream.lost - before, did)
             if batch.last is not None:
                 stream.note_announced(batch.last)
             if batch.gone is not None:
