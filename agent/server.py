@@ -56,6 +56,7 @@ from zerocomm_spark.errors import (
     UnknownCallError,
     ZeroCommError,
 )
+from zerocomm_spark.text import is_utf8_text
 
 __all__ = ["ApiServer", "Call", "CallRegistry", "Param", "Request", "prepare_socket_dir"]
 
@@ -97,7 +98,7 @@ class Param:
         if not ok:
             raise BadRequestError(f"{call}: {name!r} must be {_TYPE_NAMES.get(self.kind, self.kind.__name__)}, "
                                   f"not {_json_type(value)}")
-        if self.kind is str and not value.isascii() and not _is_text(value):
+        if self.kind is str and not is_utf8_text(value):
             # JSON spells lone surrogates; no UTF-8 holds one, so journal reads (Arrow) and topics raised.
             raise BadRequestError(f"{call}: {name!r} holds a lone surrogate (\\ud800-\\udfff); send UTF-8 text")
         if self.kind is float and not math.isfinite(value):
@@ -113,14 +114,6 @@ class Param:
             if problem:
                 raise BadRequestError(f"{call}: {name!r} {problem}")
         return value
-
-
-def _is_text(value: str) -> bool:
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
 
 
 def _json_type(value: Any) -> str:

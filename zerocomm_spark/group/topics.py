@@ -10,6 +10,7 @@ matching in ZeroMQ is only a filter, equality decides.
 from __future__ import annotations
 
 from zerocomm_spark.errors import InvalidGroupNameError
+from zerocomm_spark.text import is_utf8_text
 
 __all__ = [
     "MAX_GROUP_NAME",
@@ -41,12 +42,8 @@ def check_group(group: str) -> str:
         raise InvalidGroupNameError(f"a group name is at most {MAX_GROUP_NAME} characters, got {len(group)}")
     if ":" in group or any(ord(c) < 0x20 or ord(c) == 0x7F for c in group):
         raise InvalidGroupNameError(f"the group name {group!r} contains ':' or a control character")
-    if not group.isascii():
-        try:  # topics are the name's UTF-8: a lone surrogate has none, and create() failed half-way
-            group.encode("utf-8")
-        except UnicodeEncodeError:
-            raise InvalidGroupNameError(f"the group name {group!r} holds a lone surrogate (\\ud800-\\udfff), "
-                                        "not text") from None
+    if not is_utf8_text(group):  # topics are the name's UTF-8: a lone surrogate has none (create() failed half-way)
+        raise InvalidGroupNameError(f"the group name {group!r} holds a lone surrogate (\\ud800-\\udfff), not text")
     return group
 
 

@@ -40,6 +40,7 @@ from zerocomm_spark.errors import DIDError, EnvelopeError, MalformedGroupMessage
 from zerocomm_spark.group.topics import check_group
 from zerocomm_spark.keys.keypair import KeyPair, verify_signature, verkey_to_x25519
 from zerocomm_spark.protocols.message import b64url_decode, b64url_encode
+from zerocomm_spark.text import is_utf8_text
 from zerocomm_spark.transport.peer import connectable
 
 __all__ = [
@@ -94,18 +95,9 @@ def _field_str(data: Mapping[str, Any], name: str, *, allow_empty: bool = False)
     value = data.get(name)
     if not isinstance(value, str) or (not value and not allow_empty) or len(value) > _MAX_FIELD:
         raise MalformedGroupMessageError(f"member entry field '{name}' must be a string of at most {_MAX_FIELD} characters")
-    if not value.isascii() and not _is_utf8_text(value):
+    if not is_utf8_text(value):  # a lone surrogate: the entry could not be signed or hashed
         raise MalformedGroupMessageError(f"member entry field '{name}' holds a lone surrogate (\\ud800-\\udfff), not text")
     return value
-
-
-def _is_utf8_text(value: str) -> bool:
-    """JSON can spell a lone surrogate, which has no UTF-8 form: the entry could not be signed or hashed."""
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
 
 
 def _storable(value: Any) -> bool:
