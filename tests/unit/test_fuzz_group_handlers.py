@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 
+from test_fuzz_untrusted_input import _paths  # tests/unit is on sys.path (pytest's rootdir insertion)
 from zerocomm_spark import Agent
 from zerocomm_spark.envelope import pack
 from zerocomm_spark.errors import MalformedGroupMessageError, ZeroCommError
@@ -37,21 +38,10 @@ HOSTILE: tuple[Any, ...] = (float("nan"), float("inf"), float("-inf"), 10**400, 
                             "", "A" * 100_000, "../x", [], {}, "tcp://x", "tcp://127.0:=#1:5")
 
 
-def _paths(value: Any, path: tuple[Any, ...] = ()) -> Iterator[tuple[Any, ...]]:
-    if path:
-        yield path
-    if isinstance(value, dict):
-        for key, item in value.items():
-            yield from _paths(item, (*path, key))
-    elif isinstance(value, list):
-        for index, item in enumerate(value):
-            yield from _paths(item, (*path, index))
-
-
 def inject(rng: random.Random, value: Any) -> Any:
     """``value`` with one or two of its leaves replaced by a hostile value."""
     out = copy.deepcopy(value)
-    paths = list(_paths(out))
+    paths = [path for path in _paths(out) if path]  # not the root: a value inside it
     for _ in range(rng.randint(1, 2)):
         path = rng.choice(paths)
         try:  # the first change may have replaced a node the second path goes through
