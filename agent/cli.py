@@ -32,6 +32,7 @@ from zerocomm_spark.agent.output import (
     short_did,
 )
 from zerocomm_spark.client import Client, error_header
+from zerocomm_spark.deadlines import check_timeout
 from zerocomm_spark.errors import ZeroCommError
 
 __all__ = ["main", "exit_code_for", "EXIT_CODES"]
@@ -309,9 +310,8 @@ class Ctx:
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
         self.json: bool = bool(getattr(args, "json", False))
-        self.timeout: float = float(getattr(args, "timeout", 30.0))
-        if not 0 < self.timeout < float("inf"):  # every wait has a deadline
-            raise errors.ConfigurationError("--timeout must be a positive number of seconds")
+        # Finite is not enough: 1e308 seconds overflows the client's lock and poll waits.
+        self.timeout: float = check_timeout(getattr(args, "timeout", 30.0), "--timeout")
         flags = list(getattr(args, "settings", None) or [])
         for option, name in (("identity_dir", "identity.dir"), ("label", "identity.label"),
                              ("socket_dir", "api.socket_dir"), ("endpoint", "peer.endpoint"),

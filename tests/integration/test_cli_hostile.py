@@ -1,0 +1,61 @@
+"""Hostile command lines: undecodable bytes, absurd numbers, odd paths. Each must end in one
+`zerocomm: error:` (or one JSON error object under --json) with a documented exit code, never a
+traceback and never a hang, whether an agent runs or not."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from test_cli_support import ZEROCOMM, Member
+
+pytestmark = [pytest.mark.timeout(180), pytest.mark.slow]
+
+
+@pytest.fixture(scope="module")
+def members(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Member, Member]]:
+    """One member with its agent running and one without (same code paths, both answers)."""
+    root = tmp_path_factory.mktemp("hostile")
+    up, down = Member(root, "up"), Member(root, "down")
+    up.init()
+    down.init()
+    up.start()
+    up.ok("group", "create", "g")
+    try:
+        yield up, down
+    finally:
+        up.stop()
+
+
+def raw(*args: str | bytes, stdin: bytes = b"") -> subprocess.CompletedProcess[bytes]:
+    """Run zerocomm with argv given as bytes where a str cannot say it (invalid UTF-8)."""
+    argv = [os.fsencode(a) if isinstance(a, str) else a for a in (*ZEROCOMM, *args)]
+    return subprocess.run(argv, input=stdin, capture_output=True, timeout=60)
+
+
+def refused(member: Member, *args: str | bytes, code: int, stdin: bytes = b"") -> dict[str, object]:
+    """Both forms refused cleanly with ``code``: text on stderr, and under --json one valid UTF-8 JSON error."""
+    text = raw("--config", str(member.config), *args, stdin=stdin)
+    err = text.stderr.decode("utf-8", "replace")
+    assert text.returncode == code, (args, text.returncode, err)
+    assert "Traceback" not in err and err.startswith("zerocomm: error: "), err
+    as_json = raw("--config", str(member.config), "--json", *args, stdin=stdin)
+    assert as_json.returncode == code, (args, as_json.returncode, as_json.stderr)
+    assert b"Traceback" not in as_json.stderr, as_json.stderr
+    answer = json.loads(as_json.stdout.decode("utf-8").splitlines()[-1])  # strict UTF-8: valid JSON text
+    assert answer["ok"] is False and answer["exit_code"] == code
+    assert answer["error"]["message"] and answer["error"]["hint"]
+    return answer["error"]
+
+
+def test_a_timeout_too_long_to_wait_for_is_a_usage_error(members: tuple[Member, Member]) -> None:
+    """--timeout 1e308 passed the finite check, then overflowed the client's lock wait: a traceback (exit 1)."""
+    for member in members:
+        for value in ("1e308", "1e300", "nan", "inf", "-1", "0", "1e400"):
+            error = refused(member, "group", "list", "--timeout", value, code=2)
+            assert "--timeout" in error["message"], error
