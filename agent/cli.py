@@ -34,6 +34,7 @@ from zerocomm_spark.agent.output import (
 from zerocomm_spark.client import Client, error_header
 from zerocomm_spark.deadlines import check_timeout
 from zerocomm_spark.errors import ZeroCommError
+from zerocomm_spark.text import is_utf8_text
 
 __all__ = ["main", "exit_code_for", "EXIT_CODES"]
 
@@ -683,10 +684,13 @@ def _stdin_chunks(request_bytes: Callable[[], int]) -> Iterator[list[str]]:
     chunk: list[str] = []
     size = 0
     limit = None
-    for line in sys.stdin:
+    for number, line in enumerate(sys.stdin, 1):
         if limit is None:
             limit = min(_SEND_CHUNK_BYTES, max(request_bytes() // 2, 1))
         text = line.rstrip("\n")
+        if not is_utf8_text(text):  # stdin decodes with surrogateescape: binary input would fail mid-send
+            raise errors.BadRequestError(f"line {number} of stdin is not UTF-8 text",
+                                         hint="Send text; encode binary data first (for example with base64)")
         cost = len(text.encode("utf-8", "surrogateescape")) + 64
         if chunk and size + cost > limit:
             yield chunk
@@ -716,20 +720,20 @@ def cmd_send(ctx: Ctx) -> int:
     duplicates = 0
     journaled = True
     with Progress(f"sending to {a.group}", enabled=None if not ctx.json and a.message == "-" else False) as progress:
-        for lines in chunks:
-            try:
+        try:  # reading stdin fails too (a line that is not text): both say how far the sending got
+            for lines in chunks:
                 result = ctx.client().publish(a.group, lines, message_ids=ids, timeout=ctx.timeout)
-            except ZeroCommError as exc:
-                if message_ids:  # earlier chunks went out: say how far, so the rest can be sent again
-                    text, hint = exc.message, exc.hint
-                    text += f" (the first {len(message_ids)} line(s) were sent and acknowledged)"
-                    exc.args = (f"{text}. {hint}" if hint else text,)
-                raise
-            message_ids += result.message_ids
-            seqs += result.seqs
-            duplicates += result.duplicates
-            journaled = journaled and bool(result.journaled)
-            progress.update({"phase": f"{len(message_ids)} line(s) acknowledged"})
+                message_ids += result.message_ids
+                seqs += result.seqs
+                duplicates += result.duplicates
+                journaled = journaled and bool(result.journaled)
+                progress.update({"phase": f"{len(message_ids)} line(s) acknowledged"})
+        except ZeroCommError as exc:
+            if message_ids:  # earlier chunks went out: say how far, so the rest can be sent again
+                text, hint = exc.message, exc.hint
+                text += f" (the first {len(message_ids)} line(s) were sent and acknowledged)"
+                exc.args = (f"{text}. {hint}" if hint else text,)
+            raise
     if not message_ids:
         raise errors.ConfigurationError("stdin had no lines to send")
     value = {"group": a.group, "message_ids": message_ids, "seqs": seqs, "duplicates": duplicates,

@@ -57,6 +57,7 @@ from zerocomm_spark.errors import (
     ZeroCommError,
 )
 from zerocomm_spark.ipc_limits import DECODED_BYTES_FACTOR, check_decoded_size, input_errors
+from zerocomm_spark.text import is_utf8_text
 
 if TYPE_CHECKING:  # pyarrow costs ~0.4 s to import: only the calls that move Arrow data load it
     import pyarrow as pa
@@ -333,6 +334,10 @@ def publish_table(data: pa.Table | pa.RecordBatch | Iterable[bytes | str],
         for i, p in enumerate(payloads):
             if not isinstance(p, (bytes, str)):
                 raise TypeError(f"message {i} is a {type(p).__name__}; messages are bytes or str")
+        for i, p in enumerate(payloads):  # a lone surrogate (undecodable input) has no UTF-8 form
+            if isinstance(p, str) and not is_utf8_text(p):
+                raise BadRequestError(f"message {i} is not UTF-8 text: it holds a lone surrogate (undecodable "
+                                      "bytes)", hint="Send UTF-8 text, or bytes for binary data")
         payloads = [p.encode("utf-8") if isinstance(p, str) else p for p in payloads]
         table = pa.Table.from_arrays([_binary_array(payloads)], names=["payload"])
     if message_ids is not None:
@@ -343,6 +348,9 @@ def publish_table(data: pa.Table | pa.RecordBatch | Iterable[bytes | str],
         for mid in message_ids:
             if mid is not None and not isinstance(mid, str):
                 raise TypeError(f"message ids are str (or None), not {type(mid).__name__}")
+            if mid is not None and not is_utf8_text(mid):
+                raise BadRequestError("a message id is not UTF-8 text: it holds a lone surrogate (undecodable bytes)",
+                                      hint="Use UTF-8 text for message ids, or leave them out to get fresh ones")
         ids = [None if m is None else m.encode("utf-8") for m in message_ids]
         table = table.append_column("message_id", _binary_array(ids, as_string=True))
     if headers is not None:

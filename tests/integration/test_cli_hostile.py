@@ -59,3 +59,18 @@ def test_a_timeout_too_long_to_wait_for_is_a_usage_error(members: tuple[Member, 
         for value in ("1e308", "1e300", "nan", "inf", "-1", "0", "1e400"):
             error = refused(member, "group", "list", "--timeout", value, code=2)
             assert "--timeout" in error["message"], error
+
+
+def test_text_that_is_not_utf8_is_refused_before_anything_is_sent(members: tuple[Member, Member]) -> None:
+    """Undecodable bytes in the message, its --id or stdin reached str.encode in publish_table: a
+    UnicodeEncodeError reported as a ConfigurationError ("'utf-8' codec can't encode...", "check the
+    named setting") although no setting was involved."""
+    up, down = members
+    for args in (("send", "g", b"hi\xff"), ("send", "g", "x", "--id", b"id\xff")):
+        error = refused(up, *args, code=2)
+        assert "UTF-8" in error["message"] and "codec" not in error["message"], error
+        assert "setting" not in error["hint"], error
+        refused(down, *args, code=3)  # no agent to send to: that comes first, and is said as cleanly
+    error = refused(up, "send", "g", "-", stdin=b"fine\nbad \xff\xfe\n", code=2)
+    assert "line 2" in error["message"] and "UTF-8" in error["message"], error
+    assert up.run("history", "g").json_lines == []  # refused whole: not even the good first line went out
