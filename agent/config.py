@@ -24,6 +24,7 @@ from typing import Any
 
 from zerocomm_spark.client import DEFAULT_IDENTITY_DIR, USER_CONFIG_FILE, default_socket_dir, find_config_file
 from zerocomm_spark.errors import ConfigurationError
+from zerocomm_spark.text import is_utf8_text
 
 __all__ = ["Config", "DEFAULTS", "ENV_PREFIX", "load", "parse_duration", "render_toml"]
 
@@ -225,6 +226,11 @@ def _coerce(section: str, key: str, value: Any, origin: str) -> Any:
         kind = {bool: "true or false", int: "an integer", float: "a number", list: "a list of strings"}.get(
             type(default), "a string")
         raise ConfigurationError(f"{name} (from {origin}) must be {kind}, not {value!r}") from None
+    # Flags and variables are decoded with surrogateescape: undecodable bytes have no place in the TOML
+    # file init writes, a socket path or a label peers see (they failed half-way there).
+    if any(not is_utf8_text(v) for v in (value if isinstance(value, list) else [value]) if isinstance(v, str)):
+        raise ConfigurationError(f"{name} (from {origin}) is not UTF-8 text: {value!r}",
+                                 hint=f"Give {name} in UTF-8 (check the terminal's or the script's encoding)")
     choices = _CHOICES.get((section, key))
     if choices is not None:
         value = value.lower() if isinstance(value, str) else value

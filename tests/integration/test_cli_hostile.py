@@ -74,3 +74,18 @@ def test_text_that_is_not_utf8_is_refused_before_anything_is_sent(members: tuple
     error = refused(up, "send", "g", "-", stdin=b"fine\nbad \xff\xfe\n", code=2)
     assert "line 2" in error["message"] and "UTF-8" in error["message"], error
     assert up.run("history", "g").json_lines == []  # refused whole: not even the good first line went out
+
+
+def test_settings_with_undecodable_bytes_are_refused_before_init_writes_anything(tmp_path: Path) -> None:
+    """`init --label $'\\xff'` created the identity, then failed writing the config file half-way
+    ('utf-8' codec can't encode...), leaving an empty file that later commands read as "all defaults"."""
+    fresh = Member(tmp_path, "fresh")
+    error = refused(fresh, "init", "--identity-dir", str(fresh.identity), "--label", b"al\xffce", code=2)
+    assert "identity.label" in error["message"] and "UTF-8" in error["message"], error
+    assert not fresh.config.exists() and not fresh.identity.exists()
+    fresh.init()
+    for args in (("--identity-dir", os.fsencode(tmp_path) + b"/id\xff", "config"),
+                 ("--socket-dir", os.fsencode(tmp_path) + b"/s\xff", "group", "list"),
+                 ("--set", b"identity.label=\xff", "config")):
+        error = refused(fresh, *args, code=2)
+        assert "UTF-8" in error["message"] and "codec" not in error["message"], error

@@ -173,3 +173,13 @@ def test_the_passphrase_variable_is_not_taken_for_a_misspelt_setting(tmp_path: P
     assert len(cfg.warnings) == 1 and "ZEROCOMM_NOPE" in cfg.warnings[0]
     cfg = cfgmod.load(None, env={"ZEROCOMM_IDENTITY_PASSPHRASE_ENV": "ZEROCOMM_PW", "ZEROCOMM_PW": "x"})
     assert cfg.warnings == () and cfg.get("identity", "passphrase_env") == "ZEROCOMM_PW"
+
+
+def test_a_setting_with_undecodable_bytes_names_itself(tmp_path: Path) -> None:
+    """Flags and variables come from argv and the environment, decoded with surrogateescape: such a
+    value cannot go into the TOML file, a socket path or a label peers see."""
+    for flags, env, name in ((["identity.label=a\udcff"], {}, "identity.label"),
+                             ([], {"ZEROCOMM_API_SOCKET_DIR": "/tmp/\udcff"}, "api.socket_dir"),
+                             (["api.allowed_clients=a,b\udcff"], {}, "api.allowed_clients")):
+        with pytest.raises(ConfigurationError, match=f"{name}.*not UTF-8 text"):
+            cfgmod.load(None, env=env, flags=flags)
