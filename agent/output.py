@@ -23,7 +23,9 @@ __all__ = ["Progress", "emit_json", "printable", "render_table", "short_did", "f
 
 # DEL and the C1 controls: json.dumps leaves them raw with ensure_ascii=False, and a terminal may act on
 # them (U+009B is a CSI). In JSON output they can only be inside strings, where \u escapes mean the same.
-_RAW_CONTROLS = re.compile("[\x7f-\x9f]")
+# Lone surrogates (undecodable bytes from argv or the environment) too: raw, stdout writes them as
+# bytes that are not UTF-8 and the whole line is no longer JSON a parser takes.
+_RAW_CONTROLS = re.compile("[\x7f-\x9f\ud800-\udfff]")
 
 
 def emit_json(value: Any, stream: TextIO | None = None) -> None:

@@ -304,3 +304,13 @@ def test_an_errors_message_is_its_text_without_the_hint() -> None:
     assert str(exc) == "bad value. Fix it" and exc.message == "bad value" and exc.hint == "Fix it"
     assert errors.ZeroCommError("plain").message == "plain"
     assert errors.ConfigurationError("uses the class hint").message == "uses the class hint"
+
+
+def test_json_output_escapes_lone_surrogates() -> None:
+    """A string from argv or the environment with undecodable bytes (surrogateescape) was written raw:
+    bytes that are not UTF-8, so the line was not JSON a strict parser takes."""
+    out = io.BytesIO()
+    stream = io.TextIOWrapper(out, encoding="utf-8", errors="surrogateescape")
+    emit_json({"warning": "ignored ZEROCOMM_X\udcff"}, stream)
+    stream.flush()
+    assert json.loads(out.getvalue().decode("utf-8")) == {"warning": "ignored ZEROCOMM_X\udcff"}
