@@ -107,18 +107,25 @@ def find_config_file(config: str | os.PathLike[str] | None = None,
     if config is not None:
         path = Path(config).expanduser()
         if not path.is_file():
-            raise ConfigurationError(f"the configuration file {path} does not exist",
+            raise ConfigurationError(f"the configuration file {path} {_not_a_file(path)}",
                                      hint="Create it with `zerocomm --config PATH init`, or fix the path")
         return path
     named = env.get("ZEROCOMM_CONFIG")
     if named:
         path = Path(named).expanduser()
         if not path.is_file():
-            raise ConfigurationError(f"ZEROCOMM_CONFIG names {path}, which does not exist",
+            raise ConfigurationError(f"ZEROCOMM_CONFIG names {path}, which {_not_a_file(path)}",
                                      hint="Create it with `zerocomm init`, or unset ZEROCOMM_CONFIG")
         return path
     user = Path(USER_CONFIG_FILE).expanduser()
     return user if user.is_file() else None
+
+
+def _not_a_file(path: Path) -> str:
+    """Why ``path`` is no configuration file: "does not exist" misleads about a directory given by mistake."""
+    if path.is_dir():
+        return "is a directory, not a TOML file"
+    return "is not a regular file" if path.exists() else "does not exist"
 
 
 def default_socket_dir(identity_dir: str | os.PathLike[str]) -> Path:

@@ -183,3 +183,13 @@ def test_a_setting_with_undecodable_bytes_names_itself(tmp_path: Path) -> None:
                              (["api.allowed_clients=a,b\udcff"], {}, "api.allowed_clients")):
         with pytest.raises(ConfigurationError, match=f"{name}.*not UTF-8 text"):
             cfgmod.load(None, env=env, flags=flags)
+
+
+def test_a_config_path_that_is_no_file_says_what_it_is(tmp_path: Path) -> None:
+    """--config naming a directory or a device said "does not exist" about something that exists."""
+    for path, said in ((tmp_path, "is a directory"), (Path("/dev/null"), "is not a regular file"),
+                       (tmp_path / "nope.toml", "does not exist")):
+        with pytest.raises(ConfigurationError, match=said):
+            cfgmod.load(path, env={})
+        with pytest.raises(ConfigurationError, match=f"ZEROCOMM_CONFIG.*{said}"):
+            cfgmod.load(None, env={"ZEROCOMM_CONFIG": str(path)})
