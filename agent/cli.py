@@ -207,13 +207,24 @@ def build_parser() -> argparse.ArgumentParser:
     p = add(sub, "tail", "print a group's messages as they arrive (from the journal), like tail -F (across agent "
                          "restarts)", cmd_tail)
     p.add_argument("group", metavar="GROUP")
-    p.add_argument("-n", "--lines", type=int, default=10, metavar="N", help="show the last N first (default 10)")
+    p.add_argument("-n", "--lines", type=_count, default=10, metavar="N", help="show the last N first (default 10)")
     p.add_argument("--no-follow", action="store_true", help="print the last N and stop")
     _add_history(sub, add)
     add(sub, "metrics", "messages in and out, bytes, lag per publisher, peers alive, API calls", cmd_metrics)
     add(sub, "keygen", "make a CURVE key pair for a remote API client (api.allowed_clients)", cmd_keygen)
     add(sub, "config", "show the configuration in force and where each setting comes from", cmd_config)
     return parser
+
+
+def _count(text: str) -> int:
+    """A count of messages or rows: a negative one is a typo, not a request (it read as 0 or 1)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, not {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, not {text}")
+    return value
 
 
 HISTORY_ACTIONS = ("show", "ingest", "replay", "compact", "vacuum")
@@ -231,7 +242,7 @@ def _add_history(sub: Any, add: Callable[..., argparse.ArgumentParser]) -> None:
     actions.required = True
     p = add(actions, "show", "a group's journaled messages, oldest first (the default action)", cmd_history)
     p.add_argument("group", metavar="GROUP")
-    p.add_argument("--limit", type=int, default=100, metavar="N", help="the last N messages (default 100)")
+    p.add_argument("--limit", type=_count, default=100, metavar="N", help="the last N messages (default 100)")
     p.add_argument("--all", action="store_true", help="every retained message")
     key_help = "file holding the 32-byte group history key (raw or 64 hex digits, mode 600)"
     p = add(actions, "ingest", "persist groups into a Delta history table (a Spark streaming query)",
@@ -256,7 +267,7 @@ def _add_history(sub: Any, add: Callable[..., argparse.ArgumentParser]) -> None:
     since.add_argument("--since-time", metavar="ISO", help="rows sent at or after this time (ISO 8601, UTC default)")
     since.add_argument("--since-lamport", type=int, metavar="N", help="rows with Lamport time >= N")
     p.add_argument("--as-of", metavar="V|ISO", help="time travel: the table at this version or time")
-    p.add_argument("--limit", type=int, default=100, metavar="N", help="at most N rows (default 100, 0: all)")
+    p.add_argument("--limit", type=_count, default=100, metavar="N", help="at most N rows (default 100, 0: all)")
     p.add_argument("--verify", action="store_true", help="check every row's origin proof (adds a column)")
     p.add_argument("--history-key-file", metavar="FILE", help=key_help + ": open sealed payloads")
     p = add(actions, "compact", "OPTIMIZE the history table (merge small files)", _history("compact"))

@@ -43,7 +43,8 @@ def refused(member: Member, *args: str | bytes, code: int, stdin: bytes = b"") -
     text = raw("--config", str(member.config), *args, stdin=stdin)
     err = text.stderr.decode("utf-8", "replace")
     assert text.returncode == code, (args, text.returncode, err)
-    assert "Traceback" not in err and err.startswith("zerocomm: error: "), err
+    assert "Traceback" not in err, err
+    assert any(line.startswith("zerocomm") and "error: " in line for line in err.splitlines()), err  # after usage
     as_json = raw("--config", str(member.config), "--json", *args, stdin=stdin)
     assert as_json.returncode == code, (args, as_json.returncode, as_json.stderr)
     assert b"Traceback" not in as_json.stderr, as_json.stderr
@@ -89,3 +90,15 @@ def test_settings_with_undecodable_bytes_are_refused_before_init_writes_anything
                  ("--set", b"identity.label=\xff", "config")):
         error = refused(fresh, *args, code=2)
         assert "UTF-8" in error["message"] and "codec" not in error["message"], error
+
+
+def test_negative_counts_are_usage_errors(members: tuple[Member, Member]) -> None:
+    """`tail -n -1` printed nothing and `history --limit -1` the last message, both exit 0: a typo
+    taken for a request. Counts are whole numbers >= 0; a huge one is just "all"."""
+    for member in members:
+        for args in (("tail", "g", "-n", "-1", "--no-follow"), ("history", "g", "--limit", "-5"),
+                     ("tail", "g", "-n", str(-2**70), "--no-follow"), ("history", "g", "--limit", "x")):
+            error = refused(member, *args, code=2)
+            assert "-n" in error["message"] or "--limit" in error["message"], error
+    up = members[0]
+    assert up.run("tail", "g", "-n", str(2**70), "--no-follow").code == 0
