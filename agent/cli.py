@@ -746,7 +746,8 @@ def cmd_send(ctx: Ctx) -> int:
                 exc.args = (f"{text}. {hint}" if hint else text,)
             raise
     if not message_ids:
-        raise errors.ConfigurationError("stdin had no lines to send")
+        raise errors.ConfigurationError("stdin had no lines to send",
+                                        hint="Pipe the lines into `zerocomm send GROUP -`, or give the text in place of -")
     value = {"group": a.group, "message_ids": message_ids, "seqs": seqs, "duplicates": duplicates,
              "journaled": journaled}
     if len(message_ids) == 1:

@@ -75,6 +75,8 @@ def test_text_that_is_not_utf8_is_refused_before_anything_is_sent(members: tuple
     error = refused(up, "send", "g", "-", stdin=b"fine\nbad \xff\xfe\n", code=2)
     assert "line 2" in error["message"] and "UTF-8" in error["message"], error
     assert up.run("history", "g").json_lines == []  # refused whole: not even the good first line went out
+    empty = refused(up, "send", "g", "-", stdin=b"", code=2)  # the hint was "check the named setting"
+    assert "stdin" in empty["message"] and "setting" not in empty["hint"], empty
 
 
 def test_settings_with_undecodable_bytes_are_refused_before_init_writes_anything(tmp_path: Path) -> None:
