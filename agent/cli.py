@@ -34,6 +34,7 @@ from zerocomm_spark.agent.output import (
 from zerocomm_spark.client import Client, error_header
 from zerocomm_spark.deadlines import check_timeout
 from zerocomm_spark.errors import ZeroCommError
+from zerocomm_spark.group.topics import check_group
 from zerocomm_spark.text import is_utf8_text
 
 __all__ = ["main", "exit_code_for", "EXIT_CODES"]
@@ -803,14 +804,29 @@ def _print_rows(ctx: Ctx, rows: list[dict[str, Any]], labels: _Labels, *, stream
                                     ("message", "MESSAGE")], empty="(no messages)"))
 
 
+def _unknown_group(client: Client, group: str) -> errors.GroupNotFoundError | None:
+    """For a read that found nothing: the error if this member is not in ``group`` either (a misspelt
+    name printed nothing and exited 0). A group it left keeps its journaled history: no error then."""
+    names = sorted(g.get("group", "") for g in client.groups())
+    if group in names:
+        return None
+    return errors.GroupNotFoundError(
+        f"this member's journal holds no messages of group {group!r}, and it is in no group of that name",
+        hint="Check the name; the groups it is in: " + (", ".join(repr(n) for n in names) or "none") +
+             " (`zerocomm group info GROUP`)")
+
+
 def cmd_history(ctx: Ctx) -> int:
+    check_group(ctx.args.group)  # a name no group can have: say so, not an empty history
     client = ctx.client()
     labels = _Labels(client, ctx.args.group)
     rows: list[dict[str, Any]] = []
+    found = 0
     if ctx.args.all:
         offset = None
         while True:
             page = client.fetch(group=ctx.args.group, start=offset)
+            found += page.table.num_rows
             if ctx.json:  # one JSON line per row, page by page: a long history is never all in memory
                 _print_rows(ctx, _rows(page.table), labels, stream=True)
             else:  # an aligned table needs every row's width first
@@ -820,6 +836,11 @@ def cmd_history(ctx: Ctx) -> int:
             offset = page.next_offset
     else:
         rows = _rows(client.fetch(group=ctx.args.group, last=max(ctx.args.limit, 1)).table)
+        found = len(rows)
+    if not found:
+        unknown = _unknown_group(client, ctx.args.group)
+        if unknown is not None:
+            raise unknown
     if ctx.json:
         _print_rows(ctx, rows, labels, stream=True)
     else:
@@ -828,6 +849,7 @@ def cmd_history(ctx: Ctx) -> int:
 
 
 def cmd_tail(ctx: Ctx) -> int:
+    check_group(ctx.args.group)  # following a name no group can have would wait forever
     client = ctx.client()
     labels = _Labels(client, ctx.args.group)
     page = client.fetch(group=ctx.args.group, last=ctx.args.lines) if ctx.args.lines > 0 else None

@@ -104,3 +104,17 @@ def test_negative_counts_are_usage_errors(members: tuple[Member, Member]) -> Non
             assert "-n" in error["message"] or "--limit" in error["message"], error
     up = members[0]
     assert up.run("tail", "g", "-n", str(2**70), "--no-follow").code == 0
+
+
+def test_history_of_a_group_the_member_is_not_in_says_so(members: tuple[Member, Member]) -> None:
+    """`history nosuch` (a misspelt name) printed nothing and exited 0, and `tail ""` waited forever
+    on a name no group can have. The member's own empty group is still an empty history."""
+    up, down = members
+    error = refused(up, "history", "nosuch", code=6)
+    assert "'nosuch'" in error["message"] and "'g'" in error["hint"], error
+    refused(up, "history", "nosuch", "--all", code=6)
+    assert up.run("history", "g").code == 0  # in the group, nothing sent yet: no error
+    for name in ("", "a:b", "x" * 300, "a\x01b"):
+        for args in (("history", name), ("tail", name, "--no-follow")):
+            refused(up, *args, code=2)
+            refused(down, *args, code=2)  # checked before looking for an agent
