@@ -243,7 +243,7 @@ def _add_history(sub: Any, add: Callable[..., argparse.ArgumentParser]) -> None:
     actions.required = True
     p = add(actions, "show", "a group's journaled messages, oldest first (the default action)", cmd_history)
     p.add_argument("group", metavar="GROUP")
-    p.add_argument("--limit", type=_count, default=100, metavar="N", help="the last N messages (default 100)")
+    p.add_argument("--limit", type=_count, default=100, metavar="N", help="the last N messages (default 100, 0: all)")
     p.add_argument("--all", action="store_true", help="every retained message")
     key_help = "file holding the 32-byte group history key (raw or 64 hex digits, mode 600)"
     p = add(actions, "ingest", "persist groups into a Delta history table (a Spark streaming query)",
@@ -443,6 +443,10 @@ def cmd_init(ctx: Ctx) -> int:
     from zerocomm_spark.member import Agent
 
     cfg = ctx.config
+    target = Path(ctx.config_path).expanduser() if ctx.config_path else config_mod.user_config_file()
+    writing = not target.exists() or getattr(ctx.args, "force", False)
+    if writing:  # a file that cannot be written must fail before the identity exists, not after
+        _init_toml(cfg, str(cfg.label or cfg.identity_dir.name))
     existing = (cfg.identity_dir / "keystore.sealed").exists()
     if existing:
         # Only the keystore: opening the member would rejoin its groups, and messages delivered
@@ -464,19 +468,12 @@ def cmd_init(ctx: Ctx) -> int:
             label, endpoint = agent.label, agent.endpoint
         finally:
             agent.close()
-    target = Path(ctx.config_path).expanduser() if ctx.config_path else config_mod.user_config_file()
     wrote = False
-    if not target.exists() or getattr(ctx.args, "force", False):
-        values = {s: dict(v) for s, v in cfg.values.items()}
-        values["identity"]["dir"] = str(cfg.identity_dir)
-        values["identity"]["label"] = label
-        for section, key in config_mod._PATH_SETTINGS:  # noqa: SLF001 - meant from here, relative to the file once written
-            value = values[section][key]
-            if value and not os.path.isabs(os.path.expanduser(value)):
-                values[section][key] = str(Path(value).absolute())
+    if writing:
+        data = _init_toml(cfg, label)
         try:
             target.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-            target.write_text(config_mod.render_toml(values), encoding="utf-8")
+            target.write_bytes(data)
             target.chmod(0o600)
         except OSError as exc:
             raise errors.ConfigurationError(
@@ -494,6 +491,25 @@ def cmd_init(ctx: Ctx) -> int:
         f"next: zerocomm{'' if not ctx.config_path else ' --config ' + shlex.quote(str(target))} agent start --detach",
     ]))
     return EXIT_OK
+
+
+def _init_toml(cfg: Config, label: str) -> bytes:
+    """The configuration file init writes, as UTF-8 (TOML is UTF-8): a path or label with undecodable
+    bytes cannot go in it, which is said before the identity is created, naming the setting."""
+    values = {s: dict(v) for s, v in cfg.values.items()}
+    values["identity"]["dir"] = str(cfg.identity_dir)
+    values["identity"]["label"] = label
+    for section, key in config_mod._PATH_SETTINGS:  # noqa: SLF001 - meant from here, relative to the file once written
+        value = values[section][key]
+        if value and not os.path.isabs(os.path.expanduser(value)):
+            values[section][key] = str(Path(value).absolute())
+    for section, settings in values.items():
+        for key, value in settings.items():
+            if isinstance(value, str) and not is_utf8_text(value):
+                raise errors.ConfigurationError(
+                    f"{section}.{key} is {value!r}, which is not UTF-8 text and cannot be written to the TOML "
+                    "configuration file", hint=f"Give {section}.{key} a path or name in UTF-8 (nothing was created)")
+    return config_mod.render_toml(values).encode("utf-8")
 
 
 def cmd_agent_start(ctx: Ctx) -> int:
@@ -696,6 +712,10 @@ def _stdin_chunks(request_bytes: Callable[[], int]) -> Iterator[list[str]]:
     chunk: list[str] = []
     size = 0
     limit = None
+    # Decoded leniently whatever the locale (strict under en_US.UTF-8 and the like): a line that is not
+    # UTF-8 is then told by its number below, as a ZeroCommError (it says how many lines went out).
+    if hasattr(sys.stdin, "reconfigure"):
+        sys.stdin.reconfigure(errors="surrogateescape")
     for number, line in enumerate(sys.stdin, 1):
         if limit is None:
             limit = min(_SEND_CHUNK_BYTES, max(request_bytes() // 2, 1))
@@ -808,8 +828,8 @@ def _unknown_group(client: Client, group: str) -> errors.GroupNotFoundError | No
     """For a read that found nothing: the error if this member is not in ``group`` either (a misspelt
     name printed nothing and exited 0). A group it left keeps its journaled history: no error then."""
     names = sorted(g.get("group", "") for g in client.groups())
-    if group in names:
-        return None
+    if group in names or client.latest(group).get("publishers"):  # a group it left: known to its journal,
+        return None  # which keeps listing publishers whose rows retention deleted (or a scan cut short)
     return errors.GroupNotFoundError(
         f"this member's journal holds no messages of group {group!r}, and it is in no group of that name",
         hint="Check the name; the groups it is in: " + (", ".join(repr(n) for n in names) or "none") +
@@ -822,7 +842,7 @@ def cmd_history(ctx: Ctx) -> int:
     labels = _Labels(client, ctx.args.group)
     rows: list[dict[str, Any]] = []
     found = 0
-    if ctx.args.all:
+    if ctx.args.all or ctx.args.limit == 0:  # --limit 0: all, as for history replay
         offset = None
         while True:
             page = client.fetch(group=ctx.args.group, start=offset)
@@ -835,7 +855,7 @@ def cmd_history(ctx: Ctx) -> int:
                 break
             offset = page.next_offset
     else:
-        rows = _rows(client.fetch(group=ctx.args.group, last=max(ctx.args.limit, 1)).table)
+        rows = _rows(client.fetch(group=ctx.args.group, last=ctx.args.limit).table)
         found = len(rows)
     if not found:
         unknown = _unknown_group(client, ctx.args.group)

@@ -226,9 +226,11 @@ def _coerce(section: str, key: str, value: Any, origin: str) -> Any:
         kind = {bool: "true or false", int: "an integer", float: "a number", list: "a list of strings"}.get(
             type(default), "a string")
         raise ConfigurationError(f"{name} (from {origin}) must be {kind}, not {value!r}") from None
-    # Flags and variables are decoded with surrogateescape: undecodable bytes have no place in the TOML
-    # file init writes, a socket path or a label peers see (they failed half-way there).
-    if any(not is_utf8_text(v) for v in (value if isinstance(value, list) else [value]) if isinstance(v, str)):
+    # Flags and variables are decoded with surrogateescape: undecodable bytes have no place in a label
+    # peers see or a setting sent on (they failed half-way there). Paths are bytes on Linux and take
+    # them; init refuses one it cannot write into the TOML file before it creates anything.
+    if (section, key) not in _PATH_SETTINGS and any(
+            not is_utf8_text(v) for v in (value if isinstance(value, list) else [value]) if isinstance(v, str)):
         raise ConfigurationError(f"{name} (from {origin}) is not UTF-8 text: {value!r}",
                                  hint=f"Give {name} in UTF-8 (check the terminal's or the script's encoding)")
     choices = _CHOICES.get((section, key))

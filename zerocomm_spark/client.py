@@ -165,6 +165,9 @@ def resolve_socket_dir(config: str | os.PathLike[str] | None = None,
 
 def ipc_endpoint(socket_dir: str | os.PathLike[str]) -> str:
     path = Path(socket_dir).expanduser().absolute() / SOCKET_NAME
+    if not is_utf8_text(str(path)):  # ZeroMQ endpoints are UTF-8: undecodable bytes in a path have none
+        raise ConfigurationError(f"the API socket path {str(path)!r} is not UTF-8 text, which a ZeroMQ endpoint must be",
+                                 hint="Set api.socket_dir (or identity.dir, whose run/ it defaults to) to a UTF-8 path")
     if len(str(path).encode()) > MAX_IPC_PATH:
         raise ConfigurationError(
             f"the API socket path {path} is longer than the {MAX_IPC_PATH} bytes a Unix socket allows",
@@ -341,11 +344,12 @@ def publish_table(data: pa.Table | pa.RecordBatch | Iterable[bytes | str],
         for i, p in enumerate(payloads):
             if not isinstance(p, (bytes, str)):
                 raise TypeError(f"message {i} is a {type(p).__name__}; messages are bytes or str")
-        for i, p in enumerate(payloads):  # a lone surrogate (undecodable input) has no UTF-8 form
-            if isinstance(p, str) and not is_utf8_text(p):
-                raise BadRequestError(f"message {i} is not UTF-8 text: it holds a lone surrogate (undecodable "
-                                      "bytes)", hint="Send UTF-8 text, or bytes for binary data")
-        payloads = [p.encode("utf-8") if isinstance(p, str) else p for p in payloads]
+        try:
+            payloads = [p.encode("utf-8") if isinstance(p, str) else p for p in payloads]
+        except UnicodeEncodeError:  # a lone surrogate (undecodable input) has no UTF-8 form: say which
+            i = next(i for i, p in enumerate(payloads) if isinstance(p, str) and not is_utf8_text(p))
+            raise BadRequestError(f"message {i} is not UTF-8 text: it holds a lone surrogate (undecodable bytes)",
+                                  hint="Send UTF-8 text, or bytes for binary data") from None
         table = pa.Table.from_arrays([_binary_array(payloads)], names=["payload"])
     if message_ids is not None:
         if len(message_ids) != table.num_rows:

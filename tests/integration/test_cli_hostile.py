@@ -32,20 +32,22 @@ def members(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Member, 
         up.stop()
 
 
-def raw(*args: str | bytes, stdin: bytes = b"") -> subprocess.CompletedProcess[bytes]:
+def raw(*args: str | bytes, stdin: bytes = b"", env: dict[str, str] | None = None) -> subprocess.CompletedProcess[bytes]:
     """Run zerocomm with argv given as bytes where a str cannot say it (invalid UTF-8)."""
     argv = [os.fsencode(a) if isinstance(a, str) else a for a in (*ZEROCOMM, *args)]
-    return subprocess.run(argv, input=stdin, capture_output=True, timeout=60)
+    return subprocess.run(argv, input=stdin, capture_output=True, timeout=60,
+                          env=None if env is None else {**os.environ, **env})
 
 
-def refused(member: Member, *args: str | bytes, code: int, stdin: bytes = b"") -> dict[str, object]:
+def refused(member: Member, *args: str | bytes, code: int, stdin: bytes = b"",
+            env: dict[str, str] | None = None) -> dict[str, object]:
     """Both forms refused cleanly with ``code``: text on stderr, and under --json one valid UTF-8 JSON error."""
-    text = raw("--config", str(member.config), *args, stdin=stdin)
+    text = raw("--config", str(member.config), *args, stdin=stdin, env=env)
     err = text.stderr.decode("utf-8", "replace")
     assert text.returncode == code, (args, text.returncode, err)
     assert "Traceback" not in err, err
     assert any(line.startswith("zerocomm") and "error: " in line for line in err.splitlines()), err  # after usage
-    as_json = raw("--config", str(member.config), "--json", *args, stdin=stdin)
+    as_json = raw("--config", str(member.config), "--json", *args, stdin=stdin, env=env)
     assert as_json.returncode == code, (args, as_json.returncode, as_json.stderr)
     assert b"Traceback" not in as_json.stderr, as_json.stderr
     answer = json.loads(as_json.stdout.decode("utf-8").splitlines()[-1])  # strict UTF-8: valid JSON text
@@ -72,8 +74,9 @@ def test_text_that_is_not_utf8_is_refused_before_anything_is_sent(members: tuple
         assert "UTF-8" in error["message"] and "codec" not in error["message"], error
         assert "setting" not in error["hint"], error
         refused(down, *args, code=3)  # no agent to send to: that comes first, and is said as cleanly
-    error = refused(up, "send", "g", "-", stdin=b"fine\nbad \xff\xfe\n", code=2)
-    assert "line 2" in error["message"] and "UTF-8" in error["message"], error
+    for env in (None, {"PYTHONIOENCODING": "utf-8:strict"}):  # en_US.UTF-8 and the like decode stdin strictly
+        error = refused(up, "send", "g", "-", stdin=b"fine\nbad \xff\xfe\n", code=2, env=env)
+        assert "line 2" in error["message"] and "UTF-8" in error["message"], error
     assert up.run("history", "g").json_lines == []  # refused whole: not even the good first line went out
     empty = refused(up, "send", "g", "-", stdin=b"", code=2)  # the hint was "check the named setting"
     assert "stdin" in empty["message"] and "setting" not in empty["hint"], empty
@@ -86,9 +89,16 @@ def test_settings_with_undecodable_bytes_are_refused_before_init_writes_anything
     error = refused(fresh, "init", "--identity-dir", str(fresh.identity), "--label", b"al\xffce", code=2)
     assert "identity.label" in error["message"] and "UTF-8" in error["message"], error
     assert not fresh.config.exists() and not fresh.identity.exists()
+    # A path is bytes on Linux and may hold them, but not in the UTF-8 TOML file init writes: said
+    # before the identity is created (init made it, then failed writing the file).
+    bad_dir = os.fsencode(tmp_path) + b"/id\xff"
+    error = refused(fresh, "init", "--identity-dir", bad_dir, code=2)
+    assert "identity.dir" in error["message"] and "UTF-8" in error["message"], error
+    assert not fresh.config.exists() and not os.path.exists(bad_dir)
     fresh.init()
-    for args in (("--identity-dir", os.fsencode(tmp_path) + b"/id\xff", "config"),
-                 ("--socket-dir", os.fsencode(tmp_path) + b"/s\xff", "group", "list"),
+    assert raw("--config", str(fresh.config), "--identity-dir", bad_dir, "config").returncode == 0  # only read
+    for args in (("--socket-dir", os.fsencode(tmp_path) + b"/s\xff", "group", "list"),  # a ZeroMQ endpoint: UTF-8
+                 ("--identity-dir", bad_dir, "group", "list"),  # its run/ is the socket directory
                  ("--set", b"identity.label=\xff", "config")):
         error = refused(fresh, *args, code=2)
         assert "UTF-8" in error["message"] and "codec" not in error["message"], error
@@ -114,6 +124,7 @@ def test_history_of_a_group_the_member_is_not_in_says_so(members: tuple[Member, 
     assert "'nosuch'" in error["message"] and "'g'" in error["hint"], error
     refused(up, "history", "nosuch", "--all", code=6)
     assert up.run("history", "g").code == 0  # in the group, nothing sent yet: no error
+    assert up.run("history", "g", "--limit", "0").code == 0  # 0: all, as for history replay
     for name in ("", "a:b", "x" * 300, "a\x01b"):
         for args in (("history", name), ("tail", name, "--no-follow")):
             refused(up, *args, code=2)

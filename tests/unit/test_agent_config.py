@@ -179,10 +179,17 @@ def test_a_setting_with_undecodable_bytes_names_itself(tmp_path: Path) -> None:
     """Flags and variables come from argv and the environment, decoded with surrogateescape: such a
     value cannot go into the TOML file, a socket path or a label peers see."""
     for flags, env, name in ((["identity.label=a\udcff"], {}, "identity.label"),
-                             ([], {"ZEROCOMM_API_SOCKET_DIR": "/tmp/\udcff"}, "api.socket_dir"),
                              (["api.allowed_clients=a,b\udcff"], {}, "api.allowed_clients")):
         with pytest.raises(ConfigurationError, match=f"{name}.*not UTF-8 text"):
             cfgmod.load(None, env=env, flags=flags)
+    # Paths are bytes on Linux and take them (a directory named in Latin-1)...
+    cfg = cfgmod.load(None, env={"ZEROCOMM_JOURNAL_DIR": "/data/j\udce9", "ZEROCOMM_API_SOCKET_DIR": "/tmp/\udcff"})
+    assert str(cfg.journal_dir) == "/data/j\udce9"
+    # ...but not a ZeroMQ endpoint, which is UTF-8: the socket path says so when the endpoint is made.
+    from zerocomm_spark.client import ipc_endpoint
+
+    with pytest.raises(ConfigurationError, match="socket path.*not UTF-8 text"):
+        ipc_endpoint(cfg.socket_dir)
 
 
 def test_a_config_path_that_is_no_file_says_what_it_is(tmp_path: Path) -> None:
