@@ -6,6 +6,7 @@ import socket
 import threading
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 
 import pytest
 import zmq
@@ -90,6 +91,26 @@ def _wait_until(predicate, timeout: float = 5.0) -> None:  # type: ignore[no-unt
         if time.monotonic() > deadline:
             raise AssertionError("condition not reached in time")
         time.sleep(0.01)
+
+@contextmanager
+def _fake_peer() -> Iterator[tuple[zmq.Socket[bytes], str]]:
+    """A bare ROUTER a transport sends requests to, answering whatever the test makes it answer."""
+    ctx = zmq.Context()
+    router = ctx.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    try:
+        yield router, f"tcp://127.0.0.1:{router.bind_to_random_port('tcp://127.0.0.1')}"
+    finally:
+        router.close(linger=0)
+        ctx.term()
+
+
+def _next_request(router: zmq.Socket[bytes]) -> tuple[bytes, int]:
+    """(routing id, request id) of the next request the fake peer gets."""
+    assert router.poll(3000)
+    identity, frame = router.recv_multipart()
+    return identity, decode(frame).request_id  # type: ignore[union-attr]
+
 
 
 # --- basic protocol ---------------------------------------------------------------------------
@@ -603,16 +624,9 @@ def test_raw_peer_can_use_the_protocol(server: PeerTransport, raw: zmq.Socket[by
 
 def test_bad_reply_to_a_request_does_not_break_the_caller(client: PeerTransport) -> None:
     """A peer answering garbage on the reply path: the request times out, nothing crashes."""
-    ctx = zmq.Context()
-    router = ctx.socket(zmq.ROUTER)
-    router.setsockopt(zmq.LINGER, 0)
-    port = router.bind_to_random_port("tcp://127.0.0.1")
-    endpoint = f"tcp://127.0.0.1:{port}"
-    try:
+    with _fake_peer() as (router, endpoint):
         fut = client.request_async(endpoint, ECHO, b"q", timeout=1.0)
-        assert router.poll(3000)
-        identity, frame = router.recv_multipart()
-        rid = decode(frame).request_id  # type: ignore[union-attr]
+        identity, rid = _next_request(router)
         router.send_multipart([identity, b"\x04\x00"])  # truncated response
         router.send_multipart([identity, encode(RpcResponse(rid ^ 1, 1, b"not yours"))])
         router.send_multipart([identity, encode(Pong(5)), b"extra"])
@@ -620,14 +634,9 @@ def test_bad_reply_to_a_request_does_not_break_the_caller(client: PeerTransport)
             fut.result(timeout=5)
         # the same peer now answers correctly: the DEALER is still usable
         fut = client.request_async(endpoint, ECHO, b"q2", timeout=5)
-        assert router.poll(3000)
-        identity, frame = router.recv_multipart()
-        rid = decode(frame).request_id  # type: ignore[union-attr]
+        identity, rid = _next_request(router)
         router.send_multipart([identity, encode(RpcResponse(rid, 1, b"fine"))])
         assert fut.result(timeout=5) == b"fine"
-    finally:
-        router.close(linger=0)
-        ctx.term()
     assert client.stats()["malformed_in"] >= 2
 
 
@@ -666,31 +675,23 @@ def test_a_multipart_message_past_the_whole_message_bound_is_dropped_with_one_cl
 
 def test_a_multipart_reply_past_the_whole_message_bound_is_dropped(caplog: pytest.LogCaptureFixture) -> None:
     client = PeerTransport(max_frame_bytes=4096).start()
-    ctx = zmq.Context()
-    router = ctx.socket(zmq.ROUTER)
-    router.setsockopt(zmq.LINGER, 0)
-    endpoint = f"tcp://127.0.0.1:{router.bind_to_random_port('tcp://127.0.0.1')}"
     try:
-        fut = client.request_async(endpoint, ECHO, b"q", timeout=2.0)
-        assert router.poll(3000)
-        identity, frame = router.recv_multipart()
-        rid = decode(frame).request_id  # type: ignore[union-attr]
-        big = encode(RpcResponse(rid, 1, b"PAYLOAD-SECRET" * 4_000))
-        with caplog.at_level("WARNING", logger="zerocomm_spark.transport.peer"):
-            router.send_multipart([identity, *[big] * 60])  # each part under the hard cap, 3.4 MB in all
-            with pytest.raises(PeerTimeoutError):
-                fut.result(timeout=5)
-        assert any("dropped a 60-part message" in r.getMessage() for r in caplog.records)
-        assert not any("PAYLOAD-SECRET" in r.getMessage() for r in caplog.records)
-        fut = client.request_async(endpoint, ECHO, b"q2", timeout=5)  # the DEALER is still usable
-        assert router.poll(3000)
-        identity, frame = router.recv_multipart()
-        router.send_multipart([identity, encode(RpcResponse(decode(frame).request_id, 1, b"fine"))])  # type: ignore[union-attr]
-        assert fut.result(timeout=5) == b"fine"
+        with _fake_peer() as (router, endpoint):
+            fut = client.request_async(endpoint, ECHO, b"q", timeout=2.0)
+            identity, rid = _next_request(router)
+            big = encode(RpcResponse(rid, 1, b"PAYLOAD-SECRET" * 4_000))
+            with caplog.at_level("WARNING", logger="zerocomm_spark.transport.peer"):
+                router.send_multipart([identity, *[big] * 60])  # each part under the hard cap, 3.4 MB in all
+                with pytest.raises(PeerTimeoutError):
+                    fut.result(timeout=5)
+            assert any("dropped a 60-part message" in r.getMessage() for r in caplog.records)
+            assert not any("PAYLOAD-SECRET" in r.getMessage() for r in caplog.records)
+            fut = client.request_async(endpoint, ECHO, b"q2", timeout=5)  # the DEALER is still usable
+            identity, rid = _next_request(router)
+            router.send_multipart([identity, encode(RpcResponse(rid, 1, b"fine"))])
+            assert fut.result(timeout=5) == b"fine"
     finally:
         client.close()
-        router.close(linger=0)
-        ctx.term()
 
 
 # --- API edges --------------------------------------------------------------------------------

@@ -35,10 +35,10 @@ from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
+from zerocomm_spark.deadlines import check_timeout
 from zerocomm_spark.errors import BackpressureError, GroupError, MessagesDroppedError, PeerTimeoutError
 from zerocomm_spark.group.datamessage import DataMessage
 from zerocomm_spark.group.lamport import MAX_TIME
-from zerocomm_spark.deadlines import check_timeout
 
 __all__ = ["MemberAckState", "Outbox", "PublishReceipt"]
 
@@ -84,7 +84,7 @@ class PublishReceipt:
         """Return once every current member acked; PeerTimeoutError naming the laggards otherwise.
 
         Always bounded: a member that never acks (gone, or partitioned) must not hang the caller. So
-        ``timeout`` is a finite number of seconds, at most the transport's ``MAX_TIMEOUT``, as for
+        ``timeout`` is a finite number of seconds, at most ``deadlines.MAX_TIMEOUT``, as for
         every call that waits on peers; 0 (or less) only checks. None, NaN and inf are refused
         (InvalidTimeoutError, a ConfigurationError): to wait longer, wait again.
         """
@@ -300,7 +300,8 @@ class Outbox:
         each other from their callbacks would each wait for acks that only the other's callback
         returning lets it send.
         """
-        timeout = check_timeout(timeout, "publish's timeout", only_check=True)  # NaN or inf: the window wait would never end
+        # NaN or inf: the window wait would never end.
+        timeout = check_timeout(timeout, "publish's timeout", only_check=True)
         n = len(payloads)
         nbytes = sum(map(len, payloads))
         window = self.retention_max if in_callback else self.window
