@@ -68,6 +68,7 @@ DEFAULTS: dict[str, dict[str, Any]] = {
         "segment_bytes": 64 * 1024 * 1024,
         "retention_bytes": 0,
         "retention_age": "7d",
+        "consumer_expiry": "7d",
         "dedup_window": 100_000,
     },
     "agent": {
@@ -151,6 +152,11 @@ class Config:
     @property
     def retention_ms(self) -> int | None:
         seconds = parse_duration(self.get("journal", "retention_age"), "journal.retention_age")
+        return None if seconds is None else int(seconds * 1000)
+
+    @property
+    def consumer_expiry_ms(self) -> int | None:
+        seconds = parse_duration(self.get("journal", "consumer_expiry"), "journal.consumer_expiry")
         return None if seconds is None else int(seconds * 1000)
 
     def passphrase(self) -> str | None:
@@ -244,7 +250,7 @@ def _coerce(section: str, key: str, value: Any, origin: str) -> Any:
         raise ConfigurationError(f"{name} (from {origin}) must be at most {_MAX_INT}, not {value!r}")
     if (section, key) in _POSITIVE and not value > 0:
         raise ConfigurationError(f"{name} (from {origin}) must be positive, not {value!r}")
-    if (section, key) == ("journal", "retention_age"):
+    if (section, key) in (("journal", "retention_age"), ("journal", "consumer_expiry")):
         parse_duration(value, name)
     if isinstance(value, int) and not isinstance(value, bool) and value < 0:
         raise ConfigurationError(f"{name} (from {origin}) must not be negative")

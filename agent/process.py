@@ -118,7 +118,8 @@ class AgentProcess:
                 cfg.journal_dir, key=journal_key(member.keystore), fsync=cfg.get("journal", "fsync"),
                 fsync_interval_ms=cfg.get("journal", "fsync_interval_ms"),
                 segment_bytes=cfg.get("journal", "segment_bytes"), retention_bytes=retention_bytes,
-                retention_ms=cfg.retention_ms, dedup_window=cfg.get("journal", "dedup_window"))
+                retention_ms=cfg.retention_ms, dedup_window=cfg.get("journal", "dedup_window"),
+                consumer_expiry_ms=cfg.consumer_expiry_ms)
             self.ingest = JournalIngest(self.journal, self.metrics)
         assert self.ingest is not None
         manager.on_messages(self.ingest.on_messages)  # one journal record per delivery batch, before the acks

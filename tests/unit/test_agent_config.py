@@ -27,6 +27,7 @@ def test_defaults_work_without_any_file(tmp_path: Path, monkeypatch: pytest.Monk
     assert cfg.socket_dir == cfg.identity_dir / "run"
     assert cfg.journal_dir == cfg.identity_dir / "journal"
     assert cfg.retention_ms == 7 * 86400 * 1000
+    assert cfg.consumer_expiry_ms == 7 * 86400 * 1000
     assert all(source == "default" for source in cfg.source.values())
 
 
@@ -84,6 +85,7 @@ def test_zerocomm_config_env_names_the_file(tmp_path: Path) -> None:
     ('[api]\nworkers = "many"\n', "api.workers .* must be an integer"),
     ('[api]\nworkers = 0\n', "must be positive"),
     ('[journal]\nretention_age = "a week"\n', "duration"),
+    ('[journal]\nconsumer_expiry = "a week"\n', "journal.consumer_expiry must be a duration"),
     ("[api\n", "not valid TOML"),
 ])
 def test_bad_files_are_refused_naming_the_setting(tmp_path: Path, text: str, match: str) -> None:
@@ -110,6 +112,9 @@ def test_booleans_and_durations() -> None:
     assert cfgmod.parse_duration("") is None and cfgmod.parse_duration("0") is None
     cfg = cfgmod.load(None, env={"ZEROCOMM_JOURNAL_RETENTION_AGE": "0"})
     assert cfg.retention_ms is None
+    cfg = cfgmod.load(None, env={"ZEROCOMM_JOURNAL_CONSUMER_EXPIRY": "0"}, flags=[])
+    assert cfg.consumer_expiry_ms is None
+    assert cfgmod.load(None, env={}, flags=["journal.consumer_expiry=90m"]).consumer_expiry_ms == 90 * 60 * 1000
 
 
 def test_client_finds_the_socket_dir_the_agent_uses(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

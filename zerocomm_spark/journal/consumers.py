@@ -4,8 +4,20 @@ Why per consumer: two Spark queries (or a query and a CLI tail) reading one memb
 pace; with a single commit point the faster one would let retention drop rows the slower one still
 needs. Each consumer commits its own point here and the journal prunes below the lowest of them.
 
-``consumers.json`` holds ``{name: offset}`` behind a magic line and a crc32, replaced atomically and
-fsynced on every change (commits are rare: once per Spark micro-batch). Names are not secret.
+Why consumers expire: a consumer that is gone without a ``release`` (a Spark query whose checkpoint
+was deleted, a notebook closed mid-read) would otherwise hold retention back for good, and the
+journal would grow until the disk is full. As Kafka forgets a group's offsets after
+``offsets.retention.minutes``, a consumer that has not committed for ``expiry_us`` is forgotten (with
+a warning naming it); if it comes back, its rows may be gone, which the reader reports as data loss.
+After the journal opens every consumer has at least ``RESTART_GRACE_US`` (or the expiry, if
+shorter) to commit again, so an agent that was down for longer than the expiry does not forget
+every query at its first retention pass.
+
+``consumers.json`` holds ``{name: [offset, last commit in us since the epoch]}`` behind a magic
+line and a crc32, replaced atomically and fsynced on every change (commits are rare: once per Spark
+micro-batch). A commit that does not move a point refreshes its time in memory and on disk at most
+every ``_REFRESH_US``. Files of the first version (``{name: offset}``) load with their time set to
+the load. Names are not secret.
 """
 
 from __future__ import annotations
@@ -13,6 +25,7 @@ from __future__ import annotations
 import json
 import re
 import threading
+import time
 import zlib
 from collections.abc import Mapping
 from pathlib import Path
@@ -23,7 +36,11 @@ from zerocomm_spark.journal.files import write_atomic
 __all__ = ["CONSUMERS_FILE", "ConsumerPoints", "check_consumer"]
 
 CONSUMERS_FILE = "consumers.json"
-_MAGIC = b"ZCJN\x01\n"
+_MAGIC_V1 = b"ZCJN\x01\n"  # {name: offset}
+_MAGIC = b"ZCJN\x02\n"  # {name: [offset, last commit us]}
+#: After an open, a consumer is not forgotten for at least this long (or the expiry, if shorter).
+RESTART_GRACE_US = 3600 * 1_000_000
+_REFRESH_US = 3600 * 1_000_000  # a no-op commit's time is saved at most this often (or expiry/8)
 _NAME = re.compile(r"^[A-Za-z0-9._:@/+=-]{1,200}\Z")  # \Z: "$" also matches before a final newline
 MAX_CONSUMERS = 10_000
 
@@ -37,43 +54,73 @@ def check_consumer(name: object) -> str:
     return name
 
 
-class ConsumerPoints:
-    """The commit point of each named consumer of one journal directory; thread-safe."""
+def _now_us() -> int:
+    return time.time_ns() // 1000
 
-    def __init__(self, directory: Path, points: Mapping[str, int], *, fsync: bool) -> None:
+
+class ConsumerPoints:
+    """The commit point of each named consumer of one journal directory; thread-safe.
+
+    ``expiry_us`` (None: never) is how long a consumer may go without a commit before it is
+    forgotten by :meth:`expire`; ``opened_us`` is when the journal opened (see RESTART_GRACE_US).
+    """
+
+    def __init__(self, directory: Path, points: Mapping[str, int], *, fsync: bool,
+                 seen: Mapping[str, int] | None = None, expiry_us: int | None = None,
+                 opened_us: int | None = None) -> None:
         self.directory = directory
         self._points = dict(points)
+        now = _now_us()
+        self.opened_us = now if opened_us is None else opened_us
+        # Last commit per consumer; never in the future (a clock set back must not keep one for good).
+        self._seen = {k: min((seen or {}).get(k, now), now) for k in self._points}
+        self._saved_seen = dict(self._seen)
+        self.expiry_us = expiry_us
         self._fsync = fsync
         self._lock = threading.Lock()
 
     @classmethod
-    def load(cls, directory: Path, *, fsync: bool = True) -> "ConsumerPoints":
+    def load(cls, directory: Path, *, fsync: bool = True, expiry_us: int | None = None) -> "ConsumerPoints":
         path = directory / CONSUMERS_FILE
         try:
             raw = path.read_bytes()
         except FileNotFoundError:
-            return cls(directory, {}, fsync=fsync)
+            return cls(directory, {}, fsync=fsync, expiry_us=expiry_us)
         body = raw[len(_MAGIC):-4]
-        if not raw.startswith(_MAGIC) or len(raw) < len(_MAGIC) + 4 or \
+        if not raw.startswith((_MAGIC, _MAGIC_V1)) or len(raw) < len(_MAGIC) + 4 or \
                 int.from_bytes(raw[-4:], "little") != zlib.crc32(body) & 0xFFFFFFFF:
             raise JournalError(f"{path} is damaged",
                                hint="Delete it to forget the consumers' commit points (retention then waits for "
                                     "their next commits)")
+        seen: dict[str, int] = {}
         try:
             data = json.loads(body)
-            points = {check_consumer(k): int(v) for k, v in data.items()}
+            if raw.startswith(_MAGIC_V1):
+                points = {check_consumer(k): _whole(v) for k, v in data.items()}
+            else:
+                points = {}
+                for k, (offset, at) in data.items():
+                    points[check_consumer(k)] = _whole(offset)
+                    seen[k] = _whole(at)
         except (ValueError, TypeError, AttributeError, ConfigurationError):
-            raise JournalError(f"{path} is damaged (not a map of consumer -> offset)") from None
-        return cls(directory, points, fsync=fsync)
+            raise JournalError(f"{path} is damaged (not a map of consumer -> [offset, time])") from None
+        return cls(directory, points, fsync=fsync, seen=seen, expiry_us=expiry_us)
 
-    def _save(self, points: dict[str, int]) -> None:
-        body = json.dumps(points, sort_keys=True, separators=(",", ":")).encode("utf-8")
+    def _save(self, points: dict[str, int], seen: dict[str, int]) -> None:
+        body = json.dumps({k: [v, seen[k]] for k, v in points.items()}, sort_keys=True,
+                          separators=(",", ":")).encode("utf-8")
         write_atomic(self.directory / CONSUMERS_FILE,
                      _MAGIC + body + (zlib.crc32(body) & 0xFFFFFFFF).to_bytes(4, "little"), fsync=self._fsync)
+        self._saved_seen = dict(seen)
 
     def points(self) -> dict[str, int]:
         with self._lock:
             return dict(self._points)
+
+    def last_commits(self) -> dict[str, int]:
+        """When each consumer last committed (us since the epoch; the load's time for an old file)."""
+        with self._lock:
+            return dict(self._seen)
 
     def lowest(self) -> int | None:
         """The lowest commit point of any consumer, or None with no consumers."""
@@ -85,14 +132,22 @@ class ConsumerPoints:
         with self._lock:
             if any(v > end for v in self._points.values()):
                 self._points = {k: min(v, end) for k, v in self._points.items()}
-                self._save(self._points)
+                self._save(self._points, self._seen)
 
-    def commit(self, name: str, offset: int) -> int:
-        """Move ``name``'s point forward to ``offset`` (never back); returns its point now."""
+    def commit(self, name: str, offset: int, *, now_us: int | None = None) -> int:
+        """Move ``name``'s point forward to ``offset`` (never back); returns its point now.
+
+        Any commit, even one that moves nothing, says the consumer is alive (see :meth:`expire`).
+        """
         check_consumer(name)
+        now = _now_us() if now_us is None else now_us
         with self._lock:
             current = self._points.get(name)
             if current is not None and offset <= current:
+                self._seen[name] = max(self._seen.get(name, now), now)
+                refresh = _REFRESH_US if self.expiry_us is None else min(_REFRESH_US, self.expiry_us // 8)
+                if self._seen[name] - self._saved_seen.get(name, 0) >= refresh:
+                    self._save(self._points, self._seen)
                 return current
             if current is None and len(self._points) >= MAX_CONSUMERS:
                 raise JournalError(
@@ -100,8 +155,10 @@ class ConsumerPoints:
                     hint="Release consumers that are gone (Client.release) before adding more")
             points = dict(self._points)
             points[name] = offset
-            self._save(points)
-            self._points = points
+            seen = dict(self._seen)
+            seen[name] = max(seen.get(name, now), now)
+            self._save(points, seen)
+            self._points, self._seen = points, seen
             return offset
 
     def release(self, name: str) -> bool:
@@ -110,7 +167,36 @@ class ConsumerPoints:
         with self._lock:
             if name not in self._points:
                 return False
-            points = {k: v for k, v in self._points.items() if k != name}
-            self._save(points)
-            self._points = points
+            self._forget([name])
             return True
+
+    def expire(self, *, now_us: int | None = None) -> list[tuple[str, int]]:
+        """Forget the consumers that have not committed for ``expiry_us``; returns (name, point) of each.
+
+        Never within ``RESTART_GRACE_US`` (or the expiry, if shorter) of the journal's open.
+        """
+        if self.expiry_us is None:
+            return []
+        now = _now_us() if now_us is None else now_us
+        earliest = self.opened_us + min(RESTART_GRACE_US, self.expiry_us)
+        if now < earliest:
+            return []
+        with self._lock:
+            gone = [(k, v) for k, v in self._points.items() if self._seen[k] + self.expiry_us <= now]
+            if gone:
+                self._forget([k for k, _ in gone])
+            return gone
+
+    def _forget(self, names: list[str]) -> None:
+        """Drop ``names`` (lock held); saved first, so a failed save forgets nothing."""
+        points = {k: v for k, v in self._points.items() if k not in names}
+        seen = {k: v for k, v in self._seen.items() if k not in names}
+        self._save(points, seen)
+        self._points, self._seen = points, seen
+
+
+def _whole(value: object) -> int:
+    """An int from the file (bool and float are damage: json gives them for true or 1.5)."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError("not an int")
+    return value

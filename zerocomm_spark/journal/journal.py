@@ -65,7 +65,7 @@ class Journal:
 
     def __init__(self, directory: Path, key: bytes, fsync: FsyncPolicy, fsync_interval_ms: int, segment_bytes: int,
                  retention_bytes: int | None, retention_ms: int | None, dedup_window: int, timeout: float,
-                 read_threads: int) -> None:
+                 read_threads: int, consumer_expiry_ms: int | None = None) -> None:
         self.directory = directory
         self._key = key
         self.fsync: FsyncPolicy = fsync
@@ -73,6 +73,7 @@ class Journal:
         self.segment_bytes = segment_bytes
         self.retention_bytes = retention_bytes
         self.retention_ms = retention_ms
+        self.consumer_expiry_ms = consumer_expiry_ms
         self.dedup_window = dedup_window
         self.timeout = timeout
         self._read_threads = read_threads
@@ -101,7 +102,7 @@ class Journal:
     def open(cls, directory: str | os.PathLike[str], *, key: bytes, fsync: FsyncPolicy = "interval",
              fsync_interval_ms: int = 200, segment_bytes: int = 64 << 20, retention_bytes: int | None = None,
              retention_ms: int | None = None, dedup_window: int = 100_000, timeout: float = 30.0,
-             read_threads: int | None = None) -> "Journal":
+             read_threads: int | None = None, consumer_expiry_ms: int | None = None) -> "Journal":
         """Open (or create) the journal in ``directory``, recovering from a crash if there was one.
 
         ``key`` is the 32-byte journal key the member keeps sealed in its keystore (see
@@ -111,7 +112,9 @@ class Journal:
         least; 0 turns the id rule off, leaving the seq rule, and saves its per-row cost);
         ``timeout`` bounds every wait (appends, close, reads). ``read_threads`` (default: the CPU
         count, at most 4) is how many threads decrypt a read or a large append: the calling thread
-        and a shared pool of ``read_threads - 1``.
+        and a shared pool of ``read_threads - 1``. ``consumer_expiry_ms`` (None: never) forgets a
+        named consumer that has not committed for that long, so one that is gone without a
+        ``release`` stops holding retention back (see ``consumers``).
         """
         if fsync not in _POLICIES:
             raise ConfigurationError(f"fsync must be one of {', '.join(_POLICIES)}, not {fsync!r}")
@@ -119,7 +122,8 @@ class Journal:
                                  ("dedup_window", dedup_window, 0)):
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ConfigurationError(f"{name} must be an int >= {low}, not {value!r}")
-        for name, limit in (("retention_bytes", retention_bytes), ("retention_ms", retention_ms)):
+        for name, limit in (("retention_bytes", retention_bytes), ("retention_ms", retention_ms),
+                            ("consumer_expiry_ms", consumer_expiry_ms)):
             if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 0):
                 raise ConfigurationError(f"{name} must be None or an int >= 0, not {limit!r}")
         check_timeout(timeout, "the journal's timeout")  # NaN or inf: a full queue's wait would never end
@@ -133,7 +137,7 @@ class Journal:
         except OSError as exc:
             raise ConfigurationError(f"cannot create the journal directory {path}: {exc.strerror}") from None
         journal = cls(path, key, fsync, fsync_interval_ms, segment_bytes, retention_bytes, retention_ms,
-                      dedup_window, float(timeout), threads)
+                      dedup_window, float(timeout), threads, consumer_expiry_ms)
         journal._lock_fd = files.acquire_lock(path)
         try:
             journal._start()
@@ -155,7 +159,8 @@ class Journal:
         files.check_key(self.directory, self._key, fsync=sync,
                         probe=lambda: key_opens_records(self.directory, self._key))
         committed = files.read_commit(self.directory)
-        consumers = ConsumerPoints.load(self.directory, fsync=sync)  # before a descriptor opens: it can fail
+        expiry = None if self.consumer_expiry_ms is None else self.consumer_expiry_ms * 1000
+        consumers = ConsumerPoints.load(self.directory, fsync=sync, expiry_us=expiry)  # before a descriptor opens
         # Offsets below a commit point were read by a consumer, so written in full: a last record
         # there that fails its crc is damage, not a torn write (recovery keeps it).
         durable_end = max([committed, *consumers.points().values()])
@@ -587,11 +592,28 @@ class Journal:
             self.enforce_retention()
         return known
 
+    def _expire_consumers(self) -> None:
+        """Forget consumers past ``consumer_expiry_ms`` (see ``consumers``); never stops the journal."""
+        with self._commit_lock:
+            if self._closed:
+                return
+            try:
+                gone = self._consumers.expire()
+            except OSError as exc:  # a full disk is what retention is for: the next pass retries
+                log.warning("journal %s: could not save the consumers' commit points (%s); expired consumers "
+                            "are forgotten at a later pass", self.directory.name, exc.strerror)
+                return
+        for name, point in gone:
+            log.warning("journal %s: consumer %r has not committed for %s ms and is forgotten (it was at offset "
+                        "%d); retention no longer waits for it - if it comes back, rows below the others' "
+                        "points may be gone", self.directory.name, name, self.consumer_expiry_ms, point)
+
     def enforce_retention(self) -> int:
         """Delete the segments retention allows now (it also runs after commits, rolls and every second)."""
         if not self._retention_lock.acquire(timeout=self.timeout):  # another pass is stuck unlinking: it
             return 0  # deletes what this one would have, or the next pass (every second) does
         try:
+            self._expire_consumers()
             with self._lock:
                 if self._closed and self._lock_fd < 0:
                     return 0

@@ -248,7 +248,8 @@ class Writer:
     def start(self) -> None:
         self._thread.start()
         j = self._journal
-        if j.fsync == "interval" or j.retention_bytes is not None or j.retention_ms is not None:
+        if j.fsync == "interval" or j.retention_bytes is not None or j.retention_ms is not None or \
+                j.consumer_expiry_ms is not None:
             self._syncer = threading.Thread(target=self._background, name="zerocomm-journal-syncer", daemon=True)
             self._syncer.start()
 
@@ -565,7 +566,8 @@ class Writer:
                 next_round = time.monotonic() + period
                 if j.fsync == "interval":
                     self.sync()
-                if (j.retention_bytes is not None or j.retention_ms is not None) and time.monotonic() >= next_retention:
+                if (j.retention_bytes is not None or j.retention_ms is not None or j.consumer_expiry_ms is not None) \
+                        and time.monotonic() >= next_retention:
                     next_retention = time.monotonic() + 1.0
                     j.enforce_retention()
             except BaseException as exc:  # noqa: BLE001
