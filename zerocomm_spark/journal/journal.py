@@ -603,10 +603,12 @@ class Journal:
                 log.warning("journal %s: could not save the consumers' commit points (%s); expired consumers "
                             "are forgotten at a later pass", self.directory.name, exc.strerror)
                 return
+        expiry_s = (self.consumer_expiry_ms or 0) / 1000
+        said = f"{expiry_s / 3600:g} h" if expiry_s >= 3600 else f"{expiry_s:g} s"
         for name, point in gone:
-            log.warning("journal %s: consumer %r has not committed for %s ms and is forgotten (it was at offset "
+            log.warning("journal %s: consumer %r has not committed for %s and is forgotten (it was at offset "
                         "%d); retention no longer waits for it - if it comes back, rows below the others' "
-                        "points may be gone", self.directory.name, name, self.consumer_expiry_ms, point)
+                        "points may be gone", self.directory.name, name, said, point)
 
     def enforce_retention(self) -> int:
         """Delete the segments retention allows now (it also runs after commits, rolls and every second)."""
