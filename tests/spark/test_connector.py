@@ -465,7 +465,7 @@ def test_messages_gone_by_retention_fail_or_are_skipped_as_failOnDataLoss_says(s
 
         with pytest.raises(Exception, match="StreamDataLossError") as info:
             read("true").collect()
-        assert f"messages 1.." in str(info.value) and "failOnDataLoss=false" in str(info.value)
+        assert "messages 1.." in str(info.value) and "failOnDataLoss=false" in str(info.value)
         kept = read("false").select("seq").collect()
         seqs = sorted(r.seq for r in kept)
         assert seqs == list(range(seqs[0], 3001)) and 1 < seqs[0] <= 2001
@@ -575,7 +575,7 @@ def test_a_first_batch_rerun_after_a_restart_reads_its_planned_range_and_reports
             query.awaitTermination(180)
         # the batch's task failed (Delta wraps it); the reason is in the trace it carries
         trace = f"{info.value} {getattr(info.value, '_stackTrace', '')}"
-        assert f"StreamDataLossError: messages 1.." in trace and f"of publisher alice in group '{group}'" in trace
+        assert "StreamDataLossError: messages 1.." in trace and f"of publisher alice in group '{group}'" in trace
         # failOnDataLoss=false: the same planned range, what is left of it read, the rest skipped
         query = run(failOnDataLoss="false")
         assert query.awaitTermination(180) and query.exception() is None

@@ -18,7 +18,7 @@ from zerocomm_spark.keys.keystore import Keystore
 from zerocomm_spark.member import Agent
 from zerocomm_spark.protocols.out_of_band.v1_1.manager import OutOfBandManager
 from zerocomm_spark.transport.frames import ProtocolId
-from zerocomm_spark.transport.peer import PeerInfo, PeerTransport
+from zerocomm_spark.transport.peer import PeerTransport
 
 DEEP = b"[" * 200_000
 
