@@ -1201,6 +1201,65 @@ def test_no_resend_request_goes_out_while_its_answer_would_find_the_receive_queu
     assert dp.stats()["receive_queue_full"] == 0
 
 
+def _heartbeat(publisher: Node, to: Node, group: str = "g", *, ahead: int = 0) -> bytes:
+    """``publisher``'s heartbeat to ``to`` as _heartbeat_stalled builds it, announcing ``ahead``
+    seqs past what it handed to ZeroMQ (0: an honest one)."""
+    g = publisher.dp._groups[group]  # noqa: SLF001 - the publisher's own stream state and group key
+    return dm.encode(dm.DataBatch(group, publisher.did, (), base=g.outbox.base_of(to.did), last=g.wire_seq + ahead,
+                                  member=to.did, void=g.outbox.void), signer=g.group_key)
+
+
+def test_one_member_flooding_heartbeats_does_not_crowd_out_another_members_heartbeat(make) -> None:  # type: ignore[no-untyped-def]
+    """The heartbeat bound was one for all members: alice flooding heartbeats (buggy, or hostile)
+    filled it, and carol's, the only news bob had of messages his SUB missed, was dropped with
+    alice's excess. Now each member holds at most its share of the bound; carol's gets through and
+    tells bob what he lacks."""
+    cfg = replace(FAST, recv_queue_max=8, resend_after_ms=60_000)  # no heartbeats but these
+    alice, bob, carol = make("alice", cfg), make("bob", cfg), make("carol", cfg)
+    form_group([alice, bob, carol], mode="shared")
+    bob.dp._kill_subscription("g", carol.did, down_for=60.0)  # noqa: SLF001 - carol's messages miss bob
+    carol.dp.publish("g", payloads("carol", 3))
+    deadline = time.monotonic() + 10
+    while carol.dp._groups["g"].wire_seq < 3 and time.monotonic() < deadline:  # noqa: SLF001
+        time.sleep(0.02)
+    assert carol.dp._groups["g"].wire_seq == 3  # noqa: SLF001 - handed to ZeroMQ: her heartbeat announces it
+    gate = _blocked_receiver(alice, bob)
+    try:
+        frames_in = bob.tr.stats()["frames_in"]
+        flood = _heartbeat(alice, bob)
+        for _ in range(500):
+            direct_from(alice, bob, flood)
+        _settled(bob, frames_in + 500)
+        frames_in = bob.tr.stats()["frames_in"]
+        direct_from(carol, bob, _heartbeat(carol, bob))
+        _settled(bob, frames_in + 1)
+        queued = [item[2] for item in list(bob.dp._rx) if item[0] == "batch"]  # noqa: SLF001
+        share = max(1, cfg.recv_queue_max // 4)
+        assert queued.count(carol.did) == 1, queued
+        assert queued.count(alice.did) == share, queued
+        st = bob.dp.stats()
+        assert st["receive_share_full"] == 500 - share
+        assert st["receive_queue_full"] == 500 - share  # every drop, whatever bound it met
+    finally:
+        gate.set()
+    bob.hook = None
+    deadline = time.monotonic() + 10
+    while bob.dp.stats()["lag"]["g"].get(carol.did) != 3 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert bob.dp.stats()["lag"]["g"].get(carol.did) == 3  # carol's announcement was applied
+    assert [d.payload for d in bob.from_(alice)] == [b"hold on"]
+    assert not bob.dp._rx_from["batch"] and not bob.dp._rx_from["answer"]  # noqa: SLF001 - none kept at zero
+
+
+@pytest.mark.parametrize("share", [0, -1, 9, 2.5, True, "2"])
+def test_a_member_share_of_the_receive_bound_must_fit_in_it(share: object) -> None:
+    from zerocomm_spark.errors import ConfigurationError
+
+    with pytest.raises(ConfigurationError, match="recv_queue_share"):
+        DataPlaneConfig(recv_queue_max=8, recv_queue_share=share)  # type: ignore[arg-type]
+    assert DataPlaneConfig(recv_queue_max=8, recv_queue_share=8).recv_queue_share == 8  # one member may hold it all
+
+
 def test_a_publisher_announcing_seqs_it_never_sends_is_not_asked_for_them_forever(make, caplog) -> None:  # type: ignore[no-untyped-def]
     """A heartbeat announcing seq 2**63-1 (a faulty or hostile publisher) is a tail bob lacks: he
     asked for it, the answer held nothing and said nothing was gone, and he asked again at every

@@ -231,6 +231,10 @@ class DataPlaneConfig:
     rcvhwm: int = 2_000
     recv_queue_max: int = 64  # envelopes decoded-but-undelivered before SUBs stop being read (and heartbeats,
     # resend answers over the peer transport, each kind, before they are dropped)
+    # Of those heartbeats, how many one member may hold, whatever its groups (None: recv_queue_max // 4,
+    # at least 1), so a member flooding heartbeats (buggy or hostile) cannot crowd out the others'.
+    # recv_queue_max: no isolation.
+    recv_queue_share: int | None = None
     ack_interval_ms: float = 50.0
     ack_every: int = 2_048
     nack_after_ms: float = 100.0
@@ -260,6 +264,11 @@ class DataPlaneConfig:
                 raise ConfigurationError(f"DataPlaneConfig.{name} must be a positive number, got {value!r}")
         if not isinstance(self.linger_ms, (int, float)) or self.linger_ms < 0:
             raise ConfigurationError(f"DataPlaneConfig.linger_ms must be >= 0, got {self.linger_ms!r}")
+        share = self.recv_queue_share
+        if share is not None and (not isinstance(share, int) or isinstance(share, bool)
+                                  or not 1 <= share <= self.recv_queue_max):
+            raise ConfigurationError("DataPlaneConfig.recv_queue_share must be None or a whole number from 1 to "
+                                     f"recv_queue_max ({self.recv_queue_max}), got {share!r}")
         if self.retention_max < self.window:
             raise ConfigurationError("DataPlaneConfig.retention_max must be at least the window")
         if self.retention_max_bytes < self.window_bytes:
@@ -333,7 +342,7 @@ class _Stats:
         "rejected_non_member", "rejected_read_only", "rejected_malformed", "not_for_me", "wrong_topic",
         "lost", "subscriptions_accepted", "subscriptions_refused", "callback_errors", "probes_sent",
         "backpressure_stalls", "publish_resets", "forged_batches", "deliveries_deferred", "receive_queue_full",
-        "implausible_announcements",
+        "implausible_announcements", "receive_share_full",
     )
 
     def __init__(self) -> None:
@@ -506,6 +515,12 @@ class DataPlane:
         # Items in _rx that came over the peer transport, by kind ("batch": heartbeats, "answer"):
         # each kind is bounded by recv_queue_max, as the SUBs are, and one cannot crowd out the other.
         self._rx_peer: dict[str, int] = {"batch": 0, "answer": 0}
+        # The same by kind and member DID (the authenticated sender), so no member holds more than
+        # _rx_share heartbeats and one member's flood cannot crowd out the others'. Only members
+        # holding some are kept: memory stays bounded.
+        self._rx_share = (config.recv_queue_share if config.recv_queue_share is not None
+                          else max(1, config.recv_queue_max // 4))
+        self._rx_from: dict[str, dict[str, int]] = {"batch": {}, "answer": {}}
         # Resend requests sent whose answers are not queued yet: requests stop while queued and
         # awaited answers fill recv_queue_max, so no answer crosses the network only to be dropped.
         self._answers_out = 0
@@ -1022,7 +1037,10 @@ class DataPlane:
         ``deliveries_deferred`` (delivered messages a callback did not take: not acked, taken when re-sent).
         Drops by reason: ``rejected_non_member``, ``rejected_read_only``, ``rejected_malformed``,
         ``receive_queue_full`` (heartbeats and resend answers dropped while ``recv_queue_max`` of them
-        waited for the receiver: the publisher repeats heartbeats, missing seqs are asked again),
+        waited for the receiver, or their member's share of that: the publisher repeats heartbeats,
+        missing seqs are asked again), of which ``receive_share_full`` (heartbeats dropped because
+        their member already had ``recv_queue_share`` waiting: one member flooding, whose excess is
+        dropped so the others' still get through),
         ``implausible_announcements`` (resend answers without the seqs their publisher announced, nor
         saying them gone: the announcement is ignored until made again),
         ``not_for_me`` (single mode, skipped unread), ``wrong_topic``, ``subscriptions_refused``,
@@ -1523,19 +1541,37 @@ class DataPlane:
     def _rx_put_peer(self, item: tuple[Any, ...]) -> bool:
         """Queue what arrived over the peer transport, unless ``recv_queue_max`` of its kind wait
         already: transport workers are not throttled like the SUBs, so a flood (or answers piling
-        up behind a slow callback) would otherwise grow the queue without bound. False if dropped."""
-        kind = item[0]
+        up behind a slow callback) would otherwise grow the queue without bound. A heartbeat is
+        dropped too while its member has its share (``_rx_share``) waiting, so one member's flood
+        leaves room for the others'. False if dropped."""
+        kind, did = item[0], item[2]
+        counts = self._rx_from[kind]
         with self._rx_cond:
-            if self._rx_peer[kind] >= self.config.recv_queue_max:
-                dropped = True
+            held = counts.get(did, 0)
+            if kind == "batch" and held >= self._rx_share:
+                share_full = True
+            elif self._rx_peer[kind] >= self.config.recv_queue_max:
+                share_full = False
             else:
-                dropped = False
                 self._rx_peer[kind] += 1
+                counts[did] = held + 1
                 self._rx.append(item)
                 self._rx_cond.notify()
-        if dropped:
+                return True
+        if share_full:
+            self._stats.add(receive_queue_full=1, receive_share_full=1)
+        else:
             self._stats.add(receive_queue_full=1)
-        return not dropped
+        return False
+
+    @staticmethod
+    def _uncount(counts: dict[str, int], did: str) -> None:
+        """One item of ``did`` less in a per-member count (hold ``_rx_cond``); dropped at zero."""
+        held = counts.get(did, 0) - 1
+        if held > 0:
+            counts[did] = held
+        else:
+            counts.pop(did, None)
 
     def _receiver_main(self) -> None:
         self._rx_ident = threading.get_ident()
@@ -1550,6 +1586,7 @@ class DataPlane:
                 item = rx.popleft() if rx else None
                 if item is not None and item[0] in self._rx_peer:
                     self._rx_peer[item[0]] -= 1
+                    self._uncount(self._rx_from[item[0]], item[2])
             if item is not None:  # one envelope at a time, so acks and NACKs are never starved
                 try:
                     self._handle_rx(item)
