@@ -1251,6 +1251,42 @@ def test_one_member_flooding_heartbeats_does_not_crowd_out_another_members_heart
     assert not bob.dp._rx_from["batch"] and not bob.dp._rx_from["answer"]  # noqa: SLF001 - none kept at zero
 
 
+def test_a_member_that_does_not_answer_resend_requests_keeps_to_its_share_of_them(make, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Resend requests were budgeted by recv_queue_max for all members together: alice announcing
+    seqs in four groups and never answering for them (buggy, or hostile) took the whole budget
+    while her requests were outstanding, and again each time they timed out, since her groups come
+    first; carol's lost tail was never asked for. Now alice's requests keep to her share and carol
+    is asked as usual."""
+    cfg = replace(FAST, recv_queue_max=4, request_timeout_s=30.0)
+    alice, bob, carol = make("alice", cfg), make("bob", cfg), make("carol", cfg)
+    groups = [f"a{i}" for i in range(4)]
+    for group in groups:
+        form_group([alice, bob], group=group, mode="shared")
+    form_group([bob, carol], group="g", mode="shared")  # after alice's: bob's timers ask in this order
+    release, asked = threading.Event(), threading.Event()
+    answer = alice.dp._resend_envelope  # noqa: SLF001
+
+    def stalled(*args: object) -> bytes | None:
+        asked.set()
+        release.wait(30)
+        return answer(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(alice.dp, "_resend_envelope", stalled)
+    try:
+        for group in groups:
+            direct_from(alice, bob, _heartbeat(alice, bob, group, ahead=5), group=group)
+        assert asked.wait(10)
+        time.sleep(0.5)  # past the tail wait (resend_after_ms): every one of alice's tails is due
+        bob.dp._kill_subscription("g", carol.did, down_for=60.0)  # noqa: SLF001 - only carol's heartbeat tells
+        carol.dp.publish("g", payloads("carol", 3))
+        assert bob.wait(lambda: len(bob.from_(carol)) == 3, timeout=8)
+        assert [d.payload for d in bob.from_(carol)] == payloads("carol", 3)
+        with bob.dp._rx_cond:  # noqa: SLF001
+            assert bob.dp._rx_from["answer"].get(alice.did, 0) <= max(1, cfg.recv_queue_max // 4)  # noqa: SLF001
+    finally:
+        release.set()
+
+
 @pytest.mark.parametrize("share", [0, -1, 9, 2.5, True, "2"])
 def test_a_member_share_of_the_receive_bound_must_fit_in_it(share: object) -> None:
     from zerocomm_spark.errors import ConfigurationError

@@ -231,9 +231,9 @@ class DataPlaneConfig:
     rcvhwm: int = 2_000
     recv_queue_max: int = 64  # envelopes decoded-but-undelivered before SUBs stop being read (and heartbeats,
     # resend answers over the peer transport, each kind, before they are dropped)
-    # Of those heartbeats, how many one member may hold, whatever its groups (None: recv_queue_max // 4,
-    # at least 1), so a member flooding heartbeats (buggy or hostile) cannot crowd out the others'.
-    # recv_queue_max: no isolation.
+    # Of those heartbeats and answers, each kind, how many one member may hold, whatever its groups (None:
+    # recv_queue_max // 4, at least 1), so a member flooding heartbeats or slow to answer (buggy or hostile)
+    # cannot crowd out the others'. recv_queue_max: no isolation.
     recv_queue_share: int | None = None
     ack_interval_ms: float = 50.0
     ack_every: int = 2_048
@@ -516,8 +516,8 @@ class DataPlane:
         # each kind is bounded by recv_queue_max, as the SUBs are, and one cannot crowd out the other.
         self._rx_peer: dict[str, int] = {"batch": 0, "answer": 0}
         # The same by kind and member DID (the authenticated sender), so no member holds more than
-        # _rx_share heartbeats and one member's flood cannot crowd out the others'. Only members
-        # holding some are kept: memory stays bounded.
+        # _rx_share of a kind and one member's flood cannot crowd out the others'. Answers count from
+        # their request on (queued or awaited). Only members holding some are kept: memory stays bounded.
         self._rx_share = (config.recv_queue_share if config.recv_queue_share is not None
                           else max(1, config.recv_queue_max // 4))
         self._rx_from: dict[str, dict[str, int]] = {"batch": {}, "answer": {}}
@@ -1543,7 +1543,8 @@ class DataPlane:
         already: transport workers are not throttled like the SUBs, so a flood (or answers piling
         up behind a slow callback) would otherwise grow the queue without bound. A heartbeat is
         dropped too while its member has its share (``_rx_share``) waiting, so one member's flood
-        leaves room for the others'. False if dropped."""
+        leaves room for the others'; answers keep to their share when they are asked for
+        (``_rx_tick``). False if dropped."""
         kind, did = item[0], item[2]
         counts = self._rx_from[kind]
         with self._rx_cond:
@@ -1554,10 +1555,13 @@ class DataPlane:
                 share_full = False
             else:
                 self._rx_peer[kind] += 1
-                counts[did] = held + 1
+                if kind == "batch":  # an answer holds its place from its request on
+                    counts[did] = held + 1
                 self._rx.append(item)
                 self._rx_cond.notify()
                 return True
+            if kind == "answer":  # its place is given up: the request is over
+                self._uncount(counts, did)
         if share_full:
             self._stats.add(receive_queue_full=1, receive_share_full=1)
         else:
@@ -1906,8 +1910,12 @@ class DataPlane:
         tail = max(nack_after, cfg.resend_after_ms / 1000)
         acks: list[tuple[_Group, str]] = []
         nacks: list[tuple[_Group, str, int, int | None]] = []
+        share = self._rx_share
         with self._rx_cond:
             room = cfg.recv_queue_max - self._rx_peer["answer"] - self._answers_out
+            # Answers each member holds (queued or awaited): a member that answers slowly or not at
+            # all, in however many groups, keeps to its share, and the room left goes to the others.
+            held = dict(self._rx_from["answer"])
         for g in list(self._groups.values()):
             with self._rx_lock:
                 for did, stream in g.streams.items():
@@ -1918,18 +1926,22 @@ class DataPlane:
                         sent, at = g.acks_sent.get(did, (0, float("-inf")))
                         if (stream.delivered > sent or did in g.ack_needed) and now - at >= ack_ivl:
                             acks.append((g, did))
-                        if room <= 0:  # answers enough on their way or waiting: ask at a later tick
+                        mine = share - held.get(did, 0)
+                        if room <= 0 or mine <= 0:  # answers enough on their way or waiting: ask at a later tick
                             continue
                         due = stream.due_nacks(nack_after, retry, cfg.resend_max, tail_after=tail,
-                                               outstanding_for=cfg.request_timeout_s)[:min(8, room)]
+                                               outstanding_for=cfg.request_timeout_s)[:min(8, room, mine)]
                         room -= len(due)
                         if due:
+                            held[did] = held.get(did, 0) + len(due)
                             stream.nacks_sent(len(due))
                         for first, last in due:
                             nacks.append((g, did, first, last))
-                    elif stream.waiting_count and now - g.sync_at.get(did, float("-inf")) >= retry and room > 0:
+                    elif (stream.waiting_count and now - g.sync_at.get(did, float("-inf")) >= retry and room > 0
+                          and held.get(did, 0) < share):
                         g.sync_at[did] = now  # data but no baseline: ask where our stream starts
                         room -= 1
+                        held[did] = held.get(did, 0) + 1
                         nacks.append((g, did, 1, None))
         for g, did in acks:
             self._send_ack(g, did)
@@ -1941,20 +1953,24 @@ class DataPlane:
     def _request_resend(self, g: _Group, m: _Member, first: int, last: int | None) -> None:
         body = dm.encode(dm.ResendRequest(g.name, m.info.did, self.member_did, first, last))
         env = envelope.pack(body, [m.info.relationship_verkey], sender=m.my_key)
+        answers = self._rx_from["answer"]
+        did = m.info.did
         with self._rx_cond:
             self._answers_out += 1  # before the request: its answer may come back at once
+            answers[did] = answers.get(did, 0) + 1
         try:
             fut = self._transport.request_async(m.info.peer_endpoint, ProtocolId.GROUP_DATA, env,
                                                 timeout=self.config.request_timeout_s)
         except TransportError as exc:
             with self._rx_cond:
                 self._answers_out -= 1
+                self._uncount(answers, did)
             self._stats.add(nack_failures=1)
             log.debug("resend request to %s not sent: %s", m.info.did, type(exc).__name__)
             self._nack_done(g.name, m.info.did)
             return
         self._stats.add(nacks_sent=1)
-        group, did = g.name, m.info.did
+        group = g.name
         fut.add_done_callback(lambda f: self._queue_answer(group, did, f, first, last))
 
     def _queue_answer(self, group: str, did: str, fut: Future[bytes], first: int, last: int | None) -> None:
