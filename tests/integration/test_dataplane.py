@@ -852,13 +852,10 @@ def test_a_publish_endpoint_that_cannot_be_bound_again_is_retried_not_fatal(make
     def make_xpub():  # type: ignore[no-untyped-def]
         sock = real_make()
         if time.monotonic() < refused["until"]:
-            real_bind = sock.bind
-
             def bind(endpoint: str) -> None:
                 raise zmq.ZMQError(zmq.EADDRINUSE, "Address already in use (test)")
 
             sock.bind = bind  # type: ignore[method-assign]
-            del real_bind
         return sock
 
     monkeypatch.setattr(alice.dp, "_make_xpub", make_xpub)
