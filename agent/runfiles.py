@@ -13,12 +13,13 @@ import errno
 import fcntl
 import json
 import os
+import stat
 import time
 from pathlib import Path
 from typing import Any
 
 from zerocomm_spark.client import HEALTH_FILE, PID_FILE
-from zerocomm_spark.errors import AgentAlreadyRunningError, ConfigurationError
+from zerocomm_spark.errors import AgentAlreadyRunningError, ConfigurationError, InsecurePermissionsError
 
 __all__ = ["RunLock", "identity_in_use", "read_health", "read_pid", "held_by", "pid_alive", "write_json_atomic"]
 
@@ -65,10 +66,14 @@ def pid_alive(pid: int) -> bool:
 
 
 def held_by(run_dir: Path) -> int | None:
-    """The pid of the agent holding this run directory's lock, or None if no agent holds it."""
+    """The pid of the agent holding this run directory's lock, or None if no agent holds it.
+
+    The pid is what ``agent stop`` signals, so it is taken only from a pid file that this user alone
+    could have written (see :func:`_check_holder`), read through the descriptor that was locked.
+    """
     path = run_dir / PID_FILE
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    try:  # O_NONBLOCK: a FIFO planted in place of the file must not hang the open
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError:
         return None
     try:
@@ -76,13 +81,46 @@ def held_by(run_dir: Path) -> int | None:
             fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
         except OSError as exc:
             if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-                pid = read_pid(run_dir)
-                return pid if pid is not None else -1
+                _check_holder(run_dir, os.fstat(fd))
+                try:
+                    text = os.pread(fd, 32, 0).decode("ascii", "replace").strip()
+                except OSError:
+                    text = ""
+                return int(text) if text.isdigit() else -1
             return None
         fcntl.flock(fd, fcntl.LOCK_UN)
         return None
     finally:
         os.close(fd)
+
+
+def _check_holder(run_dir: Path, pid_file: os.stat_result) -> None:
+    """Refuse a held pid file that another user could have written (InsecurePermissionsError).
+
+    Another user who can write the run directory (one made in a shared place before this user made
+    it, or left group-writable) could plant a locked agent.pid naming any process of ours, which
+    ``agent stop`` would then signal. An agent serves only from a plain directory of its user, mode
+    700 (prepare_socket_dir), with a pid file of its own: anything else was not made by our agent.
+    """
+    uid = os.getuid()
+    try:
+        st = os.lstat(run_dir)
+    except OSError as exc:
+        raise InsecurePermissionsError(f"cannot check the run directory {run_dir}: {exc.strerror}") from None
+    if not stat.S_ISDIR(st.st_mode):
+        problem = f"the run directory {run_dir} is not a plain directory"
+    elif st.st_uid != uid:
+        problem = f"the run directory {run_dir} belongs to uid {st.st_uid}, not to this user (uid {uid})"
+    elif stat.S_IMODE(st.st_mode) & 0o022:
+        problem = f"the run directory {run_dir} has mode {stat.S_IMODE(st.st_mode):o}, so other users could write it"
+    elif not stat.S_ISREG(pid_file.st_mode) or pid_file.st_uid != uid:
+        problem = f"the pid file {run_dir / PID_FILE} is not a file of this user (uid {pid_file.st_uid})"
+    else:
+        return
+    raise InsecurePermissionsError(
+        f"{problem}: its pid file is not trusted (the pid it names is never signalled)",
+        hint="Run zerocomm as the user that runs the agent; an agent keeps its run directory mode 700, "
+             "owned by that user, and another user's lock on a pid file there was planted")
 
 
 def identity_in_use(identity_dir: Path) -> bool:

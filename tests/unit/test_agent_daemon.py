@@ -56,3 +56,67 @@ def test_a_forced_stop_of_a_process_that_does_not_die_says_so(tmp_path: Path, mo
     config = cfgmod.load(None, env={}, flags=[f"identity.dir={tmp_path / 'id'}"])
     with pytest.raises(ApiTimeoutError, match="killed but had not exited"):
         daemon.stop_agent(config, timeout=0.3, force=True)
+
+
+def _planted_pid_file(run_dir: Path, pid: int) -> int:
+    """agent.pid naming ``pid``, locked as a running agent's is; returns the descriptor holding the lock."""
+    import fcntl
+    import os
+
+    fd = os.open(run_dir / "agent.pid", os.O_RDWR | os.O_CREAT, 0o644)
+    os.write(fd, f"{pid}\n".encode())
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    return fd
+
+
+@pytest.mark.parametrize("how", ["directory of another user", "directory others may write", "pid file of another user"])
+def test_stop_never_signals_a_pid_another_user_could_have_written(tmp_path: Path, how: str) -> None:
+    """Another local user who can write the run directory (api.socket_dir in a shared place, made
+    before the agent's user made it, or left group-writable) plants agent.pid naming any process of
+    the victim and holds its lock: `zerocomm agent stop` sent that process SIGTERM (or SIGKILL with
+    --force). Only a run directory and pid file the agent's user alone could have written are trusted."""
+    import os
+
+    from zerocomm_spark.errors import InsecurePermissionsError
+
+    if how != "directory others may write" and os.getuid() != 0:
+        pytest.skip("making a file of another user needs root")
+    run_dir = tmp_path / "shared" / "run"
+    run_dir.mkdir(parents=True, mode=0o700)
+    victim = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    fd = _planted_pid_file(run_dir, victim.pid)
+    try:
+        if how == "directory of another user":
+            os.chown(run_dir, 65534, 65534)
+        elif how == "directory others may write":
+            os.chmod(run_dir, 0o777)
+        else:
+            os.chown(run_dir / "agent.pid", 65534, 65534)
+        config = cfgmod.load(None, env={}, flags=[f"identity.dir={tmp_path / 'id'}", f"api.socket_dir={run_dir}"])
+        with pytest.raises(InsecurePermissionsError):
+            daemon.stop_agent(config, timeout=0.3)
+        assert victim.poll() is None  # not signalled
+    finally:
+        os.close(fd)
+        victim.kill()
+        victim.wait()
+
+
+def test_stop_signals_the_agent_of_a_private_run_directory(tmp_path: Path) -> None:
+    """The check above lets the real thing through: a run directory mode 700 and a pid file of this user."""
+    import os
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir(mode=0o700)
+    agent = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    fd = _planted_pid_file(run_dir, agent.pid)
+    try:
+        config = cfgmod.load(None, env={}, flags=[f"identity.dir={tmp_path / 'id'}", f"api.socket_dir={run_dir}"])
+        with pytest.raises(Exception):  # it dies but "holds" the lock we keep: a timeout after the SIGTERM
+            daemon.stop_agent(config, timeout=0.3)
+        assert agent.wait(5) == -15
+    finally:
+        os.close(fd)
+        if agent.poll() is None:
+            agent.kill()
+            agent.wait()
