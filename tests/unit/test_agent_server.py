@@ -245,6 +245,31 @@ def test_a_directory_the_client_cannot_enter_fails_clearly(served: tuple[ApiServ
         os.chmod(server.socket_dir, 0o700)
 
 
+@pytest.mark.parametrize("how", ["directory others may write", "socket of another user"])
+def test_the_client_refuses_a_socket_another_user_could_have_planted(served: tuple[ApiServer, threading.Event],
+                                                                    how: str) -> None:
+    """The client checked that the socket directory was its user's, but not that others could not
+    write it, nor whose the socket was: in a group- or world-writable directory (api.socket_dir in a
+    shared place, before an agent tightened it) another user's listener at api.sock got every
+    publish's payloads and answered reads with rows of its choosing."""
+    server, _ = served
+    sock = server.socket_dir / "api.sock"
+    if how == "directory others may write":
+        os.chmod(server.socket_dir, 0o777)
+    elif os.getuid() != 0:
+        pytest.skip("making a socket of another user needs root")
+    else:
+        os.chown(sock, 65534, 65534)
+    try:
+        with pytest.raises(ApiPermissionError, match="other users could|belongs to uid 65534"):
+            Client.connect(server.socket_dir, timeout=2)
+    finally:
+        os.chmod(server.socket_dir, 0o700)
+        if how == "socket of another user":
+            os.chown(sock, os.getuid(), os.getgid())
+    Client.connect(server.socket_dir, timeout=2).close()  # its own, private again: served
+
+
 def test_close_lets_running_calls_answer_and_refuses_new_ones(served: tuple[ApiServer, threading.Event]) -> None:
     """An agent stopping mid-call (SIGTERM during a publish) answers that call if it finishes within
     the stop timeout, instead of leaving the client with "outcome unknown"."""
