@@ -9,9 +9,11 @@ it was not handed explicitly.
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
+import stat
 import sys
 import threading
 import time
@@ -87,14 +89,41 @@ def open_log_file(path: Path) -> int:
     a path that cannot be used is a ConfigurationError naming it, not a traceback."""
     from zerocomm_spark.errors import ConfigurationError
 
+    hint = ("Set log.file (--set log.file=PATH) to a file this user can write, or to \"\" for the "
+            "default (stderr in the foreground, <api.socket_dir>/agent.log in the background)")
+    flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND
     try:
         path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-        return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        try:
+            fd = os.open(path, flags | os.O_NOFOLLOW, 0o600)
+        except OSError as exc:
+            if exc.errno != errno.ELOOP:
+                raise
+            # A link: followed only where no other user could have made or swapped it (/dev/stderr, a
+            # directory of ours); in a directory others may write it may lead to ~/.bashrc.
+            if not _only_owner_writes(path.parent):
+                raise ConfigurationError(
+                    f"the agent's log file {path} is a symbolic link in a directory other users may write: "
+                    "not followed", hint=hint) from None
+            fd = os.open(path, flags, 0o600)
     except OSError as exc:
-        raise ConfigurationError(
-            f"cannot open the agent's log file {path}: {exc.strerror or exc}",
-            hint="Set log.file (--set log.file=PATH) to a file this user can write, or to \"\" for the "
-                 "default (stderr in the foreground, <api.socket_dir>/agent.log in the background)") from None
+        raise ConfigurationError(f"cannot open the agent's log file {path}: {exc.strerror or exc}",
+                                 hint=hint) from None
+    st = os.fstat(fd)
+    if not stat.S_ISCHR(st.st_mode) and st.st_uid != os.getuid():  # (/dev/null is root's, and fine)
+        os.close(fd)
+        raise ConfigurationError(f"the agent's log file {path} belongs to uid {st.st_uid}, not to this user "
+                                 f"(uid {os.getuid()}): its owner would read every line", hint=hint)
+    return fd
+
+
+def _only_owner_writes(directory: Path) -> bool:
+    """Whether only the directory's owner, this user or root, may add or replace entries in it."""
+    try:
+        st = os.stat(directory)
+    except OSError:
+        return False
+    return st.st_uid in (os.getuid(), 0) and not stat.S_IMODE(st.st_mode) & 0o022
 
 
 def configure(level: str = "info", fmt: str = "json", file: Path | None = None,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import json
 import logging
+from pathlib import Path
 
 import pytest
 
@@ -58,3 +59,36 @@ def test_exceptions_are_logged_without_tracebacks(restore_root: None) -> None:
     record = json.loads(stream.getvalue())
     assert record["error"] == "ValueError" and record["error_detail"] == "bad thing"
     assert "Traceback" not in stream.getvalue()
+
+
+def test_the_log_file_is_never_a_link_or_another_users_file(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """log.file in a directory others can write (a shared log directory): another user pre-made it as
+    a link to a file of the agent's user (~/.bashrc) and the agent appended its lines there (peer
+    labels and group names included), or as a file of their own, mode 666, and read every line."""
+    import os
+
+    from zerocomm_spark.errors import ConfigurationError
+
+    victim = tmp_path / "bashrc"
+    victim.write_text("# mine\n")
+    shared = tmp_path / "logs"
+    shared.mkdir()
+    os.chmod(shared, 0o777)
+    link = shared / "agent.log"
+    link.symlink_to(victim)
+    with pytest.raises(ConfigurationError, match="symbolic link in a directory other users may write"):
+        os.close(agent_logging.open_log_file(link))
+    assert victim.read_text() == "# mine\n"
+    os.chmod(shared, 0o700)  # a link only this user could have made (or /dev/stderr, root's) is followed
+    os.close(agent_logging.open_log_file(link))
+    os.close(agent_logging.open_log_file(Path("/dev/null")))
+    if os.getuid() == 0:
+        theirs = tmp_path / "theirs.log"
+        theirs.touch(mode=0o666)
+        os.chown(theirs, 65534, 65534)
+        with pytest.raises(ConfigurationError, match="uid 65534"):
+            os.close(agent_logging.open_log_file(theirs))
+    fd = agent_logging.open_log_file(tmp_path / "mine.log")  # its own file: created 600, as before
+    os.close(fd)
+    assert (tmp_path / "mine.log").stat().st_mode & 0o777 == 0o600
+    os.close(agent_logging.open_log_file(tmp_path / "mine.log"))  # and opened again
