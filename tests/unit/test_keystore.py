@@ -164,6 +164,19 @@ def test_open_directory_we_own_is_tightened(home: Path) -> None:
     assert mode_of(home) == 0o700
 
 
+def test_directory_of_another_user_is_refused_whatever_its_mode(home: Path) -> None:
+    """Only a directory that was too open was checked for its owner: one of another user with mode
+    700 was used (by root: an agent run as root on a user's identity directory), and that user,
+    who may rename and delete entries there, could roll the keystore back or swap its files."""
+    if os.getuid() != 0:
+        pytest.skip("making a directory of another user needs root (and only root could use it)")
+    home.mkdir(mode=0o700)
+    os.chown(home, 65534, 65534)
+    with pytest.raises(InsecurePermissionsError, match="uid 65534"):
+        Keystore.open(home)
+    assert list(home.iterdir()) == []  # nothing made there
+
+
 def test_path_that_is_a_file_is_refused(tmp_path: Path) -> None:
     path = tmp_path / "not-a-dir"
     path.write_text("x")

@@ -210,12 +210,12 @@ def _prepare_directory(directory: Path) -> None:
         st = directory.stat()
     except OSError as exc:
         raise KeystoreError(f"cannot create the identity directory {directory}: {exc.strerror}") from exc
+    if st.st_uid != os.getuid():  # whatever its mode: its owner may rename and delete our files there
+        raise InsecurePermissionsError(
+            f"the identity directory {directory} has mode {stat.S_IMODE(st.st_mode):o} "
+            f"and belongs to another user (uid {st.st_uid})"
+        )
     if stat.S_IMODE(st.st_mode) & 0o077:
-        if st.st_uid != os.getuid():
-            raise InsecurePermissionsError(
-                f"the identity directory {directory} has mode {stat.S_IMODE(st.st_mode):o} "
-                f"and belongs to another user (uid {st.st_uid})"
-            )
         # Ours, only too open (umask, or made by hand): tighten it rather than refuse.
         os.chmod(directory, 0o700)
         log.info("tightened the identity directory %s to mode 700", directory)
