@@ -264,17 +264,34 @@ def _client_key(text: str) -> bytes:
     return raw
 
 
+_REFUSED_LOG_INTERVAL_S = 10.0  # refused TCP clients: one warning per interval at most
+
+
 class _Allowed:
-    """ZAP credentials provider: only the listed client keys get in."""
+    """ZAP credentials provider: only the listed client keys get in.
+
+    Refusals are logged at most once per ``_REFUSED_LOG_INTERVAL_S`` with the count since the last
+    warning: anyone who reaches the TCP endpoint can be refused as fast as they can connect, and a
+    line each would let them fill the agent's disk.
+    """
 
     def __init__(self, keys: set[bytes]) -> None:
         self.keys = keys
+        self._last_warning = -math.inf
+        self._suppressed = 0
+        self._lock = threading.Lock()
 
     def callback(self, domain: str, key: bytes) -> bool:
         allowed = key in self.keys
         if not allowed:
+            with self._lock:
+                now = time.monotonic()
+                if now - self._last_warning < _REFUSED_LOG_INTERVAL_S:
+                    self._suppressed += 1
+                    return False
+                suppressed, self._suppressed, self._last_warning = self._suppressed, 0, now
             event(log, logging.WARNING, "refused a TCP API client: its CURVE key is not in api.allowed_clients",
-                  client_key_prefix=key[:8].decode("ascii", "replace"))
+                  client_key_prefix=key[:8].decode("ascii", "replace"), refused_since_last_warning=suppressed)
         return allowed
 
 

@@ -232,6 +232,29 @@ def test_tcp_with_curve_admits_only_listed_keys(tmp_path: Path) -> None:
         server.close()
 
 
+def test_refused_curve_keys_cannot_flood_the_log(caplog: pytest.LogCaptureFixture,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """Anyone who reaches api.tcp_endpoint may try keys that are not listed, as fast as they can
+    connect: each refusal wrote a warning, so an unauthenticated peer filled the agent's disk with
+    log lines. Now one warning per interval says how many were refused since the last one."""
+    import logging
+
+    from zerocomm_spark.agent import server as server_module
+
+    now = [1000.0]
+    monkeypatch.setattr(server_module.time, "monotonic", lambda: now[0])
+    allowed = server_module._Allowed({zmq.curve_keypair()[0]})  # noqa: SLF001
+    caplog.set_level(logging.WARNING, logger="zerocomm_spark.agent.server")
+    for _ in range(1000):
+        assert allowed.callback("zerocomm-api", zmq.curve_keypair()[0]) is False
+    refusals = [r for r in caplog.records if "refused a TCP API client" in r.getMessage()]
+    assert len(refusals) == 1
+    now[0] += 60
+    assert allowed.callback("zerocomm-api", zmq.curve_keypair()[0]) is False
+    refusals = [r for r in caplog.records if "refused a TCP API client" in r.getMessage()]
+    assert len(refusals) == 2 and refusals[1].fields["refused_since_last_warning"] == 999
+
+
 def test_a_directory_the_client_cannot_enter_fails_clearly(served: tuple[ApiServer, threading.Event],
                                                           tmp_path: Path) -> None:
     server, _ = served
