@@ -21,7 +21,7 @@ import threading
 from collections import OrderedDict
 from pathlib import Path
 
-from zerocomm_spark.errors import KeystoreError
+from zerocomm_spark.errors import InsecurePermissionsError, KeystoreError
 from zerocomm_spark.keys.keystore import Keystore
 
 __all__ = ["SeenMessages", "SEEN_FILE"]
@@ -171,9 +171,15 @@ def _open_private(path: Path, flags: int) -> int:
                 hint="Remove the link (the agent then starts a new log: messages handled before may be accepted "
                      "once more), and check who else can write the identity directory") from None
         raise KeystoreError(f"cannot open {path}: {exc.strerror}") from None
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
         os.close(fd)
         raise KeystoreError(f"{path} is not a regular file",
                             hint="Remove it (the agent then starts a new log), and check who else can write the "
                                  "identity directory")
+    if st.st_uid != os.getuid():  # its owner could empty it at will: every captured envelope replayable
+        os.close(fd)
+        raise InsecurePermissionsError(f"{path} belongs to another user (uid {st.st_uid})",
+                                       hint="Remove it (the agent then starts a new log), and check who else can "
+                                            "write the identity directory")
     return fd

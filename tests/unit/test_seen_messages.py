@@ -168,3 +168,22 @@ def test_a_link_planted_in_place_of_the_log_is_refused_and_never_written_through
     os.mkfifo(path)  # not a link, still not a file to keep entries in
     with pytest.raises(KeystoreError, match="not a regular file"):
         SeenMessages(path, b"k" * 32, capacity=2)
+
+
+def test_a_log_of_another_user_is_refused(tmp_path: Path) -> None:
+    """A seen-messages.log another user made (while the identity directory was open to them, before
+    the keystore tightened it) was kept: its owner could empty it at will, and every envelope they
+    had captured was accepted again after the next restart (replay)."""
+    import os
+
+    import pytest
+
+    from zerocomm_spark.errors import InsecurePermissionsError
+
+    if os.getuid() != 0:
+        pytest.skip("making a file of another user needs root")
+    path = tmp_path / SEEN_FILE
+    path.touch(mode=0o666)
+    os.chown(path, 65534, 65534)
+    with pytest.raises(InsecurePermissionsError, match="uid 65534"):
+        SeenMessages(path, b"k" * 32, capacity=2)
