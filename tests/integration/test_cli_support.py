@@ -42,6 +42,13 @@ def zerocomm(*args: str, timeout: float = 60.0, input: str | None = None,
     return Result(done.returncode, done.stdout, done.stderr)
 
 
+def _threads_left(pid: int) -> int:
+    try:
+        return len(os.listdir(f"/proc/{pid}/task"))
+    except OSError:
+        return 0
+
+
 class Member:
     """One member: `zerocomm --config <dir>/zerocomm.toml ...`, its agent started detached."""
 
@@ -93,7 +100,9 @@ class Member:
                 state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
             except OSError:
                 return
-            if state == "Z":
+            if state == "Z" and _threads_left(pid) <= 1:
+                # The leader of a killed process is a zombie before its other threads are gone, and
+                # their shared descriptors (the run directory's lock) close with the last of them.
                 return
             time.sleep(0.02)
         raise AssertionError(f"process {pid} did not exit")
