@@ -53,6 +53,7 @@ if TYPE_CHECKING:
     import pyarrow as pa
     from pyspark.sql import DataFrame, SparkSession
     from pyspark.sql.streaming import StreamingQuery
+    from pyspark.sql.types import DataType, StructType
 
     from zerocomm_spark.pipelines.history_key import HistoryKey
 
@@ -103,15 +104,32 @@ def ensure_table(spark: SparkSession, table_path: str, *, properties: Mapping[st
             builder = builder.property(key, value)
         builder.execute()
         return
-    _check_history_columns(DeltaTable.forPath(spark, path).toDF().columns, path,
+    _check_history_columns(DeltaTable.forPath(spark, path).toDF().schema, path,
                            "Point history at an empty directory or an existing history table")
 
 
-def _check_history_columns(columns: Sequence[str], path: str, hint: str) -> None:
-    missing = [c for c in HISTORY_COLUMNS if c not in set(columns)]
+def _check_history_columns(schema: StructType, path: str, hint: str) -> None:
+    """Every history column is there with its type (nullability aside): a column of another type (seq
+    as text, say) would sort, filter and compare wrongly without an error."""
+    types = {f.name: f.dataType for f in schema.fields}
+    missing = [c for c in HISTORY_COLUMNS if c not in types]
     if missing:
         raise ConfigurationError(f"the Delta table at {path} is not a zerocomm history table (no {missing})",
                                  hint=hint)
+    wrong = [f"{f.name} is {types[f.name].simpleString()}, not {f.dataType.simpleString()}"
+             for f in history_schema().fields if not _same_type(types[f.name], f.dataType)]
+    if wrong:
+        raise ConfigurationError(f"the Delta table at {path} is not a zerocomm history table ({'; '.join(wrong)})",
+                                 hint=hint)
+
+
+def _same_type(have: DataType, want: DataType) -> bool:
+    """Equal types, whether or not a map's values may be null."""
+    from pyspark.sql.types import MapType
+
+    if isinstance(have, MapType) and isinstance(want, MapType):
+        return have.keyType == want.keyType and have.valueType == want.valueType
+    return have == want
 
 
 def require_history_table(spark: SparkSession, table_path: str) -> None:
@@ -122,7 +140,7 @@ def require_history_table(spark: SparkSession, table_path: str) -> None:
     if not table_exists(spark, path):
         raise ConfigurationError(f"there is no Delta table at {path}",
                                  hint="Give the path of a history table (`zerocomm history ingest` makes one)")
-    _check_history_columns(DeltaTable.forPath(spark, path).toDF().columns, path,
+    _check_history_columns(DeltaTable.forPath(spark, path).toDF().schema, path,
                            "Give the path of a history table (`zerocomm history ingest` makes one)")
 
 
