@@ -52,6 +52,7 @@ __all__ = [
     "OriginSigner",
     "origin_digest",
     "signature_from_header",
+    "text_column",
     "verify_origin",
     "verify_rows",
 ]
@@ -162,6 +163,50 @@ def verify_origin(group: str, publisher_did: str, message_id: str, payload: byte
     return True
 
 
+def _binary_type(kind: pa.DataType) -> pa.DataType:
+    """``kind`` with its text (also inside a map) as bytes: what a column that is not UTF-8 can be read as."""
+    import pyarrow as pa
+
+    if pa.types.is_string(kind):
+        return pa.binary()
+    if pa.types.is_large_string(kind):
+        return pa.large_binary()
+    if pa.types.is_map(kind):
+        return pa.map_(_binary_type(kind.key_type), _binary_type(kind.item_type))
+    return kind
+
+
+def _decode(value: Any, errors: str) -> Any:
+    if isinstance(value, bytes):
+        return value.decode("utf-8", errors)
+    if isinstance(value, list):  # a map's (key, value) pairs
+        return [(_decode(k, errors), _decode(v, errors)) for k, v in value]
+    return value
+
+
+def text_column(column: pa.Array | pa.ChunkedArray, errors: str = "strict") -> tuple[list[Any], list[bool]]:
+    """``column.to_pylist()``, and per value whether its text is not UTF-8.
+
+    Spark and Delta do not check that strings are UTF-8, so a damaged or hostile table can hold such
+    text, and one value would make ``to_pylist`` raise for the whole column (a whole replay or
+    restore). Here it is None instead (``errors="strict"``), or decoded with that error handler
+    (``"replace"``, for display), and flagged True."""
+    try:
+        values = column.to_pylist()
+        return values, [False] * len(values)
+    except UnicodeDecodeError:
+        pass
+    values, flags = [], []
+    for raw in column.cast(_binary_type(column.type)).to_pylist():
+        try:
+            values.append(_decode(raw, "strict"))
+            flags.append(False)
+        except UnicodeDecodeError:
+            values.append(None if errors == "strict" else _decode(raw, errors))
+            flags.append(True)
+    return values, flags
+
+
 def _as_pairs(value: Any) -> list[tuple[str, str]] | None:
     if value is None:
         return None
@@ -176,21 +221,34 @@ def verify_rows(table: pa.Table, *, payload: Sequence[bytes] | None = None, thre
 
     Needs the columns group, publisher_did, message_id, headers, origin_sig and (unless the clear
     ``payload`` values are given, e.g. after decrypting) payload. Rows without a signature are
-    False. libsodium runs without the GIL, so ``threads`` workers verify in parallel.
+    False, and so are rows whose text is not UTF-8 (nobody signed it) and rows whose headers hold a
+    ``zc-origin`` proof header: ingest moves the proof into ``origin_sig``, and the digest leaves
+    that header out, so one in a history row was added after the publisher signed.
+    libsodium runs without the GIL, so ``threads`` workers verify in parallel.
     """
     n = table.num_rows
-    groups = table.column("group").to_pylist()
-    dids = table.column("publisher_did").to_pylist()
-    ids = table.column("message_id").to_pylist()
+    groups, bad_group = text_column(table.column("group"))
+    dids, bad_did = text_column(table.column("publisher_did"))
+    ids, bad_id = text_column(table.column("message_id"))
     sigs = table.column("origin_sig").to_pylist()
-    heads = table.column("headers").to_pylist() if "headers" in table.column_names else [None] * n
+    if "headers" in table.column_names:
+        heads, bad_head = text_column(table.column("headers"))
+    else:
+        heads, bad_head = [None] * n, [False] * n
     payloads = list(payload) if payload is not None else table.column("payload").to_pylist()
     if len(payloads) != n:
         raise ValueError(f"{len(payloads)} payloads for {n} rows")
 
+    def one(i: int) -> bool:
+        if bad_group[i] or bad_did[i] or bad_id[i] or bad_head[i]:
+            return False
+        pairs = _as_pairs(heads[i])
+        if pairs is not None and any(kv[0] == ORIGIN_HEADER for kv in pairs):
+            return False
+        return verify_origin(groups[i], dids[i], ids[i], payloads[i], pairs, sigs[i])
+
     def check(lo: int, hi: int) -> list[bool]:
-        out = [verify_origin(groups[i], dids[i], ids[i], payloads[i], _as_pairs(heads[i]), sigs[i])
-               for i in range(lo, hi)]
+        out = [one(i) for i in range(lo, hi)]
         if progress is not None:
             progress(hi - lo)
         return out

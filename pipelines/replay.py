@@ -250,19 +250,21 @@ def _opener(key: HistoryKey | None, check: bool) -> Callable[[Iterator[pa.Record
     def run(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
         import pyarrow as pa
 
-        from zerocomm_spark.pipelines.origin import verify_rows
+        from zerocomm_spark.pipelines.origin import text_column, verify_rows
 
         for batch in batches:
             n = batch.num_rows
             names = batch.schema.names
-            groups = batch.column("group").to_pylist()
-            dids = batch.column("publisher_did").to_pylist()
-            ids = batch.column("message_id").to_pylist()
+            # Text that is not UTF-8 (a damaged or hostile table) fails its row, not the whole replay.
+            groups, bad_group = text_column(batch.column("group"))
+            dids, bad_did = text_column(batch.column("publisher_did"))
+            ids, bad_id = text_column(batch.column("message_id"))
             payloads = batch.column("payload").to_pylist()
-            key_ids = batch.column("payload_key_id").to_pylist()
+            key_ids, _ = text_column(batch.column("payload_key_id"), "replace")  # then no key's id: left sealed
             opened: list[bytes | None] = list(payloads)
             clear_ids: list[str | None] = list(key_ids)
-            failed = [False] * n
+            # A null payload (NOT NULL in the table) is no message: not the empty one its signature may cover.
+            failed = [payloads[i] is None or bad_group[i] or bad_did[i] or bad_id[i] for i in range(n)]
             for i in range(n):
                 if key_ids[i] is None:
                     continue

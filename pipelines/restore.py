@@ -42,7 +42,7 @@ from functools import partial
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from zerocomm_spark.errors import ApiTimeoutError, ConfigurationError, TamperedEnvelopeError
-from zerocomm_spark.pipelines.origin import verify_rows
+from zerocomm_spark.pipelines.origin import text_column, verify_rows
 from zerocomm_spark.pipelines.schema import HISTORY_COLUMNS, KEY_COLUMNS, history_arrow_schema
 
 if TYPE_CHECKING:
@@ -166,8 +166,12 @@ def have_from_table(spark: SparkSession, table_path: str, group: str) -> Have:
     require_history_table(spark, str(table_path))
     keys = (spark.read.format("delta").load(str(table_path)).where(F.col("group") == group)
             .select("message_id", "publisher_did", "seq").toArrow())
-    return Have.from_rows(keys.column("message_id").to_pylist(), keys.column("publisher_did").to_pylist(),
-                          keys.column("seq").to_pylist())
+    ids, bad_id = text_column(keys.column("message_id"))
+    dids, bad_did = text_column(keys.column("publisher_did"))
+    seqs = keys.column("seq").to_pylist()
+    # A row whose id or publisher is not UTF-8 text (a damaged table) names no message anyone announces.
+    kept = [i for i in range(len(ids)) if not (bad_id[i] or bad_did[i])]
+    return Have.from_rows([ids[i] for i in kept], [dids[i] for i in kept], [seqs[i] for i in kept])
 
 
 # --- providers ---------------------------------------------------------------------------------
@@ -423,7 +427,7 @@ def _conform(rows: pa.Table) -> tuple[pa.Table, str | None]:
 
 
 def _ids_of(rows: pa.Table, n: int) -> list[Any]:
-    return rows.column("message_id").to_pylist() if "message_id" in rows.column_names else [None] * n
+    return text_column(rows.column("message_id"))[0] if "message_id" in rows.column_names else [None] * n
 
 
 def _times_ok(rows: pa.Table) -> list[bool]:
@@ -455,14 +459,19 @@ def _check_rows(rows: pa.Table, provider: str, asked: Mapping[str, tuple[str, in
         return (history_arrow_schema().empty_table(),
                 [Rejection(provider, mid if isinstance(mid, str) else None, malformed) for mid in _ids_of(rows, n)])
     times_ok = _times_ok(rows)
-    ids = rows.column("message_id").to_pylist()
-    dids = rows.column("publisher_did").to_pylist()
+    # Text that is not UTF-8 (None here, and flagged) rejects its row, not the whole answer.
+    texts = {name: text_column(rows.column(name)) for name in ("message_id", "publisher_did", "group",
+                                                                "payload_key_id", "headers", "publisher_label",
+                                                                "origin_scheme")}
+    unreadable = [any(flags[i] for _, flags in texts.values()) for i in range(n)]
+    ids = texts["message_id"][0]
+    dids = texts["publisher_did"][0]
     seqs = rows.column("seq").to_pylist()
     lamports = rows.column("lamport_ts").to_pylist()
-    groups = rows.column("group").to_pylist()
+    groups = texts["group"][0]
     payloads = rows.column("payload").to_pylist()
-    key_ids = rows.column("payload_key_id").to_pylist()
-    heads = rows.column("headers").to_pylist()
+    key_ids = texts["payload_key_id"][0]
+    heads = texts["headers"][0]
     sigs = rows.column("origin_sig").to_pylist()
     ok = [True] * n
     seen: set[str] = set()
@@ -474,6 +483,10 @@ def _check_rows(rows: pa.Table, provider: str, asked: Mapping[str, tuple[str, in
             rejections.append(Rejection(provider, mid, "not requested from this provider (or sent twice)"))
             continue
         seen.add(mid)
+        if unreadable[i]:
+            ok[i] = False
+            rejections.append(Rejection(provider, mid, "malformed row (text that is not UTF-8)"))
+            continue
         if asked[mid] != (dids[i], seqs[i], lamports[i]):
             ok[i] = False
             rejections.append(Rejection(provider, mid, "differs from what the provider announced"))
@@ -557,8 +570,8 @@ def restore(group: str, providers: Sequence[HistoryProvider], *, have: Have | No
         try:
             keys = _bounded(partial(provider.announce, group, since_lamport), provider_timeout,
                             f"{provider.name}'s announce")
-            ids = keys.column("message_id").to_pylist()
-            dids = keys.column("publisher_did").to_pylist()
+            ids, _ = text_column(keys.column("message_id"))  # text that is not UTF-8: None, a malformed key
+            dids, _ = text_column(keys.column("publisher_did"))
             seqs = keys.column("seq").to_pylist()
             lamports = keys.column("lamport_ts").to_pylist()
             if not len(ids) == len(dids) == len(seqs) == len(lamports):

@@ -89,3 +89,47 @@ def test_a_table_whose_columns_have_other_types_is_refused_by_every_reader_and_t
         replay(spark, narrow, "g")
     extra = rewrite(spark, held.withColumn("note", F.lit(1)), tmp_path)  # extra columns are no harm
     assert replay(spark, extra, "g").count() == 12
+
+
+def test_text_that_is_not_utf8_fails_its_row_not_the_replay_or_the_restore(spark, tmp_path, alice):
+    """One message id (or label) that is not UTF-8 failed a whole verified replay (UnicodeDecodeError in
+    the Python worker), made a provider's announce fail (none of its messages restored), and made
+    have_from_table raise UnicodeDecodeError."""
+    good = history(spark, tmp_path, alice, ["a", "b", "c", "d"])
+    held = spark.read.format("delta").load(good)
+    hostile = rewrite(spark, held
+                      .withColumn("message_id", F.when(F.col("message_id") == "b", not_utf8("62fe"))
+                                  .otherwise(F.col("message_id")))
+                      .withColumn("publisher_label", F.when(F.col("message_id") == "c", not_utf8("ff41"))
+                                  .otherwise(F.col("publisher_label"))), tmp_path)
+    checked = replay(spark, hostile, "g", verify=True).select(F.hex("message_id").alias("id"), "origin_ok").collect()
+    assert sorted((r["id"], r["origin_ok"]) for r in checked) == [
+        ("61", True), ("62FE", False), ("63", True), ("64", True)]  # c's label is not covered by the proof
+    report = restore("g", [DeltaProvider(spark, hostile, "hostile"), DeltaProvider(spark, good, "honest")])
+    assert sorted(report.delivered_ids) == ["a", "b", "c", "d"]
+    assert {(r.provider, r.message_id, r.reason) for r in report.rejected} == {
+        ("hostile", None, "malformed announcement"),
+        ("hostile", "c", "malformed row (text that is not UTF-8)")}
+    assert report.requested == {"hostile": 3, "honest": 2}
+    assert have_from_table(spark, hostile, "g").message_ids == {"a", "c", "d"}
+
+
+def test_a_proof_header_added_to_a_row_or_a_nulled_payload_is_not_verified(spark, tmp_path, alice):
+    """The origin digest leaves the zc-origin header out (the publisher attaches it after signing), and
+    ingest moves it into origin_sig: a zc-origin header added to a history row's headers still
+    verified, and was restored as verified. A null payload (NOT NULL, but not enforced on read) was
+    verified as the empty payload."""
+    good = history(spark, tmp_path, alice, ["a", "b", "empty"], payloads={"empty": b""})
+    held = spark.read.format("delta").load(good)
+    added = F.map_concat(F.col("headers"), F.create_map(F.lit("zc-origin"), F.lit("1:forged")))
+    hostile = rewrite(spark, held
+                      .withColumn("headers", F.when(F.col("message_id") == "b", added).otherwise(F.col("headers")))
+                      .withColumn("payload", F.when(F.col("message_id") == "empty", F.lit(None).cast("binary"))
+                                  .otherwise(F.col("payload"))), tmp_path, nullable=True)
+    verdicts = {r["message_id"]: r["origin_ok"] for r in replay(spark, hostile, "g", verify=True).collect()}
+    assert verdicts == {"a": True, "b": False, "empty": False}
+    assert {r["message_id"]: r["origin_ok"] for r in replay(spark, good, "g", verify=True).collect()} == {
+        "a": True, "b": True, "empty": True}
+    report = restore("g", [DeltaProvider(spark, hostile, "hostile"), DeltaProvider(spark, good, "honest")])
+    assert sorted((r.provider, r.message_id) for r in report.rejected) == [("hostile", "b"), ("hostile", "empty")]
+    assert report.delivered == 3 and report.missing == []

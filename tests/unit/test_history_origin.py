@@ -106,6 +106,21 @@ def test_verify_rows_checks_a_whole_table_in_parallel(alice):
     assert [i for i, good in enumerate(ok) if not good] == [7, 11, 13]
 
 
+def test_a_proof_header_in_a_rows_headers_or_text_that_is_not_utf8_is_no_proof(alice):
+    """The digest leaves the zc-origin header out, and ingest moves it into origin_sig: one in a history
+    row's headers was added after signing (it verified). Text that is not UTF-8 made verify_rows raise
+    UnicodeDecodeError for the whole table."""
+    signer = OriginSigner(alice)
+    sig = signer.sign("g", "m", b"x", {"k": "v"})
+    strings = pa.array([b"m", b"m", b"m\xfe", b"m"], pa.binary())
+    ids = pa.Array.from_buffers(pa.string(), 4, strings.buffers())  # as Spark hands over unchecked text
+    heads = pa.array([[("k", "v")], [("k", "v"), (ORIGIN_HEADER, "1:added")], [("k", "v")], [("k", "v")]],
+                     pa.map_(pa.string(), pa.string()))
+    rows = pa.table({"group": ["g"] * 4, "message_id": ids, "publisher_did": [signer.publisher_did] * 4,
+                     "headers": heads, "payload": [b"x"] * 4, "origin_sig": [sig] * 4})
+    assert verify_rows(rows, threads=1) == [True, False, False, True]
+
+
 def test_history_key_seals_and_binds_each_payload_to_its_row():
     key = HistoryKey.generate()
     sealed = key.seal(b"secret", "g", "did:key:zA", "m1")
