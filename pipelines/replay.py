@@ -47,6 +47,8 @@ __all__ = ["CAUSAL_ORDER", "Since", "causal_order", "open_payloads", "replay", "
 #: seq last: a publisher's messages never tie on Lamport time unless its clock was reset (a member
 #: restarted before it observed anything) or saturated; its own FIFO order then still holds.
 CAUSAL_ORDER = ("lamport_ts", "publisher_did", "seq")
+#: Delta versions, seqs and Lamport times are Spark longs: a larger int reached Spark as a Py4J or Delta error.
+LONG_MAX = 2**63 - 1
 
 
 @dataclass(frozen=True)
@@ -58,8 +60,8 @@ class Since:
 
     @classmethod
     def version(cls, version: int) -> "Since":
-        if isinstance(version, bool) or not isinstance(version, int) or version < 0:
-            raise ConfigurationError(f"a Delta version is an int >= 0, not {version!r}")
+        if isinstance(version, bool) or not isinstance(version, int) or not 0 <= version <= LONG_MAX:
+            raise ConfigurationError(f"a Delta version is an int from 0 to 2**63-1, not {version!r}")
         return cls("version", version)
 
     @classmethod
@@ -68,8 +70,8 @@ class Since:
 
     @classmethod
     def lamport(cls, lamport_ts: int) -> "Since":
-        if isinstance(lamport_ts, bool) or not isinstance(lamport_ts, int) or lamport_ts < 0:
-            raise ConfigurationError(f"a Lamport time is an int >= 0, not {lamport_ts!r}")
+        if isinstance(lamport_ts, bool) or not isinstance(lamport_ts, int) or not 0 <= lamport_ts <= LONG_MAX:
+            raise ConfigurationError(f"a Lamport time is an int from 0 to 2**63-1, not {lamport_ts!r}")
         return cls("lamport", lamport_ts)
 
 
@@ -129,8 +131,12 @@ def replay(spark: SparkSession, table: str, group: str | None = None, *,
 
     start = _since(since)
     path = str(table)
-    if until_lamport is not None and (isinstance(until_lamport, bool) or not isinstance(until_lamport, int)):
-        raise ConfigurationError(f"until_lamport is an int (a Lamport time), not {until_lamport!r}")
+    if until_lamport is not None and (isinstance(until_lamport, bool) or not isinstance(until_lamport, int)
+                                      or abs(until_lamport) > LONG_MAX):
+        raise ConfigurationError(f"until_lamport is an int (a Lamport time, at most 2**63-1), not {until_lamport!r}")
+    if isinstance(as_of, int) and not isinstance(as_of, bool) and as_of > LONG_MAX:
+        raise ConfigurationError(f"as_of={as_of} is no Delta version (at most 2**63-1)",
+                                 hint="Give a version between 0 and the newest (DESCRIBE HISTORY delta.`<table>`)")
     if (start is not None and start.kind == "version" and isinstance(as_of, int) and not isinstance(as_of, bool)
             and as_of < int(start.value)):
         raise ConfigurationError(f"as_of={as_of} is before since=Since.version({start.value}): nothing to replay",

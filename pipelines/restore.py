@@ -243,8 +243,10 @@ class DeltaProvider:
                  as_of: int | datetime | str | None = None) -> None:
         """``as_of``: serve the table as it was at this Delta version, or at this time (a datetime or
         an ISO 8601 string); one the table does not have is a ConfigurationError at first use."""
+        from zerocomm_spark.pipelines.replay import LONG_MAX
+
         if as_of is not None and (isinstance(as_of, bool) or not isinstance(as_of, (int, datetime, str))
-                                  or (isinstance(as_of, int) and as_of < 0)):
+                                  or (isinstance(as_of, int) and not 0 <= as_of <= LONG_MAX)):
             raise ConfigurationError(f"DeltaProvider's as_of is a Delta version (an int >= 0) or a time "
                                      f"(a datetime or an ISO 8601 string), not {as_of!r}")
         if isinstance(as_of, str):
@@ -383,8 +385,10 @@ def _failure(exc: BaseException) -> str:
 
 
 def _malformed(mid: Any, did: Any, seq: Any, lamport: Any) -> bool:
-    """A key whose fields do not have their types (a broken or hostile provider)."""
-    return not (isinstance(mid, str) and isinstance(did, str) and type(seq) is int and type(lamport) is int)
+    """A key whose fields do not have their types, or a seq below 1 (a broken or hostile provider; such a
+    seq would otherwise match every member's position and pass for a message the member has)."""
+    return not (isinstance(mid, str) and isinstance(did, str) and type(seq) is int and seq >= 1
+                and type(lamport) is int)
 
 
 def _bad_row(group: str, row_group: Any, payload: Any, key_id: Any, headers: Any, sig: Any) -> str | None:
@@ -553,6 +557,10 @@ def restore(group: str, providers: Sequence[HistoryProvider], *, have: Have | No
                                          or not provider_timeout > 0):
         raise ConfigurationError(f"restore's provider_timeout is a number of seconds > 0 (or None), "
                                  f"not {provider_timeout!r}")
+    if since_lamport is not None:
+        from zerocomm_spark.pipelines.replay import Since
+
+        Since.lamport(since_lamport)  # an int from 0 to 2**63-1, or a ConfigurationError saying so
     names = [p.name for p in providers]
     if len(set(names)) != len(names):
         raise ConfigurationError(f"history providers need distinct names, got {names}")

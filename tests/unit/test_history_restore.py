@@ -159,6 +159,27 @@ def test_a_seq_lie_at_one_provider_does_not_hide_the_message_from_the_others(ali
     assert report.delivered_ids == ["a-4"] and report.skipped_have == 5
 
 
+def test_a_seq_below_one_is_a_malformed_announcement_not_a_message_the_member_has(alice):
+    """seq counts from 1: an announced seq of 0 or below was within every member's position (0 for a
+    publisher it holds nothing of), so a lone provider could make a message count as held (skipped_have)."""
+    rows = make_rows(alice, 3, label="a")
+    lie = [dict(r) for r in rows]
+    lie[1]["seq"], lie[2]["seq"] = 0, -5
+    report = restore("g", [ArrowProvider(table(lie), "mallory")])
+    assert report.delivered_ids == ["a-0"] and report.skipped_have == 0
+    assert {(r.provider, r.message_id, r.reason) for r in report.rejected} == {
+        ("mallory", "a-1", "malformed announcement"), ("mallory", "a-2", "malformed announcement")}
+    report = restore("g", [ArrowProvider(table(lie), "mallory"), ArrowProvider(table(rows), "honest")])
+    assert sorted(report.delivered_ids) == ["a-0", "a-1", "a-2"] and report.missing == []
+
+
+@pytest.mark.parametrize("since", [2**63, -1, "5"])
+def test_a_since_lamport_no_lamport_time_can_be_is_a_configuration_error(alice, since):
+    """since_lamport was not checked: past a long it failed every provider ("announce failed")."""
+    with pytest.raises(ConfigurationError, match="Lamport time"):
+        restore("g", [ArrowProvider(table(make_rows(alice, 1)), "p")], since_lamport=since)
+
+
 def test_each_provider_rows_are_matched_against_its_own_announcement(alice, bob):
     rows = make_rows(alice, 2, label="a")
     bad = [dict(r) for r in rows]
