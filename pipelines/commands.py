@@ -9,7 +9,8 @@ from __future__ import annotations
 import os
 import stat
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +38,38 @@ def read_key_file(path: str | os.PathLike[str]) -> HistoryKey:
         return HistoryKey(bytes.fromhex(text.decode("ascii")))
     except (ValueError, UnicodeDecodeError):
         raise ConfigurationError(f"the history key file {file} holds neither 32 bytes nor 64 hex digits") from None
+
+
+def _spark_reason(exc: BaseException) -> str:
+    """Spark's or Delta's reason in one line (the error class and what it names, e.g. a file), without
+    the JVM's stack; for a Py4J error, the first exception in its chain that names an error class."""
+    texts = []
+    java = getattr(exc, "java_exception", None)
+    try:
+        while java is not None and len(texts) < 8:
+            texts.append(str(java.toString()))
+            java = java.getCause()
+    except Exception:  # noqa: BLE001 - only the message is at stake
+        pass
+    firsts = [t.strip().splitlines()[0] for t in (texts or [str(exc)]) if t.strip()]
+    named = [t for t in firsts if "[" in t and "]" in t]
+    return ((named or firsts or [type(exc).__name__])[0])[:300]
+
+
+@contextmanager
+def _reading(table: str) -> Iterator[None]:
+    """Spark's failures to read a history table (its log or data files damaged or removed) as a
+    ConfigurationError naming the table, not a Py4J traceback."""
+    from py4j.protocol import Py4JError
+    from pyspark.errors import PySparkException
+
+    try:
+        yield
+    except (Py4JError, PySparkException) as exc:
+        raise ConfigurationError(
+            f"the history table at {table} could not be read ({_spark_reason(exc)})",
+            hint="Its _delta_log or data files are damaged or were removed: put the table back from a copy, or "
+                 "give another history table (DESCRIBE HISTORY delta.`<table>` lists the versions it has)") from None
 
 
 def _spark() -> Any:
@@ -96,10 +129,12 @@ def replay(ctx: Any) -> int:
     if a.as_of is not None:
         as_of = int(a.as_of) if a.as_of.isdigit() else a.as_of
     key = read_key_file(a.history_key_file) if a.history_key_file else None
-    df = read(_spark(), a.table, a.group, since=since, as_of=as_of, history_key=key, verify=a.verify)
-    if a.limit and a.limit > 0:
-        df = df.limit(a.limit)
-    rows = df.toArrow().to_pylist()
+    spark = _spark()
+    with _reading(a.table):
+        df = read(spark, a.table, a.group, since=since, as_of=as_of, history_key=key, verify=a.verify)
+        if a.limit and a.limit > 0:
+            df = df.limit(a.limit)
+        rows = _readable_rows(df.toArrow())
     key_id = key.key_id if key is not None else None
     if ctx.json:
         for r in rows:
@@ -112,7 +147,7 @@ def replay(ctx: Any) -> int:
                        "origin": origin_label(r, key_id) or None})
         return 0
     shaped = [{"lamport": r["lamport_ts"], "time": format_time(r["sent_at"]),
-               "from": r["publisher_label"] or r["publisher_did"][-12:], "seq": r["seq"],
+               "from": r["publisher_label"] or (r["publisher_did"] or "")[-12:] or None, "seq": r["seq"],
                "origin": origin_label(r, key_id),
                "message": "(sealed)" if r["payload_key_id"] else format_payload(r["payload"], 200)} for r in rows]
     columns = [("lamport", "LAMPORT"), ("time", "SENT"), ("from", "FROM"), ("seq", "SEQ")]
@@ -120,6 +155,19 @@ def replay(ctx: Any) -> int:
         columns.append(("origin", "ORIGIN"))
     print(render_table(shaped, columns + [("message", "MESSAGE")], empty="(no messages)"), flush=True)
     return 0
+
+
+def _readable_rows(table: Any) -> list[dict[str, Any]]:
+    """The rows as dicts; text that is not UTF-8 (a damaged or hostile table) shown with U+FFFD in
+    place of the bad bytes instead of failing the listing (with --verify such a row is FAILED)."""
+    from zerocomm_spark.pipelines.origin import text_column
+
+    try:
+        return table.to_pylist()
+    except UnicodeDecodeError:
+        pass
+    columns = {name: text_column(table.column(name), "replace")[0] for name in table.column_names}
+    return [{name: values[i] for name, values in columns.items()} for i in range(table.num_rows)]
 
 
 def origin_label(row: Mapping[str, Any], key_id: str | None = None) -> str:
@@ -141,7 +189,9 @@ def compact(ctx: Any) -> int:
     from zerocomm_spark.pipelines.history import compact as optimize
 
     began = time.monotonic()
-    metrics = optimize(_spark(), ctx.args.table, group=ctx.args.group)
+    spark = _spark()
+    with _reading(ctx.args.table):
+        metrics = optimize(spark, ctx.args.table, group=ctx.args.group)
     metrics["seconds"] = round(time.monotonic() - began, 3)
     ctx.out(metrics, f"compacted {ctx.args.table}: {metrics.get('numFilesRemoved', 0)} files into "
                      f"{metrics.get('numFilesAdded', 0)}")
@@ -152,7 +202,9 @@ def vacuum(ctx: Any) -> int:
     from zerocomm_spark.pipelines.history import vacuum as clean
 
     a = ctx.args
-    files = clean(_spark(), a.table, retention_hours=a.retain_hours, dry_run=a.dry_run)
+    spark = _spark()
+    with _reading(a.table):
+        files = clean(spark, a.table, retention_hours=a.retain_hours, dry_run=a.dry_run)
     ctx.out({"table": a.table, "files": files, "dry_run": a.dry_run},
             f"{'would delete' if a.dry_run else 'deleted'} {files} files no retained version of {a.table} needs")
     return 0

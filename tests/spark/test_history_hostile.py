@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import re
+import shutil
 import uuid
 from pathlib import Path
 
@@ -133,3 +135,44 @@ def test_a_proof_header_added_to_a_row_or_a_nulled_payload_is_not_verified(spark
     report = restore("g", [DeltaProvider(spark, hostile, "hostile"), DeltaProvider(spark, good, "honest")])
     assert sorted((r.provider, r.message_id) for r in report.rejected) == [("hostile", "b"), ("hostile", "empty")]
     assert report.delivered == 3 and report.missing == []
+
+
+def test_the_replay_command_on_a_damaged_or_hostile_table_says_what_is_wrong(spark, tmp_path, alice, monkeypatch,
+                                                                            capsys):
+    """`zerocomm history replay` printed "'NoneType' object is not subscriptable" (with the hint to check
+    conf/zerocomm.toml) for a row without a publisher, and a Py4J traceback for a damaged log, an --as-of
+    or --since-lamport beyond a long, or text that is not UTF-8."""
+    import zerocomm_spark.pipelines.commands as commands
+    from zerocomm_spark.agent.cli import main as zerocomm
+
+    monkeypatch.setenv("HOME", str(tmp_path))  # no configuration of this host's
+    monkeypatch.delenv("ZEROCOMM_CONFIG", raising=False)
+    monkeypatch.setattr(commands, "_spark", lambda: spark)
+    good = history(spark, tmp_path, alice, ["a", "b"])
+    held = spark.read.format("delta").load(good)
+    hostile = rewrite(spark, held.withColumn("publisher_did", F.when(F.col("message_id") == "a", F.lit(None))
+                                             .otherwise(F.col("publisher_did")))
+                      .withColumn("message_id", F.when(F.col("message_id") == "b", not_utf8("62ff"))
+                                  .otherwise(F.col("message_id"))), tmp_path, nullable=True)
+    capsys.readouterr()
+    assert zerocomm(["history", "replay", "g", "--table", hostile, "--verify"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("FAILED") == 2 and "secret a" in out and "secret b" in out
+    assert zerocomm(["--json", "history", "replay", "g", "--table", hostile, "--verify"]) == 0
+    rows = sorted((json.loads(x) for x in capsys.readouterr().out.splitlines()), key=lambda r: r["seq"])
+    assert [(r["message_id"], r["publisher_did"], r["origin"]) for r in rows] == [
+        ("a", None, "FAILED"), ("b\ufffd", alice.publisher_did, "FAILED")]
+
+    for argv, said in ((["--as-of", str(2**63)], "no Delta version"), (["--since-lamport", str(2**64)], "2\\*\\*63-1"),
+                       (["--since-version", str(2**63)], "2\\*\\*63-1")):
+        assert zerocomm(["history", "replay", "g", "--table", good, *argv]) == 2
+        err = capsys.readouterr().err
+        assert err.count("zerocomm: error:") == 1 and re.search(said, err), err
+    damaged = tmp_path / "damaged"
+    shutil.copytree(good, damaged)
+    for part in damaged.rglob("*.parquet"):
+        part.unlink()
+    assert zerocomm(["history", "replay", "g", "--table", str(damaged)]) == 2
+    err = capsys.readouterr().err
+    assert "could not be read" in err and "FILE_NOT_EXIST" in err and "put the table back from a copy" in err
+    assert "Traceback" not in err and "\tat org." not in err
