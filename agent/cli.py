@@ -167,11 +167,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--group", metavar="GROUP", help="an invitation to join GROUP (for the invitation joiner policy)")
     p.add_argument("--invite-label", metavar="TEXT", help="a label shown to whoever accepts it")
     p = add(sub, "connect", "accept an invitation URL: connect to the member that made it", cmd_connect)
-    p.add_argument("url", metavar="URL")
+    p.add_argument("url", metavar="URL", help="the invitation URL, or - to read it from stdin (an invitation is a "
+                   "bearer token, and arguments are visible to other local users in ps)")
     add(sub, "connections", "list this member's connections", cmd_connections)
     p = add(sub, "message", "send a private DIDComm basic message to one connection", cmd_message)
     p.add_argument("peer", metavar="PEER", help="connection id, label or DID")
-    p.add_argument("text", metavar="TEXT")
+    p.add_argument("text", metavar="TEXT", help="the text, or - to read it from stdin (arguments are visible to "
+                   "other local users in ps)")
     p = add(sub, "inbox", "basic messages received since the agent started", cmd_inbox)
     p.add_argument("--peer", metavar="PEER")
 
@@ -596,9 +598,33 @@ def cmd_invite(ctx: Ctx) -> int:
     return EXIT_OK
 
 
+def _read_stdin(what: str, *, first_line: bool) -> str:
+    """``what`` from stdin, for an argument given as ``-``: all of it less one final newline, or its
+    first line that is not blank (``first_line``). Refused if empty or not UTF-8 text."""
+    if hasattr(sys.stdin, "reconfigure"):
+        sys.stdin.reconfigure(errors="surrogateescape")  # a bad byte is then told below, not as a codec error
+    data = sys.stdin.read(_MAX_STDIN_TEXT + 1)
+    if len(data) > _MAX_STDIN_TEXT:
+        raise errors.BadRequestError(f"stdin holds more than {_MAX_STDIN_TEXT} characters for the {what}",
+                                     hint="Send a large payload to a group with `zerocomm send GROUP -` instead")
+    text = next((line.strip() for line in data.splitlines() if line.strip()), "") if first_line \
+        else data.removesuffix("\n")
+    if not text:
+        raise errors.ConfigurationError(f"stdin holds no {what}", hint=f"Pipe the {what} in, or give it in place of -")
+    if not is_utf8_text(text):
+        raise errors.BadRequestError(f"the {what} read from stdin is not UTF-8 text",
+                                     hint="Send text; encode binary data first (for example with base64)")
+    return text
+
+
+#: `message PEER -` and `connect -` read at most this much of stdin (a DIDComm basic message is small).
+_MAX_STDIN_TEXT = 1 << 20
+
+
 def cmd_connect(ctx: Ctx) -> int:
+    url = _read_stdin("invitation URL", first_line=True) if ctx.args.url == "-" else ctx.args.url
     with Progress("connecting", enabled=None if not ctx.json else False):
-        connection = ctx.client().accept(ctx.args.url, timeout=ctx.timeout)
+        connection = ctx.client().accept(url, timeout=ctx.timeout)
     ctx.out(connection, f"connected to {connection.get('label')!r} (connection {connection.get('id')})")
     return EXIT_OK
 
@@ -611,7 +637,8 @@ def cmd_connections(ctx: Ctx) -> int:
 
 
 def cmd_message(ctx: Ctx) -> int:
-    message_id = ctx.client().send(ctx.args.peer, ctx.args.text)
+    text = _read_stdin("message text", first_line=False) if ctx.args.text == "-" else ctx.args.text
+    message_id = ctx.client().send(ctx.args.peer, text)
     ctx.out({"message_id": message_id}, f"delivered {message_id}")
     return EXIT_OK
 

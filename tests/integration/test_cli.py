@@ -34,7 +34,7 @@ def test_three_members_from_the_command_line(trio: list[Member]) -> None:
     assert created["group"] == "g" and created["mode"] == "shared"
     bob.ok("connect", alice.ok("invite")["url"])
     bob.ok("group", "join", "g", "--via", "alice")
-    carol.ok("connect", bob.ok("invite")["url"])
+    carol.ok("connect", "-", input=bob.ok("invite")["url"] + "\n")  # from stdin: not visible in ps
     joined = carol.ok("group", "join", "g", "--via", "bob")
     assert sorted(m["label"] for m in joined["members"]) == ["alice", "bob", "carol"]
     for m in trio:
@@ -201,6 +201,9 @@ def test_what_peers_write_cannot_drive_the_terminal(tmp_path: Path) -> None:
         evil.ok("connect", reader.ok("invite")["url"])
         evil.ok("message", "reader", f"hi{clear}you have 0 new messages{title}")
         wait_for(lambda: reader.ok("inbox"), 20, "the message to arrive")
+        evil.ok("message", "reader", "-", input="from stdin\nsecond line\n")  # all of it, less the last newline
+        wait_for(lambda: len(reader.ok("inbox")) == 2, 20, "the second message to arrive")
+        assert reader.ok("inbox")[1]["content"] == "from stdin\nsecond line"
         shown = reader.run("inbox", json_out=False)
         assert shown.code == 0, shown.stderr
         assert "\x1b" not in shown.stdout and "\x07" not in shown.stdout, shown.stdout

@@ -314,3 +314,21 @@ def test_json_output_escapes_lone_surrogates() -> None:
     emit_json({"warning": "ignored ZEROCOMM_X\udcff"}, stream)
     stream.flush()
     assert json.loads(out.getvalue().decode("utf-8")) == {"warning": "ignored ZEROCOMM_X\udcff"}
+
+
+@pytest.mark.parametrize(("argv", "stdin", "message"), [
+    (["connect", "-"], "\n  \n", "stdin holds no invitation URL"),
+    (["message", "bob", "-"], "", "stdin holds no message text"),
+    (["message", "bob", "-"], "bad \udcff\n", "not UTF-8 text"),
+    (["message", "bob", "-"], "x" * ((1 << 20) + 1), "more than 1048576 characters"),
+])
+def test_text_from_stdin_that_cannot_be_sent_is_refused_before_the_agent_is_asked(  # type: ignore[no-untyped-def]
+        tmp_path, monkeypatch, capsys, argv, stdin, message) -> None:
+    from zerocomm_spark.agent.cli import main
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.delenv("ZEROCOMM_CONFIG", raising=False)
+    monkeypatch.setattr("sys.stdin", io.StringIO(stdin))
+    code = main(["--identity-dir", str(tmp_path / "id"), "--json", *argv])  # no agent runs: it would be exit 3
+    error = json.loads(capsys.readouterr().out)["error"]
+    assert code == 2 and message in error["message"], error
