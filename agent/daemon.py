@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import select
 import signal
 import subprocess
@@ -140,6 +141,15 @@ def _report(fd: int | None, answer: dict[str, Any]) -> None:
             pass
 
 
+def _no_core_dumps() -> None:
+    """The agent holds the member's keys in memory: a crash must not write them to a core file (which
+    lands wherever the system's core pattern says, often outside the identity directory)."""
+    try:
+        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+    except (OSError, ValueError):  # pragma: no cover - a platform without the limit: nothing to lower
+        pass
+
+
 def run_foreground(config: Config, *, ready_fd: int | None = None,
                    on_ready: Any = None) -> int:
     """Run the agent in this process until SIGTERM or SIGINT; returns the exit code, raises if it cannot start."""
@@ -147,6 +157,7 @@ def run_foreground(config: Config, *, ready_fd: int | None = None,
     from zerocomm_spark.agent.process import AgentProcess
 
     agent_logging.configure(config.get("log", "level"), config.get("log", "format"), config.log_file)
+    _no_core_dumps()
     import logging
 
     log = logging.getLogger("zerocomm_spark.agent")

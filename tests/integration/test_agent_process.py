@@ -43,6 +43,10 @@ def test_lifecycle_pid_and_health_files_and_one_agent_per_identity(tmp_path: Pat
         assert health["endpoints"]["group"].startswith("tcp://127.0.0.1:")
         assert health["label"] == "solo" and health["did"].startswith("did:")
         assert stat.S_IMODE(solo.run_dir.stat().st_mode) == 0o700
+        # It holds the member's keys in memory: a crash writes no core file.
+        core = next(line for line in Path(f"/proc/{pid}/limits").read_text().splitlines()
+                    if line.startswith("Max core file size"))
+        assert core.split()[4:6] == ["0", "0"], core
         on_disk = json.loads((solo.run_dir / "health.json").read_text())
         assert on_disk["pid"] == pid and on_disk["state"] == "running" and on_disk["groups"] == []
         assert stat.S_IMODE((solo.run_dir / "health.json").stat().st_mode) == 0o600

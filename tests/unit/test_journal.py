@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import stat
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -1482,3 +1483,23 @@ def test_a_late_re_send_of_a_superseded_seq_is_not_journaled_once_its_id_left_th
         assert j.append([row(5, bob, message_id="bob-3")]).duplicates == 1
         assert j.append([row(2, bob, message_id="task-row-1"), row(6, bob, message_id="bob-6")]).appended == 1
         assert seqs(j.read_by_seq(GROUP, bob, 1, 10)) == [1, 3, 4, 6]
+
+
+def test_a_journal_directory_of_another_user_is_refused_and_one_of_ours_is_made_private(tmp_path: Path) -> None:
+    """Its owner could delete or roll back segments and commit points, and read counts, times and names."""
+    from zerocomm_spark.errors import InsecurePermissionsError
+
+    key = nacl.utils.random(32)
+    loose = tmp_path / "loose"
+    loose.mkdir(mode=0o755)
+    os.chmod(loose, 0o755)
+    Journal.open(loose, key=key).close()
+    assert stat.S_IMODE(loose.stat().st_mode) == 0o700
+    if os.getuid() != 0:
+        pytest.skip("needs root to make a directory of another user")
+    theirs = tmp_path / "theirs"
+    theirs.mkdir(mode=0o700)
+    os.chown(theirs, 65534, 65534)
+    with pytest.raises(InsecurePermissionsError, match="belongs to another user"):
+        Journal.open(theirs, key=key)
+    assert list(theirs.iterdir()) == []  # nothing was made there

@@ -5,6 +5,7 @@ from __future__ import annotations
 import bisect
 import logging
 import os
+import stat
 import threading
 from collections.abc import Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -21,6 +22,7 @@ from zerocomm_spark.deadlines import check_timeout
 from zerocomm_spark.errors import (
     ConfigurationError,
     DataLossError,
+    InsecurePermissionsError,
     JournalClosedError,
     OffsetOutOfRangeError,
 )
@@ -55,6 +57,23 @@ class LatestOffsets:
 
     next_offset: int
     publishers: Mapping[Key, PublisherPosition]
+
+
+def _check_directory(path: Path) -> None:
+    """Refuse a journal directory of another user, and tighten one of ours that others may open.
+
+    The records are encrypted, but whoever owns the directory (or may write it) can delete or roll back
+    segments and the commit points, and read row counts, times and consumer names.
+    """
+    st = path.stat()
+    if st.st_uid != os.getuid():
+        raise InsecurePermissionsError(
+            f"the journal directory {path} belongs to another user (uid {st.st_uid})",
+            hint="Point journal.dir at a directory of the user running the agent (\"\" keeps it in the identity "
+                 "directory)")
+    if stat.S_IMODE(st.st_mode) & 0o077:
+        os.chmod(path, 0o700)
+        log.info("tightened the journal directory %s to mode 700", path)
 
 
 class Journal:
@@ -136,6 +155,7 @@ class Journal:
             path.mkdir(mode=0o700, parents=True, exist_ok=True)
         except OSError as exc:
             raise ConfigurationError(f"cannot create the journal directory {path}: {exc.strerror}") from None
+        _check_directory(path)
         journal = cls(path, key, fsync, fsync_interval_ms, segment_bytes, retention_bytes, retention_ms,
                       dedup_window, float(timeout), threads, consumer_expiry_ms)
         journal._lock_fd = files.acquire_lock(path)
