@@ -475,8 +475,16 @@ def cmd_init(ctx: Ctx) -> int:
         data = _init_toml(cfg, label)
         try:
             target.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-            target.write_bytes(data)
-            target.chmod(0o600)
+            # Private from its creation (a write then a chmod left it readable by others meanwhile), and
+            # never through a link someone planted in its place.
+            fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+            try:
+                os.fchmod(fd, 0o600)  # an existing file keeps its mode through O_TRUNC
+                view = memoryview(data)
+                while view:
+                    view = view[os.write(fd, view):]
+            finally:
+                os.close(fd)
         except OSError as exc:
             raise errors.ConfigurationError(
                 f"the identity in {cfg.identity_dir} is ready, but the configuration file {target} cannot be written: "

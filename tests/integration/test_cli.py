@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 import signal
 import subprocess
 import time
@@ -297,6 +298,17 @@ def test_init_writes_the_paths_it_was_given_as_they_were_meant(tmp_path: Path) -
     assert shown.json["journal_dir"] == str(work / "j")
     assert shown.json["socket_dir"] == str(work / "sock")
     assert shown.json["values"]["log"]["file"] == str(work / "logs" / "agent.log")
+    assert stat.S_IMODE(config.stat().st_mode) == 0o600
+
+
+def test_init_never_writes_its_file_through_a_planted_link(tmp_path: Path) -> None:
+    victim = tmp_path / "victim"
+    victim.write_text("# keep me\n")
+    config = tmp_path / "z.toml"
+    config.symlink_to(victim)
+    made = zerocomm("--config", str(config), "--json", "--identity-dir", str(tmp_path / "id"), "init", "--force")
+    assert made.code == 2 and "cannot be written" in made.json["error"]["message"], made.stdout
+    assert victim.read_text() == "# keep me\n"
 
 
 def test_send_from_stdin_fits_its_chunks_to_the_agents_request_limit(tmp_path: Path) -> None:
