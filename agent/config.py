@@ -157,7 +157,7 @@ class Config:
     @property
     def consumer_expiry_ms(self) -> int | None:
         seconds = parse_duration(self.get("journal", "consumer_expiry"), "journal.consumer_expiry")
-        return None if seconds is None else int(seconds * 1000)
+        return None if not seconds else max(1, int(seconds * 1000))  # "0s" is "0": never, not at once
 
     def passphrase(self) -> str | None:
         """The keystore passphrase from the environment variable the config names (never from the file)."""

@@ -338,7 +338,8 @@ class MemberLink:
 
         ``register`` (at a query's start, ``end`` its start offsets) commits the point even when it is
         0 if the journal does not know the consumer yet: until its first commit a query held nothing
-        back, and retention could delete rows it was about to read.
+        back, and retention could delete rows it was about to read. A point that would not move is
+        committed again all the same (the journal forgets a consumer that stops committing).
         """
         result = self._call("latest", None)
         next_offset = _int_field(result, ("next_offset",))
@@ -366,6 +367,8 @@ class MemberLink:
             if row is not None:
                 point = min(point, int(row.column("offset")[0].as_py()))
         if point <= committed and not (register and unknown):
+            if end.consumer is not None and not unknown:  # moves nothing, but says the query is alive, so
+                self._call("commit", committed, consumer=end.consumer)  # the journal does not expire it
             return None
         if end.consumer is not None:  # this query's own point: a slower query on the member keeps its rows
             self._call("commit", point, consumer=end.consumer)

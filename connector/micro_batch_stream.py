@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import time
 import uuid
 from collections.abc import Iterator, Sequence
 
@@ -41,6 +42,8 @@ from zerocomm_spark.connector.partition_reader import ZeroCommInputPartition, re
 __all__ = ["ZeroCommMicroBatchStream", "plan_partitions"]
 
 log = logging.getLogger("zerocomm_spark.connector")
+#: A query with nothing to read tells the member's journal it is alive this often (see _keep_alive).
+KEEP_ALIVE_S = 60.0
 
 
 def plan_partitions(options: SourceOptions, start: ZeroCommOffset, end: ZeroCommOffset,
@@ -68,6 +71,7 @@ class ZeroCommMicroBatchStream(DataSourceStreamReader, SupportsTriggerAvailableN
         self._labels: dict[PublisherKey, str] = {}
         self._initial: dict | None = None  # initialOffset's answer, given again on every later call
         self._registered = False  # this run told the member's journal where the query starts
+        self._alive_at = time.monotonic()  # when the query last told the member's journal it is alive
 
     # Pickled into the read UDF for executors: only the options travel.
     def __getstate__(self) -> dict[str, object]:
@@ -152,6 +156,7 @@ class ZeroCommMicroBatchStream(DataSourceStreamReader, SupportsTriggerAvailableN
         if introduced:
             end = end.updated(introduced)
         if end.positions == begin.positions:
+            self._keep_alive(begin)
             return start  # nothing new: the same offset, so Spark runs no batch (an origin kept in it)
         if self._initial is not None and start == self._initial:
             # The first batch: Spark checkpoints its end but not its start, and re-running it after a
@@ -198,6 +203,20 @@ class ZeroCommMicroBatchStream(DataSourceStreamReader, SupportsTriggerAvailableN
             log.warning("zerocomm source: could not register the query with the agent's journal (%s); retention "
                         "does not wait for it until its first commit", describe(exc))
 
+    def _keep_alive(self, begin: ZeroCommOffset) -> None:
+        """With nothing new to read Spark runs no batch, so nothing is committed: every
+        ``KEEP_ALIVE_S`` the query's point is committed again (it moves nothing), or the journal would
+        forget a query that waits on a quiet group (``journal.consumer_expiry``), and registered
+        again if the journal forgot it meanwhile."""
+        now = time.monotonic()
+        if not self.options.commit_to_agent or begin.consumer is None or now - self._alive_at < KEEP_ALIVE_S:
+            return
+        self._alive_at = now
+        try:
+            self._member().commit(begin, self.options.groups, register=True)
+        except ZeroCommError as exc:
+            log.warning("zerocomm source: could not tell the agent the query is alive (%s)", describe(exc))
+
     # --- after a batch ----------------------------------------------------------------------------
 
     def commit(self, end: dict) -> None:
@@ -206,6 +225,7 @@ class ZeroCommMicroBatchStream(DataSourceStreamReader, SupportsTriggerAvailableN
             return
         try:
             point = self._member().commit(ZeroCommOffset.from_dict(end), self.options.groups)
+            self._alive_at = time.monotonic()
             if point is not None:
                 log.debug("zerocomm source committed journal offset %d", point)
         except ZeroCommError as exc:  # pruning later is harmless; failing the query is not

@@ -145,3 +145,62 @@ def test_a_streams_publisher_label_is_null_once_the_publisher_left_as_documented
     assert labels(5, 9) == [None]
     view.members[(GROUP, DID)] = "robert"  # and a label can change
     assert labels(9, 12) == ["robert"]
+
+
+def test_a_commit_that_moves_nothing_still_tells_the_journal_the_query_is_alive():
+    """The journal forgets a consumer that stops committing (journal.consumer_expiry): a query whose
+    point stays (pinned by another group's first row, say) sent nothing and was forgotten."""
+    from zerocomm_spark.connector.agent_link import MemberLink
+    from zerocomm_spark.connector.offsets import ZeroCommOffset
+
+    class Link(MemberLink):
+        def __init__(self, consumers: dict[str, int]) -> None:
+            self.consumers = consumers
+            self.calls: list[tuple] = []
+
+        def _call(self, method, *args, **kwargs):  # type: ignore[override]
+            self.calls.append((method, args, kwargs))
+            if method == "latest":
+                return {"next_offset": 5, "committed_offset": 5, "consumers": dict(self.consumers), "publishers": []}
+            return {}
+
+    end = ZeroCommOffset({(GROUP, DID): 3}).with_consumer("spark-q")
+    known = Link({"spark-q": 5})
+    assert known.commit(end, [GROUP]) is None  # the point does not move...
+    assert ("commit", (5,), {"consumer": "spark-q"}) in known.calls  # ...but the query said it is alive
+    forgotten = Link({})  # the journal forgot it meanwhile: its commit makes it a consumer again
+    assert forgotten.commit(end, [GROUP]) == 5
+    assert [c for c in forgotten.calls if c[0] == "commit"] == [("commit", (5,), {"consumer": "spark-q"})]
+
+
+def test_a_query_with_nothing_to_read_keeps_telling_the_journal_it_is_alive(monkeypatch):
+    """Spark runs no batch (so commits nothing) while nothing is new: an idle query on a quiet group
+    was forgotten by the journal after journal.consumer_expiry."""
+    from pyspark.sql.types import StructType
+
+    from zerocomm_spark.connector import micro_batch_stream as mbs
+    from zerocomm_spark.connector.offsets import SeqRange, ZeroCommOffset
+    from zerocomm_spark.connector.options import SourceOptions
+
+    class Link:
+        def __init__(self) -> None:
+            self.commits: list[tuple[ZeroCommOffset, bool]] = []
+
+        def ranges(self, groups, known_first=None):
+            return {(GROUP, DID): SeqRange(1, 4)}  # nothing after seq 4
+
+        def commit(self, end, groups, *, register=False):
+            self.commits.append((end, register))
+            return None
+
+    link = Link()
+    stream = mbs.ZeroCommMicroBatchStream(SourceOptions.parse({"group": GROUP}, mode="stream"), StructType())
+    stream._link = link  # type: ignore[assignment]  # noqa: SLF001 - the driver's member, a stand-in
+    start = ZeroCommOffset({(GROUP, DID): 5}).with_consumer("spark-q").to_dict()
+    assert stream.latestOffset(start, None) == start  # nothing new
+    assert len(link.commits) == 1  # the registration at the stream's start
+    monkeypatch.setattr(mbs, "KEEP_ALIVE_S", 0.0)
+    for _ in range(3):
+        assert stream.latestOffset(start, None) == start
+    assert len(link.commits) == 4 and all(register for _, register in link.commits)
+    assert {end.consumer for end, _ in link.commits} == {"spark-q"}

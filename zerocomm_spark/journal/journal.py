@@ -141,10 +141,10 @@ class Journal:
                                  ("dedup_window", dedup_window, 0)):
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ConfigurationError(f"{name} must be an int >= {low}, not {value!r}")
-        for name, limit in (("retention_bytes", retention_bytes), ("retention_ms", retention_ms),
-                            ("consumer_expiry_ms", consumer_expiry_ms)):
-            if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 0):
-                raise ConfigurationError(f"{name} must be None or an int >= 0, not {limit!r}")
+        for name, limit, low in (("retention_bytes", retention_bytes, 0), ("retention_ms", retention_ms, 0),
+                                 ("consumer_expiry_ms", consumer_expiry_ms, 1)):  # expiry 0: everyone, at once
+            if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < low):
+                raise ConfigurationError(f"{name} must be None or an int >= {low}, not {limit!r}")
         check_timeout(timeout, "the journal's timeout")  # NaN or inf: a full queue's wait would never end
         threads = read_threads if read_threads is not None else min(4, os.cpu_count() or 1)
         if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
@@ -179,11 +179,11 @@ class Journal:
         files.check_key(self.directory, self._key, fsync=sync,
                         probe=lambda: key_opens_records(self.directory, self._key))
         committed = files.read_commit(self.directory)
-        expiry = None if self.consumer_expiry_ms is None else self.consumer_expiry_ms * 1000
-        consumers = ConsumerPoints.load(self.directory, fsync=sync, expiry_us=expiry)  # before a descriptor opens
+        expiry = None if self.consumer_expiry_ms is None else self.consumer_expiry_ms / 1000
+        consumers = ConsumerPoints.load(self.directory, fsync=sync, expiry_s=expiry)  # before a descriptor opens
         # Offsets below a commit point were read by a consumer, so written in full: a last record
         # there that fails its crc is damage, not a torn write (recovery keeps it).
-        durable_end = max([committed, *consumers.points().values()])
+        durable_end = max([committed, consumers.expired_floor, *consumers.points().values()])
         recovered = recover(self.directory, self._key, dedup_window=self.dedup_window, durable_end=durable_end)
         self._superseded = Superseded(self.directory, self._key, fsync=self.fsync != "never")
         segments = recovered.segments
@@ -564,11 +564,12 @@ class Journal:
         """Every offset below this has been consumed by every consumer (see commit): retention's bound.
 
         The lowest of the named consumers' points and of the unnamed point (once it was committed);
-        0 while nobody committed anything.
+        with neither, the highest point of the named consumers released or expired (what they consumed
+        stays consumed); 0 while nobody committed anything.
         """
         named = self._consumers.lowest()
         if named is None:
-            return self._committed
+            return self._committed or self._consumers.expired_floor
         return named if self._committed == 0 else min(named, self._committed)
 
     def consumers(self) -> dict[str, int]:
@@ -614,6 +615,8 @@ class Journal:
 
     def _expire_consumers(self) -> None:
         """Forget consumers past ``consumer_expiry_ms`` (see ``consumers``); never stops the journal."""
+        if self.consumer_expiry_ms is None:
+            return
         with self._commit_lock:
             if self._closed:
                 return
