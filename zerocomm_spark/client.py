@@ -190,12 +190,6 @@ def check_socket_dir(socket_dir: Path) -> None:
     if st.st_uid != uid and uid != 0:
         raise ApiPermissionError(f"the agent's socket directory {socket_dir} belongs to uid {st.st_uid}, "
                                  f"not to this user (uid {uid})")
-    if stat.S_IMODE(st.st_mode) & 0o022:
-        # Whoever may write it may have put their own listener at api.sock (an agent keeps it mode 700).
-        raise ApiPermissionError(
-            f"the agent's socket directory {socket_dir} has mode {stat.S_IMODE(st.st_mode):o}, so other users could "
-            "replace its socket; not connecting",
-            hint="Make it private (chmod 700) or remove it and start the agent again: it creates its directory mode 700")
     if not os.access(socket_dir, os.R_OK | os.W_OK | os.X_OK):
         raise ApiPermissionError(f"this user (uid {uid}) may not open the agent's socket directory {socket_dir}")
     sock = socket_dir / SOCKET_NAME
@@ -207,14 +201,31 @@ def check_socket_dir(socket_dir: Path) -> None:
         raise AgentNotRunningError(f"no agent socket at {sock}") from None
     if not stat.S_ISSOCK(sst.st_mode):
         raise AgentNotRunningError(f"{sock} is not a socket")
-    if sst.st_uid != st.st_uid:
-        raise ApiPermissionError(f"the socket {sock} belongs to uid {sst.st_uid}, not to the owner of its directory "
-                                 f"(uid {st.st_uid}): not the agent's; not connecting",
-                                 hint="Remove it and start the agent again")
-    if not os.access(sock, os.R_OK | os.W_OK):
+    # Only a socket someone listens on is a risk: with none (or a stale one) there is no agent, and
+    # one started (spawn=True, --spawn) makes the directory private and its own socket there.
+    problem: ApiPermissionError | None = None
+    if stat.S_IMODE(st.st_mode) & 0o022:
+        # Whoever may write it may have put their own listener at api.sock (an agent keeps it mode 700).
+        problem = ApiPermissionError(
+            f"the agent's socket directory {socket_dir} has mode {stat.S_IMODE(st.st_mode):o}, so other users could "
+            "replace its socket; not connecting",
+            hint="Make it private (chmod 700) or remove it and start the agent again: it creates its directory mode 700")
+    elif sst.st_uid != st.st_uid:
+        problem = ApiPermissionError(f"the socket {sock} belongs to uid {sst.st_uid}, not to the owner of its directory "
+                                     f"(uid {st.st_uid}): not the agent's; not connecting",
+                                     hint="Remove it and start the agent again")
+    elif not os.access(sock, os.R_OK | os.W_OK):
         raise ApiPermissionError(f"this user (uid {uid}) may not open the agent's socket {sock}")
-    if _listening(sock) is False:
+    try:
+        listening = _listening(sock)  # a connect closed at once: nothing is sent to whoever listens
+    except ApiPermissionError:
+        if problem is not None:
+            raise problem from None
+        raise
+    if listening is False:
         raise AgentNotRunningError(f"no agent listens on {sock} (a stale socket: the agent stopped or crashed)")
+    if problem is not None:
+        raise problem
 
 
 def _listening(sock: Path) -> bool | None:

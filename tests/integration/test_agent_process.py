@@ -148,6 +148,29 @@ def test_clients_spawn_one_agent_on_demand(tmp_path: Path) -> None:
         m.stop()
 
 
+def test_spawn_works_in_a_socket_directory_of_ours_others_may_write(tmp_path: Path) -> None:
+    """A run directory of ours made 775 (umask 002) with no agent: the client refused it as a
+    permission problem before looking for a socket, so spawn=True and --spawn started nothing and
+    `agent status` did not say that no agent runs. The agent started makes it private."""
+    m = Member(tmp_path, "loose")
+    m.init()
+    m.run_dir.mkdir(exist_ok=True)
+    os.chmod(m.run_dir, 0o775)
+    try:
+        status = m.run("agent", "status", json_out=False)
+        assert status.code == 3 and "no agent is running" in status.stderr, status
+        with Client.connect(m.config, spawn=True, timeout=60) as client:
+            assert client.status()["label"] == "loose"
+        assert stat.S_IMODE(m.run_dir.stat().st_mode) == 0o700
+        m.stop()
+        os.chmod(m.run_dir, 0o775)
+        listed = m.run("--spawn", "group", "list")
+        assert listed.code == 0, listed
+        assert stat.S_IMODE(m.run_dir.stat().st_mode) == 0o700
+    finally:
+        m.stop()
+
+
 def test_spawn_for_a_socket_directory_no_configuration_serves_is_refused(tmp_path: Path,
                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     """spawn=True starts the agent of the configuration in force: for another socket directory that

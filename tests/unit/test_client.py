@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import pickle
 import socket
 from pathlib import Path
@@ -91,6 +92,61 @@ def test_finding_no_agent_is_a_clear_error(tmp_path: Path) -> None:
         ipc_endpoint(tmp_path / ("x" * 120))
     with pytest.raises(errors.ConfigurationError, match="CURVE keys"):
         Client("tcp://127.0.0.1:1")
+
+
+def test_a_loose_socket_directory_without_an_agent_is_no_agent(tmp_path: Path) -> None:
+    """A socket directory of ours that group or others may write (umask 002 makes it 775) with no
+    agent in it was refused as a permission problem before the socket was looked for, so spawn=True
+    and --spawn started no agent (which would have made it private). Nobody listening is no agent;
+    only a socket someone listens on there is refused."""
+    loose = tmp_path / "run"
+    loose.mkdir()
+    os.chmod(loose, 0o775)
+    with pytest.raises(errors.AgentNotRunningError, match="no agent socket at"):
+        check_socket_dir(loose)
+    with pytest.raises(errors.AgentNotRunningError):
+        Client.connect(loose, timeout=1)
+    stale = socket.socket(socket.AF_UNIX)
+    stale.bind(str(loose / "api.sock"))
+    stale.close()
+    with pytest.raises(errors.AgentNotRunningError, match="stale socket"):
+        check_socket_dir(loose)
+    (loose / "api.sock").unlink()
+    listener = socket.socket(socket.AF_UNIX)
+    try:
+        listener.bind(str(loose / "api.sock"))
+        listener.listen(4)
+        with pytest.raises(errors.ApiPermissionError, match="other users could"):
+            check_socket_dir(loose)
+        with pytest.raises(errors.ApiPermissionError, match="other users could"):
+            Client.connect(loose, timeout=1)
+        os.chmod(loose, 0o700)
+        check_socket_dir(loose)  # private again: whoever listens is taken for our agent
+    finally:
+        listener.close()
+
+
+def test_a_socket_of_another_user_is_refused_only_when_it_listens(tmp_path: Path) -> None:
+    if os.getuid() != 0:
+        pytest.skip("making a socket of another user needs root")
+    run = tmp_path / "run"
+    run.mkdir(mode=0o700)
+    stale = socket.socket(socket.AF_UNIX)
+    stale.bind(str(run / "api.sock"))
+    stale.close()
+    os.chown(run / "api.sock", 65534, 65534)
+    with pytest.raises(errors.AgentNotRunningError, match="stale socket"):  # an agent started replaces it
+        check_socket_dir(run)
+    (run / "api.sock").unlink()
+    listener = socket.socket(socket.AF_UNIX)
+    try:
+        listener.bind(str(run / "api.sock"))
+        listener.listen(4)
+        os.chown(run / "api.sock", 65534, 65534)
+        with pytest.raises(errors.ApiPermissionError, match="belongs to uid 65534"):
+            check_socket_dir(run)
+    finally:
+        listener.close()
 
 
 def test_an_endless_timeout_is_refused_naming_the_timeout(tmp_path: Path) -> None:
