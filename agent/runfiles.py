@@ -68,8 +68,8 @@ def pid_alive(pid: int) -> bool:
 def held_by(run_dir: Path) -> int | None:
     """The pid of the agent holding this run directory's lock, or None if no agent holds it.
 
-    The pid is what ``agent stop`` signals, so it is taken only from a pid file that this user alone
-    could have written (see :func:`_check_holder`), read through the descriptor that was locked.
+    The pid is what ``agent stop`` signals, so it is taken only from a pid file that the agent's user
+    alone could have written (see :func:`_check_holder`), read through the descriptor that was locked.
     """
     path = run_dir / PID_FILE
     try:  # O_NONBLOCK: a FIFO planted in place of the file must not hang the open
@@ -81,12 +81,16 @@ def held_by(run_dir: Path) -> int | None:
             fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
         except OSError as exc:
             if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-                _check_holder(run_dir, os.fstat(fd))
-                try:
-                    text = os.pread(fd, 32, 0).decode("ascii", "replace").strip()
-                except OSError:
-                    text = ""
-                return int(text) if text.isdigit() else -1
+                pid_file = os.fstat(fd)
+                text = ""
+                if stat.S_ISREG(pid_file.st_mode):
+                    try:
+                        text = os.pread(fd, 32, 0).decode("ascii", "replace").strip()
+                    except OSError:
+                        pass
+                pid = int(text) if text.isdigit() else -1
+                _check_holder(run_dir, pid_file, pid)
+                return pid
             return None
         fcntl.flock(fd, fcntl.LOCK_UN)
         return None
@@ -94,33 +98,58 @@ def held_by(run_dir: Path) -> int | None:
         os.close(fd)
 
 
-def _check_holder(run_dir: Path, pid_file: os.stat_result) -> None:
+def _process_uid(pid: int) -> int | None:
+    """The real uid of process ``pid`` (the first field of the Uid: line in /proc), None if unknown."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text(encoding="ascii", errors="replace").splitlines():
+            if line.startswith("Uid:"):
+                fields = line.split()
+                return int(fields[1]) if len(fields) > 1 and fields[1].isdigit() else None
+    except OSError:
+        return None
+    return None
+
+
+def _check_holder(run_dir: Path, pid_file: os.stat_result, pid: int) -> None:
     """Refuse a held pid file that another user could have written (InsecurePermissionsError).
 
     Another user who can write the run directory (one made in a shared place before this user made
     it, or left group-writable) could plant a locked agent.pid naming any process of ours, which
     ``agent stop`` would then signal. An agent serves only from a plain directory of its user, mode
     700 (prepare_socket_dir), with a pid file of its own: anything else was not made by our agent.
+
+    Root may act on another user's agent (stop or status it): it trusts a run directory of user U
+    that others cannot write, with a pid file of U, naming a process that runs as U - so it never
+    signals a process of another user (root's own included) because of a file U could have written.
     """
     uid = os.getuid()
     try:
         st = os.lstat(run_dir)
     except OSError as exc:
         raise InsecurePermissionsError(f"cannot check the run directory {run_dir}: {exc.strerror}") from None
+    owner = st.st_uid
     if not stat.S_ISDIR(st.st_mode):
         problem = f"the run directory {run_dir} is not a plain directory"
-    elif st.st_uid != uid:
-        problem = f"the run directory {run_dir} belongs to uid {st.st_uid}, not to this user (uid {uid})"
+    elif owner != uid and uid != 0:
+        problem = f"the run directory {run_dir} belongs to uid {owner}, not to this user (uid {uid})"
     elif stat.S_IMODE(st.st_mode) & 0o022:
-        problem = f"the run directory {run_dir} has mode {stat.S_IMODE(st.st_mode):o}, so other users could write it"
-    elif not stat.S_ISREG(pid_file.st_mode) or pid_file.st_uid != uid:
-        problem = f"the pid file {run_dir / PID_FILE} is not a file of this user (uid {pid_file.st_uid})"
+        problem = (f"the run directory {run_dir} has mode {stat.S_IMODE(st.st_mode):o}: users other than "
+                   f"its owner may write it")
+    elif not stat.S_ISREG(pid_file.st_mode):
+        problem = f"the pid file {run_dir / PID_FILE} is not a regular file"
+    elif pid_file.st_uid != owner:
+        problem = (f"the pid file {run_dir / PID_FILE} belongs to uid {pid_file.st_uid}, not to the owner of "
+                   f"its run directory (uid {owner})")
+    elif owner != uid and pid > 0 and (running := _process_uid(pid)) != owner:
+        problem = (f"the pid file {run_dir / PID_FILE} of uid {owner} names pid {pid}, "
+                   + ("which is not running" if running is None else f"a process of uid {running}, not of uid {owner}"))
     else:
         return
     raise InsecurePermissionsError(
-        f"{problem}: its pid file is not trusted (the pid it names is never signalled)",
-        hint="Run zerocomm as the user that runs the agent; an agent keeps its run directory mode 700, "
-             "owned by that user, and another user's lock on a pid file there was planted")
+        f"{problem}, so the pid file is not trusted (the pid it names is never signalled)",
+        hint="An agent keeps its run directory mode 700 and its pid file owned by its own user: run zerocomm as "
+             "that user (or as root), and if the directory's mode or owners were changed, stop the agent as its "
+             "user and make the directory private again (chmod 700)")
 
 
 def identity_in_use(identity_dir: Path) -> bool:

@@ -120,3 +120,47 @@ def test_stop_signals_the_agent_of_a_private_run_directory(tmp_path: Path) -> No
         if agent.poll() is None:
             agent.kill()
             agent.wait()
+
+
+@pytest.mark.parametrize("whose", ["its owner's", "root's", "its owner's, named by a pid file of root"])
+def test_root_acts_on_the_agent_of_another_user_only_for_a_process_of_that_user(tmp_path: Path, whose: str) -> None:
+    """Root could no longer `agent stop` or `agent status` a user's agent: the run directory had to be
+    root's own, and the refusal told the administrator the lock was planted. Root trusts a run
+    directory of user U that others cannot write, with a pid file of U naming a process of U; a pid
+    naming any other process (root's here) is still never signalled."""
+    import os
+
+    from zerocomm_spark.agent.runfiles import held_by
+    from zerocomm_spark.errors import InsecurePermissionsError
+
+    if os.getuid() != 0:
+        pytest.skip("acting on a run directory of another user needs root")
+    run_dir = tmp_path / "run"
+    run_dir.mkdir(mode=0o700)
+    agent = subprocess.Popen(["sleep", "60"], user=None if whose == "root's" else 65534)
+    fd = _planted_pid_file(run_dir, agent.pid)
+    try:
+        if "pid file of root" not in whose:
+            os.chown(run_dir / "agent.pid", 65534, 65534)
+        os.chown(run_dir, 65534, 65534)
+        config = cfgmod.load(None, env={}, flags=[f"identity.dir={tmp_path / 'id'}", f"api.socket_dir={run_dir}"])
+        if whose == "its owner's":
+            assert held_by(run_dir) == agent.pid
+            assert daemon.agent_status(config, timeout=0.5)["pid"] == agent.pid
+            with pytest.raises(Exception):  # it dies but "holds" the lock we keep: a timeout after the SIGTERM
+                daemon.stop_agent(config, timeout=0.3)
+            assert agent.wait(5) == -15
+        else:
+            why = "belongs to uid 0, not to the owner" if "pid file of root" in whose else \
+                f"names pid {agent.pid}, a process of uid 0"
+            with pytest.raises(InsecurePermissionsError, match=why) as info:
+                held_by(run_dir)
+            assert "planted" not in f"{info.value} {info.value.hint}"
+            with pytest.raises(InsecurePermissionsError):
+                daemon.stop_agent(config, timeout=0.3)
+            assert agent.poll() is None  # not signalled
+    finally:
+        os.close(fd)
+        if agent.poll() is None:
+            agent.kill()
+            agent.wait()
