@@ -1172,6 +1172,37 @@ def test_resend_answers_piling_up_behind_a_busy_receiver_are_bounded(make) -> No
     assert [d.payload for d in bob.from_(alice)] == [b"hold on", *payloads("alice", 5)]
 
 
+@pytest.mark.parametrize("failure", [RuntimeError, KeyboardInterrupt])
+def test_a_resend_request_that_fails_to_go_out_in_any_way_gives_its_share_back(make, monkeypatch,  # type: ignore[no-untyped-def]
+                                                                               failure: type[BaseException]) -> None:
+    """The answer counted for a resend request (per member, and all those on their way) was given
+    back only when the request failed with a TransportError: any other failure left that member's
+    share used up for good, and its gaps were never asked for again."""
+    alice, bob = make("alice"), make("bob")
+    form_group([alice, bob], mode="shared")
+    alice.dp.publish("g", payloads("alice", 1)).wait(10)  # bob has alice's stream
+    dp = bob.dp
+    g = dp._groups["g"]  # noqa: SLF001
+    stream = g.streams[alice.did]
+
+    def broken(*args, **kwargs):  # type: ignore[no-untyped-def]
+        raise failure("not sent")
+
+    monkeypatch.setattr(bob.tr, "request_async", broken)
+    failures = dp.stats()["nack_failures"]
+    stream.nacks_sent(1)  # as the receive timers do before asking
+    if failure is RuntimeError:
+        dp._request_resend(g, g.members[alice.did], 1, 1)  # noqa: SLF001 - a failed request, counted
+        assert dp.stats()["nack_failures"] == failures + 1
+    else:
+        with pytest.raises(failure):
+            dp._request_resend(g, g.members[alice.did], 1, 1)  # noqa: SLF001
+    with dp._rx_cond:  # noqa: SLF001
+        assert dp._answers_out == 0  # noqa: SLF001
+        assert alice.did not in dp._rx_from["answer"]  # noqa: SLF001
+    assert stream._nacks_out == 0  # noqa: SLF001 - the request is over: the next one may go out
+
+
 def test_no_resend_request_goes_out_while_its_answer_would_find_the_receive_queue_full(make) -> None:  # type: ignore[no-untyped-def]
     """Answers already queued or on their way fill recv_queue_max: a request then would fetch an
     answer over the network only for it to be dropped. bob lacks an announced tail and asks for it

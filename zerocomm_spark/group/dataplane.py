@@ -1961,13 +1961,20 @@ class DataPlane:
         try:
             fut = self._transport.request_async(m.info.peer_endpoint, ProtocolId.GROUP_DATA, env,
                                                 timeout=self.config.request_timeout_s)
-        except TransportError as exc:
+        except BaseException as exc:
+            # Whatever failed, no answer is coming: give the member its share back (else its gaps
+            # are never asked for again) and let the timers ask again.
             with self._rx_cond:
                 self._answers_out -= 1
                 self._uncount(answers, did)
-            self._stats.add(nack_failures=1)
-            log.debug("resend request to %s not sent: %s", m.info.did, type(exc).__name__)
             self._nack_done(g.name, m.info.did)
+            if not isinstance(exc, Exception):
+                raise
+            self._stats.add(nack_failures=1)
+            if isinstance(exc, TransportError):
+                log.debug("resend request to %s not sent: %s", m.info.did, type(exc).__name__)
+            else:  # one request's failure must not stop the others of this tick
+                log.warning("resend request to %s not sent: %s", m.info.did, type(exc).__name__, exc_info=True)
             return
         self._stats.add(nacks_sent=1)
         group = g.name
