@@ -172,9 +172,12 @@ def test_directory_of_another_user_is_refused_whatever_its_mode(home: Path) -> N
         pytest.skip("making a directory of another user needs root (and only root could use it)")
     home.mkdir(mode=0o700)
     os.chown(home, 65534, 65534)
-    with pytest.raises(InsecurePermissionsError, match="uid 65534"):
+    with pytest.raises(InsecurePermissionsError, match="uid 65534") as info:
         Keystore.open(home)
     assert list(home.iterdir()) == []  # nothing made there
+    # The owner is the reason, not the mode (700: as private as it gets), and it says what to do.
+    assert "mode" not in str(info.value) and "belongs to uid 65534" in str(info.value)
+    assert "owner (uid 65534)" in info.value.hint and "identity directory of this user" in info.value.hint
 
 
 def test_path_that_is_a_file_is_refused(tmp_path: Path) -> None:

@@ -212,9 +212,10 @@ def _prepare_directory(directory: Path) -> None:
         raise KeystoreError(f"cannot create the identity directory {directory}: {exc.strerror}") from exc
     if st.st_uid != os.getuid():  # whatever its mode: its owner may rename and delete our files there
         raise InsecurePermissionsError(
-            f"the identity directory {directory} has mode {stat.S_IMODE(st.st_mode):o} "
-            f"and belongs to another user (uid {st.st_uid})"
-        )
+            f"the identity directory {directory} belongs to uid {st.st_uid}, not to this user (uid {os.getuid()}): "
+            "its owner could rename, replace or remove the keystore's files there",
+            hint=f"Run zerocomm as the directory's owner (uid {st.st_uid}), or give an identity directory of this "
+                 "user (identity.dir, --identity-dir)")
     if stat.S_IMODE(st.st_mode) & 0o077:
         # Ours, only too open (umask, or made by hand): tighten it rather than refuse.
         os.chmod(directory, 0o700)
