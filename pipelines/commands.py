@@ -7,6 +7,7 @@ the CLI imports this module only when one of these actions runs.
 from __future__ import annotations
 
 import os
+import re
 import stat
 import time
 from collections.abc import Iterator, Mapping
@@ -40,36 +41,108 @@ def read_key_file(path: str | os.PathLike[str]) -> HistoryKey:
         raise ConfigurationError(f"the history key file {file} holds neither 32 bytes nor 64 hex digits") from None
 
 
-def _spark_reason(exc: BaseException) -> str:
-    """Spark's or Delta's reason in one line (the error class and what it names, e.g. a file), without
-    the JVM's stack; for a Py4J error, the first exception in its chain that names an error class."""
-    texts = []
-    java = getattr(exc, "java_exception", None)
+def _java_chain(exc: BaseException) -> list[str]:
+    """The first line of each exception in a Py4J (or captured PySpark) error's Java cause chain."""
+    java = getattr(exc, "java_exception", None) or getattr(exc, "_origin", None)
+    texts: list[str] = []
     try:
-        while java is not None and len(texts) < 8:
-            texts.append(str(java.toString()))
+        while java is not None and len(texts) < 12:
+            text = str(java.toString()).strip()
+            texts.append(text.splitlines()[0] if text else "")
             java = java.getCause()
     except Exception:  # noqa: BLE001 - only the message is at stake
         pass
+    return texts
+
+
+def _spark_reason(exc: BaseException) -> str:
+    """Spark's or Delta's reason in one line (the error class and what it names, e.g. a file), without
+    the JVM's stack; for a Py4J error, the first exception in its chain that names an error class."""
+    texts = _java_chain(exc)
     firsts = [t.strip().splitlines()[0] for t in (texts or [str(exc)]) if t.strip()]
     named = [t for t in firsts if "[" in t and "]" in t]
     return ((named or firsts or [type(exc).__name__])[0])[:300]
 
 
+# Spark's and Delta's error classes that mean a file of the table (data or _delta_log) is missing or
+# its log cannot be put together (Delta 4.4 on Spark 4.2); a class matches its subclasses too.
+_DAMAGE_CLASSES = ("FAILED_READ_FILE.FILE_NOT_EXIST", "FAILED_READ_FILE.CANNOT_READ_FILE_FOOTER",
+                   "FAILED_READ_FILE.PARQUET_COLUMN_DATA_TYPE_MISMATCH", "PATH_NOT_FOUND", "DELTA_LOG_FILE_NOT_FOUND",
+                   "DELTA_TRUNCATED_TRANSACTION_LOG", "DELTA_VERSIONS_NOT_CONTIGUOUS", "DELTA_STATE_RECOVER_ERROR",
+                   "DELTA_MISSING_PART_FILES", "DELTA_CHECKPOINT_NON_EXIST_TABLE", "DELTA_FILE_NOT_FOUND",
+                   "DELTA_FILE_OR_DIR_NOT_FOUND")
+# Under FAILED_READ_FILE (whose NO_HINT subclass also covers network and permission failures): the
+# causes that say the file read is damaged (a checksum, a log line that is not JSON, a data file that
+# is no Parquet or is cut short).
+_CORRUPT_CAUSES = ("ChecksumException", "MALFORMED_RECORD_IN_PARSING", "JsonParseException", "JsonEOFException",
+                   "ParquetDecodingException", "TProtocolException", "java.io.EOFException", "is not a Parquet file",
+                   "can not read class org.apache.parquet", "corrupt")
+# Never the table's fault, whatever else the chain says: the table itself may be whole.
+_NOT_DAMAGE = ("Permission denied", "AccessDenied", "Access Denied", "403 Forbidden", "No space left on device",
+               "Disk quota exceeded", "Read-only file system", "OutOfMemoryError", "Too many open files")
+# The error class opening an exception's message ("org.apache.spark.SparkException: [FAILED_READ_FILE.NO_HINT] ...").
+_ERROR_CLASS = re.compile(r"^(?:[\w.$]+: )?\[([A-Z][A-Z0-9_]*(?:\.[A-Z0-9_]+)*)\]")
+
+
+def _table_damage(exc: BaseException, table: str) -> str | None:
+    """Spark's reason when ``exc`` says a data or log file of ``table`` is missing or damaged; None when
+    it says something else (the JVM or a Python worker dying, a disk full or a permission while
+    writing, a concurrent commit), which must reach the user as Spark's own error."""
+    chain = _java_chain(exc)
+    if not chain and not hasattr(exc, "java_exception"):
+        try:
+            chain = [str(exc).strip()]
+        except Exception:  # noqa: BLE001 - nothing to tell it by: not damage
+            return None
+    if not chain or any(word in text for text in chain for word in _NOT_DAMAGE):
+        return None
+    classes = [m.group(1) for m in map(_ERROR_CLASS.match, chain) if m]
+    damaged = any(c == d or c.startswith(d + ".") for c in classes for d in _DAMAGE_CLASSES)
+    cause = None
+    read = next((i for i, t in enumerate(chain) if (m := _ERROR_CLASS.match(t))
+                 and m.group(1).split(".")[0] == "FAILED_READ_FILE"), None)
+    if not damaged and read is not None:
+        # The causes of that failure, their paths left out (a table may be called "corrupt-copy").
+        cause = next((t for t in chain[read + 1:]
+                      if any(word.lower() in " ".join(w for w in t.lower().split() if "/" not in w)
+                             for word in _CORRUPT_CAUSES)), None)
+        damaged = cause is not None
+    if not damaged:
+        # A bare FileNotFoundException counts only for a file of this table (not, say, a shuffle file).
+        where = table.rstrip("/") if "://" in table else os.path.abspath(os.path.expanduser(table))
+        damaged = any(t.startswith(("java.io.FileNotFoundException", "org.apache.spark.sql.delta.DeltaFileNotFound"))
+                      and where + "/" in t for t in chain)
+    if not damaged:
+        return None
+    reason = _spark_reason(exc)
+    return reason if cause is None or cause == reason else f"{reason[:300]}; {cause[:200]}"
+
+
 @contextmanager
-def _reading(table: str) -> Iterator[None]:
-    """Spark's failures to read a history table (its log or data files damaged or removed) as a
-    ConfigurationError naming the table, not a Py4J traceback."""
+def _reading(table: str, action: str = "replay") -> Iterator[None]:
+    """Spark's failures that say the history table's log or data files are damaged or were removed,
+    as a ConfigurationError naming the table, not a Py4J traceback; any other failure of Spark's (the
+    JVM gone, a Python worker's error, a full disk or a permission while compact or vacuum write, a
+    concurrent commit) goes through unchanged: the table may be whole, and the hint to put it back
+    from a copy could lose rows."""
     from py4j.protocol import Py4JError
     from pyspark.errors import PySparkException
 
     try:
         yield
     except (Py4JError, PySparkException) as exc:
-        raise ConfigurationError(
-            f"the history table at {table} could not be read ({_spark_reason(exc)})",
-            hint="Its _delta_log or data files are damaged or were removed: put the table back from a copy, or "
-                 "give another history table (DESCRIBE HISTORY delta.`<table>` lists the versions it has)") from None
+        reason = _table_damage(exc, table)
+        if reason is None:
+            raise
+        if action == "replay":
+            said = f"the history table at {table} could not be read: a file of it is damaged or missing ({reason})"
+            then = ("give another history table (DESCRIBE HISTORY delta.`<table>` lists the versions it has)")
+        else:
+            doing = {"compact": "compacting", "vacuum": "vacuuming"}.get(action, action)
+            said = f"{doing} the history table at {table} failed: a file of it is damaged or missing ({reason})"
+            then = f"{action} it again once it is whole"
+        raise ConfigurationError(said, hint="Its _delta_log or data files are damaged or were removed: put the "
+                                            f"table back from a copy, or {then}") from None
 
 
 def _spark() -> Any:
@@ -130,7 +203,7 @@ def replay(ctx: Any) -> int:
         as_of = int(a.as_of) if a.as_of.isdigit() else a.as_of
     key = read_key_file(a.history_key_file) if a.history_key_file else None
     spark = _spark()
-    with _reading(a.table):
+    with _reading(a.table, "replay"):
         df = read(spark, a.table, a.group, since=since, as_of=as_of, history_key=key, verify=a.verify)
         if a.limit and a.limit > 0:
             df = df.limit(a.limit)
@@ -190,7 +263,7 @@ def compact(ctx: Any) -> int:
 
     began = time.monotonic()
     spark = _spark()
-    with _reading(ctx.args.table):
+    with _reading(ctx.args.table, "compact"):
         metrics = optimize(spark, ctx.args.table, group=ctx.args.group)
     metrics["seconds"] = round(time.monotonic() - began, 3)
     ctx.out(metrics, f"compacted {ctx.args.table}: {metrics.get('numFilesRemoved', 0)} files into "
@@ -203,7 +276,7 @@ def vacuum(ctx: Any) -> int:
 
     a = ctx.args
     spark = _spark()
-    with _reading(a.table):
+    with _reading(a.table, "vacuum"):
         files = clean(spark, a.table, retention_hours=a.retain_hours, dry_run=a.dry_run)
     ctx.out({"table": a.table, "files": files, "dry_run": a.dry_run},
             f"{'would delete' if a.dry_run else 'deleted'} {files} files no retained version of {a.table} needs")

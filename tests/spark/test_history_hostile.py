@@ -176,3 +176,17 @@ def test_the_replay_command_on_a_damaged_or_hostile_table_says_what_is_wrong(spa
     err = capsys.readouterr().err
     assert "could not be read" in err and "FILE_NOT_EXIST" in err and "put the table back from a copy" in err
     assert "Traceback" not in err and "\tat org." not in err
+    # compact and vacuum write: their wording says what failed, not that the table "could not be read".
+    assert zerocomm(["history", "compact", "--table", str(damaged)]) == 2
+    err = capsys.readouterr().err
+    assert f"compacting the history table at {damaged} failed" in err and "FILE_NOT_EXIST" in err, err
+    assert "Traceback" not in err
+    garbled = tmp_path / "garbled"
+    shutil.copytree(good, garbled)
+    for log in (garbled / "_delta_log").glob("*.json"):
+        log.write_text("{not json\n")  # as on an object store, without Hadoop's .crc beside it
+        (log.parent / f".{log.name}.crc").unlink(missing_ok=True)
+    assert zerocomm(["history", "vacuum", "--table", str(garbled), "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert f"vacuuming the history table at {garbled} failed" in err and "FAILED_READ_FILE" in err, err
+    assert "MALFORMED_RECORD_IN_PARSING" in err and "put the table back from a copy" in err and "Traceback" not in err

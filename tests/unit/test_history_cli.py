@@ -121,3 +121,157 @@ def test_replay_json_says_what_the_origin_column_says(monkeypatch, capsys, tmp_p
     rows = [{k: v for k, v in r.items() if k != "origin_ok"} for r in rows]  # not verified: no verdict
     assert zerocomm(["--json", "history", "replay", "g", "--table", "/t"]) == 0
     assert {json.loads(x)["origin"] for x in capsys.readouterr().out.splitlines() if x.strip()} == {None}
+
+
+class _Java:
+    """Just enough of a Java exception through Py4J: toString() and getCause()."""
+
+    _target_id = "o1"
+
+    def __init__(self, text, cause=None):
+        self.text, self.cause = text, cause
+
+    def toString(self):  # noqa: N802 - the Java name
+        return self.text
+
+    def getCause(self):  # noqa: N802 - the Java name
+        return self.cause
+
+
+def _java_error(*chain):
+    from py4j.protocol import Py4JJavaError
+
+    java = None
+    for text in reversed(chain):
+        java = _Java(text, java)
+    return Py4JJavaError("An error occurred while calling o1.collectToPython.", java)
+
+
+TABLE = "/data/history"
+PART = "file:/data/history/group=g/date=2026-11-23/part-00000-c246.c000.snappy.parquet"
+LOG = "file:///data/history/_delta_log/00000000000000000001.json"
+
+# What Spark 4.2 and Delta 4.4 raise for a table whose files or log were removed or damaged.
+DAMAGED = {
+    "removed data file": (
+        f"org.apache.spark.SparkException: [FAILED_READ_FILE.FILE_NOT_EXIST] Encountered error while reading file "
+        f"{PART}. File does not exist. SQLSTATE: 42K03",
+        f"java.io.FileNotFoundException: File {PART} does not exist"),
+    "checksum of a log file (compact)": (
+        "org.apache.spark.SparkException: Exception thrown in awaitResult: ",
+        f"org.apache.spark.SparkException: [FAILED_READ_FILE.NO_HINT] Encountered error while reading file {LOG}.  "
+        "SQLSTATE: KD001",
+        f"org.apache.hadoop.fs.ChecksumException: Checksum error: {LOG} at 0 exp: -449427181 got: -1645589374"),
+    "log file that is not JSON": (
+        f"org.apache.spark.SparkException: [FAILED_READ_FILE.NO_HINT] Encountered error while reading file {LOG}.  "
+        "SQLSTATE: KD001",
+        "org.apache.spark.SparkException: [MALFORMED_RECORD_IN_PARSING.WITHOUT_SUGGESTION] Malformed records are "
+        "detected in record parsing: [null,null].",
+        "com.fasterxml.jackson.core.JsonParseException: Unexpected character ('n' (code 110))"),
+    "truncated data file": (
+        f"org.apache.spark.SparkException: [FAILED_READ_FILE.NO_HINT] Encountered error while reading file {PART}.",
+        f"java.lang.RuntimeException: {PART} is not a Parquet file (length is too low: 11)"),
+    "garbled data file": (
+        f"org.apache.spark.SparkException: [FAILED_READ_FILE.NO_HINT] Encountered error while reading file {PART}.",
+        "java.io.IOException: can not read class org.apache.parquet.format.FileMetaData: don't know what type: 14",
+        "shaded.parquet.org.apache.thrift.protocol.TProtocolException: don't know what type: 14"),
+    "footer": (
+        f"org.apache.spark.SparkException: [FAILED_READ_FILE.CANNOT_READ_FILE_FOOTER] Encountered error while "
+        f"reading file {PART}. Could not read footer.",),
+    "removed first log file": (
+        "org.apache.spark.sql.delta.DeltaFileNotFoundException: [DELTA_TRUNCATED_TRANSACTION_LOG] "
+        "file:/data/history/_delta_log/00000000000000000000.json: Unable to reconstruct state at version 2",),
+    "removed middle log file": (
+        "org.apache.spark.sql.delta.DeltaIllegalStateException: [DELTA_VERSIONS_NOT_CONTIGUOUS] Versions (0, 2) are "
+        "not contiguous. ",),
+    "emptied log file": (
+        "org.apache.spark.sql.delta.DeltaIllegalStateException: [DELTA_STATE_RECOVER_ERROR] The protocol of your "
+        "Delta table could not be recovered while Reconstructing",),
+    "log after a checkpoint": (
+        "org.apache.spark.sql.delta.DeltaFileNotFoundException: [DELTA_LOG_FILE_NOT_FOUND] Unable to retrieve the "
+        "delta log files to construct table version 12 starting from checkpoint version 10",),
+    "file of the table without an error class": (
+        "java.io.FileNotFoundException: File file:/data/history/_delta_log/00000000000000000003.json does not exist",),
+}
+
+# Failures that say nothing about the table's files: a healthy table must not be replaced from a copy.
+NOT_DAMAGE = {
+    "disk full while compacting": (
+        "org.apache.spark.SparkException: [TASK_WRITE_FAILED] Task failed while writing rows to file:/data/history.",
+        "java.io.IOException: No space left on device"),
+    "data file not readable by this user": (
+        f"org.apache.spark.SparkException: [FAILED_READ_FILE.FILE_NOT_EXIST] Encountered error while reading file "
+        f"{PART}. File does not exist.",
+        f"java.io.FileNotFoundException: {PART[5:]} (Permission denied)"),
+    "object store refused": (
+        f"org.apache.spark.SparkException: [FAILED_READ_FILE.NO_HINT] Encountered error while reading file {PART}.",
+        "java.nio.file.AccessDeniedException: s3a://b/data/history/x.parquet: getFileStatus on ...: 403 Forbidden"),
+    "network while reading": (
+        f"org.apache.spark.SparkException: [FAILED_READ_FILE.NO_HINT] Encountered error while reading file {PART}.",
+        "java.net.SocketTimeoutException: Read timed out"),
+    "concurrent commit": (
+        "io.delta.exceptions.ConcurrentAppendException: [DELTA_CONCURRENT_APPEND.WITHOUT_HINT] Transaction conflict "
+        "detected. a concurrent WRITE added data to table delta.`/data/history` committed at version 4.",),
+    "a shuffle file of Spark's": (
+        "org.apache.spark.SparkException: Job aborted due to stage failure: Task 0 in stage 3.0 failed",
+        "java.io.FileNotFoundException: /tmp/blockmgr-1/0c/shuffle_0_0_0.data (No such file or directory)"),
+    "memory": (
+        "org.apache.spark.SparkException: Job aborted due to stage failure",
+        "java.lang.OutOfMemoryError: Java heap space"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(DAMAGED))
+def test_a_damaged_or_removed_table_file_is_named_with_what_to_do(name):
+    from zerocomm_spark.pipelines.commands import _reading
+
+    for action, said in (("replay", "could not be read"), ("compact", "compacting the history table at /data/history "
+                                                          "failed"), ("vacuum", "vacuuming the history table at "
+                                                                      "/data/history failed")):
+        with pytest.raises(ConfigurationError) as raised:
+            with _reading(TABLE, action):
+                raise _java_error(*DAMAGED[name])
+        assert said in str(raised.value) and TABLE in str(raised.value)
+        assert "damaged or missing" in str(raised.value) or action == "replay"
+        assert "put the table back from a copy" in raised.value.hint
+
+
+@pytest.mark.parametrize("name", sorted(NOT_DAMAGE))
+def test_a_failure_that_is_not_damage_is_spark_s_own_error(name):
+    """`_reading` turned every Py4J/PySpark error (a disk full while compacting, a permission, a
+    concurrent commit, the JVM dying) into "the table could not be read" with the hint to put it back
+    from a copy: replacing a healthy table from a copy can lose rows."""
+    from zerocomm_spark.pipelines.commands import _reading
+
+    error = _java_error(*NOT_DAMAGE[name])
+    for action in ("replay", "compact", "vacuum"):
+        with pytest.raises(type(error)) as raised:
+            with _reading(TABLE, action):
+                raise error
+        assert raised.value is error
+
+
+def test_the_jvm_or_a_python_worker_failing_is_not_a_damaged_table():
+    from py4j.protocol import Py4JNetworkError
+    from pyspark.errors import PySparkException
+
+    from zerocomm_spark.pipelines.commands import _reading
+
+    for error in (Py4JNetworkError("Answer from Java side is empty"),
+                  PySparkException(message="An exception was thrown from the Python worker: FileNotFoundError: "
+                                           "[Errno 2] No such file or directory: '/data/history/_delta_log'")):
+        with pytest.raises(type(error)) as raised:
+            with _reading(TABLE, "compact"):
+                raise error
+        assert raised.value is error
+
+
+def test_a_table_named_corrupt_does_not_make_a_network_error_damage():
+    from zerocomm_spark.pipelines.commands import _reading
+
+    part = "file:/data/corrupt-copy/group=g/part-0.parquet"
+    error = _java_error(f"org.apache.spark.SparkException: [FAILED_READ_FILE.NO_HINT] Encountered error while reading "
+                        f"file {part}.", f"java.io.IOException: Stream closed reading {part}")
+    with pytest.raises(type(error)):
+        with _reading("/data/corrupt-copy", "replay"):
+            raise error
