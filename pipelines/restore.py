@@ -482,15 +482,18 @@ def _check_rows(rows: pa.Table, provider: str, asked: Mapping[str, tuple[str, in
     clear: list[bytes] = [b""] * n
     for i in range(n):
         mid = ids[i]
+        # First: an id that is not UTF-8 reads as None, which no request names; say what is wrong with it.
+        if unreadable[i]:
+            ok[i] = False
+            if mid is not None:
+                seen.add(mid)  # a second row of this id is still one sent twice
+            rejections.append(Rejection(provider, mid, "malformed row (text that is not UTF-8)"))
+            continue
         if mid not in asked or mid in seen:
             ok[i] = False
             rejections.append(Rejection(provider, mid, "not requested from this provider (or sent twice)"))
             continue
         seen.add(mid)
-        if unreadable[i]:
-            ok[i] = False
-            rejections.append(Rejection(provider, mid, "malformed row (text that is not UTF-8)"))
-            continue
         if asked[mid] != (dids[i], seqs[i], lamports[i]):
             ok[i] = False
             rejections.append(Rejection(provider, mid, "differs from what the provider announced"))

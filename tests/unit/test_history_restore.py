@@ -414,3 +414,21 @@ def test_a_delta_provider_refuses_an_as_of_that_is_no_version_or_time_at_once() 
             DeltaProvider(None, "/lake/history", as_of=bad)  # type: ignore[arg-type]
     for good in (0, 7, "2026-11-28T03:00:00", "2026-11-28T03:00:00+01:00"):
         assert DeltaProvider(None, "/lake/history", as_of=good).as_of == good  # type: ignore[arg-type]
+
+
+def test_a_row_whose_id_is_not_utf8_is_rejected_as_such(alice):
+    """A served row whose message_id is not UTF-8 reads as no id, and was rejected as "not requested
+    from this provider (or sent twice)" before the check that says the text is not UTF-8."""
+    rows = make_rows(alice, 3, label="u")
+
+    class Garbler(ArrowProvider):                          # announces honestly, serves u-1 with a damaged id
+        def request(self, group, message_ids):
+            served = super().request(group, message_ids)
+            ids = [m.encode() if m != "u-1" else b"u-\xff" for m in served.column("message_id").to_pylist()]
+            at = served.schema.get_field_index("message_id")
+            return served.set_column(at, "message_id", pa.array(ids, pa.binary()).view(pa.string()))
+
+    report = restore("g", [Garbler(table(rows), "garbler"), ArrowProvider(table(rows), "honest")])
+    assert sorted(report.delivered_ids) == ["u-0", "u-1", "u-2"] and report.missing == []
+    assert [(r.provider, r.message_id, r.reason) for r in report.rejected] == [
+        ("garbler", None, "malformed row (text that is not UTF-8)")]
