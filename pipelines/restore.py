@@ -169,6 +169,8 @@ def have_from_table(spark: SparkSession, table_path: str, group: str) -> Have:
     ids, bad_id = text_column(keys.column("message_id"))
     dids, bad_did = text_column(keys.column("publisher_did"))
     seqs = keys.column("seq").to_pylist()
+    if not any(bad_id) and not any(bad_did):  # the usual table: no copies of its tens of millions of keys
+        return Have.from_rows(ids, dids, seqs)
     # A row whose id or publisher is not UTF-8 text (a damaged table) names no message anyone announces.
     kept = [i for i in range(len(ids)) if not (bad_id[i] or bad_did[i])]
     return Have.from_rows([ids[i] for i in kept], [dids[i] for i in kept], [seqs[i] for i in kept])
