@@ -23,6 +23,7 @@ from typing import Any
 
 from zerocomm_spark.agent.config import Config
 from zerocomm_spark.agent.logging import open_log_file
+from zerocomm_spark.agent.ingest import EXIT_JOURNAL_FAILED
 from zerocomm_spark.agent.runfiles import held_by, pid_alive, read_health
 from zerocomm_spark.client import Client, error_header, raise_for_error
 from zerocomm_spark.errors import (
@@ -191,7 +192,9 @@ def run_foreground(config: Config, *, ready_fd: int | None = None,
             process.run()
         finally:
             process.close()
-        return 0
+        # Stopped because its run directory was removed: not a requested stop, so a service manager
+        # (Restart=on-failure) starts it again, as after a journal failure.
+        return EXIT_JOURNAL_FAILED if process.run_files_lost else 0
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)

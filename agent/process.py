@@ -52,6 +52,7 @@ class AgentProcess:
         self.ingest: JournalIngest | None = None
         self.groups: Any = None
         self.server: ApiServer | None = None
+        self.run_files_lost = False  # stopped because its run directory went away (exit EX_TEMPFAIL)
         self._lock: RunLock | None = None
         self._stop = threading.Event()
         self._closed = False
@@ -163,11 +164,29 @@ class AgentProcess:
             if time.monotonic() - beat < interval:
                 continue
             beat = time.monotonic()
+            lost = self._run_files_lost()
+            if lost:
+                # Unreachable for good: no client finds the socket, and `agent status`/`stop` do not see
+                # this process, while `agent start` is refused (it still holds the identity). Stopping
+                # cleanly lets the agent be started again (a client with spawn=True does so itself).
+                event(log, logging.ERROR, "the agent's run directory was removed or replaced; stopping so that "
+                      "it can be started again", socket_dir=str(self.config.socket_dir), missing=lost)
+                self.run_files_lost = True
+                self.stop(f"its {lost} in {self.config.socket_dir} was removed or replaced")
+                break
             try:
                 self.write_health("running")
             except OSError as exc:
                 log.warning("cannot write the health file: %s", exc.strerror)
         event(log, logging.INFO, "agent stopping", reason=self.stop_reason or None)
+
+    def _run_files_lost(self) -> str:
+        """What of the run directory this agent no longer finds there ("" when all is in place)."""
+        if self._lock is not None and not self._lock.held_file_present():
+            return "pid file"
+        if self.server is not None and not self.server.socket_file_present():
+            return "API socket"
+        return ""
 
     def stop(self, reason: str = "") -> None:
         """Ask run() to return (safe from a signal handler or another thread)."""

@@ -223,6 +223,11 @@ class RunLock:
         self._fd = fd
         return self
 
+    def held_file_present(self) -> bool:
+        """Whether the pid file this lock holds is still the one at its path (not removed with the
+        run directory, nor replaced): otherwise `agent status`/`stop` and clients cannot find this agent."""
+        return self._fd is None or _same_file(self._fd, self.run_dir / PID_FILE)
+
     def write_health(self, health: dict[str, Any]) -> None:
         health = dict(health, heartbeat_at=time.time())
         write_json_atomic(self.run_dir / HEALTH_FILE, health)

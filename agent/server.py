@@ -326,6 +326,7 @@ class ApiServer:
         self._close_deadline = 0.0
         self._thread: threading.Thread | None = None
         self.ipc_endpoint = ""
+        self._ipc_file: tuple[int, int] | None = None  # (device, inode) of the socket file bound
         self.tcp_endpoint = ""
         self.public_key = ""
         self.stats = {"calls": 0, "errors": 0, "refused": 0}
@@ -350,6 +351,8 @@ class ApiServer:
         self._routers["ipc"] = ipc
         try:
             os.chmod(path, 0o600)
+            st = path.stat()
+            self._ipc_file = (st.st_dev, st.st_ino)
             self.ipc_endpoint = endpoint
             if self.tcp_endpoint_config:
                 self._start_tcp(hard_limit)
@@ -365,6 +368,20 @@ class ApiServer:
             raise
         event(log, logging.INFO, "local API serving", endpoint=self.ipc_endpoint, tcp=self.tcp_endpoint or None)
         return self
+
+    def socket_file_present(self) -> bool:
+        """Whether the ipc socket file this server bound is still at its path. Removed (a tmp cleaner
+        took the socket directory) or replaced, no local client can reach this server any more: ZeroMQ
+        keeps listening on the unlinked file and does not notice."""
+        if self._ipc_file is None:
+            return True
+        try:
+            st = (self.socket_dir / SOCKET_NAME).stat()
+        except FileNotFoundError:
+            return False
+        except OSError:
+            return True  # cannot tell (a permission change): not a reason to stop
+        return (st.st_dev, st.st_ino) == self._ipc_file
 
     def _abandon_start(self) -> None:
         """Undo a start that failed half-way: no socket file for clients to find stale, no ZAP thread."""

@@ -857,6 +857,45 @@ def test_killed_agent_mid_stream_then_restart_exactly_once(spark, members, group
     _exactly_once(spark, out, {f"{group}-bob-{i}" for i in range(500)})
 
 
+@pytest.mark.timeout(300)
+def test_a_reading_members_socket_directory_removed_mid_stream_is_ridden_over_exactly_once(spark, tmp_path):
+    """A tmp cleaner removes the agent's socket directory while a query reads: the agent ran on,
+    unreachable for good (ZeroMQ listens on the unlinked socket), `agent status`/`stop` did not see it
+    and `agent start` (the connector's spawnAgent too) was refused as "already running": the query
+    failed with "no agent socket ... Start it", and nothing could start it. The agent now notices at
+    its next heartbeat and stops cleanly, so it can be started again (here by the connector)."""
+    alice, bob = start_members(tmp_path / "own", ["alice", "bob"], settings={"agent.heartbeat_interval": "0.5"})
+    group = "swept"
+    old_pid = alice.pid()
+    out, ck = tmp_path / "delta", tmp_path / "ck"
+    try:
+        form_group([alice, bob], group)
+        ids = [f"m{i}" for i in range(400)]
+        bob.client().publish(group, [i.encode() for i in ids[:200]], message_ids=ids[:200])
+        query = (source(spark, group, alice, startingOffsets="earliest", agentTimeoutMs="20000")
+                 .writeStream.format("delta").option("checkpointLocation", str(ck))
+                 .trigger(processingTime="300 milliseconds").start(str(out)))
+        try:
+            wait_for(lambda: rows_in(query) >= 200, 120, "the first 200 messages")
+            import shutil
+
+            alice.close_client()
+            shutil.rmtree(alice.socket_dir)
+            bob.client().publish(group, [i.encode() for i in ids[200:]], message_ids=ids[200:])
+            wait_for(lambda: not query.isActive or rows_in(query) >= 400, 90, "the query to ride over or fail")
+        finally:
+            query.stop()
+        assert query.exception() is None, str(query.exception())[:2000]
+        wait_for(lambda: not os.path.exists(f"/proc/{old_pid}"), 30, "the unreachable agent to stop")
+        assert alice.running() and alice.pid() != old_pid  # started again, on demand, and findable
+        _exactly_once(spark, out, set(ids))
+    finally:
+        if old_pid is not None and os.path.exists(f"/proc/{old_pid}"):
+            os.kill(old_pid, signal.SIGKILL)  # the unreachable agent: nothing else can stop it
+        for member in (alice, bob):
+            member.remove()
+
+
 # --- clear errors, no hangs --------------------------------------------------------------------
 
 
