@@ -126,6 +126,11 @@ class AgentCalls:
         out.update(protocol=PROTOCOL_VERSION, max_request_bytes=self.process.config.get("api", "max_request_bytes"),
                    max_read_rows=self.process.config.get("api", "max_read_rows"),
                    uptime_s=round(time.time() - self.process.started_at, 3))
+        if self.process.groups is not None:
+            try:  # the largest payload a publish takes: a client can refuse a bigger row itself, naming it
+                out["max_message_bytes"] = self.process.groups.dataplane.max_payload_bytes
+            except ZeroCommError:
+                pass
         if self.process.journal is not None:
             out["journal"] = {"next_offset": self.journal.next_offset,
                               "earliest_offset": self.journal.earliest_offset(),

@@ -126,6 +126,12 @@ class MemberLink:
         limit = getattr(self._client, "max_request_bytes", None)
         return limit if isinstance(limit, int) and limit > 0 else DEFAULT_MAX_REQUEST_BYTES
 
+    @property
+    def max_message_bytes(self) -> int | None:
+        """The largest payload the agent publishes as one message (as it said at connect; None: not said)."""
+        value = (getattr(self._client, "agent", None) or {}).get("max_message_bytes")
+        return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
     def check_groups(self, groups: Iterable[str]) -> None:
         """Fail early and clearly when this member is not in a group the query names."""
         mine = self.group_names()

@@ -34,7 +34,13 @@ from pyspark.sql.datasource import (
     WriterCommitMessage,
 )
 
-from zerocomm_spark.errors import ConnectorOptionError, PublishNotAcknowledgedError, StreamContextError, ZeroCommError
+from zerocomm_spark.errors import (
+    ConnectorOptionError,
+    PublishNotAcknowledgedError,
+    SinkPayloadTooLargeError,
+    StreamContextError,
+    ZeroCommError,
+)
 
 from zerocomm_spark.connector.agent_link import MemberLink
 from zerocomm_spark.connector.options import SinkOptions
@@ -201,6 +207,7 @@ def publish_partition(batches: Iterator[pa.RecordBatch], options: SinkOptions, c
                     f"row {row + _first_null(payload)} of partition {partition} has a null payload; nothing from "
                     "this row on was published",
                     hint="Filter out null payloads (df.where('payload IS NOT NULL')) or give them a value")
+            _check_payload_sizes(payload, link.max_message_bytes, row, partition)
             headers = chunk.column("headers") if columns.has_headers else None
             if columns.has_message_id:
                 given = chunk.column("message_id").combine_chunks()
@@ -241,6 +248,25 @@ def publish_partition(batches: Iterator[pa.RecordBatch], options: SinkOptions, c
             link.close()
     return ZeroCommCommitMessage(partition=partition, messages=published, duplicates=duplicates,
                                  first_seq=first_seq, last_seq=last_seq, publisher_label=label)
+
+
+def _check_payload_sizes(payload: pa.ChunkedArray | pa.Array, limit: int | None, row: int, partition: int) -> None:
+    """Refuse a chunk holding a payload bigger than one group message carries, naming its row: the
+    agent refused the whole publish call with "exceeds max_message_bytes" and a hint to raise a
+    setting no agent has, and a task retry (or a re-run of the batch) failed the same way."""
+    if limit is None or len(payload) == 0:
+        return
+    lengths = pc.binary_length(payload)
+    largest = pc.max(lengths).as_py()
+    if largest is None or largest <= limit:
+        return
+    at = int(pc.index(pc.greater(lengths, limit), True).as_py())
+    size = lengths.take([at])[0].as_py()
+    raise SinkPayloadTooLargeError(
+        f"row {row + at} of partition {partition} has a {size}-byte payload; a group message carries at most "
+        f"{limit} bytes (the agent on host {os.uname().nodename}); nothing from row {row} of the partition on "
+        "was published",
+        hint=SinkPayloadTooLargeError.hint.replace("LIMIT", str(limit)))
 
 
 def _first_of_each_id(table: pa.Table) -> tuple[pa.Table, int]:

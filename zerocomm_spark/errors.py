@@ -516,6 +516,14 @@ class SinkSchemaError(ConnectorOptionError):
             "(map<string,string>), e.g. df.selectExpr(\"CAST(value AS STRING) AS payload\")")
 
 
+class SinkPayloadTooLargeError(ConnectorOptionError):
+    """A row written to format("zerocomm") has a payload bigger than one group message carries."""
+
+    hint = ("Split such payloads over several rows, or leave them out (df.where(length(payload) <= LIMIT)); "
+            "the rows before it were published, and a re-run publishes them under the same ids, so none is "
+            "delivered twice")
+
+
 class StreamContextError(ZeroCommError, RuntimeError):
     """A streaming write task came without the batch id Spark sets on it: the sink cannot derive message
     ids that differ between batches (equal rows of a later batch would be dropped as duplicates)."""

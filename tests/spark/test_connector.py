@@ -620,6 +620,32 @@ def test_a_sink_batch_the_group_does_not_acknowledge_fails_clearly_and_commits_n
         assert len(ids) == len(set(ids)) == 50, member.label
 
 
+def test_a_row_bigger_than_a_group_message_is_refused_naming_it_and_the_limit(spark, members, group):
+    """A payload past what one group message carries (4 MiB), well within api.max_request_bytes: the
+    agent refused the publish call with FrameTooLargeError "exceeds max_message_bytes=4194304. ... raise
+    DataPlaneConfig.max_message_bytes" (no agent setting), not saying which row. The sink refuses the
+    row itself, naming it and the limit the agent reports; a row of exactly the limit is published."""
+    bob, carol = members["bob"], members["carol"]
+    limit = bob.client().status().get("max_message_bytes", 4 * 1024 * 1024)
+    assert 0 < limit <= 4 * 1024 * 1024
+
+    def write(sizes: list[int]) -> None:
+        rows = ", ".join(f"({i}, {n})" for i, n in enumerate(sizes))
+        (spark.sql(f"SELECT CAST(repeat('x', n) AS BINARY) AS payload FROM VALUES {rows} AS t(i, n) ORDER BY i")
+         .coalesce(1).write.format("zerocomm").option("group", group).option("agent", str(bob.config))
+         .mode("append").save())
+
+    started = time.monotonic()
+    with pytest.raises(Exception, match="SinkPayloadTooLargeError") as info:
+        write([10, limit + 1, 10])
+    assert (f"row 1 of partition 0 has a {limit + 1}-byte payload; a group message carries at most {limit} bytes"
+            in str(info.value)), str(info.value)[-2000:]
+    assert f"length(payload) <= {limit}" in str(info.value)
+    assert time.monotonic() - started < 60
+    write([limit])
+    wait_for(lambda: carol.client().read(group=group).num_rows == 1, 30, "carol to receive the largest message")
+
+
 def test_sink_task_with_empty_and_repeated_given_ids_delivers_each_id_once_across_retries(members, group):
     """A task's own rows, published twice (a retry): an empty id gets the derived id like a null one
     (not a random one, new at every attempt), and an id repeated within a chunk or across chunks is

@@ -28,6 +28,7 @@ class Member:
 
     label = "alice"
     max_request_bytes = 64 * 1024 * 1024  # the agent's api.max_request_bytes (its default)
+    max_message_bytes: int | None = None  # the largest payload the agent publishes (None: not said)
 
     def close(self) -> None:
         pass
@@ -178,3 +179,20 @@ def test_the_default_publish_batch_bytes_fits_an_agent_with_a_lower_request_limi
     result = publish_partition(batches(rows), SinkOptions.parse({"group": "g"}), columns, "q.0.0", 0)
     assert result.messages == 100 and member.calls > 1
     assert all(sum(len(p) for p in call) <= room for call in member.payload_calls)
+
+
+def test_a_payload_past_the_agents_message_limit_is_refused_naming_its_row(monkeypatch):
+    """The agent refused such a publish call whole, with a hint to raise a setting no agent has."""
+    from zerocomm_spark.errors import SinkPayloadTooLargeError
+
+    member = Member()
+    member.max_message_bytes = 100
+    monkeypatch.setattr(writer, "MemberLink", member)
+    options = SinkOptions.parse({"group": "g", "publishBatchSize": "2"})
+    rows = iter([pa.record_batch({"payload": pa.array([b"a", b"b", b"c", b"x" * 101, b"d"])})])
+    with pytest.raises(SinkPayloadTooLargeError, match="row 3 of partition 4 has a 101-byte payload; a group "
+                       "message carries at most 100 bytes") as info:
+        publish_partition(rows, options, SinkColumns(False, False, False), "q.0.4", 4)
+    assert "nothing from row 2 of the partition on was published" in str(info.value)
+    assert "length(payload) <= 100" in info.value.hint
+    assert member.calls == 1  # rows 0 and 1 went out; the chunk with the big row did not

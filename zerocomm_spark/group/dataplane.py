@@ -820,6 +820,12 @@ class DataPlane:
 
     # --- publishing ----------------------------------------------------------------------------
 
+    @property
+    def max_payload_bytes(self) -> int:
+        """The largest payload :meth:`publish` takes (without headers): max_message_bytes, and what fits
+        a resend answer within the transport's max_frame_bytes."""
+        return min(self.config.max_message_bytes, 3 * (self._answer_room // 4))
+
     def publish(
         self,
         group: str,
