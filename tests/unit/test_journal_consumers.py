@@ -252,7 +252,18 @@ def test_a_first_version_file_loads_with_its_points_and_the_load_as_their_time(t
     assert set(points.last_commits().values()) == {clock.wall_us}
     points.commit("a", 6)  # saved in the current format
     assert ConsumerPoints.load(tmp_path, fsync=False).points() == {"a": 6, "b": 9}
-    assert (tmp_path / CONSUMERS_FILE).read_bytes().startswith(b"ZCJN\x02\n")
+    assert (tmp_path / CONSUMERS_FILE).read_bytes().startswith(b"ZCJN\x03\n")
+
+
+def test_a_second_version_file_loads_with_its_points_and_times(tmp_path: Path, clock: Clock) -> None:
+    body = b'{"a":[5,1700000000000000],"b":[9,1700000001000000]}'
+    (tmp_path / CONSUMERS_FILE).write_bytes(b"ZCJN\x02\n" + body + (zlib.crc32(body) & 0xFFFFFFFF).to_bytes(4, "little"))
+    points = ConsumerPoints.load(tmp_path, fsync=False, expiry_s=HOUR)
+    assert points.points() == {"a": 5, "b": 9} and points.expired_floor == 0
+    assert points.last_commits() == {"a": 1700000000000000, "b": 1700000001000000}
+    points.commit("a", 6)
+    assert (tmp_path / CONSUMERS_FILE).read_bytes().startswith(b"ZCJN\x03\n")
+    assert ConsumerPoints.load(tmp_path, fsync=False).points() == {"a": 6, "b": 9}
 
 
 @pytest.mark.parametrize("body", [b'{"consumers":{"a":[5]},"expired_floor":0}',
@@ -261,7 +272,7 @@ def test_a_first_version_file_loads_with_its_points_and_the_load_as_their_time(t
                                   b'{"consumers":{"a":"5"},"expired_floor":0}',
                                   b'{"consumers":{"a":[5,1]}}', b'{"consumers":{},"expired_floor":"x"}', b'[1]'])
 def test_a_damaged_entry_is_a_clear_error(tmp_path: Path, body: bytes) -> None:
-    (tmp_path / CONSUMERS_FILE).write_bytes(b"ZCJN\x02\n" + body + (zlib.crc32(body) & 0xFFFFFFFF).to_bytes(4, "little"))
+    (tmp_path / CONSUMERS_FILE).write_bytes(b"ZCJN\x03\n" + body + (zlib.crc32(body) & 0xFFFFFFFF).to_bytes(4, "little"))
     with pytest.raises(JournalError, match="damaged"):
         ConsumerPoints.load(tmp_path, fsync=False)
 

@@ -20,10 +20,11 @@ carry a consumer's age across restarts. After the journal opens every consumer h
 longer than the expiry does not forget every query at its first retention pass.
 
 ``consumers.json`` holds ``{"consumers": {name: [offset, last commit in us since the epoch]},
-"expired_floor": offset}`` behind a magic line and a crc32, replaced atomically and fsynced on every
+"expired_floor": offset}`` behind a magic line (version 3) and a crc32, replaced atomically and fsynced on every
 change (commits are rare: once per Spark micro-batch). A commit that does not move a point refreshes
 its time in memory, and on disk at most every ``_REFRESH_S`` (or an eighth of the expiry). Files of
-the first version (``{name: offset}``) load with their time set to the load. Names are not secret.
+the first version (``{name: offset}``) load with their time set to the load, and of the second
+(``{name: [offset, time]}``) with no floor. Names are not secret.
 """
 
 from __future__ import annotations
@@ -44,7 +45,8 @@ __all__ = ["CONSUMERS_FILE", "ConsumerPoints", "check_consumer"]
 
 CONSUMERS_FILE = "consumers.json"
 _MAGIC_V1 = b"ZCJN\x01\n"  # {name: offset}
-_MAGIC = b"ZCJN\x02\n"  # {"consumers": {name: [offset, last commit us]}, "expired_floor": offset}
+_MAGIC_V2 = b"ZCJN\x02\n"  # {name: [offset, last commit us]} (briefly, before expired_floor)
+_MAGIC = b"ZCJN\x03\n"  # {"consumers": {name: [offset, last commit us]}, "expired_floor": offset}
 _NAME = re.compile(r"^[A-Za-z0-9._:@/+=-]{1,200}\Z")  # \Z: "$" also matches before a final newline
 MAX_CONSUMERS = 10_000
 #: After an open, a consumer is not forgotten for at least this long (or the expiry, if shorter).
@@ -103,7 +105,7 @@ class ConsumerPoints:
         except FileNotFoundError:
             return cls(directory, {}, fsync=fsync, expiry_s=expiry_s)
         body = raw[len(_MAGIC):-4]
-        if not raw.startswith((_MAGIC, _MAGIC_V1)) or len(raw) < len(_MAGIC) + 4 or \
+        if not raw.startswith((_MAGIC, _MAGIC_V2, _MAGIC_V1)) or len(raw) < len(_MAGIC) + 4 or \
                 int.from_bytes(raw[-4:], "little") != zlib.crc32(body) & 0xFFFFFFFF:
             raise JournalError(f"{path} is damaged",
                                hint="Delete it to forget the consumers' commit points (retention then waits for "
@@ -115,11 +117,12 @@ class ConsumerPoints:
             if raw.startswith(_MAGIC_V1):
                 points = {check_consumer(k): _whole(v) for k, v in data.items()}
             else:
+                entries = data if raw.startswith(_MAGIC_V2) else data["consumers"]
                 points = {}
-                for k, (offset, at) in data["consumers"].items():
+                for k, (offset, at) in entries.items():
                     points[check_consumer(k)] = _whole(offset)
                     seen[k] = _whole(at)
-                floor = _whole(data["expired_floor"])
+                floor = 0 if raw.startswith(_MAGIC_V2) else _whole(data["expired_floor"])
         except (ValueError, TypeError, AttributeError, KeyError, ConfigurationError):
             raise JournalError(f"{path} is damaged (not a map of consumer -> [offset, time])") from None
         return cls(directory, points, fsync=fsync, seen=seen, expiry_s=expiry_s, expired_floor=floor)
