@@ -15,7 +15,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from zerocomm_spark.errors import ConfigurationError, InsecurePermissionsError
+from zerocomm_spark.errors import ConfigurationError, InsecurePermissionsError, ZeroCommError
 from zerocomm_spark.pipelines.history_key import KEY_BYTES, HistoryKey
 
 __all__ = ["compact", "ingest", "read_key_file", "replay", "vacuum"]
@@ -118,6 +118,28 @@ def _table_damage(exc: BaseException, table: str) -> str | None:
     return reason if cause is None or cause == reason else f"{reason[:300]}; {cause[:200]}"
 
 
+# Delta's answers to a version or time the table does not have (--as-of, --since-version).
+_NO_SUCH_VERSION = ("DELTA_VERSION_NOT_FOUND", "DELTA_TIMESTAMP_GREATER_THAN_COMMIT",
+                    "DELTA_TIMESTAMP_EARLIER_THAN_COMMIT_RETENTION", "DELTA_CHANGE_DATA_FEED_NOT_ENABLED",
+                    "DELTA_MISSING_CHANGE_DATA", "VersionNotFoundException")
+
+
+def _spark_failure(exc: BaseException, table: str, action: str) -> ZeroCommError:
+    """Any other failure of Spark's, said in one line (no Py4J traceback) without the damage hint: a
+    version or time the table lacks is the user's to fix (exit 2); the rest is Spark's (exit 1)."""
+    reason = _spark_reason(exc)
+    chain = " ".join(_java_chain(exc)) or str(exc)
+    if any(marker in chain for marker in _NO_SUCH_VERSION):
+        return ConfigurationError(
+            f"the history table at {table} has no such version or time ({reason})",
+            hint="Give a version or time the table has: DESCRIBE HISTORY delta.`<table>` lists them "
+                 "(--as-of, --since-version)")
+    doing = {"replay": "replaying", "compact": "compacting", "vacuum": "vacuuming"}.get(action, action)
+    return ZeroCommError(f"{doing} the history table at {table} failed in Spark ({reason})",
+                         hint="Spark's own error: its log (the driver's output) has the details; the table's files "
+                              "were read without a sign of damage")
+
+
 @contextmanager
 def _reading(table: str, action: str = "replay") -> Iterator[None]:
     """Spark's failures that say the history table's log or data files are damaged or were removed,
@@ -133,7 +155,7 @@ def _reading(table: str, action: str = "replay") -> Iterator[None]:
     except (Py4JError, PySparkException) as exc:
         reason = _table_damage(exc, table)
         if reason is None:
-            raise
+            raise _spark_failure(exc, table, action) from None
         if action == "replay":
             said = f"the history table at {table} could not be read: a file of it is damaged or missing ({reason})"
             then = ("give another history table (DESCRIBE HISTORY delta.`<table>` lists the versions it has)")

@@ -7,7 +7,7 @@ import os
 import pytest
 
 from zerocomm_spark.agent.cli import _with_history_action, build_parser
-from zerocomm_spark.errors import ConfigurationError, InsecurePermissionsError
+from zerocomm_spark.errors import ConfigurationError, InsecurePermissionsError, ZeroCommError
 from zerocomm_spark.pipelines.commands import origin_label, read_key_file
 from zerocomm_spark.pipelines.history_key import HistoryKey
 
@@ -245,10 +245,12 @@ def test_a_failure_that_is_not_damage_is_spark_s_own_error(name):
 
     error = _java_error(*NOT_DAMAGE[name])
     for action in ("replay", "compact", "vacuum"):
-        with pytest.raises(type(error)) as raised:
+        with pytest.raises(ZeroCommError) as raised:  # one line, not a Py4J traceback (exit 1)
             with _reading(TABLE, action):
                 raise error
-        assert raised.value is error
+        assert type(raised.value) is ZeroCommError, raised.value
+        assert "failed in Spark" in str(raised.value) and TABLE in str(raised.value)
+        assert "copy" not in raised.value.hint
 
 
 def test_the_jvm_or_a_python_worker_failing_is_not_a_damaged_table():
@@ -260,10 +262,10 @@ def test_the_jvm_or_a_python_worker_failing_is_not_a_damaged_table():
     for error in (Py4JNetworkError("Answer from Java side is empty"),
                   PySparkException(message="An exception was thrown from the Python worker: FileNotFoundError: "
                                            "[Errno 2] No such file or directory: '/data/history/_delta_log'")):
-        with pytest.raises(type(error)) as raised:
+        with pytest.raises(ZeroCommError) as raised:
             with _reading(TABLE, "compact"):
                 raise error
-        assert raised.value is error
+        assert type(raised.value) is ZeroCommError and "copy" not in raised.value.hint
 
 
 def test_a_table_named_corrupt_does_not_make_a_network_error_damage():
@@ -272,6 +274,23 @@ def test_a_table_named_corrupt_does_not_make_a_network_error_damage():
     part = "file:/data/corrupt-copy/group=g/part-0.parquet"
     error = _java_error(f"org.apache.spark.SparkException: [FAILED_READ_FILE.NO_HINT] Encountered error while reading "
                         f"file {part}.", f"java.io.IOException: Stream closed reading {part}")
-    with pytest.raises(type(error)):
+    with pytest.raises(ZeroCommError) as raised:
         with _reading("/data/corrupt-copy", "replay"):
             raise error
+    assert type(raised.value) is ZeroCommError and "copy" not in raised.value.hint
+
+
+@pytest.mark.parametrize("line", [
+    "org.apache.spark.sql.delta.VersionNotFoundException: [DELTA_VERSION_NOT_FOUND] Cannot time travel Delta table "
+    "to version 99. Available versions: [0, 5].",
+    "org.apache.spark.sql.delta.DeltaErrors: [DELTA_TIMESTAMP_EARLIER_THAN_COMMIT_RETENTION] The provided timestamp "
+    "(2020-01-01 00:00:00.0) is before the earliest version available to this table",
+])
+def test_a_version_or_time_the_table_lacks_is_a_usage_error_not_a_traceback(line):
+    """`history replay --as-of 99` on a table at version 5 ended in a Py4J traceback (exit 1)."""
+    from zerocomm_spark.pipelines.commands import _reading
+
+    with pytest.raises(ConfigurationError, match="has no such version or time") as raised:
+        with _reading(TABLE, "replay"):
+            raise _java_error(line)
+    assert "DESCRIBE HISTORY" in raised.value.hint
