@@ -10,6 +10,7 @@ port in use) surface in the command that started it, not only in a log.
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import resource
@@ -142,13 +143,25 @@ def _report(fd: int | None, answer: dict[str, Any]) -> None:
             pass
 
 
+_PR_SET_DUMPABLE = 4  # linux/prctl.h
+
+
 def _no_core_dumps() -> None:
     """The agent holds the member's keys in memory: a crash must not write them to a core file (which
-    lands wherever the system's core pattern says, often outside the identity directory)."""
+    lands wherever the system's core pattern says, often outside the identity directory), and other
+    processes of the user must not read its memory. The core limit covers a core_pattern file; a
+    core_pattern pipe (systemd-coredump, apport) ignores it, so the process is also made
+    non-dumpable (as ssh-agent does), which also refuses ptrace and /proc/<pid>/mem to other processes."""
     try:
         resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
     except (OSError, ValueError):  # pragma: no cover - a platform without the limit: nothing to lower
         pass
+    if sys.platform.startswith("linux"):
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl(_PR_SET_DUMPABLE, 0, 0, 0, 0)
+        except (OSError, AttributeError):  # pragma: no cover - no prctl: the core limit is what there is
+            pass
 
 
 def run_foreground(config: Config, *, ready_fd: int | None = None,

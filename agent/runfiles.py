@@ -225,8 +225,15 @@ class RunLock:
 
     def held_file_present(self) -> bool:
         """Whether the pid file this lock holds is still the one at its path (not removed with the
-        run directory, nor replaced): otherwise `agent status`/`stop` and clients cannot find this agent."""
-        return self._fd is None or _same_file(self._fd, self.run_dir / PID_FILE)
+        run directory, nor replaced): otherwise `agent status`/`stop` and clients cannot find this agent.
+        A path that cannot be looked at now (a permission, an NFS hiccup) is not taken for a lost one."""
+        if self._fd is None:
+            return True
+        try:
+            here, there = os.fstat(self._fd), os.stat(self.run_dir / PID_FILE, follow_symlinks=False)
+        except OSError as exc:
+            return exc.errno not in (errno.ENOENT, errno.ENOTDIR)
+        return (here.st_dev, here.st_ino) == (there.st_dev, there.st_ino)
 
     def write_health(self, health: dict[str, Any]) -> None:
         health = dict(health, heartbeat_at=time.time())
@@ -236,11 +243,14 @@ class RunLock:
         """Remove the health and pid files and drop the lock (the pid file goes first, while still held)."""
         if self._fd is None:
             return
-        for name in (HEALTH_FILE, PID_FILE):
-            try:
-                (self.run_dir / name).unlink()
-            except OSError:
-                pass
+        # Only while the pid file there is still ours: an agent that stopped because its run directory
+        # was removed must not delete the files of the agent started in its place meanwhile.
+        if _same_file(self._fd, self.run_dir / PID_FILE):
+            for name in (HEALTH_FILE, PID_FILE):
+                try:
+                    (self.run_dir / name).unlink()
+                except OSError:
+                    pass
         fd, self._fd = self._fd, None
         try:
             fcntl.flock(fd, fcntl.LOCK_UN)

@@ -6,6 +6,7 @@ serving."""
 from __future__ import annotations
 
 import json
+import shutil
 import os
 import signal
 import stat
@@ -94,6 +95,27 @@ def test_foreground_agent_stops_gracefully_on_signals(tmp_path: Path, sig: signa
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_an_agent_whose_run_directory_is_removed_stops_so_it_can_be_started_again(tmp_path: Path) -> None:
+    """A tmp cleaner took the run directory: ZeroMQ kept listening on the unlinked socket, nobody could
+    reach the agent, and `agent start` was refused as already running. It stops (exit 75) instead."""
+    fg = Member(tmp_path, "orphan", "agent.heartbeat_interval=0.2")
+    fg.init()
+    proc = subprocess.Popen([*ZEROCOMM, "--config", str(fg.config), "--json", "agent", "start"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert json.loads(proc.stdout.readline())["pid"] == proc.pid
+        shutil.rmtree(fg.run_dir)
+        assert proc.wait(15) == 75
+        _, err = proc.communicate(timeout=5)
+        assert "run directory was removed or replaced" in err
+        restarted = fg.start()  # nothing of the old one is in the way
+        assert restarted["pid"] != proc.pid and fg.ok("agent", "status")["responding"] is True
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        fg.stop()
 
 
 def test_kill_9_leaves_nothing_that_blocks_a_restart(tmp_path: Path) -> None:

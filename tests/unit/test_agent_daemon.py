@@ -164,3 +164,13 @@ def test_root_acts_on_the_agent_of_another_user_only_for_a_process_of_that_user(
         if agent.poll() is None:
             agent.kill()
             agent.wait()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="prctl is Linux's")
+def test_the_agent_process_is_not_dumpable() -> None:
+    """A core_pattern pipe (systemd-coredump, apport) ignores the core limit: the agent also makes itself
+    non-dumpable, so its keys reach no core file and no other process's ptrace."""
+    code = ("import ctypes, resource; from zerocomm_spark.agent.daemon import _no_core_dumps; _no_core_dumps(); "
+            "print(ctypes.CDLL(None).prctl(3, 0, 0, 0, 0), *resource.getrlimit(resource.RLIMIT_CORE))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True).stdout
+    assert out.split() == ["0", "0", "0"], out

@@ -66,3 +66,30 @@ def test_a_lock_won_on_an_unlinked_pid_file_is_dropped_and_taken_on_the_file_at_
             RunLock(tmp_path).acquire()
     finally:
         lock.release()
+
+
+def test_a_held_pid_file_that_was_removed_or_replaced_is_lost_but_an_unreadable_path_is_not(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import errno
+
+    run = tmp_path / "run"
+    run.mkdir(mode=0o700)
+    lock = RunLock(run).acquire()
+    try:
+        assert lock.held_file_present()
+        real_stat = os.stat
+
+        def denied(path, *args, **kwargs):  # type: ignore[no-untyped-def]
+            if str(path).endswith("agent.pid"):
+                raise PermissionError(errno.EACCES, "Permission denied")
+            return real_stat(path, *args, **kwargs)
+
+        monkeypatch.setattr(runfiles.os, "stat", denied)
+        assert lock.held_file_present()  # cannot tell: not a reason to stop the agent
+        monkeypatch.undo()
+        (run / "agent.pid").unlink()
+        (run / "agent.pid").write_text("999999\n")  # an agent started in its place wrote its own
+        assert not lock.held_file_present()
+    finally:
+        lock.release()
+    assert (run / "agent.pid").read_text() == "999999\n"  # the other agent's file is left alone
