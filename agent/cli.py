@@ -607,16 +607,17 @@ def cmd_invite(ctx: Ctx) -> int:
 
 
 def _read_stdin(what: str, *, first_line: bool) -> str:
-    """``what`` from stdin, for an argument given as ``-``: all of it less one final newline, or its
-    first line that is not blank (``first_line``). Refused if empty or not UTF-8 text."""
+    """``what`` from stdin, for an argument given as ``-``: all of it less one final newline (``\n``
+    or ``\r\n``), or its first line that is not blank (``first_line``). Refused if empty or not UTF-8."""
     if hasattr(sys.stdin, "reconfigure"):
         sys.stdin.reconfigure(errors="surrogateescape")  # a bad byte is then told below, not as a codec error
     data = sys.stdin.read(_MAX_STDIN_TEXT + 1)
     if len(data) > _MAX_STDIN_TEXT:
         raise errors.BadRequestError(f"stdin holds more than {_MAX_STDIN_TEXT} characters for the {what}",
-                                     hint="Send a large payload to a group with `zerocomm send GROUP -` instead")
+                                     hint="Send a shorter text (a basic message is for short notes); large data "
+                                          "goes to a group (`zerocomm send GROUP TEXT`)")
     text = next((line.strip() for line in data.splitlines() if line.strip()), "") if first_line \
-        else data.removesuffix("\n")
+        else data.removesuffix("\n").removesuffix("\r")
     if not text:
         raise errors.ConfigurationError(f"stdin holds no {what}", hint=f"Pipe the {what} in, or give it in place of -")
     if not is_utf8_text(text):

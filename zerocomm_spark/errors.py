@@ -519,9 +519,9 @@ class SinkSchemaError(ConnectorOptionError):
 class SinkPayloadTooLargeError(ConnectorOptionError):
     """A row written to format("zerocomm") has a payload bigger than one group message carries."""
 
-    hint = ("Split such payloads over several rows, or leave them out (df.where(length(payload) <= LIMIT)); "
-            "the rows before it were published, and a re-run publishes them under the same ids, so none is "
-            "delivered twice")
+    hint = ("Split such payloads over several rows, or leave them out (df.where(octet_length(payload) <= LIMIT)); "
+            "the rows before it were published: a streaming query re-runs the batch under the same ids (none "
+            "is delivered twice), a df.write does so only with a message_id column")
 
 
 class StreamContextError(ZeroCommError, RuntimeError):

@@ -72,7 +72,13 @@ def _check_directory(path: Path) -> None:
             hint="Point journal.dir at a directory of the user running the agent (\"\" keeps it in the identity "
                  "directory)")
     if stat.S_IMODE(st.st_mode) & 0o077:
-        os.chmod(path, 0o700)
+        try:
+            os.chmod(path, 0o700)
+        except OSError as exc:  # a file system that keeps its own modes (vfat, CIFS mounts)
+            raise InsecurePermissionsError(
+                f"the journal directory {path} has mode {stat.S_IMODE(st.st_mode):o} and cannot be made private "
+                f"({exc.strerror})", hint="Point journal.dir at a directory on a file system with Unix permissions, "
+                "of the user running the agent") from None
         log.info("tightened the journal directory %s to mode 700", path)
 
 
