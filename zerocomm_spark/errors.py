@@ -134,7 +134,7 @@ class FrameError(TransportError):
 class FrameTooLargeError(FrameError):
     """A frame is bigger than the configured limit."""
 
-    hint = "Send smaller messages or raise transport.max_frame_bytes on both members."
+    hint = "Send smaller messages or raise peer.max_frame_bytes on both members."
 
 
 class PeerTimeoutError(TransportError):
@@ -170,7 +170,7 @@ class RemoteHandlerError(RemoteError):
 class RemoteFrameTooLargeError(RemoteError):
     """The peer refused the frame because it exceeds the peer's max_frame_bytes."""
 
-    hint = "Send smaller messages or raise transport.max_frame_bytes on both members."
+    hint = "Send smaller messages or raise peer.max_frame_bytes on both members."
 
 
 class FrameFieldError(TransportError, ValueError):

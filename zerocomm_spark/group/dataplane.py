@@ -860,7 +860,9 @@ class DataPlane:
         for p in payloads:
             if len(p) > limit:
                 raise FrameTooLargeError(f"a {len(p)}-byte payload exceeds max_message_bytes={limit}",
-                                         hint="Split the payload or raise DataPlaneConfig.max_message_bytes")
+                                         hint=f"Split the payload into messages of at most {limit} bytes (an "
+                                              "agent's limit; DataPlaneConfig.max_message_bytes where the data "
+                                              "plane is built by hand)")
             if 4 * ((len(p) + 2) // 3) > room:
                 raise FrameTooLargeError(
                     f"a {len(p)}-byte payload{' with these headers' if hdrs else ''} would not fit a resend answer "
