@@ -34,6 +34,7 @@ log = logging.getLogger(__name__)
 
 EXIT_JOURNAL_FAILED = 75  # EX_TEMPFAIL: a service manager restarts the agent; publishers re-send
 _RETRIES = 3
+_SKIPPED_OWN_MAX = 1 << 18  # own seqs recorded as skipped at once (as the data plane bounds a void range)
 
 
 def _micros(seconds: float) -> int:
@@ -95,6 +96,7 @@ class JournalIngest:
         self._own: list[_Own] = []  # in seq order per group: a receipt resolves after all earlier ones
         self._own_cond = threading.Condition()
         self._own_stop = False  # close(): journal what is acked by then (until the drain deadline), then end
+        self._own_last: dict[tuple[str, str], int] = {}  # (group, own DID) -> last own seq journaled or skipped
         self._drain_until = 0.0
         self._own_thread = threading.Thread(target=self._own_main, name="zerocomm-journal-own", daemon=True)
         self._own_thread.start()
@@ -161,6 +163,7 @@ class JournalIngest:
                 continue
             rows.extend(e.rows)
         if rows:
+            self._skip_own_gaps(rows)
             result = self._append(rows)
             self.metrics.add(own_journaled=result.appended)
             for i, row in enumerate(rows):
@@ -170,6 +173,42 @@ class JournalIngest:
                 self._cond.notify_all()
         for e in take:
             e.done.set()
+
+    def _skip_own_gaps(self, rows: list[dict[str, Any]]) -> None:
+        """Record the own seqs before ``rows`` that this journal will never hold, like void ones.
+
+        Own messages are journaled in seq order, and only those the group acknowledged: seqs of a
+        receipt that failed (a leave, or a stop while members lacked them) and seqs a restarted
+        member continued after (some member held them, but the old process never saw them acked)
+        get no row here, ever. Unrecorded, they were a hole in this member's own stream that a
+        reader walking its seqs (a Spark query with failOnDataLoss) took for lost messages, though
+        the group never acknowledged them (and a retried publish delivers their ids under new seqs).
+        """
+        firsts: dict[tuple[str, str], int] = {}
+        lasts: dict[tuple[str, str], int] = {}
+        for row in rows:  # per group in seq order (see _take_own)
+            key = (row["group"], row["publisher_did"])
+            firsts.setdefault(key, row["seq"])
+            lasts[key] = row["seq"]
+        for key, first in firsts.items():
+            last = self._own_last.get(key)
+            if last is None:
+                known = self.journal.latest().publishers.get(key)
+                last = known.last_seq if known is not None else 0
+            if first > last + 1:
+                group, did = key
+                held, at = [], last + 1
+                for a, b in self.journal.superseded(group, did, last + 1, first - 1):
+                    held.append((at, a - 1))
+                    at = max(at, b + 1)
+                held.append((at, first - 1))
+                seqs = [s for a, b in held for s in range(a, b + 1)]
+                if len(seqs) > _SKIPPED_OWN_MAX:
+                    event(log, logging.WARNING, "too many own seqs without a row to record as skipped",
+                          group=group, first=last + 1, last=first - 1)
+                elif seqs:
+                    self.on_superseded(group, did, seqs)
+            self._own_last[key] = max(last, lasts[key])
 
     def on_message(self, message: Any) -> None:
         """Append one delivered message (a ``Delivered``); returns only once the journal has it."""

@@ -131,3 +131,44 @@ def test_own_messages_acked_just_before_a_stop_are_journaled_before_the_journal_
             assert [r["seq"] for r in journal.read(0).to_pylist()] == [1, 2]
         finally:
             journal.close()
+
+
+class FailedReceipt(Receipt):
+    """A receipt that failed: the group closed (a leave) before every member acked it."""
+
+    def wait(self, timeout: float = 0) -> None:
+        raise RuntimeError("group closed")
+
+
+def _own(ingest, seqs, receipt_type=Receipt):
+    receipt = receipt_type(seqs=tuple(seqs), lamport_ts=tuple(seqs), sent_at=1_800_000_000.0)
+    return ingest.track_own(receipt, GROUP, PUBLISHER, [b"x"] * len(seqs), [f"m-{s}" for s in seqs], None)
+
+
+def test_own_seqs_that_will_never_be_journaled_are_recorded_not_left_as_a_hole(tmp_path):
+    """Own messages are journaled only once the group acked them. Seqs of a receipt that failed, and
+    seqs a restarted publisher continued after (a member held them, the old process never saw them
+    acked), had no row and no record: a reader walking the publisher's own seqs on its member (a
+    Spark query, failOnDataLoss) took the hole for lost messages."""
+    journal = Journal.open(tmp_path / "journal", key=bytes(range(32)), fsync="never")
+    ingest = JournalIngest(journal, Metrics(), on_fatal=lambda exc: None)
+    try:
+        assert _own(ingest, [1, 2]).wait(10)
+        assert _own(ingest, [3, 4], FailedReceipt).wait(10)  # not acked: no rows
+        assert _own(ingest, [5, 6]).wait(10)
+        assert [r["seq"] for r in journal.read(0).to_pylist()] == [1, 2, 5, 6]
+        assert journal.superseded(GROUP, PUBLISHER, 1, 6) == [(3, 4)]
+    finally:
+        ingest.close()
+    # A restart: the data plane recorded seqs 9..10 void; the new process continues at 12.
+    ingest = JournalIngest(journal, Metrics(), on_fatal=lambda exc: None)
+    try:
+        journal.add_superseded(GROUP, PUBLISHER, [9, 10])
+        assert _own(ingest, [12]).wait(10)
+        assert [r["seq"] for r in journal.read(0).to_pylist()] == [1, 2, 5, 6, 12]
+        assert journal.superseded(GROUP, PUBLISHER, 1, 12) == [(3, 4), (7, 11)]
+        assert _own(ingest, [13]).wait(10)  # no gap: nothing more recorded
+        assert journal.superseded(GROUP, PUBLISHER, 1, 13) == [(3, 4), (7, 11)]
+    finally:
+        ingest.close()
+        journal.close()
