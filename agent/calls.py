@@ -30,6 +30,7 @@ from zerocomm_spark.errors import (
     ZeroCommError,
 )
 from zerocomm_spark.group.datamessage import MAX_HEADER_LENGTH, MAX_HEADERS
+from zerocomm_spark.group.origin import ORIGIN_HEADER
 from zerocomm_spark.ipc_limits import DECODED_BYTES_FACTOR
 from zerocomm_spark.journal import JOURNAL_SCHEMA
 from zerocomm_spark.journal.schema import rows_within_bytes
@@ -225,14 +226,19 @@ class AgentCalls:
         info = self.groups.switch_role(group, role, timeout=max(min(req.remaining(), 10.0), 0.1))
         return _plain(info if info is not None else self.groups.info(group))
 
-    def publish(self, req: Request, group: str) -> dict[str, Any]:
-        """A batch in, message ids and seqs out once every member acknowledged it."""
+    def publish(self, req: Request, group: str, sign: bool = False) -> dict[str, Any]:
+        """A batch in, message ids and seqs out once every member acknowledged it.
+
+        ``sign``: add an origin proof (group/origin.py, header zc-origin) to every row, signed with
+        this member's member key, whose did:key is the publisher DID the group sees."""
         assert req.bulk is not None
         # A compressed frame may expand on reading: bound what it may take, as the request itself is.
         decoded_limit = DECODED_BYTES_FACTOR * self.process.config.get("api", "max_request_bytes")
         table = ipc_to_table(req.bulk, max_bytes=decoded_limit)
         payloads, ids, headers = _publish_rows(table)
         groups = self.groups
+        if sign:  # before the id check: a re-published id is signed alike (Ed25519 is deterministic)
+            headers = _signed(groups.origin_signer(), group, payloads, ids, headers)
         seqs: list[int | None] = [None] * len(ids)
         waits: list[Any] = []
         limit = self.process.config.get("groups", "publish_timeout")
@@ -497,6 +503,23 @@ def _publish_rows(table: pa.Table) -> tuple[list[bytes], list[str], list[dict[st
     return payloads, ids, headers
 
 
+def _signed(signer: Any, group: str, payloads: list[bytes], ids: list[str],
+            headers: list[dict[str, str] | None]) -> list[dict[str, str] | None]:
+    """Each row's headers with its origin proof added; a row that already claims an origin is refused
+    (the agent signs what it publishes, never over someone else's claim)."""
+    out: list[dict[str, str] | None] = []
+    for i, (mid, payload, head) in enumerate(zip(ids, payloads, headers)):
+        if head is not None and ORIGIN_HEADER in head:
+            raise BadRequestError(f"publish: row {i} (message_id {mid[:64]!r}) already has a {ORIGIN_HEADER!r} "
+                                  "header; with sign the agent adds the origin proof itself",
+                                  hint=f"Drop the {ORIGIN_HEADER} header from the row, or publish it without sign")
+        if head is not None and len(head) >= MAX_HEADERS:
+            raise BadRequestError(f"publish: headers of row {i} have {len(head)} entries; with sign (which adds "
+                                  f"{ORIGIN_HEADER!r}) at most {MAX_HEADERS - 1}")
+        out.append(signer.headers(group, mid, payload, head))
+    return out
+
+
 def _check_headers(row: int, headers: dict[str, str] | None) -> None:
     """What the data plane would refuse as a ConfigurationError (a hint about settings): bad input here."""
     if headers is None:
@@ -537,7 +560,7 @@ def build_registry(process: "AgentProcess") -> CallRegistry:
     r.add("info", calls.info, {"group": group})
     r.add("members", calls.members, {"group": group})
     r.add("switch_role", calls.switch_role, {"group": group, "role": Param(str, required=True, check=_role)})
-    r.add("publish", calls.publish, {"group": group}, bulk="required")
+    r.add("publish", calls.publish, {"group": group, "sign": Param(bool, default=False)}, bulk="required")
     r.add("latest", calls.latest, {"group": text})
     r.add("read", calls.read, {"group": text, "start": offset, "end": offset, "publisher": text,
                                "first_seq": offset, "last_seq": offset, "max_rows": Param(int, check=positive),

@@ -100,6 +100,7 @@ examples:
   zerocomm group create sensors
   zerocomm group join sensors --via alice      join through a member you are connected to
   zerocomm send sensors 'hello'                publish; returns once every member has it
+  zerocomm send sensors 'hello' --sign         ... with an origin proof signed by this member
   zerocomm tail sensors                        follow the group's messages, like tail -F
 """
 
@@ -207,6 +208,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("group", metavar="GROUP")
     p.add_argument("message", metavar="MESSAGE", help="the text, or - to publish each line of stdin")
     p.add_argument("--id", dest="message_id", metavar="ID", help="the message id (re-sending the same id is safe)")
+    p.add_argument("--sign", action="store_true",
+                   help="have the agent sign each message with this member's key (an origin proof, header "
+                        "zc-origin), so history can prove later who published it")
     p = add(sub, "tail", "print a group's messages as they arrive (from the journal), like tail -F (across agent "
                          "restarts)", cmd_tail)
     p.add_argument("group", metavar="GROUP")
@@ -790,7 +794,7 @@ def cmd_send(ctx: Ctx) -> int:
     with Progress(f"sending to {a.group}", enabled=None if not ctx.json and a.message == "-" else False) as progress:
         try:  # reading stdin fails too (a line that is not text): both say how far the sending got
             for lines in chunks:
-                result = ctx.client().publish(a.group, lines, message_ids=ids, timeout=ctx.timeout)
+                result = ctx.client().publish(a.group, lines, message_ids=ids, timeout=ctx.timeout, sign=a.sign)
                 message_ids += result.message_ids
                 seqs += result.seqs
                 duplicates += result.duplicates
@@ -806,12 +810,13 @@ def cmd_send(ctx: Ctx) -> int:
         raise errors.ConfigurationError("stdin had no lines to send",
                                         hint="Pipe the lines into `zerocomm send GROUP -`, or give the text in place of -")
     value = {"group": a.group, "message_ids": message_ids, "seqs": seqs, "duplicates": duplicates,
-             "journaled": journaled}
+             "journaled": journaled, "signed": a.sign}
     if len(message_ids) == 1:
-        human = (f"sent {message_ids[0]} (seq {seqs[0]}) to {a.group!r}; every member has it"
+        human = (f"sent {message_ids[0]} (seq {seqs[0]}) to {a.group!r}{', signed' if a.sign else ''}; every member has it"
                  + (" (already sent before)" if duplicates else ""))
     else:
-        human = f"sent {len(message_ids)} messages (seqs {seqs[0]}..{seqs[-1]}) to {a.group!r}"
+        human = (f"sent {len(message_ids)} messages (seqs {seqs[0]}..{seqs[-1]}) to {a.group!r}"
+                 + (", signed" if a.sign else ""))
     ctx.out(value, human)
     return EXIT_OK
 

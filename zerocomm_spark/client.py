@@ -808,15 +808,23 @@ class Client:
     def publish(self, group: str, data: pa.Table | pa.RecordBatch | Iterable[bytes | str], *,
                 message_ids: Sequence[str | None] | None = None,
                 headers: Sequence[Mapping[str, str] | None] | None = None,
-                timeout: float | None = None) -> PublishResult:
+                timeout: float | None = None, sign: bool = False) -> PublishResult:
         """Publish a batch; returns once every member acknowledged it (or raises, with a deadline).
 
         Rows without a message id get a fresh one. Publishing again with the same ids is safe:
         members and journals drop duplicates, so retry a failed publish with the ids it returned
         or that you chose.
+
+        ``sign=True`` has the agent add an origin proof to every row (header ``zc-origin``, scheme
+        ``ed25519-member/1``, zerocomm_spark/group/origin.py), signed with its member key, so history
+        can prove later who published each row; a row that already has a ``zc-origin`` header is
+        then refused (BadRequestError). An agent older than this option refuses the argument.
         """
+        if not isinstance(sign, bool):
+            raise TypeError(f"sign is a bool, not {type(sign).__name__}")
         table = publish_table(data, message_ids, headers)
-        result = self.call("publish", group=group, timeout=timeout, bulk=table_to_ipc(table))
+        result = self.call("publish", group=group, timeout=timeout, bulk=table_to_ipc(table),
+                           sign=True if sign else None)  # left out when False: older agents take the call
         return PublishResult(group=group, message_ids=list(result["message_ids"]), seqs=list(result["seqs"]),
                              duplicates=int(result.get("duplicates", 0)), journaled=bool(result.get("journaled", True)))
 

@@ -61,6 +61,7 @@ from zerocomm_spark.errors import (
 )
 from zerocomm_spark.group.datamessage import MAX_SEQ
 from zerocomm_spark.group.lamport import MAX_TIME, LamportClock
+from zerocomm_spark.group.origin import OriginSigner
 from zerocomm_spark.group.dataplane import MODES, ROLES, DataPlane, DataPlaneConfig, Delivered, PublishReceipt, RemoteMember
 from zerocomm_spark.group.policy import AdmissionPolicy, AdmissionRequest, OpenPolicy, Ticket, policy_from_dict
 from zerocomm_spark.group.proof import connection_proof, proves_connection
@@ -353,6 +354,7 @@ class GroupManager:
         self._identity = identity
         self._member_key = keystore.get(identity.member_verkey)
         self.did = member_did_for(identity.member_verkey)
+        self._origin_signer: OriginSigner | None = None
         self._dataplane: DataPlane | None = None
         # Durable across restarts: it starts at the last reservation saved (lamport.py).
         self._clock = LamportClock(self._store.clock_reserved(), reserve=self._reserve_clock)
@@ -469,6 +471,14 @@ class GroupManager:
         if self._dataplane is None:
             raise GroupError("the group manager is not started")
         return self._dataplane
+
+    def origin_signer(self) -> OriginSigner:
+        """Signs origin proofs (group/origin.py) with this member's member key, whose did:key is
+        :attr:`did`, the publisher DID every member sees on what this member publishes. The key
+        stays here: callers get signatures, never the key."""
+        if self._origin_signer is None:
+            self._origin_signer = OriginSigner(self._member_key, self.did)
+        return self._origin_signer
 
     def _check_open(self) -> None:
         if self._closed or self._agent.closed:
