@@ -237,7 +237,7 @@ class AgentCalls:
         table = ipc_to_table(req.bulk, max_bytes=decoded_limit)
         payloads, ids, headers = _publish_rows(table)
         groups = self.groups
-        if sign:  # before the id check: a re-published id is signed alike (Ed25519 is deterministic)
+        if sign:  # every row, known ids too: a re-published id is signed alike (Ed25519 is deterministic)
             headers = _signed(groups.origin_signer(), group, payloads, ids, headers)
         seqs: list[int | None] = [None] * len(ids)
         waits: list[Any] = []
@@ -257,37 +257,34 @@ class AgentCalls:
                         seqs[i] = known[0]
                         waits.append(known[1])
             duplicates = len(ids) - len(fresh)
-            # One data-plane publish per run of rows with equal headers (headers apply per call).
-            runs: list[list[int]] = []
-            for i in fresh:
-                if runs and headers[runs[-1][-1]] == headers[i]:
-                    runs[-1].append(i)
-                else:
-                    runs.append([i])
-            for run in runs:
-                run_payloads, run_ids = [payloads[i] for i in run], [ids[i] for i in run]
+            if fresh:
+                # One data-plane publish for the whole batch: headers go per message (a signed row has
+                # its own), a mapping when every row has the same (None the most common).
+                first = headers[fresh[0]]
+                run_headers: Any = first if all(headers[i] == first for i in fresh) else [headers[i] for i in fresh]
+                run_payloads, run_ids = [payloads[i] for i in fresh], [ids[i] for i in fresh]
                 try:
-                    receipt = groups.publish(group, run_payloads, message_ids=run_ids, headers=headers[run[0]],
+                    receipt = groups.publish(group, run_payloads, message_ids=run_ids, headers=run_headers,
                                              timeout=min(req.remaining(), limit))
                 except GroupError as exc:
                     if type(exc) is not GroupError:  # a subclass: not found, read-only, backpressure...
                         raise
                     # Still joining or resuming after a restart: wait (within the deadline) and retry.
                     groups.wait_active(group, timeout=max(req.remaining() - 0.5, 0.1))
-                    receipt = groups.publish(group, run_payloads, message_ids=run_ids, headers=headers[run[0]],
+                    receipt = groups.publish(group, run_payloads, message_ids=run_ids, headers=run_headers,
                                              timeout=min(req.remaining(), limit))
                 if ingest is not None:  # seqs are assigned and tracked in the same order (the group lock)
                     journaled.append(ingest.track_own(receipt, group, groups.did, run_payloads, run_ids,
-                                                      headers[run[0]]))
+                                                      run_headers))
                 with self._published_lock:
-                    for i, seq in zip(run, receipt.seqs):
+                    for i, seq in zip(fresh, receipt.seqs):
                         seqs[i] = seq
                         self._published[(group, ids[i])] = (seq, receipt)
                     while len(self._published) > _PUBLISHED_MEMORY:
                         self._published.popitem(last=False)
                 waits.append(receipt)
-                self.process.metrics.add(messages_published=len(run),
-                                         bytes_published=sum(len(payloads[i]) for i in run))
+                self.process.metrics.add(messages_published=len(fresh),
+                                         bytes_published=sum(len(payloads[i]) for i in fresh))
         for receipt in {id(r): r for r in waits}.values():
             left = min(req.remaining(), limit)
             if left <= 0:

@@ -19,7 +19,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -102,18 +102,23 @@ class JournalIngest:
         self._own_thread.start()
 
     def track_own(self, receipt: Any, group: str, publisher: str, payloads: list[bytes], ids: list[str],
-                  headers: dict[str, str] | None) -> threading.Event:
+                  headers: Mapping[str, str] | Sequence[Mapping[str, str] | None] | None) -> threading.Event:
         """Journal these just-published messages when ``receipt`` resolves; the event is set then.
+
+        ``headers``: one mapping for every message, or a sequence of one (or None) per message.
 
         Their ``sent_at`` is the receipt's: the time the data plane stamped on them, which every
         other member journals too. Callers publish and track under one lock per group, so entries
         are queued in seq order.
         """
         sent = _micros(receipt.sent_at)
-        pairs = list(headers.items()) if headers else None
+        if headers is None or isinstance(headers, Mapping):
+            pairs = [list(headers.items()) if headers else None] * len(ids)
+        else:
+            pairs = [list(h.items()) if h else None for h in headers]
         rows = [{"group": group, "message_id": mid, "publisher_did": publisher, "seq": seq, "lamport_ts": ts,
-                 "sent_at": sent, "headers": pairs, "payload": payload}
-                for mid, seq, ts, payload in zip(ids, receipt.seqs, receipt.lamport_ts, payloads)]
+                 "sent_at": sent, "headers": head, "payload": payload}
+                for mid, seq, ts, payload, head in zip(ids, receipt.seqs, receipt.lamport_ts, payloads, pairs)]
         entry = _Own(receipt, rows)
         with self._own_cond:
             self._own.append(entry)

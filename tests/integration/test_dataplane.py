@@ -23,6 +23,7 @@ import zmq
 from zerocomm_spark import envelope
 from zerocomm_spark.errors import (
     BackpressureError,
+    ConfigurationError,
     FrameTooLargeError,
     GroupError,
     GroupNotOpenError,
@@ -955,6 +956,26 @@ def test_resend_answers_are_split_to_fit_the_transport_frame(make) -> None:  # t
     assert all(d.headers == headers for d in got[13:])
     assert bob.dp.stats()["nacks_sent"] >= 4  # several answers, each within the frame
     assert alice.dp.stats()["retransmits"] >= 25
+
+
+def test_headers_per_message_ride_in_one_call_and_come_back_in_resends(make) -> None:  # type: ignore[no-untyped-def]
+    """A sequence of headers gives each message its own (a per-message origin proof): one publish
+    call, every member gets each message with exactly its headers, also when it is resent."""
+    alice, bob, carol = make("alice"), make("bob"), make("carol")
+    form_group([alice, bob, carol], mode="shared")
+    bob.dp._kill_subscription("g", alice.did, down_for=1.0)  # noqa: SLF001 - bob gets these by resend
+    heads = [{"n": str(i), "zc-origin": "1:" + "A" * 86 + "=="} if i % 3 else None for i in range(30)]
+    alice.dp.publish("g", payloads("alice", 30), headers=heads).wait(30)
+    for member in (bob, carol):
+        got = member.from_(alice)
+        assert [d.payload for d in got] == payloads("alice", 30), member.did
+        assert [d.headers for d in got] == heads, member.did
+    assert alice.dp.stats()["retransmits"] >= 1
+    with pytest.raises(ConfigurationError, match="2 header mappings for 3 payloads"):
+        alice.dp.publish("g", payloads("alice", 3), headers=[None, {"a": "b"}])
+    with pytest.raises(ConfigurationError, match="headers map non-empty strings"):
+        alice.dp.publish("g", payloads("alice", 2), headers=[None, {"a": 1}])  # type: ignore[dict-item]
+    assert alice.dp.publish_position("g") == 30  # nothing of a refused call was sent
 
 
 def test_a_payload_that_no_resend_answer_could_carry_is_refused(make) -> None:  # type: ignore[no-untyped-def]

@@ -832,7 +832,7 @@ class DataPlane:
         payloads: Sequence[bytes],
         *,
         message_ids: Sequence[str] | None = None,
-        headers: Mapping[str, str] | None = None,
+        headers: Mapping[str, str] | Sequence[Mapping[str, str] | None] | None = None,
         timeout: float = 30.0,
     ) -> PublishReceipt:
         """Queue ``payloads`` for every member, in order; returns once they are buffered.
@@ -843,8 +843,10 @@ class DataPlane:
         BackpressureError, having sent nothing. Called from a delivery callback it waits only
         past ``retention_max``/``retention_max_bytes``: the acks it would wait for may wait on this
         very callback (two members replying to each other). Passing ``message_ids`` makes a retry
-        after a crash idempotent: receivers drop ids they already delivered. ``headers`` apply to
-        every message of the call. A payload must fit a resend answer, one transport frame.
+        after a crash idempotent: receivers drop ids they already delivered. ``headers``: a mapping
+        applies to every message of the call; a sequence gives each message its own (None for none),
+        e.g. a per-message origin proof; every message carries its headers on the wire either way.
+        A payload (with its headers) must fit a resend answer, one transport frame.
         """
         self._check_running()
         g = self._group(group)
@@ -853,11 +855,23 @@ class DataPlane:
         if isinstance(payloads, (bytes, bytearray, memoryview, str)):
             raise TypeError("publish() takes a sequence of payloads: wrap a single payload in a list")
         payloads = [p if type(p) is bytes else self._as_bytes(p) for p in payloads]
-        hdrs = self._check_headers(headers)
+        each: list[dict[str, str] | None] | None = None  # per-message headers
+        if headers is None or isinstance(headers, Mapping):
+            hdrs = self._check_headers(headers)
+        else:
+            if isinstance(headers, (str, bytes)):
+                raise ConfigurationError("headers are a mapping, or a sequence of one mapping (or None) per payload")
+            each = [self._check_headers(h) for h in headers]
+            if len(each) != len(payloads):
+                raise ConfigurationError(f"{len(each)} header mappings for {len(payloads)} payloads")
+            hdrs = None
         limit = self.config.max_message_bytes
         # A lost message is resent in an RPC answer, one transport frame: one that cannot fit would be lost for good.
         room = self._answer_room - (len(json.dumps(hdrs, separators=(",", ":"))) if hdrs else 0)
-        for p in payloads:
+        for i, p in enumerate(payloads):
+            if each is not None:
+                hdrs = each[i]
+                room = self._answer_room - (len(json.dumps(hdrs, separators=(",", ":"))) if hdrs else 0)
             if len(p) > limit:
                 raise FrameTooLargeError(f"a {len(p)}-byte payload exceeds max_message_bytes={limit}",
                                          hint=f"Split the payload into messages of at most {limit} bytes (an "
@@ -882,7 +896,7 @@ class DataPlane:
         if not payloads:
             return g.outbox.empty_receipt()
         try:
-            receipt = g.outbox.append(payloads, ids, hdrs, self._clock.tick, timeout,
+            receipt = g.outbox.append(payloads, ids, hdrs if each is None else each, self._clock.tick, timeout,
                                       in_callback=threading.get_ident() == self._rx_ident)
         except BackpressureError:
             self._stats.add(backpressure_stalls=1)

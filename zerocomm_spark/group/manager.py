@@ -1623,8 +1623,11 @@ class GroupManager:
     # --- messaging -------------------------------------------------------------------------------
 
     def publish(self, group: str, payloads: Sequence[bytes | str], *, message_ids: Sequence[str] | None = None,
-                headers: Mapping[str, str] | None = None, timeout: float = 30.0) -> PublishReceipt:
+                headers: Mapping[str, str] | Sequence[Mapping[str, str] | None] | None = None,
+                timeout: float = 30.0) -> PublishReceipt:
         """Publish ``payloads`` (in order) to every member; the receipt resolves when all acked.
+
+        ``headers``: one mapping for every message, or a sequence of one (or None) per message.
 
         str payloads are sent as UTF-8. Raises ReadOnlyMemberError for a read-only member and
         BackpressureError if members lag a full window behind until ``timeout``.

@@ -286,13 +286,15 @@ class Outbox:
         self,
         payloads: Sequence[bytes],
         message_ids: Sequence[str],
-        headers: Mapping[str, str] | None,
+        headers: Mapping[str, str] | Sequence[Mapping[str, str] | None] | None,
         stamp: Callable[[int], int],
         timeout: float,
         *,
         in_callback: bool = False,
     ) -> PublishReceipt:
         """Assign seqs and timestamps to ``payloads`` once the window allows, buffer them, return a receipt.
+
+        ``headers``: one mapping (or None) for every message, or a sequence of one per message.
 
         ``stamp(n)`` reserves n Lamport timestamps and returns the first; it is called under the
         outbox lock so seq order and timestamp order agree. ``in_callback`` (a publish from a delivery
@@ -339,10 +341,12 @@ class Outbox:
             now = time.time()
             first = self._last_seq + 1
             stamps = tuple(min(first_ts + i, MAX_TIME) for i in range(n))  # a saturated clock repeats MAX_TIME
-            msgs = [
-                DataMessage(message_ids[i], first + i, stamps[i], now, payloads[i], headers)
-                for i in range(n)
-            ]
+            if headers is None or isinstance(headers, Mapping):
+                msgs = [DataMessage(message_ids[i], first + i, stamps[i], now, payloads[i], headers)
+                        for i in range(n)]
+            else:
+                msgs = [DataMessage(message_ids[i], first + i, stamps[i], now, payloads[i], headers[i])
+                        for i in range(n)]
             self._messages.extend(msgs)
             ends, total = self._ends, self._total_bytes
             for p in payloads:
