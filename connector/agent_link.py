@@ -399,9 +399,12 @@ class MemberLink:
 
     # --- publishing -------------------------------------------------------------------------------
 
-    def publish(self, group: str, table: pa.Table, timeout: float) -> Any:
-        """Publish one batch; returns once the group acknowledged it, else PublishNotAcknowledgedError."""
+    def publish(self, group: str, table: pa.Table, timeout: float, *, sign: bool = False) -> Any:
+        """Publish one batch; returns once the group acknowledged it, else PublishNotAcknowledgedError.
+        ``sign``: the agent adds each row's origin proof (signOrigin)."""
         try:
+            if sign:
+                return self._call("publish", group, table, timeout=timeout, retry_timeouts=False, sign=True)
             return self._call("publish", group, table, timeout=timeout, retry_timeouts=False)
         except (ApiTimeoutError, BackpressureError, PeerTimeoutError, TimeoutError) as exc:
             raise PublishNotAcknowledgedError(

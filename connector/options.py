@@ -55,6 +55,8 @@ SINK_OPTIONS: dict[str, str] = {
     "publishBatchSize": "messages per publish call, each acknowledged by the group (default 2000)",
     "publishBatchBytes": "bytes of payload per publish call at most (default 8388608, fitted to the agent's "
                          "api.max_request_bytes; a value set past it is refused)",
+    "signOrigin": "have the agent sign every row with its member key, an origin proof history verifies "
+                  "(header zc-origin; default false)",
 }
 # Options Spark itself passes to a data source (or that users set for Spark, not for us).
 _SPARK_OWNED = {"checkpointlocation", "queryname", "__checkpointlocation"}
@@ -255,6 +257,7 @@ class SinkOptions:
     publish_batch_size: int
     publish_batch_bytes: int
     publish_batch_bytes_set: bool = False  # given by the user (refused past the agent's limit) or the default (fitted)
+    sign_origin: bool = False  # the agent adds each row's origin proof (zerocomm_spark/group/origin.py)
 
     @classmethod
     def parse(cls, options: Mapping[str, str]) -> "SinkOptions":
@@ -266,4 +269,5 @@ class SinkOptions:
         assert timeout is not None and size is not None and size_bytes is not None
         return cls(group=group, agent=AgentOptions.parse(opts), publish_timeout_s=timeout / 1000.0,
                    publish_batch_size=size, publish_batch_bytes=size_bytes,
-                   publish_batch_bytes_set="publishbatchbytes" in opts)
+                   publish_batch_bytes_set="publishbatchbytes" in opts,
+                   sign_origin=_bool(opts, "signOrigin", False))

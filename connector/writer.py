@@ -41,6 +41,7 @@ from zerocomm_spark.errors import (
     StreamContextError,
     ZeroCommError,
 )
+from zerocomm_spark.group.origin import ORIGIN_HEADER
 
 from zerocomm_spark.connector.agent_link import MemberLink
 from zerocomm_spark.connector.options import SinkOptions
@@ -224,6 +225,8 @@ def publish_partition(batches: Iterator[pa.RecordBatch], options: SinkOptions, c
             data = {"payload": payload, "message_id": ids}
             if columns.has_headers:
                 data["headers"] = chunk.column("headers").cast(_HEADERS)
+                if options.sign_origin:
+                    _check_no_origin_claim(data["headers"], row, partition)
             table = pa.table(data)
             repeated = 0
             if columns.has_message_id:
@@ -231,7 +234,10 @@ def publish_partition(batches: Iterator[pa.RecordBatch], options: SinkOptions, c
                 # agent refuses a batch naming an id twice), as a repeat in a later chunk is by the
                 # member - both counted as duplicates.
                 table, repeated = _first_of_each_id(table)
-            result = link.publish(options.group, table, options.publish_timeout_s)
+            if options.sign_origin:
+                result = link.publish(options.group, table, options.publish_timeout_s, sign=True)
+            else:
+                result = link.publish(options.group, table, options.publish_timeout_s)
             if len(result.message_ids) != table.num_rows:
                 raise PublishNotAcknowledgedError(
                     f"the agent acknowledged {len(result.message_ids)} of {table.num_rows} messages")
@@ -267,6 +273,21 @@ def _check_payload_sizes(payload: pa.ChunkedArray | pa.Array, limit: int | None,
         f"{limit} bytes (the agent on host {os.uname().nodename}); nothing from row {row} of the partition on "
         "was published",
         hint=SinkPayloadTooLargeError.hint.replace("LIMIT", str(limit)))
+
+
+def _check_no_origin_claim(headers: pa.ChunkedArray, row: int, partition: int) -> None:
+    """With signOrigin the agent adds each row's origin proof; a row that brings its own zc-origin
+    header is refused (the agent never signs over someone else's claim): here, naming its row."""
+    if len(headers) == 0:
+        return
+    claimed = pc.is_valid(pc.map_lookup(headers, pa.scalar(ORIGIN_HEADER), "first"))
+    if not pc.any(claimed).as_py():
+        return
+    at = int(pc.index(claimed, True).as_py())
+    raise PublishNotAcknowledgedError(
+        f"row {row + at} of partition {partition} has a {ORIGIN_HEADER!r} header, and signOrigin is true: the agent "
+        f"adds the origin proof itself; nothing from row {row} of the partition on was published",
+        hint=f"Drop the {ORIGIN_HEADER} entry from the headers column (map_filter), or set signOrigin to false")
 
 
 def _first_of_each_id(table: pa.Table) -> tuple[pa.Table, int]:

@@ -78,6 +78,16 @@ def test_sink_options():
         SinkOptions.parse({"group": "a", "publishBatchSize": "-1"})
 
 
+def test_sign_origin_is_off_unless_asked_and_must_be_a_boolean():
+    assert SinkOptions.parse({"group": "g"}).sign_origin is False
+    assert SinkOptions.parse({"group": "g", "signOrigin": "true"}).sign_origin is True
+    assert SinkOptions.parse({"group": "g", "signorigin": "false"}).sign_origin is False
+    with pytest.raises(ConnectorOptionError, match="signOrigin"):
+        SinkOptions.parse({"group": "g", "signOrigin": "sometimes"})
+    with pytest.raises(ConnectorOptionError, match="applies to writes only"):
+        SourceOptions.parse({"group": "g", "signOrigin": "true"})
+
+
 @pytest.mark.parametrize("name", ["agentTimeoutMs", "readTimeoutMs", "publishTimeoutMs"])
 def test_timeouts_past_what_a_wait_can_take_are_refused_by_name(name):
     """A timeout of 10**14 ms parsed, then every call of the query died with an OverflowError from a

@@ -196,3 +196,34 @@ def test_a_payload_past_the_agents_message_limit_is_refused_naming_its_row(monke
     assert "nothing from row 2 of the partition on was published" in str(info.value)
     assert "length(payload) <= 100" in info.value.hint
     assert member.calls == 1  # rows 0 and 1 went out; the chunk with the big row did not
+
+
+class SigningMember(Member):
+    """Records the sign flag of each publish call (signOrigin)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.signs: list[bool] = []
+
+    def publish(self, _group, table: pa.Table, _timeout, *, sign: bool = False):  # type: ignore[override]
+        self.signs.append(sign)
+        return super().publish(_group, table, _timeout)
+
+
+def test_sign_origin_asks_the_agent_to_sign_and_refuses_a_row_that_claims_an_origin(monkeypatch):
+    fake = SigningMember()
+    monkeypatch.setattr(writer.MemberLink, "connect", fake.connect)
+    columns = SinkColumns(payload_is_string=True, has_message_id=False, has_headers=True)
+    signed = SinkOptions.parse({"group": "g", "signOrigin": "true", "publishBatchSize": "2"})
+    publish_partition(batches(["a", "b", "c"], [None, [("k", "v")], []]), signed, columns, "q.0.0", 0)
+    publish_partition(batches(["d"], [None]), SinkOptions.parse({"group": "g"}), columns, "q.0.1", 0)
+    assert fake.signs == [True, True, False] and len(fake.delivered) == 4
+    claims = [None, [("k", "v")], [("zc-origin", "1:forged")]]
+    with pytest.raises(PublishNotAcknowledgedError, match="row 2 of partition 7 has a 'zc-origin' header, and "
+                                                          "signOrigin is true") as info:
+        publish_partition(batches(["e", "f", "g"], claims), signed, columns, "q.1.0", 7)
+    assert "nothing from row 2" in str(info.value) and len(fake.delivered) == 6  # the chunk before it went out
+    # Without signOrigin a row's own header is passed on as before (history verifies it then).
+    publish_partition(batches(["g"], [[("zc-origin", "1:forged")]]), SinkOptions.parse({"group": "g"}), columns,
+                      "q.2.0", 0)
+    assert len(fake.delivered) == 7
