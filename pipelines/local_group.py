@@ -7,7 +7,7 @@ Two ways to run the members, both real (identity, keystore, journal, data plane,
   the member key it holds (pipelines/origin.py).
 * ``agents``: each member is a detached agent process started through the ``zerocomm`` command
   (connector.local_members), exactly as a user runs one. The member key never leaves the agent, so
-  messages are published without origin proofs.
+  :meth:`GroupMember.publish` asks the agent to sign (``publish`` with ``sign=True``).
 
 Either way Spark reaches a member through its API socket (format("zerocomm")'s ``agent`` option),
 and everything else goes through :class:`~zerocomm_spark.client.Client`, so the two modes differ
@@ -57,14 +57,16 @@ class GroupMember:
 
     def publish(self, group: str, payloads: Sequence[bytes], *, message_ids: Sequence[str] | None = None,
                 headers: Sequence[Mapping[str, str] | None] | None = None, timeout: float = 60.0) -> PublishResult:
-        """Publish through the member's API (returns once the group acknowledged), signed if it can."""
+        """Publish through the member's API (returns once the group acknowledged), origin-signed: here
+        with the member key when this process holds it (embedded), else by the agent (sign=True)."""
         ids = list(message_ids) if message_ids is not None else [uuid.uuid4().hex for _ in payloads]
         heads: list[Mapping[str, str] | None] = list(headers) if headers is not None else [None] * len(payloads)
+        sign = self.signer is None  # the agent process holds the key: it signs
         if self.signer is not None:
             heads = [self.signer.headers(group, mid, p, h) for mid, p, h in zip(ids, payloads, heads)]
         if all(h is None for h in heads):
-            return self.client.publish(group, list(payloads), message_ids=ids, timeout=timeout)
-        return self.client.publish(group, list(payloads), message_ids=ids, headers=heads, timeout=timeout)
+            return self.client.publish(group, list(payloads), message_ids=ids, timeout=timeout, sign=sign)
+        return self.client.publish(group, list(payloads), message_ids=ids, headers=heads, timeout=timeout, sign=sign)
 
 
 def _embedded(base: Path, socket_root: Path, label: str) -> GroupMember:

@@ -300,11 +300,10 @@ def run(cfg: JobConfig) -> dict[str, Any]:
             "replies_after_original": replies_ok, "origin_verified": origin_ok,
             "latency_deliver_s": _percentiles(deliver_lat), "latency_to_delta_s": _percentiles(delta_lat),
         })
-        signed = cfg.mode == "embedded"
         summary["ok"] = bool(
             summary["missing"] == 0 and summary["unexpected"] == 0 and rows.num_rows == len(published.ids)
             and len(position) == rows.num_rows and replies_ok == len(published.replies)
-            and (origin_ok == rows.num_rows or not signed))
+            and origin_ok == rows.num_rows)
     finally:
         if query is not None and query.isActive:
             query.stop()
@@ -321,9 +320,8 @@ def render(summary: dict[str, Any]) -> str:
     s = summary
     lat, dl = s["latency_deliver_s"], s["latency_to_delta_s"]
     per = ", ".join(f"{k} {v}" for k, v in sorted(s["per_publisher"].items()))
-    origin = (f"{s['origin_verified']}/{s['rows']} rows verified (publisher signatures, ed25519-member/1)"
-              if s["mode"] == "embedded" else
-              f"{s['origin_verified']}/{s['rows']} rows signed (agents mode: the member key stays in the agent)")
+    origin = (f"{s['origin_verified']}/{s['rows']} rows verified (publisher signatures, ed25519-member/1, "
+              + ("signed in this process" if s["mode"] == "embedded" else "signed by each publisher's agent") + ")")
     lines = [
         f"group       {s['group']!r}: {s['publishers']} publishers + historian ({s['mode']} members, "
         f"started in {s['members_start_s']}s; Spark in {s['spark_start_s']}s)",

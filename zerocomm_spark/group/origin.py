@@ -24,6 +24,12 @@ position, not its content or author. Closing that needs the data plane to sign p
 (a Merkle root per batch, a path per message) and the journal to carry them; see the history README
 section.
 
+Who signs: a member whose process holds the member key, with :class:`OriginSigner`
+(pipelines/local_group.py, embedded members); an agent process on request, since its key never
+leaves it (the API's ``publish`` with ``sign``: ``Client.publish(..., sign=True)``, ``zerocomm send
+--sign``, the sink option ``signOrigin``), with :meth:`GroupManager.origin_signer
+<zerocomm_spark.group.manager.GroupManager.origin_signer>`.
+
 This module is the core of the scheme (no Spark, no pyarrow); the Arrow-level checks over history
 tables live in ``zerocomm_spark.pipelines.origin``, which re-exports these names.
 """
