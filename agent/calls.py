@@ -251,7 +251,9 @@ class AgentCalls:
             with self._published_lock:
                 for i, mid in enumerate(ids):
                     known = self._published.get((group, mid))
-                    if known is None:
+                    # A receipt that failed (the group closed under it) had its messages never acked:
+                    # a retry with the same ids, as its error advises, publishes them anew.
+                    if known is None or known[1].failed():
                         fresh.append(i)
                     else:
                         seqs[i] = known[0]

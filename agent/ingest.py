@@ -180,40 +180,52 @@ class JournalIngest:
             e.done.set()
 
     def _skip_own_gaps(self, rows: list[dict[str, Any]]) -> None:
-        """Record the own seqs before ``rows`` that this journal will never hold, like void ones.
+        """Record the own seqs before and between ``rows`` that this journal will never hold, like void ones.
 
         Own messages are journaled in seq order, and only those the group acknowledged: seqs of a
         receipt that failed (a leave, or a stop while members lacked them) and seqs a restarted
-        member continued after (some member held them, but the old process never saw them acked)
-        get no row here, ever. Unrecorded, they were a hole in this member's own stream that a
-        reader walking its seqs (a Spark query with failOnDataLoss) took for lost messages, though
-        the group never acknowledged them (and a retried publish delivers their ids under new seqs).
+        member continued after (the old process assigned them but never journaled them here) get
+        no row here, ever. Unrecorded, they were a hole in this member's own stream that a reader
+        walking its seqs (a Spark query with failOnDataLoss) took for lost messages, though their
+        publish never returned success: a retried publish (same ids) delivers them under new seqs.
+        Seqs left by an earlier run of this member are also logged (a warning): if the group had
+        acknowledged them and nobody publishes them again, this member's journal lacks them.
         """
-        firsts: dict[tuple[str, str], int] = {}
-        lasts: dict[tuple[str, str], int] = {}
+        by_key: dict[tuple[str, str], list[int]] = {}
         for row in rows:  # per group in seq order (see _take_own)
-            key = (row["group"], row["publisher_did"])
-            firsts.setdefault(key, row["seq"])
-            lasts[key] = row["seq"]
-        for key, first in firsts.items():
+            by_key.setdefault((row["group"], row["publisher_did"]), []).append(row["seq"])
+        for key, seqs in by_key.items():
             last = self._own_last.get(key)
+            earlier_run = last is None
             if last is None:
                 known = self.journal.latest().publishers.get(key)
                 last = known.last_seq if known is not None else 0
-            if first > last + 1:
-                group, did = key
-                held, at = [], last + 1
-                for a, b in self.journal.superseded(group, did, last + 1, first - 1):
-                    held.append((at, a - 1))
-                    at = max(at, b + 1)
-                held.append((at, first - 1))
-                seqs = [s for a, b in held for s in range(a, b + 1)]
-                if len(seqs) > _SKIPPED_OWN_MAX:
-                    event(log, logging.WARNING, "too many own seqs without a row to record as skipped",
-                          group=group, first=last + 1, last=first - 1)
-                elif seqs:
-                    self.on_superseded(group, did, seqs)
-            self._own_last[key] = max(last, lasts[key])
+            group, did = key
+            for seq in seqs:
+                if seq > last + 1:
+                    self._record_own_gap(group, did, last + 1, seq - 1, earlier_run)
+                earlier_run = False  # only the first gap of this run can be the earlier run's
+                last = max(last, seq)
+            self._own_last[key] = last
+
+    def _record_own_gap(self, group: str, did: str, first: int, last: int, earlier_run: bool) -> None:
+        held, at = [], first  # the ranges not recorded yet
+        for a, b in self.journal.superseded(group, did, first, last):
+            held.append((at, a - 1))
+            at = max(at, b + 1)
+        held.append((at, last))
+        seqs = [s for a, b in held for s in range(a, b + 1)]
+        if len(seqs) > _SKIPPED_OWN_MAX:
+            event(log, logging.WARNING, "too many own seqs without a row to record as skipped",
+                  group=group, first=first, last=last)
+            return
+        if not seqs:
+            return
+        if earlier_run:
+            event(log, logging.WARNING, "own seqs published by the previous run of this member were never journaled "
+                  "here; recorded as superseded (a publish retried with the same ids delivers them under new seqs)",
+                  group=group, first=seqs[0], last=seqs[-1], count=len(seqs))
+        self.on_superseded(group, did, seqs)
 
     def on_message(self, message: Any) -> None:
         """Append one delivered message (a ``Delivered``); returns only once the journal has it."""

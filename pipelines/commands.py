@@ -6,6 +6,7 @@ the CLI imports this module only when one of these actions runs.
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import stat
@@ -19,6 +20,8 @@ from zerocomm_spark.errors import ConfigurationError, InsecurePermissionsError, 
 from zerocomm_spark.pipelines.history_key import KEY_BYTES, HistoryKey
 
 __all__ = ["compact", "ingest", "read_key_file", "replay", "vacuum"]
+
+log = logging.getLogger(__name__)
 
 
 def read_key_file(path: str | os.PathLike[str]) -> HistoryKey:
@@ -145,14 +148,16 @@ def _reading(table: str, action: str = "replay") -> Iterator[None]:
     """Spark's failures that say the history table's log or data files are damaged or were removed,
     as a ConfigurationError naming the table, not a Py4J traceback; any other failure of Spark's (the
     JVM gone, a Python worker's error, a full disk or a permission while compact or vacuum write, a
-    concurrent commit) goes through unchanged: the table may be whole, and the hint to put it back
-    from a copy could lose rows."""
+    concurrent commit) as one line saying Spark failed (see _spark_failure), never with the hint to
+    put the table back from a copy, which could lose rows of a whole table. The full Java chain is
+    logged at debug level."""
     from py4j.protocol import Py4JError
     from pyspark.errors import PySparkException
 
     try:
         yield
     except (Py4JError, PySparkException) as exc:
+        log.debug("history %s of %s failed in Spark: %s", action, table, " <- ".join(_java_chain(exc)) or exc)
         reason = _table_damage(exc, table)
         if reason is None:
             raise _spark_failure(exc, table, action) from None

@@ -99,6 +99,19 @@ class _Receipt:
     def done(self) -> bool:
         return True
 
+    def failed(self) -> bool:
+        return False
+
+
+class _FailedReceipt(_Receipt):
+    """Resolved with an error: the group closed before every member acked."""
+
+    def wait(self, timeout: float) -> None:
+        raise RuntimeError("the group closed")
+
+    def failed(self) -> bool:
+        return True
+
 
 class _SlowGroups:
     """A group whose publish takes a while (a busy data plane), numbering rows as a group does."""
@@ -165,6 +178,31 @@ def test_concurrent_publishes_of_the_same_new_ids_send_them_once() -> None:
     assert process.groups.sent == ids  # sent once
     assert [a["seqs"] for a in answers] == [[1, 2, 3, 4, 5]] * 2
     assert sorted(a["duplicates"] for a in answers) == [0, 5]
+
+
+def test_a_retry_of_ids_whose_publish_failed_publishes_them_anew() -> None:
+    """The agent remembered a failed receipt under its ids: a retry with the same ids (what the error
+    advises) got the old receipt back and failed again, until the agent restarted."""
+    from zerocomm_spark.agent.calls import AgentCalls
+    from zerocomm_spark.client import table_to_ipc
+
+    process = _PublishingProcess()
+    calls = AgentCalls(process)  # type: ignore[arg-type]
+    ids = ["again-1", "again-2"]
+    bulk = table_to_ipc(pa.table({"payload": pa.array([b"x"] * 2), "message_id": pa.array(ids)}))
+    real = process.groups.publish
+
+    def failing(*args, **kwargs):  # type: ignore[no-untyped-def]
+        receipt = real(*args, **kwargs)
+        return _FailedReceipt(receipt.seqs)
+
+    process.groups.publish = failing  # type: ignore[method-assign]
+    with pytest.raises(RuntimeError, match="group closed"):
+        calls.publish(_BulkRequest(bulk), "g")
+    process.groups.publish = real  # type: ignore[method-assign]
+    answer = calls.publish(_BulkRequest(bulk), "g")
+    assert answer["seqs"] == [3, 4] and answer["duplicates"] == 0  # sent again, under new seqs
+    assert process.groups.sent == ids + ids
 
 
 def test_a_publish_whose_frame_would_decompress_past_four_times_the_request_limit_is_refused() -> None:

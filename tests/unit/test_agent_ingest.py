@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from dataclasses import dataclass, field
@@ -171,4 +172,43 @@ def test_own_seqs_that_will_never_be_journaled_are_recorded_not_left_as_a_hole(t
         assert journal.superseded(GROUP, PUBLISHER, 1, 13) == [(3, 4), (7, 11)]
     finally:
         ingest.close()
+        journal.close()
+
+
+def test_own_seqs_of_failed_receipts_between_rows_taken_together_are_recorded_too(tmp_path):
+    """Receipts resolving together are journaled in one pass: only the gap before the pass's first own
+    row was recorded, so a failed receipt between two good ones of that pass left an unrecorded hole."""
+    journal = Journal.open(tmp_path / "journal", key=bytes(range(32)), fsync="never")
+    ingest = JournalIngest(journal, Metrics(), on_fatal=lambda exc: None)
+    try:
+        receipts = []
+        for seqs, kind in (((1, 2), LateReceipt), ((3, 4), FailedReceipt), ((5, 6), LateReceipt),
+                           ((7, 8), FailedReceipt), ((9, 10), LateReceipt)):
+            receipt = kind(seqs=seqs, lamport_ts=seqs, sent_at=1_800_000_000.0)
+            receipts.append((receipt, ingest.track_own(receipt, GROUP, PUBLISHER, [b"x"] * 2,
+                                                       [f"m-{s}" for s in seqs], None)))
+        time.sleep(0.05)  # the thread has looked: the first is not acked, so nothing is taken
+        for receipt, _ in receipts[::-1]:  # the first last: every other one is resolved by then
+            receipt.acked = True
+        assert all(done.wait(10) for _, done in receipts)
+        assert [r["seq"] for r in journal.read(0).to_pylist()] == [1, 2, 5, 6, 9, 10]
+        assert journal.superseded(GROUP, PUBLISHER, 1, 10) == [(3, 4), (7, 8)]
+    finally:
+        ingest.close()
+        journal.close()
+
+
+def test_own_seqs_an_earlier_run_never_journaled_are_recorded_with_a_warning(tmp_path, caplog):
+    journal = Journal.open(tmp_path / "journal", key=bytes(range(32)), fsync="never")
+    try:
+        ingest = JournalIngest(journal, Metrics(), on_fatal=lambda exc: None)
+        assert _own(ingest, [1, 2]).wait(10)
+        ingest.close()
+        ingest = JournalIngest(journal, Metrics(), on_fatal=lambda exc: None)  # a restart: it continues at 6
+        with caplog.at_level(logging.WARNING):
+            assert _own(ingest, [6]).wait(10)
+        ingest.close()
+        assert journal.superseded(GROUP, PUBLISHER, 1, 6) == [(3, 5)]
+        assert "previous run of this member were never journaled" in caplog.text
+    finally:
         journal.close()

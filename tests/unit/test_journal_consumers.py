@@ -264,6 +264,10 @@ def test_a_second_version_file_loads_with_its_points_and_times(tmp_path: Path, c
     points.commit("a", 6)
     assert (tmp_path / CONSUMERS_FILE).read_bytes().startswith(b"ZCJN\x03\n")
     assert ConsumerPoints.load(tmp_path, fsync=False).points() == {"a": 6, "b": 9}
+    body = b'{"consumers":{"a":[5,1700000000000000]},"expired_floor":3}'  # the third's body under magic 2
+    (tmp_path / CONSUMERS_FILE).write_bytes(b"ZCJN\x02\n" + body + (zlib.crc32(body) & 0xFFFFFFFF).to_bytes(4, "little"))
+    points = ConsumerPoints.load(tmp_path, fsync=False)
+    assert points.points() == {"a": 5} and points.expired_floor == 3
 
 
 @pytest.mark.parametrize("body", [b'{"consumers":{"a":[5]},"expired_floor":0}',

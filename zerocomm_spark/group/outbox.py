@@ -80,6 +80,10 @@ class PublishReceipt:
         """Whether the receipt resolved (acked by all, or failed because the group closed)."""
         return self._done
 
+    def failed(self) -> bool:
+        """Whether it resolved with an error: its messages were never acked by every member."""
+        return self._done and self._error is not None
+
     def wait(self, timeout: float = 30.0) -> None:
         """Return once every current member acked; PeerTimeoutError naming the laggards otherwise.
 

@@ -117,12 +117,14 @@ class ConsumerPoints:
             if raw.startswith(_MAGIC_V1):
                 points = {check_consumer(k): _whole(v) for k, v in data.items()}
             else:
-                entries = data if raw.startswith(_MAGIC_V2) else data["consumers"]
+                # Version 2 briefly held the version 3 body too (before it had its own magic): tell by shape.
+                flat = raw.startswith(_MAGIC_V2) and "expired_floor" not in data
+                entries = data if flat else data["consumers"]
                 points = {}
                 for k, (offset, at) in entries.items():
                     points[check_consumer(k)] = _whole(offset)
                     seen[k] = _whole(at)
-                floor = 0 if raw.startswith(_MAGIC_V2) else _whole(data["expired_floor"])
+                floor = 0 if flat else _whole(data["expired_floor"])
         except (ValueError, TypeError, AttributeError, KeyError, ConfigurationError):
             raise JournalError(f"{path} is damaged (not a map of consumer -> [offset, time])") from None
         return cls(directory, points, fsync=fsync, seen=seen, expiry_s=expiry_s, expired_floor=floor)
