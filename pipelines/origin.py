@@ -13,28 +13,14 @@ from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
-from zerocomm_spark.group.origin import (
-    ORIGIN_HEADER,
-    SCHEME,
-    OriginSigner,
-    origin_digest,
-    signature_from_header,
-    verify_origin,
-)
+from zerocomm_spark.group.origin import (ORIGIN_HEADER, SCHEME, OriginSigner, origin_digest, signature_from_header,
+                                         verify_origin)
 
 if TYPE_CHECKING:
     import pyarrow as pa
 
-__all__ = [
-    "ORIGIN_HEADER",
-    "SCHEME",
-    "OriginSigner",
-    "origin_digest",
-    "signature_from_header",
-    "text_column",
-    "verify_origin",
-    "verify_rows",
-]
+__all__ = ["ORIGIN_HEADER", "SCHEME", "OriginSigner", "origin_digest", "signature_from_header", "text_column",
+           "verify_origin", "verify_rows"]
 
 
 def _binary_type(kind: pa.DataType) -> pa.DataType:

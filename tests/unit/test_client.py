@@ -106,16 +106,12 @@ def test_a_loose_socket_directory_without_an_agent_is_no_agent(tmp_path: Path) -
         check_socket_dir(loose)
     with pytest.raises(errors.AgentNotRunningError):
         Client.connect(loose, timeout=1)
-    stale = socket.socket(socket.AF_UNIX)
-    stale.bind(str(loose / "api.sock"))
-    stale.close()
+    _stale_socket(loose / "api.sock")
     with pytest.raises(errors.AgentNotRunningError, match="stale socket"):
         check_socket_dir(loose)
     (loose / "api.sock").unlink()
-    listener = socket.socket(socket.AF_UNIX)
+    listener = _listening_socket(loose / "api.sock")
     try:
-        listener.bind(str(loose / "api.sock"))
-        listener.listen(4)
         with pytest.raises(errors.ApiPermissionError, match="other users could"):
             check_socket_dir(loose)
         with pytest.raises(errors.ApiPermissionError, match="other users could"):
@@ -126,22 +122,33 @@ def test_a_loose_socket_directory_without_an_agent_is_no_agent(tmp_path: Path) -
         listener.close()
 
 
+def _listening_socket(path: Path) -> socket.socket:
+    """A socket file someone listens on (the caller closes it)."""
+    listener = socket.socket(socket.AF_UNIX)
+    listener.bind(str(path))
+    listener.listen(4)
+    return listener
+
+
+def _stale_socket(path: Path) -> None:
+    """A socket file nobody listens on (an agent that crashed left it)."""
+    stale = socket.socket(socket.AF_UNIX)
+    stale.bind(str(path))
+    stale.close()
+
+
 def test_a_socket_of_another_user_is_refused_only_when_it_listens(tmp_path: Path) -> None:
     if os.getuid() != 0:
         pytest.skip("making a socket of another user needs root")
     run = tmp_path / "run"
     run.mkdir(mode=0o700)
-    stale = socket.socket(socket.AF_UNIX)
-    stale.bind(str(run / "api.sock"))
-    stale.close()
+    _stale_socket(run / "api.sock")
     os.chown(run / "api.sock", 65534, 65534)
     with pytest.raises(errors.AgentNotRunningError, match="stale socket"):  # an agent started replaces it
         check_socket_dir(run)
     (run / "api.sock").unlink()
-    listener = socket.socket(socket.AF_UNIX)
+    listener = _listening_socket(run / "api.sock")
     try:
-        listener.bind(str(run / "api.sock"))
-        listener.listen(4)
         os.chown(run / "api.sock", 65534, 65534)
         with pytest.raises(errors.ApiPermissionError, match="belongs to uid 65534"):
             check_socket_dir(run)
