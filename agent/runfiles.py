@@ -21,7 +21,8 @@ from typing import Any
 from zerocomm_spark.client import HEALTH_FILE, PID_FILE
 from zerocomm_spark.errors import AgentAlreadyRunningError, ConfigurationError, InsecurePermissionsError
 
-__all__ = ["RunLock", "identity_in_use", "read_health", "read_pid", "held_by", "pid_alive", "write_json_atomic"]
+__all__ = ["RunLock", "identity_in_use", "read_health", "read_pid", "held_by", "pid_alive", "still_at",
+           "write_json_atomic"]
 
 
 def write_json_atomic(path: Path, data: dict[str, Any]) -> None:
@@ -170,6 +171,17 @@ def identity_in_use(identity_dir: Path) -> bool:
 _BUSY_RETRY_S = 0.5  # how long a start retries a held lock (a probe holds it for microseconds)
 
 
+def still_at(path: Path, ident: tuple[int, int]) -> bool:
+    """Whether the file ``ident`` (device, inode) is still the one at ``path``: False once it was
+    removed or replaced; True when the path cannot be looked at now (a permission, an NFS hiccup),
+    which is not taken for a lost file."""
+    try:
+        there = os.stat(path, follow_symlinks=False)
+    except OSError as exc:
+        return exc.errno not in (errno.ENOENT, errno.ENOTDIR)
+    return (there.st_dev, there.st_ino) == ident
+
+
 def _same_file(fd: int, path: Path) -> bool:
     """Is ``fd`` still the file at ``path`` (not unlinked or replaced since it was opened)?"""
     try:
@@ -229,11 +241,8 @@ class RunLock:
         A path that cannot be looked at now (a permission, an NFS hiccup) is not taken for a lost one."""
         if self._fd is None:
             return True
-        try:
-            here, there = os.fstat(self._fd), os.stat(self.run_dir / PID_FILE, follow_symlinks=False)
-        except OSError as exc:
-            return exc.errno not in (errno.ENOENT, errno.ENOTDIR)
-        return (here.st_dev, here.st_ino) == (there.st_dev, there.st_ino)
+        here = os.fstat(self._fd)
+        return still_at(self.run_dir / PID_FILE, (here.st_dev, here.st_ino))
 
     def write_health(self, health: dict[str, Any]) -> None:
         health = dict(health, heartbeat_at=time.time())

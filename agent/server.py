@@ -38,6 +38,7 @@ import zmq.auth.thread
 from zmq.utils import z85
 
 from zerocomm_spark.agent.logging import event
+from zerocomm_spark.agent.runfiles import still_at
 from zerocomm_spark.client import (
     PROTOCOL_VERSION,
     SOCKET_NAME,
@@ -373,15 +374,7 @@ class ApiServer:
         """Whether the ipc socket file this server bound is still at its path. Removed (a tmp cleaner
         took the socket directory) or replaced, no local client can reach this server any more: ZeroMQ
         keeps listening on the unlinked file and does not notice."""
-        if self._ipc_file is None:
-            return True
-        try:
-            st = (self.socket_dir / SOCKET_NAME).stat()
-        except FileNotFoundError:
-            return False
-        except OSError:
-            return True  # cannot tell (a permission change): not a reason to stop
-        return (st.st_dev, st.st_ino) == self._ipc_file
+        return self._ipc_file is None or still_at(self.socket_dir / SOCKET_NAME, self._ipc_file)
 
     def _abandon_start(self) -> None:
         """Undo a start that failed half-way: no socket file for clients to find stale, no ZAP thread."""

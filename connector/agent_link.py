@@ -403,9 +403,7 @@ class MemberLink:
         """Publish one batch; returns once the group acknowledged it, else PublishNotAcknowledgedError.
         ``sign``: the agent adds each row's origin proof (signOrigin)."""
         try:
-            if sign:
-                return self._call("publish", group, table, timeout=timeout, retry_timeouts=False, sign=True)
-            return self._call("publish", group, table, timeout=timeout, retry_timeouts=False)
+            return self._call("publish", group, table, timeout=timeout, retry_timeouts=False, sign=sign)
         except (ApiTimeoutError, BackpressureError, PeerTimeoutError, TimeoutError) as exc:
             raise PublishNotAcknowledgedError(
                 f"the group {group!r} did not acknowledge {table.num_rows} message(s) within {timeout:g}s "

@@ -234,10 +234,7 @@ def publish_partition(batches: Iterator[pa.RecordBatch], options: SinkOptions, c
                 # agent refuses a batch naming an id twice), as a repeat in a later chunk is by the
                 # member - both counted as duplicates.
                 table, repeated = _first_of_each_id(table)
-            if options.sign_origin:
-                result = link.publish(options.group, table, options.publish_timeout_s, sign=True)
-            else:
-                result = link.publish(options.group, table, options.publish_timeout_s)
+            result = link.publish(options.group, table, options.publish_timeout_s, sign=options.sign_origin)
             if len(result.message_ids) != table.num_rows:
                 raise PublishNotAcknowledgedError(
                     f"the agent acknowledged {len(result.message_ids)} of {table.num_rows} messages")

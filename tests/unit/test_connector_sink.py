@@ -33,7 +33,7 @@ class Member:
     def close(self) -> None:
         pass
 
-    def publish(self, _group, table: pa.Table, _timeout):
+    def publish(self, _group, table: pa.Table, _timeout, *, sign: bool = False):
         if self.fail_after is not None and self.calls >= self.fail_after:
             raise PublishNotAcknowledgedError("the group did not acknowledge (test)")
         self.calls += 1
@@ -134,9 +134,9 @@ def test_publish_batch_bytes_bounds_every_call_even_when_payload_sizes_are_skewe
     sizes: list[int] = []
     publish = member.publish
 
-    def recording(group, table, timeout):
+    def recording(group, table, timeout, *, sign=False):
         sizes.append(sum(len(p) for p in table.column("payload").to_pylist()))
-        return publish(group, table, timeout)
+        return publish(group, table, timeout, sign=sign)
 
     member.publish = recording
     columns = SinkColumns(payload_is_string=False, has_message_id=False, has_headers=False)
