@@ -94,7 +94,8 @@ class AgentCalls:
 
     def __init__(self, process: "AgentProcess") -> None:
         self.process = process
-        self._published: OrderedDict[tuple[str, str], tuple[int, Any]] = OrderedDict()
+        # (group, message id) -> (seq, receipt, whether it went out with this agent's origin proof)
+        self._published: OrderedDict[tuple[str, str], tuple[int, Any, bool]] = OrderedDict()
         self._published_lock = threading.Lock()
         self._group_locks: dict[str, threading.Lock] = {}
 
@@ -240,6 +241,7 @@ class AgentCalls:
         if sign:  # every row, known ids too: a re-published id is signed alike (Ed25519 is deterministic)
             headers = _signed(groups.origin_signer(), group, payloads, ids, headers)
         seqs: list[int | None] = [None] * len(ids)
+        signed = 0  # rows whose published message carries this agent's proof (a known id: as it went out)
         waits: list[Any] = []
         limit = self.process.config.get("groups", "publish_timeout")
         ingest = self.process.ingest
@@ -258,6 +260,7 @@ class AgentCalls:
                     else:
                         seqs[i] = known[0]
                         waits.append(known[1])
+                        signed += known[2]
             duplicates = len(ids) - len(fresh)
             if fresh:
                 # One data-plane publish for the whole batch: headers go per message (a signed row has
@@ -281,10 +284,11 @@ class AgentCalls:
                 with self._published_lock:
                     for i, seq in zip(fresh, receipt.seqs):
                         seqs[i] = seq
-                        self._published[(group, ids[i])] = (seq, receipt)
+                        self._published[(group, ids[i])] = (seq, receipt, sign)
                     while len(self._published) > _PUBLISHED_MEMORY:
                         self._published.popitem(last=False)
                 waits.append(receipt)
+                signed += len(fresh) if sign else 0
                 self.process.metrics.add(messages_published=len(fresh),
                                          bytes_published=sum(len(payloads[i]) for i in fresh))
         for receipt in {id(r): r for r in waits}.values():
@@ -298,7 +302,7 @@ class AgentCalls:
         # told "published", expects to read them); within the call's deadline, and said if not.
         in_journal = all([done.wait(max(req.remaining() - _ANSWER_MARGIN_S, 0.0)) for done in journaled])
         return {"group": group, "message_ids": ids, "seqs": seqs, "duplicates": duplicates,
-                "journaled": in_journal}
+                "journaled": in_journal, "signed": signed}
 
     # --- the journal ----------------------------------------------------------------------------
 

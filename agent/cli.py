@@ -789,7 +789,7 @@ def cmd_send(ctx: Ctx) -> int:
         ids = [a.message_id] if a.message_id else None
     message_ids: list[str] = []
     seqs: list[int] = []
-    duplicates = 0
+    duplicates = signed = 0
     journaled = True
     with Progress(f"sending to {a.group}", enabled=None if not ctx.json and a.message == "-" else False) as progress:
         try:  # reading stdin fails too (a line that is not text): both say how far the sending got
@@ -798,6 +798,7 @@ def cmd_send(ctx: Ctx) -> int:
                 message_ids += result.message_ids
                 seqs += result.seqs
                 duplicates += result.duplicates
+                signed += result.signed
                 journaled = journaled and bool(result.journaled)
                 progress.update({"phase": f"{len(message_ids)} line(s) acknowledged"})
         except ZeroCommError as exc:
@@ -809,14 +810,19 @@ def cmd_send(ctx: Ctx) -> int:
     if not message_ids:
         raise errors.ConfigurationError("stdin had no lines to send",
                                         hint="Pipe the lines into `zerocomm send GROUP -`, or give the text in place of -")
+    # "signed": every message went out with the proof; a duplicate keeps how it went out the first time.
     value = {"group": a.group, "message_ids": message_ids, "seqs": seqs, "duplicates": duplicates,
-             "journaled": journaled, "signed": a.sign}
+             "journaled": journaled, "signed": signed == len(message_ids), "signed_count": signed}
+    proof = ", signed" if signed == len(message_ids) else ""
     if len(message_ids) == 1:
-        human = (f"sent {message_ids[0]} (seq {seqs[0]}) to {a.group!r}{', signed' if a.sign else ''}; every member has it"
-                 + (" (already sent before)" if duplicates else ""))
+        human = (f"sent {message_ids[0]} (seq {seqs[0]}) to {a.group!r}{proof}; every member has it"
+                 + (" (already sent before" + (", without a proof)" if a.sign and not signed else ")")
+                    if duplicates else ""))
     else:
-        human = (f"sent {len(message_ids)} messages (seqs {seqs[0]}..{seqs[-1]}) to {a.group!r}"
-                 + (", signed" if a.sign else ""))
+        human = f"sent {len(message_ids)} messages (seqs {seqs[0]}..{seqs[-1]}) to {a.group!r}{proof}"
+        if a.sign and signed < len(message_ids):
+            human += (f"; {len(message_ids) - signed} of them were sent before without a proof "
+                      "and were not sent again (a proof needs new message ids)")
     ctx.out(value, human)
     return EXIT_OK
 

@@ -411,6 +411,9 @@ class PublishResult:
     #: False if this member's own journal did not hold the rows yet when the call answered (a slow
     #: disk): the group has them; a read on this member shows them once its journal catches up.
     journaled: bool = True
+    #: Rows whose message went out with the agent's origin proof: with ``sign=True``, fewer than all
+    #: when some ids were published before without it (a duplicate is not sent again, nor re-signed).
+    signed: int = 0
 
     def __len__(self) -> int:
         return len(self.message_ids)
@@ -826,7 +829,8 @@ class Client:
         result = self.call("publish", group=group, timeout=timeout, bulk=table_to_ipc(table),
                            sign=True if sign else None)  # left out when False: older agents take the call
         return PublishResult(group=group, message_ids=list(result["message_ids"]), seqs=list(result["seqs"]),
-                             duplicates=int(result.get("duplicates", 0)), journaled=bool(result.get("journaled", True)))
+                             duplicates=int(result.get("duplicates", 0)), journaled=bool(result.get("journaled", True)),
+                             signed=int(result.get("signed", 0)))
 
     # --- typed calls: the journal --------------------------------------------------------------
 

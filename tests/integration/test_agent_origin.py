@@ -106,8 +106,11 @@ def test_republishing_signed_ids_is_exactly_once_also_across_an_agent_restart(pa
         first = client.publish("g", payloads, message_ids=ids, sign=True)
         again = client.publish("g", payloads, message_ids=ids, sign=True)
         assert again.duplicates == 50 and again.seqs == first.seqs == list(range(1, 51))
+        assert first.signed == again.signed == 50
         mixed = client.publish("g", payloads[40:] + [b"new"], message_ids=ids[40:] + ["m50"], sign=True)
-        assert mixed.duplicates == 10 and mixed.seqs == list(range(41, 52))
+        assert mixed.duplicates == 10 and mixed.seqs == list(range(41, 52)) and mixed.signed == 11
+        # Signing is per message as it went out: a known id keeps its proof when re-sent without sign.
+        assert client.publish("g", payloads[:2], message_ids=ids[:2]).signed == 2
     alice.ok("agent", "stop", "--timeout", "15", timeout=30)
     alice.start()  # its memory of published ids is gone: the group's members and journals drop them
     with _client(alice) as client:
@@ -126,7 +129,12 @@ def test_zerocomm_send_sign_end_to_end(pair: list[Member]) -> None:
     lines = alice.ok("send", "g", "-", "--sign", input="line one\nline two\n")
     assert lines["seqs"] == [2, 3] and lines["signed"] is True
     plain = alice.ok("send", "g", "not signed")
-    assert plain["signed"] is False
+    assert plain["signed"] is False and plain["signed_count"] == 0
+    # The same id again with --sign is a duplicate: not sent again, so it still has no proof - said so.
+    again = alice.ok("send", "g", "not signed", "--sign", "--id", plain["message_ids"][0])
+    assert again["duplicates"] == 1 and again["signed"] is False and again["signed_count"] == 0
+    told = alice.run("send", "g", "not signed", "--sign", "--id", plain["message_ids"][0], json_out=False)
+    assert told.code == 0 and "without a proof" in told.stdout and ", signed" not in told.stdout
     human = alice.run("send", "g", "human", "--sign", json_out=False)
     assert human.code == 0 and ", signed;" in human.stdout
     rows = {r["message_id"]: r for r in bob.run("history", "g").json_lines}
