@@ -99,6 +99,10 @@ _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d|w)?\s*$")
 _UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, "w": 604800.0, None: 1.0}
 
 
+#: The shortest journal.consumer_expiry: a few of the Spark source's keep-alive commits (one a minute).
+MIN_CONSUMER_EXPIRY_S = 300
+
+
 def parse_duration(text: str, what: str = "duration") -> float | None:
     """Seconds from ``"7d"``, ``"12h"``, ``"90s"``, ``"250ms"`` or a bare number; "" or "0" means none."""
     if text.strip() in ("", "0"):
@@ -251,7 +255,14 @@ def _coerce(section: str, key: str, value: Any, origin: str) -> Any:
     if (section, key) in _POSITIVE and not value > 0:
         raise ConfigurationError(f"{name} (from {origin}) must be positive, not {value!r}")
     if (section, key) in (("journal", "retention_age"), ("journal", "consumer_expiry")):
-        parse_duration(value, name)
+        seconds = parse_duration(value, name)
+        if key == "consumer_expiry" and seconds is not None and seconds < MIN_CONSUMER_EXPIRY_S:
+            # A running Spark query with nothing to read says it is alive once a minute: an expiry near
+            # that would forget live queries (their next batch then fails as data loss).
+            raise ConfigurationError(
+                f"{name} (from {origin}) is {value!r}; it must be at least {MIN_CONSUMER_EXPIRY_S // 60} minutes "
+                "(a running Spark query commits its place once a minute while idle)",
+                hint="Keep the default 7d, give a longer duration, or 0 to never forget consumers")
     if isinstance(value, int) and not isinstance(value, bool) and value < 0:
         raise ConfigurationError(f"{name} (from {origin}) must not be negative")
     return value

@@ -86,6 +86,7 @@ def test_zerocomm_config_env_names_the_file(tmp_path: Path) -> None:
     ('[api]\nworkers = 0\n', "must be positive"),
     ('[journal]\nretention_age = "a week"\n', "duration"),
     ('[journal]\nconsumer_expiry = "a week"\n', "journal.consumer_expiry must be a duration"),
+    ('[journal]\nconsumer_expiry = "90s"\n', "must be at least 5 minutes"),
     ("[api\n", "not valid TOML"),
 ])
 def test_bad_files_are_refused_naming_the_setting(tmp_path: Path, text: str, match: str) -> None:
