@@ -708,6 +708,49 @@ def test_removed_member_is_cut_off_and_the_others_lose_nothing(make) -> None:  #
     assert bob.did not in alice.dp.stats()["unacked"]["g"]
 
 
+@pytest.mark.parametrize("mode", ["shared", "multi"])
+def test_what_is_published_while_the_others_reconnect_after_a_leave_needs_no_resend(make, mode: str) -> None:  # type: ignore[no-untyped-def]
+    """A leave re-binds the publisher's endpoint and the others reconnect. What was published in that
+    window reached none of them (a PUB drops what no one subscribed to) and came only by heartbeat
+    after resend_after_ms, then NACK: every leave stalled every member's publishes ~2 s. Now sends
+    wait for the subscribers to be back: with the heartbeat path out of reach (2 minutes) the
+    messages arrive by the data path, none resent, none twice, and the leaver gets none."""
+    cfg = replace(FAST, resend_after_ms=120_000)
+    alice, bob, carol, dave = make("alice", cfg), make("bob", cfg), make("carol", cfg), make("dave", cfg)
+    form_group([alice, bob, carol, dave], mode=mode)
+    alice.dp.publish("g", payloads("alice", 10)).wait(10)
+    alice.dp.remove_member("g", dave.did)
+    receipt = alice.dp.publish("g", payloads("alice", 20, start=10))  # at once: bob and carol are reconnecting
+    receipt.wait(20)  # far below resend_after_ms: the heartbeat path cannot have delivered them
+    for node in (bob, carol):
+        assert node.wait(lambda node=node: len(node.from_(alice)) == 30, timeout=10)
+        assert [d.payload for d in node.from_(alice)] == payloads("alice", 30)
+        stats = node.dp.stats()
+        assert (stats["nacks_sent"], stats["duplicates_dropped"]) == (0, 0)
+    stats = alice.dp.stats()
+    assert (stats["retransmits"], stats["heartbeats"]) == (0, 0)
+    time.sleep(0.3)
+    assert len(dave.from_(alice)) == 10  # cut off
+
+
+def test_a_member_that_does_not_come_back_after_a_leave_holds_the_others_only_briefly(make) -> None:  # type: ignore[no-untyped-def]
+    """Sends after a rebind wait for the subscribers the closed socket had; one of them whose SUB is
+    down (alive otherwise: its keepalives answer) does not come back, and the others must not wait
+    for it past the bound (resend_after_ms here): they get what was published by the data path,
+    without asking for it, once the wait is over."""
+    cfg = replace(FAST, resend_after_ms=3_000)
+    alice, bob, carol, dave = make("alice", cfg), make("bob", cfg), make("carol", cfg), make("dave", cfg)
+    form_group([alice, bob, carol, dave], mode="shared")
+    alice.dp.publish("g", payloads("alice", 10)).wait(10)
+    carol.dp._kill_subscription("g", alice.did, down_for=120.0)  # noqa: SLF001 - carol's SUB to alice is gone
+    alice.dp.remove_member("g", dave.did)
+    alice.dp.publish("g", payloads("alice", 5, start=10))
+    assert bob.wait(lambda: len(bob.from_(alice)) == 15, timeout=20)
+    assert [d.payload for d in bob.from_(alice)] == payloads("alice", 15)
+    assert bob.dp.stats()["nacks_sent"] == 0  # sent to bob once the wait for carol ended, not recovered
+    assert alice.dp.stats()["peers_alive"][carol.did] is True
+
+
 def test_restart_restores_positions_and_fetches_what_was_missed(make, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     alice, bob = make("alice"), make("bob")
     form_group([alice, bob], mode="multi")

@@ -132,6 +132,9 @@ _CMD_TIMEOUT = 10.0
 #: most: a bigger range stays a hole readers call lost, rather than one list this long per batch.
 _VOID_MAX = 1 << 18
 _REBIND_WAIT_S = 5.0  # how long a rebind of the publish endpoint retries before the IO thread goes on without it
+# After a rebind, sends wait for the subscribers to subscribe again for at most resend_after_ms and at
+# most this long: past it, a member not back yet gets what it missed by heartbeat and NACK, as before.
+_REBIND_HOLD_MAX_S = 5.0
 _READ_BATCH = 128  # frames read per socket per IO turn, so one busy publisher starves nobody
 # A resend answer is one transport frame (an RPC response, whose header is 6 bytes): room for that
 # header and the envelope's, and for the batch's other fields (group, DIDs, ids, numbers) in its plaintext.
@@ -754,8 +757,8 @@ class DataPlane:
         """Forget ``did``: close our SUB to it, drop its CURVE key and acks, cut its subscriptions.
 
         Its existing connection to our XPUB is cut by re-binding the XPUB on the same endpoint (ZAP
-        only runs at connect): the other members reconnect by themselves and anything they miss
-        meanwhile is recovered by NACK.
+        only runs at connect): the other members reconnect by themselves, and what is published
+        meanwhile waits for them to subscribe again (for a bounded time, see ``_rebind``).
         """
         self._check_running()
         with self._lock:
@@ -1245,7 +1248,10 @@ class DataPlane:
         subs: dict[tuple[str, str], _Sub] = {}
         by_sock: dict[Any, _Sub] = {}
         by_monitor: dict[Any, _Sub] = {}
-        state = {"xpub": xpub, "dirty": True, "blocked_since": None}
+        # subscribed: (key, topic) subscriptions accepted on this XPUB; awaited: those of the XPUB a
+        # rebind closed that are not back yet, which hold every send until hold_until (_rebind).
+        state: dict[str, Any] = {"xpub": xpub, "dirty": True, "blocked_since": None, "subscribed": set(),
+                                 "awaited": set(), "hold_until": None}
         full = zmq.Poller()
         base = zmq.Poller()
         try:
@@ -1264,6 +1270,8 @@ class DataPlane:
                 throttled = len(self._rx) >= self.config.recv_queue_max
                 blocked = state["blocked_since"] is not None
                 timeout = 2 if blocked else (5 if throttled else 100)
+                if state["hold_until"] is not None:  # its deadline is seen on time
+                    timeout = min(timeout, max(1, int((state["hold_until"] - time.monotonic()) * 1000) + 1))
                 events = dict((base if throttled else full).poll(timeout))
                 if wake_rx in events:
                     # Drain first, then clear the flag: a wake-up sent in between is either drained
@@ -1285,7 +1293,7 @@ class DataPlane:
                     self._run_cmd(self._cmds.popleft(), subs, by_sock, by_monitor, state)
                 xp = state["xpub"]
                 if xp in events:
-                    self._read_subscriptions(xp)
+                    self._read_subscriptions(xp, state)
                 if not throttled:
                     items: list[tuple[Any, ...]] = []
                     for sock in events:
@@ -1298,6 +1306,7 @@ class DataPlane:
                             self._rx_cond.notify()
                 self._flush(state)
                 self._io_timers(subs, by_sock, by_monitor, state)
+            state["hold_until"] = None  # closing: no subscriber is waited for
             self._flush(state)  # what close() let the sender hand over
         except Exception:  # noqa: BLE001 - a dead IO thread must be loud
             log.exception("group data plane IO thread failed")
@@ -1349,12 +1358,23 @@ class DataPlane:
     def _rebind(self, state: dict[str, Any], *, wait: float | None = None) -> None:
         """Close and re-bind the XPUB on the same endpoint: every connection re-authenticates.
 
+        The members still admitted reconnect and subscribe again within a few hundred ms; what the
+        XPUB sent meanwhile would reach none of them (a PUB drops what no one subscribed to) and come
+        only by heartbeat and NACK, seconds later. So sends are held until the subscriptions the
+        closed XPUB had, of members still admitted and active, are back, or for at most
+        ``resend_after_ms`` (and ``_REBIND_HOLD_MAX_S``): a member that does not come back cannot
+        hold the others for longer.
+
         If the endpoint cannot be bound again within ``wait`` (default ``_REBIND_WAIT_S``; another process took the port), the
         IO thread keeps an unbound XPUB and retries every second (``_io_timers``) rather than die:
         publishes go unacknowledged meanwhile and are re-sent once members reconnect.
         """
         assert self._endpoint is not None
         state["xpub"].close(linger=0)
+        # Awaited: what the closed XPUB had, and what an earlier rebind still waited for.
+        state["awaited"] |= state["subscribed"]
+        state["subscribed"] = set()
+        state["hold_until"] = None
         deadline = time.monotonic() + (_REBIND_WAIT_S if wait is None else wait)
         while True:
             xpub = self._make_xpub()
@@ -1376,9 +1396,18 @@ class DataPlane:
         state["rebind_at"] = None
         state["xpub"] = xpub
         state["dirty"] = True
+        with self._lock:  # the leaver's key is out of the ACL already: it is not waited for
+            acl = self._acl
+            active = {m.info.transport_key for g in self._groups.values() for did, m in g.members.items()
+                      if self._alive.get(did, True)}
+        state["awaited"] = {(key, topic) for key, topic in state["awaited"]
+                            if key in active and topic in acl.get(key, ())}
+        if state["awaited"]:
+            state["hold_until"] = time.monotonic() + min(self.config.resend_after_ms / 1000, _REBIND_HOLD_MAX_S)
 
-    def _read_subscriptions(self, xpub: zmq.Socket[Any]) -> None:
+    def _read_subscriptions(self, xpub: zmq.Socket[Any], state: dict[str, Any]) -> None:
         accepted = refused = 0
+        subscribed, awaited = state["subscribed"], state["awaited"]
         for _ in range(_READ_BATCH):
             try:
                 frame = xpub.recv(zmq.NOBLOCK, copy=False)
@@ -1395,6 +1424,8 @@ class DataPlane:
             if user is not None and topic in self._acl.get(user, ()):
                 xpub.setsockopt(zmq.SUBSCRIBE, topic)  # applies to the pipe this came from
                 accepted += 1
+                subscribed.add((user, topic))
+                awaited.discard((user, topic))
             else:
                 refused += 1
         if accepted or refused:
@@ -1418,6 +1449,14 @@ class DataPlane:
             self._stats.add(wrong_topic=wrong)
 
     def _flush(self, state: dict[str, Any]) -> None:
+        if state["hold_until"] is not None:  # a rebind waits for the subscribers to be back
+            if state["awaited"] and time.monotonic() < state["hold_until"]:
+                return
+            if state["awaited"]:
+                log.info("%d subscription(s) to the group publish endpoint not back after re-binding it; sending "
+                         "without them (those members get what they miss by NACK)", len(state["awaited"]))
+            state["awaited"] = set()
+            state["hold_until"] = None
         xpub = state["xpub"]
         ctrl, data = self._out_ctrl, self._out_data
         sent = 0
