@@ -862,6 +862,42 @@ def test_a_subscriber_that_stops_reading_cannot_stall_the_group(make) -> None:  
         ctx.term()
 
 
+def test_removing_the_member_that_blocks_the_publisher_does_not_reset_the_others_again(make) -> None:  # type: ignore[no-untyped-def]
+    """dave's socket stops reading and blocks alice's XPUB (XPUB_NODROP); alice removes dave before
+    dead_after. The rebind that cuts dave starts a fresh socket with nothing queued: the time alice
+    was blocked on the old one must not carry over, or while the rebind waits for the others to
+    subscribe again (carol's SUB is down here, so it waits out its bound) dead_after expires on the
+    old socket's account and every member is cut off a second time (a spurious publish reset)."""
+    cfg = DataPlaneConfig(sndhwm=2, rcvhwm=2, batch_max=64, keepalive_ms=200, dead_after_ms=3000,
+                          ack_interval_ms=20, nack_after_ms=50, resend_after_ms=4000)
+    alice, bob, carol, dave = make("alice", cfg), make("bob", cfg), make("carol", cfg), make("dave", cfg)
+    form_group([alice, bob, carol, dave], mode="shared")
+    dave.stop()
+    ctx = zmq.Context()
+    frozen = ctx.socket(zmq.SUB)
+    try:
+        frozen.setsockopt(zmq.RCVHWM, 1)
+        frozen.setsockopt(zmq.RCVBUF, 4096)
+        frozen.curve_serverkey = alice.curve[0]
+        frozen.curve_publickey, frozen.curve_secretkey = dave.curve
+        frozen.connect(alice.dp.publish_endpoint)
+        frozen.setsockopt(zmq.SUBSCRIBE, topics.data_topic("g"))
+        time.sleep(0.3)
+        big = [bytes(4096)] * 100
+        for _ in range(30):  # 12 MB: far more than the frozen socket's buffers, alice blocks at once
+            alice.dp.publish("g", big, timeout=30)
+        time.sleep(1.0)  # blocked for a second, dead_after is 3
+        alice.dp.remove_member("g", dave.did)
+        carol.dp._kill_subscription("g", alice.did, down_for=120.0)  # noqa: SLF001 - carol does not come back
+        time.sleep(3.0)  # the rebind waits for carol up to 4 s: past dead_after counted from the first block
+        assert alice.dp.stats()["publish_resets"] == 0
+        assert bob.wait(lambda: len(bob.from_(alice)) == 3000, timeout=60), len(bob.from_(alice))
+        assert [d.seq for d in bob.from_(alice)] == list(range(1, 3001))
+    finally:
+        frozen.close(0)
+        ctx.term()
+
+
 def test_rejoining_publisher_is_heard_by_a_member_that_missed_its_leave(make) -> None:  # type: ignore[no-untyped-def]
     """A publisher that leaves and joins again in the same process continues its sequence: a member
     that missed the leave keeps its stream and would take new seqs from 1 for duplicates, drop them

@@ -1371,6 +1371,9 @@ class DataPlane:
         """
         assert self._endpoint is not None
         state["xpub"].close(linger=0)
+        # What blocked was the old socket's queues: the new one has none. Kept, a hold below would
+        # let dead_after run out on the old socket's account and cut every member off again.
+        state["blocked_since"] = None
         # Awaited: what the closed XPUB had, and what an earlier rebind still waited for.
         state["awaited"] |= state["subscribed"]
         state["subscribed"] = set()
