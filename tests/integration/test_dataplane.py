@@ -751,6 +751,46 @@ def test_a_member_that_does_not_come_back_after_a_leave_holds_the_others_only_br
     assert alice.dp.stats()["peers_alive"][carol.did] is True
 
 
+@pytest.mark.parametrize("mode", ["shared", "single", "multi"])
+def test_a_member_whose_subscription_ended_before_a_leave_is_not_waited_for(make, mode: str) -> None:  # type: ignore[no-untyped-def]
+    """carol's SUB to alice ended before dave leaves (a crash not yet noticed by keepalives, or a
+    SUB closed while carol stays a member). The rebind must not wait for her: her connection is
+    gone, and waiting would stall every member's publishes for the whole bound (5 s here) at each
+    leave. The others get what is published at once, by the data path."""
+    cfg = replace(FAST, resend_after_ms=120_000)
+    alice, bob, carol, dave = make("alice", cfg), make("bob", cfg), make("carol", cfg), make("dave", cfg)
+    form_group([alice, bob, carol, dave], mode=mode)
+    alice.dp.publish("g", payloads("alice", 10)).wait(10)
+    assert bob.wait(lambda: len(bob.from_(alice)) == 10, timeout=10)
+    carol.dp._kill_subscription("g", alice.did, down_for=120.0)  # noqa: SLF001 - carol's SUB to alice is gone
+    time.sleep(0.5)  # alice's XPUB has seen the connection end
+    alice.dp.remove_member("g", dave.did)
+    start = time.monotonic()
+    alice.dp.publish("g", payloads("alice", 5, start=10))
+    assert bob.wait(lambda: len(bob.from_(alice)) == 15, timeout=20)
+    took = time.monotonic() - start
+    assert took < 2.5, f"bob got them after {took:.1f}s: alice waited for carol's SUB"
+    assert [d.payload for d in bob.from_(alice)] == payloads("alice", 15)
+    assert bob.dp.stats()["nacks_sent"] == 0
+    assert alice.dp.stats()["peers_alive"][carol.did] is True
+
+
+def test_a_member_that_goes_away_during_the_wait_after_a_leave_holds_the_others_only_until_the_bound(make) -> None:  # type: ignore[no-untyped-def]
+    """carol's SUB was subscribed when dave left and goes away before it reconnects: alice cannot
+    tell she will not come back and waits for her, but only up to resend_after_ms; bob then gets
+    what was published by the data path, without asking for it."""
+    cfg = replace(FAST, resend_after_ms=1_500)
+    alice, bob, carol, dave = make("alice", cfg), make("bob", cfg), make("carol", cfg), make("dave", cfg)
+    form_group([alice, bob, carol, dave], mode="shared")
+    alice.dp.publish("g", payloads("alice", 10)).wait(10)
+    alice.dp.remove_member("g", dave.did)
+    carol.dp._kill_subscription("g", alice.did, down_for=120.0)  # noqa: SLF001 - before it reconnects (100 ms)
+    alice.dp.publish("g", payloads("alice", 5, start=10))
+    assert bob.wait(lambda: len(bob.from_(alice)) == 15, timeout=20)
+    assert [d.payload for d in bob.from_(alice)] == payloads("alice", 15)
+    assert bob.dp.stats()["nacks_sent"] == 0
+
+
 def test_restart_restores_positions_and_fetches_what_was_missed(make, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     alice, bob = make("alice"), make("bob")
     form_group([alice, bob], mode="multi")

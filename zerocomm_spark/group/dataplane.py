@@ -124,6 +124,10 @@ Mode = Literal["single", "multi", "shared"]
 Role = Literal["read_write", "read_only"]
 
 _DATA, _STATE = "data", "state"
+# A SUB also subscribes to its pair topic in shared and single mode, where nothing is published on it:
+# when its connection ends, the XPUB hands us an unsubscription of each of its topics without the
+# key it came from (no metadata), and only this topic tells whose connection it was (_read_subscriptions).
+_PRESENCE = "presence"
 _SUB_MAX_MSG = 64 * 1024 * 1024  # a SUB refuses bigger frames: bounds memory per message
 _LINGER_MS = 500
 _START_TIMEOUT = 10.0
@@ -489,6 +493,8 @@ class DataPlane:
         self._stats = _Stats()
         self._allow = _CurveAllowList()
         self._acl: dict[str, frozenset[bytes]] = {}  # z85 user id -> topics it may subscribe to
+        # A member's pair topic in a group -> that member's topics in the group (see _PRESENCE).
+        self._presence: dict[bytes, frozenset[bytes]] = {}
 
         self._started = False
         self._closed = False
@@ -742,6 +748,7 @@ class DataPlane:
                 sub_topics[topics.pair_topic(group, member.did, self.member_did)] = _DATA
             else:
                 sub_topics[g.data_topic] = _DATA
+                sub_topics[topics.pair_topic(group, member.did, self.member_did)] = _PRESENCE
             if old is not None:
                 self._io_call("sub_remove", group, member.did)
             self._io_call("sub_add", _Sub(group, member.did, member.publish_endpoint, server_key, sub_topics))
@@ -1112,15 +1119,20 @@ class DataPlane:
     def _update_access_locked(self) -> None:
         """Recompute the ZAP allow-list and the per-key topic ACL from the current groups."""
         acl: dict[str, set[bytes]] = {}
+        presence: dict[bytes, frozenset[bytes]] = {}
         for g in self._groups.values():
             for m in g.members.values():
                 allowed = acl.setdefault(m.info.transport_key, set())
-                allowed.add(g.state_topic)
                 if g.mode == "multi":
                     assert m.pair_topic is not None
-                    allowed.add(m.pair_topic)
-                else:
-                    allowed.add(g.data_topic)
+                    pair = m.pair_topic
+                    mine = frozenset((g.state_topic, pair))
+                else:  # its pair topic carries nothing: it only tells its connection's end (_PRESENCE)
+                    pair = topics.pair_topic(g.name, self.member_did, m.info.did)
+                    mine = frozenset((g.state_topic, g.data_topic, pair))
+                allowed |= mine
+                presence[pair] = mine
+        self._presence = presence  # first: the IO thread reads both without the lock
         self._acl = {k: frozenset(v) for k, v in acl.items()}
         self._allow.keys = frozenset(k.encode("ascii") for k in acl)
 
@@ -1250,8 +1262,9 @@ class DataPlane:
         by_monitor: dict[Any, _Sub] = {}
         # subscribed: (key, topic) subscriptions accepted on this XPUB; awaited: those of the XPUB a
         # rebind closed that are not back yet, which hold every send until hold_until (_rebind).
+        # owners: pair topic -> (key, its topics in that group) of the connection that subscribed it.
         state: dict[str, Any] = {"xpub": xpub, "dirty": True, "blocked_since": None, "subscribed": set(),
-                                 "awaited": set(), "hold_until": None}
+                                 "awaited": set(), "hold_until": None, "owners": {}}
         full = zmq.Poller()
         base = zmq.Poller()
         try:
@@ -1363,7 +1376,8 @@ class DataPlane:
         only by heartbeat and NACK, seconds later. So sends are held until the subscriptions the
         closed XPUB had, of members still admitted and active, are back, or for at most
         ``resend_after_ms`` (and ``_REBIND_HOLD_MAX_S``): a member that does not come back cannot
-        hold the others for longer.
+        hold the others for longer. Those of connections that ended before are not waited for
+        (``_read_subscriptions``, ``_PRESENCE``).
 
         If the endpoint cannot be bound again within ``wait`` (default ``_REBIND_WAIT_S``; another process took the port), the
         IO thread keeps an unbound XPUB and retries every second (``_io_timers``) rather than die:
@@ -1377,6 +1391,7 @@ class DataPlane:
         # Awaited: what the closed XPUB had, and what an earlier rebind still waited for.
         state["awaited"] |= state["subscribed"]
         state["subscribed"] = set()
+        state["owners"] = {}
         state["hold_until"] = None
         deadline = time.monotonic() + (_REBIND_WAIT_S if wait is None else wait)
         while True:
@@ -1410,25 +1425,41 @@ class DataPlane:
 
     def _read_subscriptions(self, xpub: zmq.Socket[Any], state: dict[str, Any]) -> None:
         accepted = refused = 0
-        subscribed, awaited = state["subscribed"], state["awaited"]
+        subscribed, awaited, owners = state["subscribed"], state["awaited"], state["owners"]
         for _ in range(_READ_BATCH):
             try:
                 frame = xpub.recv(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 break
             data = frame.bytes
-            if not data or data[0] != 1:
-                continue  # unsubscriptions: libzmq drops a closed pipe's subscriptions itself
+            if not data or data[0] > 1:
+                continue
             try:
                 user = frame.get("User-Id")
             except (zmq.ZMQError, KeyError, TypeError):
                 user = None
             topic = data[1:]
+            if data[0] == 0:
+                # An unsubscription (libzmq drops the pipe's subscription itself). A connection that
+                # ended hands us one per topic it had, with no key: its pair topic says whose it was
+                # (_PRESENCE), and its subscriptions are then no longer waited for by a rebind.
+                if user is not None:
+                    gone = [(user, topic)]
+                else:
+                    owner = owners.pop(topic, None)
+                    gone = [(owner[0], t) for t in owner[1]] if owner is not None else []
+                for entry in gone:
+                    subscribed.discard(entry)
+                    awaited.discard(entry)
+                continue
             if user is not None and topic in self._acl.get(user, ()):
                 xpub.setsockopt(zmq.SUBSCRIBE, topic)  # applies to the pipe this came from
                 accepted += 1
                 subscribed.add((user, topic))
                 awaited.discard((user, topic))
+                mine = self._presence.get(topic)
+                if mine is not None:
+                    owners[topic] = (user, mine)
             else:
                 refused += 1
         if accepted or refused:
@@ -1444,7 +1475,7 @@ class DataPlane:
                 break
             sub.got_any = True
             kind = sub.topics.get(parts[0]) if len(parts) == 2 else None  # the whole first frame
-            if kind is None:
+            if kind is None or kind is _PRESENCE:
                 wrong += 1
                 continue
             items.append(("sub", sub.group, sub.did, kind, parts[1]))
