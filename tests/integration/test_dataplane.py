@@ -791,6 +791,33 @@ def test_a_member_that_goes_away_during_the_wait_after_a_leave_holds_the_others_
     assert bob.dp.stats()["nacks_sent"] == 0
 
 
+
+@pytest.mark.parametrize("mode", ["shared", "multi"])
+def test_what_the_old_socket_still_queued_at_a_leave_reaches_the_others(make, mode: str) -> None:  # type: ignore[no-untyped-def]
+    """dave leaves while alice's XPUB still queues a burst for bob (slow: his callback held it up),
+    all of it published while dave was a member. The rebind that cuts dave must not throw that
+    queue away: bob would get it only by asking for it again (a NACK, or with nothing after it a
+    heartbeat after resend_after_ms). Here nothing is resent nor asked for."""
+    cfg = replace(FAST, resend_after_ms=120_000, batch_max=8, sndhwm=50, rcvhwm=50)
+    alice, bob, carol, dave = make("alice", cfg), make("bob", cfg), make("carol", cfg), make("dave", cfg)
+    form_group([alice, bob, carol, dave], mode=mode)
+    gate = threading.Event()
+    bob.hook = lambda d: gate.wait(30)
+    try:
+        big = [bytes(4096)] * 500
+        for _ in range(6):  # 12 MB in 375 envelopes per member: bob's buffers fill, alice's queue for him too
+            alice.dp.publish("g", big, timeout=30)
+        time.sleep(1.0)
+    finally:
+        gate.set()  # bob reads again
+    alice.dp.remove_member("g", dave.did)
+    alice.dp.publish("g", [b"after"]).wait(30)
+    for node in (bob, carol):
+        assert node.wait(lambda node=node: len(node.from_(alice)) == 3001, timeout=30), len(node.from_(alice))
+        assert [d.seq for d in node.from_(alice)] == list(range(1, 3002))
+        assert node.dp.stats()["nacks_sent"] == 0
+    assert alice.dp.stats()["retransmits"] == 0
+
 def test_restart_restores_positions_and_fetches_what_was_missed(make, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     alice, bob = make("alice"), make("bob")
     form_group([alice, bob], mode="multi")

@@ -1384,7 +1384,11 @@ class DataPlane:
         publishes go unacknowledged meanwhile and are re-sent once members reconnect.
         """
         assert self._endpoint is not None
-        state["xpub"].close(linger=0)
+        # Lingering, the old socket still writes out what it queued (up to sndhwm envelopes per
+        # member, all published before the rebind: the leaver's share was addressed to it) before
+        # it drops each connection; without, a busy member gets that only by NACK. The listener goes
+        # at once; a member that does not read is cut after _LINGER_MS as before.
+        state["xpub"].close(linger=_LINGER_MS)
         # What blocked was the old socket's queues: the new one has none. Kept, a hold below would
         # let dead_after run out on the old socket's account and cut every member off again.
         state["blocked_since"] = None
