@@ -818,6 +818,30 @@ def test_what_the_old_socket_still_queued_at_a_leave_reaches_the_others(make, mo
         assert node.dp.stats()["nacks_sent"] == 0
     assert alice.dp.stats()["retransmits"] == 0
 
+@pytest.mark.parametrize("mode", ["shared", "multi"])
+def test_a_group_closed_by_a_member_is_not_waited_for_when_another_group_rebinds(make, mode: str) -> None:  # type: ignore[no-untyped-def]
+    """carol closed g2 (she leaves it; alice has not heard yet, so carol is still admitted there)
+    when alice removes bob from g1. One XPUB serves both groups: its rebind must not wait for
+    carol's g2 subscriptions, gone with her SUB, nor for bob's g1 ones; bob stays in g2."""
+    cfg = replace(FAST, resend_after_ms=120_000)
+    alice, bob, carol = make("alice", cfg), make("bob", cfg), make("carol", cfg)
+    form_group([alice, bob, carol], "g1", mode=mode)
+    form_group([alice, bob, carol], "g2", mode=mode)
+    carol.dp.close_group("g2")
+    time.sleep(0.5)  # alice's XPUB has seen carol's g2 connection end
+    alice.dp.remove_member("g1", bob.did)
+    start = time.monotonic()
+    alice.dp.publish("g1", [b"g1 after"])
+    alice.dp.publish("g2", [b"g2 after"])
+    assert carol.wait(lambda: len(carol.from_(alice, "g1")) == 1, timeout=10)
+    assert bob.wait(lambda: len(bob.from_(alice, "g2")) == 1, timeout=10)
+    took = time.monotonic() - start
+    assert took < 2.5, f"delivered after {took:.1f}s: alice waited for carol's g2 SUB"
+    time.sleep(0.3)
+    assert bob.from_(alice, "g1") == []
+    assert (bob.dp.stats()["nacks_sent"], carol.dp.stats()["nacks_sent"]) == (0, 0)
+
+
 def test_restart_restores_positions_and_fetches_what_was_missed(make, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     alice, bob = make("alice"), make("bob")
     form_group([alice, bob], mode="multi")
