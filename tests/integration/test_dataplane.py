@@ -737,7 +737,8 @@ def test_a_member_that_does_not_come_back_after_a_leave_holds_the_others_only_br
     """Sends after a rebind wait for the subscribers the closed socket had; one of them whose SUB is
     down (alive otherwise: its keepalives answer) does not come back, and the others must not wait
     for it past the bound (resend_after_ms here): they get what was published by the data path,
-    without asking for it, once the wait is over."""
+    without asking for it, once the wait is over. (Her SUB's end is seen before the leave, so she
+    is not waited for at all; the bound itself: the test of a member going away during the wait.)"""
     cfg = replace(FAST, resend_after_ms=3_000)
     alice, bob, carol, dave = make("alice", cfg), make("bob", cfg), make("carol", cfg), make("dave", cfg)
     form_group([alice, bob, carol, dave], mode="shared")
