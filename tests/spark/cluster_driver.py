@@ -4,7 +4,7 @@ runs the functions a test sends it.
 Why a process of its own: a Python process holds one SparkContext, and the test run's shared session
 (tests/conftest.py) is plain local mode, where the driver is the only executor. ``local-cluster[N,C,M]``
 starts N executor JVMs, each with its own Python workers, as a real cluster does; it needs the pip
-package's bin/ and jars/ (SPARK_HOME is the pyspark package directory, as pyspark's own launcher sets it).
+package's bin/ and jars/ (see cluster_environment).
 
 Protocol: the driver connects to the parent's Unix socket ``address`` (in a directory only this user
 can enter), which sends cloudpickled ``(function, args, kwargs)``; the driver answers
@@ -38,15 +38,25 @@ KEPT: dict[str, Any] = {}  # what functions keep across calls (in the driver pro
 
 
 def cluster_environment(work_dir: Path) -> dict[str, str]:
-    """What the driver process needs for local-cluster with the pip-installed pyspark."""
+    """What the driver process needs for local-cluster with the pip-installed pyspark.
+
+    Its workers run in the driver's JVM and take their Spark home from $SPARK_HOME (pyspark's launcher
+    sets it to the package directory): executors are started from its bin/ and jars/, and each gets a
+    working directory under its work/ ($SPARK_WORKER_DIR counts only for a standalone worker). So
+    SPARK_HOME is a directory of the test's own, whose entries link to the package's, and whose
+    work/ is real: nothing is written into the virtual environment.
+    """
     import pyspark
 
-    home = Path(pyspark.__file__).parent
+    package = Path(pyspark.__file__).parent
+    home = work_dir / "spark-home"
+    home.mkdir(exist_ok=True)
+    for entry in package.iterdir():
+        if entry.name != "work" and not (home / entry.name).exists():
+            (home / entry.name).symlink_to(entry)
+    (home / "work").mkdir(exist_ok=True)
     return {
-        "SPARK_HOME": str(home),  # what pyspark's launcher finds by itself, said once for the workers
-        # local-cluster's workers put each executor's directory (its jars, stdout, stderr) under
-        # $SPARK_WORKER_DIR, by default $SPARK_HOME/work: inside the virtual environment.
-        "SPARK_WORKER_DIR": str(work_dir / "spark-worker"),
+        "SPARK_HOME": str(home),
         "SPARK_LOCAL_IP": "127.0.0.1",
         "PYSPARK_PYTHON": sys.executable,
         "PYSPARK_DRIVER_PYTHON": sys.executable,
