@@ -109,15 +109,13 @@ def _mark_task(marks: str) -> None:
         open(path, "a").close()
 
 
-def _read_stream_to_parquet(spark, group: str, agent: str | None, out: str, ck: str, run: str, timeout: float,
+def _read_stream_to_parquet(spark, group: str, agent: str, out: str, ck: str, run: str, timeout: float,
                             **options: str) -> list[int]:
     """A streaming query over the group (availableNow) whose every batch appends its rows, with the
     executor that read them, to ``out`` (not idempotent: a re-run batch shows up twice)."""
     from pyspark.sql import functions as F
 
-    reader = spark.readStream.format("zerocomm").option("group", group)
-    if agent is not None:
-        reader = reader.option("agent", agent)
+    reader = spark.readStream.format("zerocomm").option("group", group).option("agent", agent)
     for key, value in options.items():
         reader = reader.option(key, value)
     executor = F.udf(_executor_jvm, "bigint").asNondeterministic()
@@ -192,16 +190,13 @@ def _write_stream(spark, group: str, agent: str, src: str, ck: str, marks: str, 
     return {"id": str(query.id), "rows": sum(p["numInputRows"] for p in query.recentProgress)}
 
 
-def _write_batch(spark, group: str, agent: str | None, marks: str, count: int, partitions: int,
-                 first: int = 0) -> None:
+def _write_batch(spark, group: str, agent: str, marks: str, count: int, partitions: int) -> None:
     from pyspark.sql import functions as F
 
-    frame = spark.range(first, first + count, 1, partitions).selectExpr("CAST(id AS STRING) AS payload")
-    writer = (frame.select(F.udf(lambda p: (_mark_task(marks), p)[1], "string")("payload").alias("payload"))
-              .write.format("zerocomm").option("group", group))
-    if agent is not None:
-        writer = writer.option("agent", agent)
-    writer.option("spawnAgent", "true").option("agentTimeoutMs", "60000").mode("append").save()
+    frame = spark.range(0, count, 1, partitions).selectExpr("CAST(id AS STRING) AS payload")
+    (frame.select(F.udf(lambda p: (_mark_task(marks), p)[1], "string")("payload").alias("payload"))
+     .write.format("zerocomm").option("group", group).option("agent", agent).option("spawnAgent", "true")
+     .option("agentTimeoutMs", "60000").mode("append").save())
 
 
 # --- checks in the test process -----------------------------------------------------------------
