@@ -26,7 +26,7 @@ import logging
 import queue
 import threading
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeoutError
@@ -96,6 +96,10 @@ SETTINGS_ID = "settings"
 OUTBOX_TIMEOUT = 5.0  # replies sent from the outbox; bounds how long close() can wait for them
 MAX_HISTORY = 10_000
 MAX_SEEN = 50_000
+# Requests given up on (their deadline passed) whose answer may still come: remembered this long, this
+# many, so a late answer is dropped quietly instead of refused (the peer logged the refusal as a warning).
+LATE_ANSWER_S = 300.0
+MAX_LATE = 1024
 _DETAIL_LIMIT = 500
 _INVITATION_USED_HINT = ("Ask the inviter for a fresh invitation URL (or a multi-use one); "
                          "this one cannot be accepted again")
@@ -201,6 +205,7 @@ class Agent:
         # (kind, thread id, connection id the answer must come on; None for the DID exchange, whose
         # response the exchange manager ties to our request by its recipient key) -> the waiter
         self._waiters: dict[tuple[str, str, str | None], Future[Any]] = {}
+        self._given_up: OrderedDict[tuple[str, str, str | None], float] = OrderedDict()  # -> when (monotonic)
         self._inbox: queue.Queue[Any] = queue.Queue()
         self._history: deque[ReceivedMessage] = deque(maxlen=MAX_HISTORY)
         self._seen = SeenMessages.open(keystore.directory, keystore, MAX_SEEN)  # replay protection
@@ -572,6 +577,9 @@ class Agent:
     def _on_reply(self, message: AgentMessage, context: _Inbound) -> None:
         record = self._connected(context)
         if not self._settle("request", message.thid, message, connection_id=record.connection_id):
+            if self._late("request", message.thid, record.connection_id):
+                log.debug("a %s came after its request's deadline: dropped", type(message).__name__)
+                return
             raise ProtocolError(f"the {type(message).__name__} answers no request of ours on this connection")
 
     # --- outbound plumbing ----------------------------------------------------------------------
@@ -654,8 +662,21 @@ class Agent:
         return future
 
     def _drop_waiter(self, kind: str, thid: str, connection_id: str | None = None) -> None:
+        key = (kind, thid, connection_id)
         with self._lock:
-            self._waiters.pop((kind, thid, connection_id), None)
+            future = self._waiters.pop(key, None)
+            if future is not None and not future.done():  # given up on: its answer may still come
+                now = time.monotonic()
+                self._given_up[key] = now
+                while self._given_up and (len(self._given_up) > MAX_LATE
+                                          or next(iter(self._given_up.values())) < now - LATE_ANSWER_S):
+                    self._given_up.popitem(last=False)
+
+    def _late(self, kind: str, thid: str | None, connection_id: str | None) -> bool:
+        """Whether ``thid`` names a request of ours given up on lately (on that connection)."""
+        with self._lock:
+            when = self._given_up.pop((kind, thid or "", connection_id), None)
+        return when is not None and time.monotonic() - when < LATE_ANSWER_S
 
     def _settle(self, kind: str, thid: str, value: Any = None, error: BaseException | None = None, *,
                 connection_id: str | None = None) -> bool:
@@ -791,6 +812,8 @@ class Agent:
     def _on_ping_response(self, response: PingResponse, context: _Inbound) -> None:
         record = self._connected(context)
         if not self._settle("ping", response.thid, True, connection_id=record.connection_id):
+            if self._late("ping", response.thid, record.connection_id):
+                return  # it came after the ping's deadline
             raise ProtocolError("the ping response answers no ping of ours on this connection")
 
     def _on_query(self, query: Query, context: _Inbound) -> None:
@@ -801,6 +824,8 @@ class Agent:
     def _on_disclose(self, disclose: Disclose, context: _Inbound) -> None:
         record = self._connected(context)
         if not self._settle("discover", disclose.thid, list(disclose.protocols), connection_id=record.connection_id):
+            if self._late("discover", disclose.thid, record.connection_id):
+                return  # it came after the query's deadline
             raise ProtocolError("the disclose answers no query of ours on this connection")
 
     def _on_invitation(self, invitation: Invitation, context: _Inbound) -> None:

@@ -614,3 +614,46 @@ def test_an_answer_on_another_connection_does_not_settle_a_ping_or_discover(tmp_
             m._deliver_to(m._resolve(to_m), forged, 5)  # noqa: SLF001
         caller.join(10)
         assert len(outcome) == 1 and isinstance(outcome[0], PeerTimeoutError), outcome
+
+
+@pytest.mark.parametrize("kind", ["ping", "discover"])
+def test_a_late_answer_is_dropped_quietly_and_only_from_the_peer_asked(tmp_path: Path, kind: str) -> None:
+    """An answer that came after its request's deadline was refused as answering nothing, and the peer
+    logged its delivery as failed (a warning, seen after an agent restart). It is dropped quietly now -
+    only from the connection the request went to, and only for a request of ours that was given up."""
+    from zerocomm_spark.errors import ProtocolError, RemoteError, ZeroCommError
+    from zerocomm_spark.member import Agent
+    from zerocomm_spark.protocols.discover_features.v1_0.messages import Disclose, Query
+    from zerocomm_spark.protocols.message import Thread
+    from zerocomm_spark.protocols.trust_ping.v1_0.messages import Ping, PingResponse
+
+    with Agent.open(tmp_path / "a", label="a") as a, Agent.open(tmp_path / "b", label="b") as b, \
+            Agent.open(tmp_path / "m", label="mallory") as m:
+        b.accept(a.invite(), timeout=10)
+        m.accept(a.invite(), timeout=10)
+        to_b = next(c for c in a.connections() if c.label == "b")
+        b_to_a, m_to_a = next(iter(b.connections())), next(iter(m.connections()))
+        b._handlers[Ping] = b._handlers[Query] = lambda message, context: None  # noqa: SLF001  # b is slow
+        thids: list[str] = []
+        real_waiter = a._waiter  # noqa: SLF001
+
+        def spy(kind_: str, thid: str, *args: Any) -> Any:
+            thids.append(thid)
+            return real_waiter(kind_, thid, *args)
+
+        a._waiter = spy  # type: ignore[method-assign]  # noqa: SLF001
+        with pytest.raises(ZeroCommError):
+            a.ping(to_b, timeout=0.5) if kind == "ping" else a.discover(to_b, timeout=0.5)
+        assert len(thids) == 1
+
+        def answer(thid: str) -> Any:
+            return (PingResponse(thread=Thread(thid=thid)) if kind == "ping"
+                    else Disclose(protocols=[], thread=Thread(thid=thid)))
+
+        with pytest.raises((ProtocolError, RemoteError)):  # another peer cannot answer for b, late either
+            m._deliver_to(m._resolve(m_to_a), answer(thids[0]), 5)  # noqa: SLF001
+        b._deliver_to(b._resolve(b_to_a), answer(thids[0]), 5)  # noqa: SLF001  # b's late answer: accepted
+        with pytest.raises((ProtocolError, RemoteError)):  # once only
+            b._deliver_to(b._resolve(b_to_a), answer(thids[0]), 5)  # noqa: SLF001
+        with pytest.raises((ProtocolError, RemoteError)):  # and never for a thread we never started
+            b._deliver_to(b._resolve(b_to_a), answer("not-ours"), 5)  # noqa: SLF001
