@@ -918,6 +918,9 @@ def cmd_history(ctx: Ctx) -> int:
 def cmd_tail(ctx: Ctx) -> int:
     check_group(ctx.args.group)  # following a name no group can have would wait forever
     client = ctx.client()
+    unknown = _unknown_group(client, ctx.args.group)  # so would a misspelt one (and --no-follow printed nothing,
+    if unknown is not None:                           # exit 0); a group it left keeps its history: tail that
+        raise unknown
     labels = _Labels(client, ctx.args.group)
     page = client.fetch(group=ctx.args.group, last=ctx.args.lines) if ctx.args.lines > 0 else None
     if page is not None:

@@ -406,3 +406,27 @@ def test_the_start_command_a_missing_agent_is_told_names_this_agent(tmp_path: Pa
         assert solo.ok("agent", "status")["label"] == "solo"
     finally:
         solo.stop()
+
+
+def test_tail_of_a_group_the_member_does_not_know_says_so(tmp_path: Path) -> None:
+    """`tail` of a misspelt group printed nothing and exited 0 (--no-follow), or followed it silently
+    forever; `history` said the member is in no such group. Both say it now, exit 6, and name the
+    groups it is in; a group the member is in (even with nothing journaled yet) is still tailed."""
+    solo = Member(tmp_path, "solo")
+    try:
+        start_all([solo])
+        solo.ok("group", "create", "sensors")
+        solo.ok("send", "sensors", "hello")
+        for command in (("tail", "sensor", "--no-follow"), ("tail", "sensor"), ("tail", "sensor", "-n", "0")):
+            started = time.monotonic()
+            typo = solo.run(*command, timeout=30)
+            assert typo.code == 6, (command, typo.stdout, typo.stderr)
+            assert typo.json["error"]["type"] == "GroupNotFoundError" and "'sensors'" in typo.json["error"]["hint"]
+            assert time.monotonic() - started < 20
+        human = solo.run("tail", "sensor", json_out=False, timeout=30)
+        assert human.code == 6 and "Traceback" not in human.stderr and "sensors" in human.stderr
+        assert [r["payload"] for r in solo.run("tail", "sensors", "--no-follow").json_lines] == ["hello"]
+        solo.ok("group", "create", "quiet")
+        assert solo.run("tail", "quiet", "--no-follow").code == 0  # a group with nothing journaled yet
+    finally:
+        solo.stop()
