@@ -453,6 +453,15 @@ def cmd_init(ctx: Ctx) -> int:
     writing = not target.exists() or getattr(ctx.args, "force", False)
     if writing:  # a file that cannot be written must fail before the identity exists, not after
         _init_toml(cfg, str(cfg.label or cfg.identity_dir.name))
+    else:  # the kept file must name this identity, or every command after (and the printed one) runs another
+        kept = config_mod.load(str(target), env={}).identity_dir
+        if cfg.source.get("identity.dir") == "flag" and kept != cfg.identity_dir:
+            raise errors.ConfigurationError(
+                f"the configuration file {target} belongs to the identity in {kept}, not {cfg.identity_dir}; "
+                "init kept it, so `zerocomm agent start` would start that other member",
+                hint=f"Give this member a file of its own: zerocomm --config PATH init --identity-dir "
+                     f"{shlex.quote(str(cfg.identity_dir))} (then --config PATH on its commands), or --force "
+                     f"to point {target} at it")
     existing = (cfg.identity_dir / "keystore.sealed").exists()
     if existing:
         # Only the keystore: opening the member would rejoin its groups, and messages delivered
@@ -464,6 +473,15 @@ def cmd_init(ctx: Ctx) -> int:
             journal_key(keystore)
             settings = keystore.get_record(SETTINGS_KIND, SETTINGS_ID) or {}
         label = str(settings.get("label") or cfg.label or cfg.identity_dir.name)
+        if cfg.label and cfg.label != label and cfg.source.get("identity.label") == "flag":
+            # A second `init --label bob` found alice's identity and said "found the identity 'alice'",
+            # exit 0: no new member, and the label asked for was dropped.
+            raise errors.ConfigurationError(
+                f"{cfg.identity_dir} already holds the identity {label!r}; init makes no second member "
+                f"{cfg.label!r} in it",
+                hint=f"For another member, give it its own directory and file: zerocomm --config PATH init "
+                     f"--identity-dir DIR --label {shlex.quote(cfg.label)} (then --config PATH on its commands); "
+                     f"to rename this one, set identity.label in {target}")
         endpoint = str(settings.get("advertise") or settings.get("endpoint") or "")
     else:
         agent = Agent.open(cfg.identity_dir, label=cfg.label, endpoint=cfg.get("peer", "endpoint"),

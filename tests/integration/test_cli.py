@@ -430,3 +430,29 @@ def test_tail_of_a_group_the_member_does_not_know_says_so(tmp_path: Path) -> Non
         assert solo.run("tail", "quiet", "--no-follow").code == 0  # a group with nothing journaled yet
     finally:
         solo.stop()
+
+
+def test_a_second_init_that_would_make_another_member_says_how(tmp_path: Path) -> None:
+    """A user adding a second member on one machine runs init again. `init --label bob` on alice's
+    file said "found the identity 'alice'", exit 0 (no bob, the label dropped); `init --identity-dir
+    D --label bob` made bob but kept alice's file, so the printed `zerocomm agent start` started
+    alice. Both are refused before anything is made, with the command that makes a second member;
+    init again as it was first run still succeeds and changes nothing."""
+    config = tmp_path / "zerocomm.toml"
+    first = tmp_path / "alice"
+    made = zerocomm("--config", str(config), "--json", "init", "--identity-dir", str(first), "--label", "alice")
+    assert made.code == 0 and made.json["created"] is True, made.stderr
+    before = config.read_text()
+    again = zerocomm("--config", str(config), "--json", "init", "--identity-dir", str(first), "--label", "alice")
+    assert again.code == 0 and again.json["created"] is False and again.json["label"] == "alice", again.stderr
+    relabel = zerocomm("--config", str(config), "--json", "init", "--label", "bob")
+    assert relabel.code == 2, relabel.stdout + relabel.stderr
+    assert "'alice'" in relabel.json["error"]["message"] and "--identity-dir" in relabel.json["error"]["hint"]
+    other = tmp_path / "bob"
+    elsewhere = zerocomm("--config", str(config), "init", "--identity-dir", str(other), "--label", "bob")
+    assert elsewhere.code == 2 and "Traceback" not in elsewhere.stderr, elsewhere.stdout + elsewhere.stderr
+    assert str(first) in elsewhere.stderr and "--config PATH" in elsewhere.stderr
+    assert not other.exists() and config.read_text() == before
+    own = zerocomm("--config", str(tmp_path / "bob.toml"), "--json", "init", "--identity-dir", str(other),
+                   "--label", "bob")
+    assert own.code == 0 and own.json["label"] == "bob", own.stderr
