@@ -16,7 +16,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from zerocomm_spark.errors import ConfigurationError, InsecurePermissionsError, ZeroCommError
+from zerocomm_spark.errors import ConfigurationError, GroupNotFoundError, InsecurePermissionsError, ZeroCommError
 from zerocomm_spark.pipelines.history_key import KEY_BYTES, HistoryKey
 
 __all__ = ["compact", "ingest", "read_key_file", "replay", "vacuum"]
@@ -235,6 +235,13 @@ def replay(ctx: Any) -> int:
         if a.limit and a.limit > 0:
             df = df.limit(a.limit)
         rows = _readable_rows(df.toArrow())
+        if not rows:  # a misspelt group printed "(no messages)", exit 0, as a group that has none would
+            held = groups_in(spark, a.table)
+            if a.group not in held:
+                raise GroupNotFoundError(
+                    f"the history table at {a.table} holds no messages of group {a.group!r}",
+                    hint="Check the name; the groups it holds: " + (", ".join(repr(g) for g in held) or "none")
+                         + " (`zerocomm history ingest GROUP --table PATH` adds a group)")
     key_id = key.key_id if key is not None else None
     if ctx.json:
         for r in rows:
@@ -255,6 +262,13 @@ def replay(ctx: Any) -> int:
         columns.append(("origin", "ORIGIN"))
     print(render_table(shaped, columns + [("message", "MESSAGE")], empty="(no messages)"), flush=True)
     return 0
+
+
+def groups_in(spark: Any, table: str) -> list[str]:
+    """The groups the history table's current version holds rows of (it is append-only: every group
+    ever ingested)."""
+    rows = spark.read.format("delta").load(table).select("group").distinct().collect()
+    return sorted(str(r["group"]) for r in rows if r["group"] is not None)
 
 
 def _readable_rows(table: Any) -> list[dict[str, Any]]:

@@ -406,6 +406,9 @@ def test_compact_vacuum_and_the_history_commands(spark, members, story, tmp_path
                      "--since-lamport", "0", "--limit", "0", "--verify"]) == 0
     replayed = [json.loads(x) for x in capsys.readouterr().out.splitlines() if x.strip()]
     assert len(replayed) == 110 and all(r["origin_ok"] for r in replayed)
+    assert zerocomm(["--config", config, "--json", "history", "replay", "stroy", "--table", str(table)]) == 6
+    misspelt = json.loads(capsys.readouterr().out.splitlines()[-1])["error"]  # not "(no messages)", exit 0
+    assert misspelt["type"] == "GroupNotFoundError" and "'story'" in misspelt["hint"]
     assert [r["lamport_ts"] for r in replayed] == sorted(r["lamport_ts"] for r in replayed)
     assert zerocomm(["--config", config, "history", "story", "--limit", "3"]) == 0  # the journal listing still works
     assert "OFFSET" in capsys.readouterr().out

@@ -123,6 +123,38 @@ def test_replay_json_says_what_the_origin_column_says(monkeypatch, capsys, tmp_p
     assert {json.loads(x)["origin"] for x in capsys.readouterr().out.splitlines() if x.strip()} == {None}
 
 
+def test_replay_of_a_group_the_table_does_not_hold_says_so(monkeypatch, capsys, tmp_path):
+    """`history replay sensor --table T` (a misspelt group) printed "(no messages)" and exited 0, as
+    for a group with nothing in the range asked; it exits 6 and names the groups the table holds."""
+    import json
+
+    import zerocomm_spark.pipelines.commands as commands
+    import zerocomm_spark.pipelines.replay as replay_mod
+    from zerocomm_spark.agent.cli import main as zerocomm
+
+    class Empty:
+        def limit(self, n):
+            return self
+
+        def toArrow(self):
+            class Table:
+                def to_pylist(self):
+                    return []
+            return Table()
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.delenv("ZEROCOMM_CONFIG", raising=False)
+    monkeypatch.setattr(commands, "_spark", lambda: None)
+    monkeypatch.setattr(replay_mod, "replay", lambda *a, **k: Empty())
+    monkeypatch.setattr(commands, "groups_in", lambda spark, table: ["sensors", "alerts"])
+    assert zerocomm(["--json", "history", "replay", "sensor", "--table", "/t"]) == 6
+    error = json.loads(capsys.readouterr().out.splitlines()[-1])["error"]
+    assert error["type"] == "GroupNotFoundError" and "'sensor'" in error["message"]
+    assert "'sensors'" in error["hint"] and "'alerts'" in error["hint"]
+    assert zerocomm(["history", "replay", "sensors", "--table", "/t", "--since-lamport", "99"]) == 0
+    assert "(no messages)" in capsys.readouterr().out  # a group it holds, nothing in the range: no error
+
+
 class _Java:
     """Just enough of a Java exception through Py4J: toString() and getCause()."""
 
