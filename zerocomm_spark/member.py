@@ -438,7 +438,9 @@ class Agent:
             if len(usable) > 1:
                 raise ConnectionNotFoundError(
                     f"{len(usable)} connections are labelled {peer!r}; name one by its id: "
-                    + ", ".join(r.connection_id for r in usable))
+                    + ", ".join(r.connection_id for r in usable),
+                    hint="Name the connection by its id or their DID (agent.connections(), or `zerocomm "
+                         "connections`, lists each with its label and when it was made)")
             record = usable[0] if usable else None
         if record is None:
             raise ConnectionNotFoundError(f"no connection with the id, DID or label {peer!r}")

@@ -363,8 +363,10 @@ def test_agent_lifecycle_in_process(tmp_path: Path) -> None:
         assert b.connection(conn.their_did) == conn  # type: ignore[arg-type]
         # A second connection with the same label makes the label ambiguous, not silently wrong.
         b.accept(a.invite(), timeout=5)
-        with pytest.raises(ConnectionNotFoundError, match="labelled"):
+        with pytest.raises(ConnectionNotFoundError, match="labelled") as ambiguous:
             b.send("a", "which one?")
+        assert "Accept an invitation" not in ambiguous.value.hint  # it has two: the hint says to name one
+        assert "by its id" in ambiguous.value.hint
         b.send(conn, "by the Connection itself")
         assert a.receive(timeout=5).content == "by the Connection itself"
         # A connection whose exchange did not complete cannot carry messages.
