@@ -195,6 +195,9 @@ def test_tail_names_publishers_through_the_agent_it_follows_after_a_restart(monk
         def latest(self) -> dict[str, int]:
             return {"next_offset": 0}
 
+        def groups(self) -> list[dict[str, str]]:  # tail first checks the member knows the group
+            return [{"group": "g"}]
+
         def members(self, group: str, timeout: float) -> list[dict[str, str]]:
             if self.closed:
                 raise errors.ClientClosedError("the client is closed")
