@@ -25,6 +25,7 @@ from zerocomm_spark.agent.output import (
     emit_json,
     format_payload,
     format_time,
+    json_headers,
     json_payload,
     printable,
     render_pairs,
@@ -876,7 +877,7 @@ def _print_rows(ctx: Ctx, rows: list[dict[str, Any]], labels: _Labels, *, stream
             emit_json({"offset": row["offset"], "group": row["group"], "message_id": row["message_id"],
                        "publisher_did": row["publisher_did"], "publisher_label": labels(row["publisher_did"]),
                        "seq": row["seq"], "lamport_ts": row["lamport_ts"], "sent_at": row["sent_at"],
-                       "received_at": row["received_at"], "headers": row.get("headers"),
+                       "received_at": row["received_at"], "headers": json_headers(row.get("headers")),
                        **json_payload(row["payload"])})
         return
     shaped = [{"offset": r["offset"], "time": format_time(r["sent_at"]), "from": labels(r["publisher_did"]),

@@ -18,7 +18,7 @@ from datetime import datetime, timezone
 from typing import Any, TextIO
 
 __all__ = ["Progress", "emit_json", "printable", "render_table", "short_did", "format_time", "format_payload",
-           "json_payload"]
+           "json_payload", "json_headers"]
 
 
 # DEL and the C1 controls: json.dumps leaves them raw with ensure_ascii=False, and a terminal may act on
@@ -45,6 +45,14 @@ def json_payload(payload: bytes | None) -> dict[str, str | None]:
     except UnicodeDecodeError:
         text = format_payload(payload)
     return {"payload": text, "payload_base64": base64.b64encode(payload).decode("ascii")}
+
+
+def json_headers(headers: Any) -> dict[str, str] | None:
+    """A row's headers for JSON output: an object, as the column's type (map<string,string>) says, not
+    the list of [key, value] pairs Arrow gives for a map (`jq '.headers["zc-origin"]'` works)."""
+    if headers is None:
+        return None
+    return dict(headers.items() if isinstance(headers, Mapping) else headers)
 
 
 def printable(text: str, keep: str = "") -> str:

@@ -217,7 +217,8 @@ def ingest(ctx: Any) -> int:
 
 def replay(ctx: Any) -> int:
     """Print the group's history in causal order (or as JSON lines with --json)."""
-    from zerocomm_spark.agent.output import emit_json, format_payload, format_time, json_payload, render_table
+    from zerocomm_spark.agent.output import (emit_json, format_payload, format_time, json_headers, json_payload,
+                                             render_table)
     from zerocomm_spark.pipelines.replay import Since
     from zerocomm_spark.pipelines.replay import replay as read
 
@@ -247,7 +248,7 @@ def replay(ctx: Any) -> int:
         for r in rows:
             emit_json({"group": r["group"], "message_id": r["message_id"], "publisher_did": r["publisher_did"],
                        "publisher_label": r["publisher_label"], "seq": r["seq"], "lamport_ts": r["lamport_ts"],
-                       "sent_at": r["sent_at"], "received_at": r["received_at"], "headers": r["headers"],
+                       "sent_at": r["sent_at"], "received_at": r["received_at"], "headers": json_headers(r["headers"]),
                        **(json_payload(r["payload"]) if r["payload_key_id"] is None
                           else {"payload": None, "payload_base64": None}),
                        "sealed": r["payload_key_id"] is not None, "origin_ok": r.get("origin_ok"),

@@ -456,3 +456,22 @@ def test_a_second_init_that_would_make_another_member_says_how(tmp_path: Path) -
     own = zerocomm("--config", str(tmp_path / "bob.toml"), "--json", "init", "--identity-dir", str(other),
                    "--label", "bob")
     assert own.code == 0 and own.json["label"] == "bob", own.stderr
+
+
+def test_json_history_and_tail_give_headers_as_an_object(tmp_path: Path) -> None:
+    """headers is map<string,string>; `history --json` and `tail --json` printed it as Arrow's list of
+    [key, value] pairs, so a script's `row["headers"]["zc-origin"]` failed. It is a JSON object now
+    (null for a message without headers)."""
+    solo = Member(tmp_path, "solo")
+    try:
+        start_all([solo])
+        solo.ok("group", "create", "g")
+        solo.ok("send", "g", "plain")
+        solo.ok("send", "g", "signed", "--sign")
+        for command in (("history", "g"), ("tail", "g", "--no-follow")):
+            rows = solo.run(*command).json_lines
+            assert [r["payload"] for r in rows] == ["plain", "signed"], command
+            assert rows[0]["headers"] is None
+            assert isinstance(rows[1]["headers"], dict) and list(rows[1]["headers"]) == ["zc-origin"], rows[1]
+    finally:
+        solo.stop()

@@ -99,6 +99,7 @@ def test_replay_json_says_what_the_origin_column_says(monkeypatch, capsys, tmp_p
                 "payload": b"x", "payload_key_id": key_id, "origin_sig": sig, "origin_ok": ok}
 
     rows = [row(1, b"s" * 64, True), row(2, None, False), row(3, b"s" * 64, False), row(4, b"s" * 64, False, "k9")]
+    rows[0]["headers"] = [("kind", "q"), ("zc-origin", "1:x")]  # a map column, as Arrow gives it
 
     class Frame:
         def limit(self, n):
@@ -118,6 +119,7 @@ def test_replay_json_says_what_the_origin_column_says(monkeypatch, capsys, tmp_p
     out = [json.loads(x) for x in capsys.readouterr().out.splitlines() if x.strip()]
     assert [r["origin"] for r in out] == ["ok", "unsigned", "FAILED", "sealed"]
     assert [r["origin_ok"] for r in out] == [True, False, False, False]
+    assert out[0]["headers"] == {"kind": "q", "zc-origin": "1:x"} and out[1]["headers"] is None  # an object
     rows = [{k: v for k, v in r.items() if k != "origin_ok"} for r in rows]  # not verified: no verdict
     assert zerocomm(["--json", "history", "replay", "g", "--table", "/t"]) == 0
     assert {json.loads(x)["origin"] for x in capsys.readouterr().out.splitlines() if x.strip()} == {None}
