@@ -342,15 +342,70 @@ def render(summary: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _check_options(parser: argparse.ArgumentParser, cfg: JobConfig) -> None:
+    """Out-of-range options are usage errors (exit 2, argparse's message), before anything starts: a
+    --timeout of nan or inf ended in a traceback from the client's deadline check."""
+    import math
+
+    if not 1 <= cfg.publishers <= len(PUBLISHER_NAMES):
+        parser.error(f"--publishers must be 1-{len(PUBLISHER_NAMES)}, not {cfg.publishers}")
+    if cfg.messages < 1:
+        parser.error(f"--messages must be at least 1, not {cfg.messages}")
+    if not (math.isfinite(cfg.rate) and cfg.rate > 0):
+        parser.error(f"--rate must be a number of messages per second above 0, not {cfg.rate}")
+    if cfg.payload_bytes < 0:
+        parser.error(f"--payload-bytes must be 0 or more, not {cfg.payload_bytes}")
+    if not 0 <= cfg.reply_fraction <= 1:  # (nan fails this too)
+        parser.error(f"--reply-fraction must be from 0 to 1, not {cfg.reply_fraction}")
+    if not (math.isfinite(cfg.timeout) and cfg.timeout > 0):
+        parser.error(f"--timeout must be a number of seconds above 0, not {cfg.timeout}")
+
+
+def _failure(exc: BaseException) -> dict[str, str] | None:
+    """What a user is told when the job cannot run (a member, the table's path, Spark): the error in
+    one line and what to do, not a traceback of Python and Java frames. None for anything else (a bug
+    keeps its traceback)."""
+    from py4j.protocol import Py4JError
+    from pyspark.errors import PySparkException
+
+    from zerocomm_spark.errors import ZeroCommError
+
+    if isinstance(exc, ZeroCommError):
+        return {"type": type(exc).__name__, "message": exc.message, "hint": exc.hint or ""}
+    if isinstance(exc, (Py4JError, PySparkException)):
+        from zerocomm_spark.pipelines.commands import _spark_reason
+
+        return {"type": "SparkError", "message": f"Spark failed: {_spark_reason(exc)}",
+                "hint": "Check that --table and --work-dir name places this user can write; Spark's log above "
+                        "has the details"}
+    if isinstance(exc, OSError):
+        return {"type": type(exc).__name__, "message": str(exc),
+                "hint": "Check that --table and --work-dir name places this user can write"}
+    return None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Parse the options, run the job, print the summary; 0 if every check passed."""
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     cfg = JobConfig(**vars(args))
+    _check_options(parser, cfg)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
         summary = run(cfg)
     except KeyboardInterrupt:
         return 130
+    except Exception as exc:
+        error = _failure(exc)
+        if error is None:
+            raise
+        log.debug("the main job failed", exc_info=True)
+        if cfg.as_json:
+            print(json.dumps({"ok": False, "error": error, "exit_code": 1}), flush=True)
+        else:
+            print(f"{parser.prog}: error: {error['message']}\n  what to do: {error['hint']}", file=sys.stderr,
+                  flush=True)
+        return 1
     if cfg.as_json:
         print(json.dumps(summary, sort_keys=True), flush=True)
     else:

@@ -55,3 +55,35 @@ def test_main_job_run_again_on_the_same_table_checks_only_its_own_run(tmp_path):
         summary = json.loads(lines[-1])
         assert done.returncode == 0 and summary["ok"] is True, (run, summary)
         assert summary["rows"] == summary["published"] == 5 and summary["unexpected"] == 0
+
+
+def test_options_out_of_range_are_usage_errors_before_anything_starts():
+    """--timeout nan ended in a traceback from the client's deadline check; --publishers 0 exited 1,
+    the status the README gives to a failed check. Both are usage errors (2) with a one-line reason."""
+    for argv, said in ((["--timeout", "nan"], "--timeout"), (["--timeout", "inf"], "--timeout"),
+                       (["--publishers", "0"], "--publishers"), (["--rate", "nan"], "--rate"),
+                       (["--messages", "0"], "--messages")):
+        done = subprocess.run([sys.executable, "-m", "zerocomm_spark.pipelines.main", *argv], cwd=ROOT,
+                              capture_output=True, text=True, timeout=60)
+        assert done.returncode == 2, (argv, done.stdout, done.stderr[-2000:])
+        assert said in done.stderr and "Traceback" not in done.stderr, (argv, done.stderr[-2000:])
+
+
+def test_a_table_path_that_cannot_be_written_is_one_error_line(tmp_path):
+    """--table under a file (or /proc): 180 lines of Python and Java traceback. Now one line naming
+    Spark's reason and the path, and what to check, exit 1 (and an error document with --json)."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory\n")
+    table = blocker / "history"
+    for extra in ([], ["--json"]):
+        done = subprocess.run(
+            [sys.executable, "-m", "zerocomm_spark.pipelines.main", "--publishers", "1", "--messages", "2",
+             "--timeout", "300", "--table", str(table), "--work-dir", str(tmp_path / f"work{len(extra)}"), *extra],
+            cwd=ROOT, capture_output=True, text=True, timeout=400)
+        assert done.returncode == 1, (done.stdout[-2000:], done.stderr[-4000:])
+        assert "Traceback" not in done.stderr and "\tat " not in done.stderr, done.stderr[-4000:]
+        if extra:
+            error = json.loads(done.stdout.splitlines()[-1])
+            assert error["ok"] is False and error["exit_code"] == 1 and "--table" in error["error"]["hint"]
+        else:
+            assert "error: Spark failed" in done.stderr and "--table" in done.stderr, done.stderr[-2000:]
