@@ -208,7 +208,8 @@ def run(cfg: JobConfig) -> dict[str, Any]:
     work = Path(cfg.work_dir).absolute() if cfg.work_dir else Path(tempfile.mkdtemp(prefix="zerocomm-main-"))
     work.mkdir(parents=True, exist_ok=True)
     table = cfg.table or str(work / "history")
-    checkpoint = str(work / "checkpoints" / f"history-{uuid.uuid4().hex[:8]}")
+    run_id = uuid.uuid4().hex[:8]
+    checkpoint = str(work / "checkpoints" / f"history-{run_id}")
     labels = ["historian", *PUBLISHER_NAMES[:cfg.publishers]]
     key = HistoryKey.generate() if cfg.encrypt else None
     summary: dict[str, Any] = {"mode": cfg.mode, "group": cfg.group, "table": table, "encrypted": cfg.encrypt}
@@ -217,7 +218,9 @@ def run(cfg: JobConfig) -> dict[str, Any]:
     try:
         _say(cfg, f"starting {len(labels)} members ({cfg.mode}): {', '.join(labels)}")
         t0 = time.monotonic()
-        group = LocalGroup.start(labels, group=cfg.group, mode=cfg.mode, base_dir=work / "members",  # type: ignore[arg-type]
+        # Each run's members are new ones: a --work-dir used again holds the last run's, already in the group.
+        group = LocalGroup.start(labels, group=cfg.group, mode=cfg.mode,  # type: ignore[arg-type]
+                                 base_dir=work / "members" / f"run-{run_id}",
                                  timeout=max(min(deadline - time.monotonic(), 180.0), 10.0))
         summary["members_start_s"] = round(time.monotonic() - t0, 2)
         _say(cfg, "starting Spark with Delta")

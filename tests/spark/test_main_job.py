@@ -87,3 +87,19 @@ def test_a_table_path_that_cannot_be_written_is_one_error_line(tmp_path):
             assert error["ok"] is False and error["exit_code"] == 1 and "--table" in error["error"]["hint"]
         else:
             assert "error: Spark failed" in done.stderr and "--table" in done.stderr, done.stderr[-2000:]
+
+
+def test_main_job_run_again_in_the_same_work_dir(tmp_path):
+    """`--work-dir DIR` keeps the members and the table; running the job again on it failed at once:
+    the last run's historian already has the group ("this member already has a group named 'demo'").
+    A second run makes its own members, appends to the same table and checks its own run."""
+    for run in (1, 2):
+        done = subprocess.run(
+            [sys.executable, "-m", "zerocomm_spark.pipelines.main", "--publishers", "1", "--messages", "5",
+             "--rate", "50", "--reply-fraction", "0", "--json", "--timeout", "600", "--work-dir", str(tmp_path)],
+            cwd=ROOT, capture_output=True, text=True, timeout=800)
+        lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+        assert lines, f"no summary (exit {done.returncode}):\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}"
+        summary = json.loads(lines[-1])
+        assert done.returncode == 0 and summary["ok"] is True, (run, summary)
+        assert summary["rows"] == summary["published"] == 5 and summary["table"] == str(tmp_path / "history")
