@@ -13,6 +13,7 @@ import os
 import shlex
 import sys
 import time
+import uuid
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -805,7 +806,9 @@ def cmd_send(ctx: Ctx) -> int:
         ids = None
     else:
         chunks = iter([[a.message]])
-        ids = [a.message_id] if a.message_id else None
+        # The id is made here, not by the agent, so that a send that times out can say which id to
+        # send again with: without it a retry was a second message.
+        ids = [a.message_id or uuid.uuid4().hex]
     message_ids: list[str] = []
     seqs: list[int] = []
     duplicates = signed = 0
@@ -825,6 +828,15 @@ def cmd_send(ctx: Ctx) -> int:
                 text, hint = exc.message, exc.hint
                 text += f" (the first {len(message_ids)} line(s) were sent and acknowledged)"
                 exc.args = (f"{text}. {hint}" if hint else text,)
+            elif ids and isinstance(exc, (errors.PeerTimeoutError, TimeoutError)):
+                # Members down (not acked in time) or the agent slow: the message may be out, and is
+                # kept for whoever did not ack it. The hint said stats()['lag'] (Python) and "wait
+                # again", which a command cannot; its id makes the retry safe.
+                text = f"{exc.message} (message id {ids[0]})"
+                exc.hint = (f"It stays buffered for the members that did not acknowledge it (`zerocomm group members "
+                            f"{shlex.quote(a.group)}` shows who is inactive); to wait for them again, send it with "
+                            f"--id {ids[0]}: a member drops an id it already has, so nothing arrives twice")
+                exc.args = (f"{text}. {exc.hint}",)
             raise
     if not message_ids:
         raise errors.ConfigurationError("stdin had no lines to send",

@@ -475,3 +475,28 @@ def test_json_history_and_tail_give_headers_as_an_object(tmp_path: Path) -> None
             assert isinstance(rows[1]["headers"], dict) and list(rows[1]["headers"]) == ["zc-origin"], rows[1]
     finally:
         solo.stop()
+
+
+def test_a_send_a_member_did_not_acknowledge_says_the_id_to_send_again_with(tmp_path: Path) -> None:
+    """`send` while a member's agent is down timed out (exit 4) naming neither the message's id nor
+    a command: the hint said stats()['lag'] and "wait again". Sent again as it was typed, the text
+    went out a second time under a new id. The error now names the id, and sending with --id that id
+    once the member is back delivers it to everyone once."""
+    with running(tmp_path, "alice", "bob") as (alice, bob):
+        alice.ok("group", "create", "g")
+        bob.ok("connect", alice.ok("invite")["url"])
+        bob.ok("group", "join", "g", "--via", "alice")
+        bob.stop()
+        down = alice.run("send", "g", "are you there?", "--timeout", "3", timeout=60)
+        assert down.code == 4, down.stdout + down.stderr
+        error = down.json["error"]
+        assert "message id " in error["message"], error
+        mid = error["message"].rsplit("message id ", 1)[1].rstrip(")")
+        assert f"--id {mid}" in error["hint"] and "zerocomm group members g" in error["hint"], error
+        bob.start()
+        again = alice.ok("send", "g", "are you there?", "--id", mid, timeout=60)
+        assert again["message_ids"] == [mid] and again["duplicates"] == 1
+        for m in (alice, bob):
+            rows = wait_for(lambda m=m: [r for r in m.run("history", "g").json_lines
+                                         if r["payload"] == "are you there?"], 20, f"{m.name}'s journal")
+            assert [r["message_id"] for r in rows] == [mid], m.name
