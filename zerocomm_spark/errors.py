@@ -32,6 +32,13 @@ class ConfigurationError(ZeroCommError):
     hint = "Check the named setting against conf/zerocomm.toml and the README."
 
 
+class OwnInvitationError(ConfigurationError):
+    """The invitation being accepted was made by this very member (pasted into the inviter's terminal)."""
+
+    hint = ("Accept it on the other member (`zerocomm connect URL` there, or other_agent.accept(url)); a member "
+            "does not connect to itself")
+
+
 class InvalidTimeoutError(ConfigurationError, ValueError):
     """A timeout is not a finite number of seconds: every wait has a deadline."""
 

@@ -45,6 +45,7 @@ from zerocomm_spark.errors import (
     ConfigurationError,
     ConnectionNotFoundError,
     ConnectionNotReadyError,
+    OwnInvitationError,
     PeerTimeoutError,
     ProtocolError,
     ReceiveTimeoutError,
@@ -392,6 +393,9 @@ class Agent:
         self._check_open()
         deadline = _deadline(timeout)
         received = OutOfBandManager.parse_url(url)
+        if self._keystore.find(received.recipient_key) is not None:
+            # The inviter's own URL pasted into its own terminal made a connection to itself, silently.
+            raise OwnInvitationError(f"this invitation was made by this member ({self._label!r}) itself")
         record, request, key = self._didx.create_request(received, label=label or self._label)
         waiter = self._waiter("didx", request.id)
         try:

@@ -360,6 +360,12 @@ def test_agent_lifecycle_in_process(tmp_path: Path) -> None:
             Agent.open(tmp_path / "a")
         conn = b.accept(a.invite(goal_code="aries.rel.build"), timeout=5)
         assert conn.completed and b.connection(conn.id) == conn and b.connection("a") == conn
+        # Its own invitation (pasted into the inviter's terminal) made a connection to itself, silently.
+        from zerocomm_spark.errors import OwnInvitationError
+
+        with pytest.raises(OwnInvitationError, match="made by this member"):
+            a.accept(a.invite(), timeout=5)
+        assert a.connections(include_incomplete=True) == [a.connection("b")]
         assert b.connection(conn.their_did) == conn  # type: ignore[arg-type]
         # A second connection with the same label makes the label ambiguous, not silently wrong.
         b.accept(a.invite(), timeout=5)
