@@ -828,14 +828,17 @@ def cmd_send(ctx: Ctx) -> int:
                 text, hint = exc.message, exc.hint
                 text += f" (the first {len(message_ids)} line(s) were sent and acknowledged)"
                 exc.args = (f"{text}. {hint}" if hint else text,)
-            elif ids and isinstance(exc, (errors.PeerTimeoutError, TimeoutError)):
-                # Members down (not acked in time) or the agent slow: the message may be out, and is
-                # kept for whoever did not ack it. The hint said stats()['lag'] (Python) and "wait
-                # again", which a command cannot; its id makes the retry safe.
+            elif ids and isinstance(exc, (errors.PeerTimeoutError, errors.ApiTimeoutError)):
+                # Members down (not acked in time), or the agent slow (the outcome unknown): the message
+                # may be out, kept for whoever did not ack it. The hint said stats()['lag'] (Python) and
+                # "wait again", which a command cannot; its id makes the retry safe. (A BackpressureError
+                # sent nothing: sending it again as it was is right.)
                 text = f"{exc.message} (message id {ids[0]})"
+                again = f"send it with --id {ids[0]}: a member drops an id it already has, so nothing arrives twice"
                 exc.hint = (f"It stays buffered for the members that did not acknowledge it (`zerocomm group members "
-                            f"{shlex.quote(a.group)}` shows who is inactive); to wait for them again, send it with "
-                            f"--id {ids[0]}: a member drops an id it already has, so nothing arrives twice")
+                            f"{shlex.quote(a.group)}` shows who is inactive); to wait for them again, {again}"
+                            if isinstance(exc, errors.PeerTimeoutError) else
+                            f"The agent may still publish it; to find out, or to publish it if it did not, {again}")
                 exc.args = (f"{text}. {exc.hint}",)
             raise
     if not message_ids:

@@ -500,3 +500,16 @@ def test_a_send_a_member_did_not_acknowledge_says_the_id_to_send_again_with(tmp_
             rows = wait_for(lambda m=m: [r for r in m.run("history", "g").json_lines
                                          if r["payload"] == "are you there?"], 20, f"{m.name}'s journal")
             assert [r["message_id"] for r in rows] == [mid], m.name
+        # An agent that does not answer in time (the outcome unknown) names the id to send again with too.
+        pid = alice.pid()
+        assert pid is not None
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            hung = alice.run("send", "g", "still there?", "--timeout", "2", timeout=60)
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        assert hung.code == 4 and hung.json["error"]["type"] == "ApiTimeoutError", hung.stdout + hung.stderr
+        later = hung.json["error"]["message"].rsplit("message id ", 1)[1].rstrip(")")
+        assert f"--id {later}" in hung.json["error"]["hint"]
+        retried = alice.ok("send", "g", "still there?", "--id", later, timeout=60)
+        assert retried["message_ids"] == [later]
