@@ -6,11 +6,17 @@ threads and ZeroMQ contexts, which do not survive a fork. The child is started i
 file, and reports through an inherited pipe: one JSON line, ready or the error it failed with. The
 parent waits for that line with a deadline, so failures (a second agent on the same identity, a
 port in use) surface in the command that started it, not only in a log.
+
+The agent outlives whoever started it (a Spark executor's Python worker, a notebook), so it does not
+take its starter's working directory (a Spark application's directory, deleted with the application
+on YARN): it starts in ``/`` with every path setting made absolute first (see
+:func:`agent_environment` for those in the environment).
 """
 
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import json
 import os
 import resource
@@ -19,10 +25,11 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from zerocomm_spark.agent.config import Config
+from zerocomm_spark.agent.config import _PATH_SETTINGS, Config
 from zerocomm_spark.agent.logging import open_log_file
 from zerocomm_spark.agent.ingest import EXIT_JOURNAL_FAILED
 from zerocomm_spark.agent.runfiles import held_by, pid_alive, read_health
@@ -35,8 +42,11 @@ from zerocomm_spark.errors import (
     ZeroCommError,
 )
 
-__all__ = ["log_file_of", "run_foreground", "start_detached", "stop_agent", "agent_status"]
+__all__ = ["agent_environment", "log_file_of", "run_foreground", "start_detached", "stop_agent", "agent_status"]
 _KILL_WAIT_S = 5.0  # after `stop --force` sent SIGKILL: how long the process gets to be gone
+
+#: The directory a detached agent runs in: one that always exists and that nobody removes.
+AGENT_CWD = "/"
 
 
 def log_file_of(config: Config) -> Path:
@@ -51,10 +61,60 @@ def _tail(path: Path, lines: int = 5) -> str:
     return "\n".join(text.strip().splitlines()[-lines:])
 
 
+def _absolute(path: str) -> str:
+    """A path setting's value as a path that does not depend on the current directory: a relative one,
+    or one through ``..`` (``--identity-dir ../x`` is made absolute without resolving), resolved as the
+    kernel would resolve it now, so that it still names the same place once the directory it was
+    given in is gone. Others are left as they are (their symlinks too); "" (the default) stays ""."""
+    if not path:
+        return path
+    path = os.path.expanduser(path)
+    if os.path.isabs(path) and ".." not in Path(path).parts:
+        return path
+    return os.path.realpath(path)
+
+
+def _settled(config: Config) -> Config:
+    """``config`` with its file and every path setting made absolute by :func:`_absolute`."""
+    values = {section: dict(keys) for section, keys in config.values.items()}
+    for section, key in _PATH_SETTINGS:
+        values[section][key] = _absolute(values[section][key])
+    file = None if config.file is None else Path(_absolute(str(config.file)))
+    return dataclasses.replace(config, values=values, file=file)
+
+
+def agent_environment(config: Config, environ: Mapping[str, str]) -> dict[str, str]:
+    """The environment a detached agent starts with: its starter's ``environ``, with the relative paths
+    in it (ZEROCOMM_* path settings, ZEROCOMM_CONFIG, PYTHONPATH's entries) made absolute."""
+    env = dict(environ)
+    for section, key in _PATH_SETTINGS:
+        origin = config.source.get(f"{section}.{key}", "")
+        if origin.startswith("env ") and origin[4:] in env:
+            env[origin[4:]] = _absolute(config.get(section, key))
+    if env.get("ZEROCOMM_CONFIG"):
+        env["ZEROCOMM_CONFIG"] = _absolute(env["ZEROCOMM_CONFIG"])
+    if env.get("PYTHONPATH"):  # "" is the current directory
+        env["PYTHONPATH"] = os.pathsep.join(os.path.abspath(entry) for entry in env["PYTHONPATH"].split(os.pathsep))
+    if "PWD" in env:  # a shell's idea of the current directory: the agent's is AGENT_CWD
+        env["PWD"] = AGENT_CWD
+    return env
+
+
+def _agent_settings(config: Config) -> list[str]:
+    """``--config`` and ``--set`` arguments for the agent's own process: the file and flags in force,
+    their paths absolute (a relative one means the starter's current directory, not the agent's)."""
+    config = _settled(config)
+    argv = [] if config.file is None else ["--config", str(config.file)]
+    for override in config.overrides():
+        argv += ["--set", override]
+    return argv
+
+
 def start_detached(config: Config, timeout: float | None = None) -> dict[str, Any]:
     """Start an agent in the background and return its health once it serves; raise what stopped it."""
     from zerocomm_spark.agent.server import prepare_socket_dir
 
+    config = _settled(config)  # the agent runs in AGENT_CWD: relative paths mean the starter's directory
     wait = timeout if timeout is not None else config.get("agent", "start_timeout")
     holder = held_by(config.socket_dir)
     if holder is not None:
@@ -64,16 +124,13 @@ def start_detached(config: Config, timeout: float | None = None) -> dict[str, An
     prepare_socket_dir(config.socket_dir)
     log_path = log_file_of(config)
     log_fd = open_log_file(log_path)
-    argv = [sys.executable, "-m", "zerocomm_spark.agent"]
-    if config.file is not None:
-        argv += ["--config", str(config.file)]
-    for override in config.overrides():
-        argv += ["--set", override]
+    argv = [sys.executable, "-m", "zerocomm_spark.agent", *_agent_settings(config)]
     read_fd, write_fd = os.pipe()
     argv += ["agent", "start", "--ready-fd", str(write_fd)]
     try:
         child = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log_fd, stderr=log_fd,
-                                 pass_fds=(write_fd,), start_new_session=True, close_fds=True)
+                                 pass_fds=(write_fd,), start_new_session=True, close_fds=True,
+                                 cwd=AGENT_CWD, env=agent_environment(config, os.environ))
     finally:
         os.close(write_fd)
         os.close(log_fd)

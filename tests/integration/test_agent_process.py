@@ -19,7 +19,7 @@ import pyarrow as pa
 import pytest
 import zmq
 
-from test_cli_support import ZEROCOMM, Member, wait_for
+from test_cli_support import ZEROCOMM, Member, wait_for, zerocomm
 from zerocomm_spark.client import Client, table_to_ipc
 from zerocomm_spark.errors import (
     AgentNotRunningError,
@@ -506,3 +506,62 @@ def test_an_interrupted_detached_start_leaves_no_agent_running(tmp_path: Path) -
         while agent_child() and m.pid() is None and time.monotonic() < deadline:
             time.sleep(0.1)  # an agent coming up late (the defect): stopped below once it has its pid file
         m.stop()
+
+
+def _proc_environ(pid: int) -> dict[str, str]:
+    pairs = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    return dict(p.decode(errors="replace").partition("=")[::2] for p in pairs if p)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the agent is not dumpable: only root reads its /proc/<pid>/cwd and environ")
+def test_a_detached_agent_leaves_its_starters_directory_behind(tmp_path: Path) -> None:
+    """Started by a Spark executor's Python worker, the long-lived agent kept the executor's working
+    directory (the application's, deleted with it on YARN) and resolved the relative paths it was
+    given against it: once that directory was gone, its run directory seemed removed and it stopped.
+    It runs in / now, with every path setting absolute (relative ones are relative to the starter's
+    directory: flags, environment, a relative --config), and serves on once that directory is gone."""
+    member, conf = tmp_path / "member", tmp_path / "conf" / "zc.toml"
+    workdir = tmp_path / "exec"  # the executor's directory (short: the socket's path has a limit)
+    (workdir / "app_files").mkdir(parents=True)
+    up = ".."  # from the working directory to tmp_path
+    base = {**os.environ, "ZC_TEST_PASSPHRASE": "correct horse battery staple"}
+    base.pop("PYTHONPATH", None)
+    init = zerocomm("--config", str(conf), "--json", "init", "--identity-dir", str(member / "id"), "--label", "exec",
+                    "--set", "identity.passphrase_env=ZC_TEST_PASSPHRASE", "--set", "agent.heartbeat_interval=0.2", env=base)
+    assert init.code == 0, init.stderr
+    spawner = {**base, "PYTHON_WORKER_FACTORY_SECRET": "worker-secret", "PYSPARK_GATEWAY_SECRET": "gateway-secret",
+               "_SPARK_AUTH_SECRET": "auth-secret", "PYTHONPATH": "app_files",
+               "ZEROCOMM_JOURNAL_DIR": f"{up}/member/journal"}
+    settings = ["--config", f"{up}/conf/zc.toml", "--set", f"api.socket_dir={up}/member/run",
+                "--set", f"log.file={up}/member/logs/agent.log"]
+    started = subprocess.run([*ZEROCOMM, *settings, "--json", "agent", "start", "--detach"], cwd=workdir,
+                             env=spawner, capture_output=True, text=True, timeout=90)
+    stop = [*ZEROCOMM, "--config", str(conf), "--set", f"api.socket_dir={member / 'run'}", "agent", "stop"]
+    try:
+        assert started.returncode == 0, started.stderr
+        health = json.loads(started.stdout.splitlines()[-1])
+        pid = health["pid"]
+        assert os.readlink(f"/proc/{pid}/cwd") == "/"
+        assert (health["identity_dir"], health["socket_dir"], health["journal_dir"], health["log_file"]) == (
+            str(member / "id"), str(member / "run"), str(member / "journal"), str(member / "logs" / "agent.log"))
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
+        assert argv[argv.index("--config") + 1] == str(conf)
+        assert f"api.socket_dir={member / 'run'}" in argv and f"log.file={member / 'logs' / 'agent.log'}" in argv
+        env = _proc_environ(pid)
+        assert env["ZC_TEST_PASSPHRASE"] == "correct horse battery staple"
+        assert env["PATH"] == spawner["PATH"] and env["HOME"] == spawner["HOME"]
+        assert env["ZEROCOMM_JOURNAL_DIR"] == str(member / "journal")
+
+        shutil.rmtree(workdir)  # the application ended
+        time.sleep(1.0)  # a few heartbeats (they write the health file) on the paths it resolved
+        status = zerocomm("--config", str(conf), "--set", f"api.socket_dir={member / 'run'}", "--json",
+                          "agent", "status", env=base)
+        assert status.code == 0 and status.json["responding"] is True and status.json["pid"] == pid, status
+        with Client.connect(member / "run", timeout=10) as client:
+            client.create("after")
+            sent = client.publish("after", [b"still here"], timeout=20)
+            rows = client.read(group="after", publisher=health["did"], first_seq=sent.seqs[0], last_seq=sent.seqs[0])
+            assert rows.column("payload").to_pylist() == [b"still here"]
+        assert list((member / "journal").iterdir()) and (member / "logs" / "agent.log").stat().st_size > 0
+    finally:
+        subprocess.run([*stop, "--timeout", "15"], env=base, capture_output=True, timeout=30)

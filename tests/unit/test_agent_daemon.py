@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -174,3 +175,29 @@ def test_the_agent_process_is_not_dumpable() -> None:
             "print(ctypes.CDLL(None).prctl(3, 0, 0, 0, 0), *resource.getrlimit(resource.RLIMIT_CORE))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True).stdout
     assert out.split() == ["0", "0", "0"], out
+
+
+def test_a_detached_agent_starts_in_root_with_absolute_paths(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The agent kept its starter's working directory (a Spark application's, removed when it ends) and
+    got the relative paths of flags, environment and --config to resolve against it."""
+    work = tmp_path / "work"
+    work.mkdir()
+    (tmp_path / "zc.toml").write_text('[identity]\ndir = "member"\n')
+    monkeypatch.chdir(work)
+    environ = {"ZEROCOMM_JOURNAL_DIR": "../journal", "PATH": "/bin"}
+    monkeypatch.setattr(os, "environ", environ)
+    config = cfgmod.load("../zc.toml", env=environ, flags=["api.socket_dir=../run", "log.file=agent.log"])
+    started: dict = {}
+
+    def popen(argv: list[str], **kwargs: object) -> None:
+        started.update(kwargs, argv=argv)
+        raise OSError("stop here")
+
+    monkeypatch.setattr(daemon.subprocess, "Popen", popen)
+    with pytest.raises(OSError, match="stop here"):
+        daemon.start_detached(config, timeout=1)
+    argv = started["argv"]
+    assert started["cwd"] == "/"
+    assert argv[argv.index("--config") + 1] == str(tmp_path / "zc.toml")
+    assert f"api.socket_dir={tmp_path / 'run'}" in argv and f"log.file={work / 'agent.log'}" in argv
+    assert started["env"] == {"ZEROCOMM_JOURNAL_DIR": str(tmp_path / "journal"), "PATH": "/bin"}
