@@ -7,10 +7,10 @@ file, and reports through an inherited pipe: one JSON line, ready or the error i
 parent waits for that line with a deadline, so failures (a second agent on the same identity, a
 port in use) surface in the command that started it, not only in a log.
 
-The agent outlives whoever started it (a Spark executor's Python worker, a notebook), so it does not
-take its starter's working directory (a Spark application's directory, deleted with the application
-on YARN): it starts in ``/`` with every path setting made absolute first (see
-:func:`agent_environment` for those in the environment).
+The agent outlives whoever started it (a Spark executor's Python worker, a notebook), so it takes
+neither its starter's working directory (a Spark application's directory, deleted with the
+application on YARN) nor the secrets in its starter's environment: it starts in ``/`` with every
+path setting made absolute first, and with the environment of :func:`agent_environment`.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import ctypes
 import dataclasses
 import json
 import os
+import re
 import resource
 import select
 import signal
@@ -47,6 +48,18 @@ _KILL_WAIT_S = 5.0  # after `stop --force` sent SIGKILL: how long the process ge
 
 #: The directory a detached agent runs in: one that always exists and that nobody removes.
 AGENT_CWD = "/"
+#: Secrets Spark (4.2) hands its processes in the environment, which a Python worker, and so an agent it
+#: starts, inherits: the Python worker factory's and the py4j gateway's secrets, spark.authenticate's
+#: secret, the launcher's, the RPC TLS passwords, Spark Connect's token and SparkR's worker secrets.
+SPAWNER_SECRETS = frozenset({
+    "PYTHON_WORKER_FACTORY_SECRET", "PYSPARK_GATEWAY_SECRET", "_SPARK_AUTH_SECRET", "_SPARK_LAUNCHER_SECRET",
+    "_SPARK_SSL_RPC_KEY_PASSWORD", "_SPARK_SSL_RPC_KEY_STORE_PASSWORD", "_SPARK_SSL_RPC_PRIVATE_KEY_PASSWORD",
+    "_SPARK_SSL_RPC_TRUST_STORE_PASSWORD", "SPARK_CONNECT_AUTHENTICATE_TOKEN", "SPARKR_WORKER_SECRET",
+    "SPARKR_BACKEND_AUTH_SECRET",
+})
+#: And any other variable of Spark's namespaces that names a secret, token or password: the names
+#: change between Spark versions (Spark Connect's token came with 4.0), and the agent reads none of them.
+_SPAWNER_SECRET_NAME = re.compile(r"^(?:_?SPARK|PYSPARK|PYTHON_WORKER_).*(?:SECRET|TOKEN|PASSWORD)")
 
 
 def log_file_of(config: Config) -> Path:
@@ -83,18 +96,45 @@ def _settled(config: Config) -> Config:
     return dataclasses.replace(config, values=values, file=file)
 
 
+def _agent_pythonpath(value: str | None) -> str | None:
+    """PYTHONPATH for the agent: none, unless zerocomm_spark itself is imported from one of its entries.
+
+    An agent installed in the interpreter's environment (a venv, site-packages) needs none, and a
+    Spark worker's entries (pyspark's archives, the application's files) are no business of a process
+    that outlives the application. When the package does come from PYTHONPATH the agent cannot start
+    without it: it is kept, every entry made absolute (the agent runs in /), as its dependencies may
+    sit beside it.
+    """
+    if not value:
+        return None
+    import zerocomm_spark
+
+    home = os.path.realpath(os.path.dirname(os.path.dirname(os.path.abspath(zerocomm_spark.__file__))))
+    entries = [os.path.abspath(entry) for entry in value.split(os.pathsep)]  # "" is the current directory
+    if not any(os.path.realpath(entry) == home for entry in entries):
+        return None
+    return os.pathsep.join(entries)
+
+
 def agent_environment(config: Config, environ: Mapping[str, str]) -> dict[str, str]:
-    """The environment a detached agent starts with: its starter's ``environ``, with the relative paths
-    in it (ZEROCOMM_* path settings, ZEROCOMM_CONFIG, PYTHONPATH's entries) made absolute."""
-    env = dict(environ)
+    """The environment a detached agent starts with: its starter's ``environ``, without Spark's secrets
+    (:data:`SPAWNER_SECRETS` and names like them) and PYTHONPATH (unless the package comes from it:
+    :func:`_agent_pythonpath`), with the relative paths in ZEROCOMM_* settings made absolute. The
+    variable identity.passphrase_env names (the keystore's passphrase) is always kept; so are PATH,
+    HOME, the locale, TMPDIR and the other ZEROCOMM_* variables."""
+    passphrase = config.get("identity", "passphrase_env")
+    env = {name: value for name, value in environ.items()
+           if name == passphrase or not (name in SPAWNER_SECRETS or _SPAWNER_SECRET_NAME.match(name))}
     for section, key in _PATH_SETTINGS:
         origin = config.source.get(f"{section}.{key}", "")
         if origin.startswith("env ") and origin[4:] in env:
             env[origin[4:]] = _absolute(config.get(section, key))
     if env.get("ZEROCOMM_CONFIG"):
         env["ZEROCOMM_CONFIG"] = _absolute(env["ZEROCOMM_CONFIG"])
-    if env.get("PYTHONPATH"):  # "" is the current directory
-        env["PYTHONPATH"] = os.pathsep.join(os.path.abspath(entry) for entry in env["PYTHONPATH"].split(os.pathsep))
+    pythonpath = _agent_pythonpath(environ.get("PYTHONPATH"))
+    env.pop("PYTHONPATH", None)
+    if pythonpath is not None:
+        env["PYTHONPATH"] = pythonpath
     if "PWD" in env:  # a shell's idea of the current directory: the agent's is AGENT_CWD
         env["PWD"] = AGENT_CWD
     return env

@@ -477,7 +477,9 @@ def test_an_interrupted_detached_start_leaves_no_agent_running(tmp_path: Path) -
     slow = tmp_path / "slow-start"  # the agent process (it alone has --ready-fd) starts 3 s late
     slow.mkdir()
     (slow / "sitecustomize.py").write_text("import sys, time\nif '--ready-fd' in sys.argv:\n    time.sleep(3)\n")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(slow), os.environ.get("PYTHONPATH")) if p))
+    # The agent keeps PYTHONPATH only when the package comes from it: here it does (the checkout's root).
+    root = str(Path(__file__).resolve().parents[2])
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(slow), root, os.environ.get("PYTHONPATH")) if p))
 
     def agent_child() -> bool:
         for proc in Path("/proc").iterdir():
@@ -514,12 +516,13 @@ def _proc_environ(pid: int) -> dict[str, str]:
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="the agent is not dumpable: only root reads its /proc/<pid>/cwd and environ")
-def test_a_detached_agent_leaves_its_starters_directory_behind(tmp_path: Path) -> None:
+def test_a_detached_agent_leaves_its_starters_directory_and_secrets_behind(tmp_path: Path) -> None:
     """Started by a Spark executor's Python worker, the long-lived agent kept the executor's working
-    directory (the application's, deleted with it on YARN) and resolved the relative paths it was
-    given against it: once that directory was gone, its run directory seemed removed and it stopped.
-    It runs in / now, with every path setting absolute (relative ones are relative to the starter's
-    directory: flags, environment, a relative --config), and serves on once that directory is gone."""
+    directory (the application's, deleted with it on YARN) and its environment with Spark's secrets
+    (PYTHON_WORKER_FACTORY_SECRET...). It runs in / now, with every path setting absolute (relative
+    ones were relative to the starter's directory: flags, environment, a relative --config), and
+    without the secrets, but with the keystore passphrase it needs; it serves on once the directory
+    it was started from is gone."""
     member, conf = tmp_path / "member", tmp_path / "conf" / "zc.toml"
     workdir = tmp_path / "exec"  # the executor's directory (short: the socket's path has a limit)
     (workdir / "app_files").mkdir(parents=True)
@@ -548,6 +551,9 @@ def test_a_detached_agent_leaves_its_starters_directory_behind(tmp_path: Path) -
         assert argv[argv.index("--config") + 1] == str(conf)
         assert f"api.socket_dir={member / 'run'}" in argv and f"log.file={member / 'logs' / 'agent.log'}" in argv
         env = _proc_environ(pid)
+        for secret in ("PYTHON_WORKER_FACTORY_SECRET", "PYSPARK_GATEWAY_SECRET", "_SPARK_AUTH_SECRET"):
+            assert secret not in env
+        assert "PYTHONPATH" not in env  # the package is installed: the application's files are no concern of it
         assert env["ZC_TEST_PASSPHRASE"] == "correct horse battery staple"
         assert env["PATH"] == spawner["PATH"] and env["HOME"] == spawner["HOME"]
         assert env["ZEROCOMM_JOURNAL_DIR"] == str(member / "journal")

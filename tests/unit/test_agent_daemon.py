@@ -177,6 +177,43 @@ def test_the_agent_process_is_not_dumpable() -> None:
     assert out.split() == ["0", "0", "0"], out
 
 
+def test_the_agent_environment_drops_sparks_secrets_and_keeps_what_the_agent_needs(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An agent started by a Spark executor's Python worker carried Spark's secrets for its whole life."""
+    monkeypatch.chdir(tmp_path)
+    spark = {name: "s3cret" for name in daemon.SPAWNER_SECRETS}
+    spark.update({"SPARK_SOMEDAY_TOKEN": "s3cret", "PYSPARK_NEW_PASSWORD": "s3cret"})  # names Spark may add
+    kept = {"PATH": "/usr/bin:/bin", "HOME": "/home/me", "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8", "TMPDIR": "/tmp",
+            "ZEROCOMM_LOG_LEVEL": "debug", "ZEROCOMM_JARS": "/jars", "SPARK_HOME": "/opt/spark",
+            "SPARK_AUTH_SOCKET_TIMEOUT": "15", "SPARK_PASSPHRASE_FOR_ZC": "the passphrase"}
+    environ = {**spark, **kept, "ZEROCOMM_IDENTITY_DIR": "id", "ZEROCOMM_API_SOCKET_DIR": "~/run",
+               "ZEROCOMM_LOG_FILE": "logs/../agent.log", "PWD": str(tmp_path),
+               "PYTHONPATH": f"pyspark.zip{os.pathsep}{tmp_path / 'app'}"}
+    # a passphrase variable whose name looks like Spark's is still the keystore's passphrase
+    config = cfgmod.load(None, env=environ, flags=["identity.passphrase_env=SPARK_PASSPHRASE_FOR_ZC"])
+    env = daemon.agent_environment(config, environ)
+    assert not set(spark) & set(env)
+    assert {name: env.get(name) for name in kept} == kept
+    assert env["ZEROCOMM_IDENTITY_DIR"] == str(tmp_path / "id")
+    assert env["ZEROCOMM_API_SOCKET_DIR"] == os.path.expanduser("~/run")
+    assert env["ZEROCOMM_LOG_FILE"] == str(tmp_path / "agent.log")
+    assert "PYTHONPATH" not in env  # the package is installed: Spark's and the application's entries are not the agent's
+    assert env["PWD"] == "/"
+
+
+def test_the_agent_keeps_pythonpath_only_when_the_package_comes_from_it(tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    import zerocomm_spark
+
+    monkeypatch.chdir(tmp_path)
+    root = Path(zerocomm_spark.__file__).resolve().parents[1]
+    relative = os.path.relpath(root, tmp_path)
+    config = cfgmod.load(None, env={}, flags=[f"identity.dir={tmp_path / 'id'}"])
+    env = daemon.agent_environment(config, {"PYTHONPATH": f"app.zip{os.pathsep}{relative}"})
+    assert env["PYTHONPATH"] == f"{tmp_path / 'app.zip'}{os.pathsep}{root}"  # all of it, made absolute
+    assert "PYTHONPATH" not in daemon.agent_environment(config, {"PYTHONPATH": "app.zip"})
+
+
 def test_a_detached_agent_starts_in_root_with_absolute_paths(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The agent kept its starter's working directory (a Spark application's, removed when it ends) and
     got the relative paths of flags, environment and --config to resolve against it."""
@@ -184,7 +221,7 @@ def test_a_detached_agent_starts_in_root_with_absolute_paths(tmp_path: Path, mon
     work.mkdir()
     (tmp_path / "zc.toml").write_text('[identity]\ndir = "member"\n')
     monkeypatch.chdir(work)
-    environ = {"ZEROCOMM_JOURNAL_DIR": "../journal", "PATH": "/bin"}
+    environ = {"ZEROCOMM_JOURNAL_DIR": "../journal", "PYTHON_WORKER_FACTORY_SECRET": "s3cret", "PATH": "/bin"}
     monkeypatch.setattr(os, "environ", environ)
     config = cfgmod.load("../zc.toml", env=environ, flags=["api.socket_dir=../run", "log.file=agent.log"])
     started: dict = {}
