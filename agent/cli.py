@@ -457,7 +457,7 @@ def cmd_init(ctx: Ctx) -> int:
         _init_toml(cfg, str(cfg.label or cfg.identity_dir.name))
     else:  # the kept file must name this identity, or every command after (and the printed one) runs another
         kept = config_mod.load(str(target), env={}).identity_dir
-        if cfg.source.get("identity.dir") == "flag" and kept != cfg.identity_dir:
+        if cfg.source.get("identity.dir") == "flag" and not _same_dir(kept, cfg.identity_dir):
             raise errors.ConfigurationError(
                 f"the configuration file {target} belongs to the identity in {kept}, not {cfg.identity_dir}; "
                 "init kept it, so `zerocomm agent start` would start that other member",
@@ -525,6 +525,17 @@ def cmd_init(ctx: Ctx) -> int:
         f"next: zerocomm{'' if not ctx.config_path else ' --config ' + shlex.quote(str(target))} agent start --detach",
     ]))
     return EXIT_OK
+
+
+def _same_dir(a: Path, b: Path) -> bool:
+    """Whether two absolute paths name one directory: written differently (``d/../d``, a symlink, a
+    bind mount) they are still the same identity, which init must not refuse as another member's."""
+    if a == b:
+        return True
+    try:
+        return os.path.samefile(a, b)
+    except OSError:  # one does not exist (yet): compare what they resolve to
+        return a.resolve() == b.resolve()
 
 
 def _init_toml(cfg: Config, label: str) -> bytes:

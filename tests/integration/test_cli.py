@@ -513,3 +513,23 @@ def test_a_send_a_member_did_not_acknowledge_says_the_id_to_send_again_with(tmp_
         assert f"--id {later}" in hung.json["error"]["hint"]
         retried = alice.ok("send", "g", "still there?", "--id", later, timeout=60)
         assert retried["message_ids"] == [later]
+
+
+def test_init_again_with_the_identity_dir_written_differently_is_the_same_member(tmp_path: Path) -> None:
+    """A script or service manager runs `init --identity-dir D` at every start. The check that the
+    kept file names this identity compared paths as written: D through a symlink, or as `D/../D`,
+    was refused (exit 2) as "another member" although it is the very identity the file names."""
+    config = tmp_path / "zerocomm.toml"
+    real = tmp_path / "real"
+    link = tmp_path / "link"
+    made = zerocomm("--config", str(config), "--json", "init", "--identity-dir", str(real), "--label", "alice")
+    assert made.code == 0 and made.json["created"] is True, made.stderr
+    link.symlink_to(real, target_is_directory=True)
+    before = config.read_text()
+    for written in (str(link), f"{real}/../{real.name}", f"{real}/"):
+        again = zerocomm("--config", str(config), "--json", "init", "--identity-dir", written, "--label", "alice")
+        assert again.code == 0, (written, again.stdout + again.stderr)
+        assert again.json["created"] is False and again.json["label"] == "alice", again.stdout
+    assert config.read_text() == before
+    other = zerocomm("--config", str(config), "init", "--identity-dir", str(tmp_path / "bob"), "--label", "bob")
+    assert other.code == 2 and not (tmp_path / "bob").exists(), other.stdout + other.stderr  # still refused
