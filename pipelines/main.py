@@ -31,6 +31,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from zerocomm_spark.deadlines import MAX_TIMEOUT
+
 __all__ = ["JobConfig", "build_parser", "main", "run"]
 
 log = logging.getLogger("zerocomm_spark.pipelines.main")
@@ -360,8 +362,10 @@ def _check_options(parser: argparse.ArgumentParser, cfg: JobConfig) -> None:
         parser.error(f"--payload-bytes must be 0 or more, not {cfg.payload_bytes}")
     if not 0 <= cfg.reply_fraction <= 1:  # (nan fails this too)
         parser.error(f"--reply-fraction must be from 0 to 1, not {cfg.reply_fraction}")
-    if not (math.isfinite(cfg.timeout) and cfg.timeout > 0):
-        parser.error(f"--timeout must be a number of seconds above 0, not {cfg.timeout}")
+    # Finite is not enough: the job waits for its publishers with Thread.join and Future.result, whose
+    # lock waits overflow past threading.TIMEOUT_MAX (--timeout 1e10 ended in an OverflowError traceback).
+    if not (math.isfinite(cfg.timeout) and 0 < cfg.timeout <= MAX_TIMEOUT):
+        parser.error(f"--timeout must be a number of seconds above 0 (at most {MAX_TIMEOUT:g}), not {cfg.timeout}")
 
 
 def _failure(exc: BaseException) -> dict[str, str] | None:

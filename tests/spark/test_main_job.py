@@ -61,6 +61,7 @@ def test_options_out_of_range_are_usage_errors_before_anything_starts():
     """--timeout nan ended in a traceback from the client's deadline check; --publishers 0 exited 1,
     the status the README gives to a failed check. Both are usage errors (2) with a one-line reason."""
     for argv, said in ((["--timeout", "nan"], "--timeout"), (["--timeout", "inf"], "--timeout"),
+                       (["--timeout", "1e10"], "--timeout"),  # finite, but past what a thread's join can wait
                        (["--publishers", "0"], "--publishers"), (["--rate", "nan"], "--rate"),
                        (["--messages", "0"], "--messages")):
         done = subprocess.run([sys.executable, "-m", "zerocomm_spark.pipelines.main", *argv], cwd=ROOT,
