@@ -256,7 +256,7 @@ def _coerce(section: str, key: str, value: Any, origin: str) -> Any:
         raise ConfigurationError(f"{name} (from {origin}) must be positive, not {value!r}")
     if (section, key) in (("journal", "retention_age"), ("journal", "consumer_expiry")):
         seconds = parse_duration(value, name)
-        if key == "consumer_expiry" and seconds is not None and seconds < MIN_CONSUMER_EXPIRY_S:
+        if key == "consumer_expiry" and seconds and seconds < MIN_CONSUMER_EXPIRY_S:  # ("0s" is "0": never)
             # A running Spark query with nothing to read says it is alive once a minute: an expiry near
             # that would forget live queries (their next batch then fails as data loss).
             raise ConfigurationError(

@@ -206,3 +206,14 @@ def test_a_config_path_that_is_no_file_says_what_it_is(tmp_path: Path) -> None:
             cfgmod.load(path, env={})
         with pytest.raises(ConfigurationError, match=f"ZEROCOMM_CONFIG.*{said}"):
             cfgmod.load(None, env={"ZEROCOMM_CONFIG": str(path)})
+
+
+@pytest.mark.parametrize("zero", ["0", "0s", "0m", "0.0", "0d", "00"])
+def test_a_zero_consumer_expiry_written_with_a_unit_still_means_never(zero: str) -> None:
+    """consumer_expiry_ms reads "0s" as "0" (never forget consumers, not forget them at once); the
+    5-minute floor (75b30d4) refused it as shorter than 5 minutes, so a file saying never failed
+    every command and the agent's start."""
+    assert cfgmod.load(None, env={}, flags=[f"journal.consumer_expiry={zero}"]).consumer_expiry_ms is None
+    assert cfgmod.load(None, env={"ZEROCOMM_JOURNAL_CONSUMER_EXPIRY": zero}).consumer_expiry_ms is None
+    with pytest.raises(ConfigurationError, match="at least 5 minutes"):  # a short one is still refused
+        cfgmod.load(None, env={}, flags=["journal.consumer_expiry=1ms"])
