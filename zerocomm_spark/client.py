@@ -828,9 +828,12 @@ class Client:
         table = publish_table(data, message_ids, headers)
         result = self.call("publish", group=group, timeout=timeout, bulk=table_to_ipc(table),
                            sign=True if sign else None)  # left out when False: older agents take the call
-        return PublishResult(group=group, message_ids=list(result["message_ids"]), seqs=list(result["seqs"]),
-                             duplicates=int(result.get("duplicates", 0)), journaled=bool(result.get("journaled", True)),
-                             signed=int(result.get("signed", 0)))
+        ids, duplicates = list(result["message_ids"]), int(result.get("duplicates", 0))
+        # An agent older than the count (one still running after an upgrade) signed what it sent new;
+        # whether its duplicates went out with a proof it cannot say.
+        signed = result["signed"] if "signed" in result else (len(ids) - duplicates if sign else 0)
+        return PublishResult(group=group, message_ids=ids, seqs=list(result["seqs"]), duplicates=duplicates,
+                             journaled=bool(result.get("journaled", True)), signed=int(signed))
 
     # --- typed calls: the journal --------------------------------------------------------------
 

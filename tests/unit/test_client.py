@@ -165,3 +165,18 @@ def test_an_endless_timeout_is_refused_naming_the_timeout(tmp_path: Path) -> Non
     with pytest.raises(errors.ConfigurationError, match="timeout must be a positive number"):
         client.call("status", timeout=float("inf"))
     client.close()
+
+
+def test_publish_signed_from_an_agent_that_does_not_count_them(tmp_path: Path, monkeypatch) -> None:
+    """An agent from before the signed count (a detached agent still running after an upgrade) answers
+    publish(sign=True) without "signed": PublishResult.signed read that as 0, so `send --sign` said the
+    rows it had just signed "were sent before without a proof". The rows the answer says went out
+    new were signed by it; only its duplicates are unknown."""
+    client = Client(ipc_endpoint(tmp_path), socket_dir=tmp_path, timeout=3)
+    old = {"group": "g", "message_ids": ["a", "b", "c"], "seqs": [1, 2, 3], "duplicates": 1, "journaled": True}
+    monkeypatch.setattr(client, "call", lambda *a, **k: dict(old))
+    assert client.publish("g", [b"1", b"2", b"3"], message_ids=["a", "b", "c"], sign=True).signed == 2
+    assert client.publish("g", [b"1", b"2", b"3"], message_ids=["a", "b", "c"]).signed == 0
+    monkeypatch.setattr(client, "call", lambda *a, **k: {**old, "signed": 3})  # a counting agent is believed
+    assert client.publish("g", [b"1", b"2", b"3"], message_ids=["a", "b", "c"], sign=True).signed == 3
+    client.close()
