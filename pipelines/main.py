@@ -195,6 +195,8 @@ def _say(cfg: JobConfig, text: str) -> None:
 
 def run(cfg: JobConfig) -> dict[str, Any]:
     """Run the whole story once; returns the summary (``ok`` False if a check failed)."""
+    from pyspark.sql import functions as F
+
     from zerocomm_spark.connector.session import local_spark
     from zerocomm_spark.pipelines.history import ingest, table_exists
     from zerocomm_spark.pipelines.history_key import HistoryKey
@@ -241,7 +243,13 @@ def run(cfg: JobConfig) -> dict[str, Any]:
         # A table reused from an earlier run (--table) holds that run's rows of the group too: only
         # this run's commits (after the version it starts from) are replayed and checked.
         since = Since.version(latest_version(spark, table) + 1) if table_exists(spark, table) else None
-        _warm_up(spark, work / "warm-up", table, group["historian"].agent, cfg.group)
+        # A scratch table of this run's own: two runs in one --work-dir overwrote one table at once (a
+        # Delta conflict failed one of them).
+        scratch = work / f"warm-up-{run_id}"
+        try:
+            _warm_up(spark, scratch, table, group["historian"].agent, cfg.group)
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
         query = ingest(spark, [cfg.group], table, checkpoint, agent=group["historian"].agent, trigger=cfg.trigger,
                        history_key=key, query_name="zerocomm_history_main")
         _wait_ready(query, deadline)
@@ -271,7 +279,11 @@ def run(cfg: JobConfig) -> dict[str, Any]:
         _say(cfg, f"ingested {total_in} rows in {len(batches)} micro-batches; replaying in causal order")
 
         t0 = time.monotonic()
-        rows = replay(spark, table, cfg.group, since=since, verify=True, history_key=key).select(
+        # This run's rows are its publishers' (new members, new DIDs): a run going on at the same time
+        # in this --work-dir (or on this --table) commits rows of a group of the same name meanwhile.
+        ours = [group[label].did for label in labels[1:]]
+        rows = replay(spark, table, cfg.group, since=since, verify=True, history_key=key).where(
+            F.col("publisher_did").isin(ours)).select(
             "message_id", "publisher_label", "publisher_did", "lamport_ts", "sent_at", "received_at",
             "ingested_at", "headers", "origin_ok").toArrow()
         replay_s = time.monotonic() - t0

@@ -104,3 +104,24 @@ def test_main_job_run_again_in_the_same_work_dir(tmp_path):
         summary = json.loads(lines[-1])
         assert done.returncode == 0 and summary["ok"] is True, (run, summary)
         assert summary["rows"] == summary["published"] == 5 and summary["table"] == str(tmp_path / "history")
+
+
+def test_main_job_runs_at_the_same_time_in_one_work_dir_each_check_their_own(tmp_path):
+    """Runs in one --work-dir have members of their own (f98fbb9), but two at once still failed: both
+    overwrote one warm-up table (a Delta conflict ended one run, exit 1), and each replayed the other's
+    rows of the group 'demo' as its own ("unexpected": 20, check failed). Each has its own scratch table
+    now and checks the rows of its own publishers."""
+    argv = [sys.executable, "-m", "zerocomm_spark.pipelines.main", "--publishers", "1", "--messages", "20",
+            "--rate", "10", "--reply-fraction", "0", "--json", "--timeout", "600", "--work-dir", str(tmp_path)]
+    first = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=800)  # makes the table
+    assert first.returncode == 0, first.stderr[-4000:]
+    runs = [subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            for _ in range(2)]
+    for run in runs:
+        out, err = run.communicate(timeout=800)
+        lines = [line for line in out.splitlines() if line.startswith("{")]
+        assert lines, f"no summary (exit {run.returncode}):\n{out[-2000:]}\n{err[-4000:]}"
+        summary = json.loads(lines[-1])
+        assert run.returncode == 0 and summary["ok"] is True, summary
+        assert summary["rows"] == summary["published"] == 20 and summary["unexpected"] == 0, summary
+    assert not list(tmp_path.glob("warm-up*"))  # scratch, removed
