@@ -75,16 +75,24 @@ def _tail(path: Path, lines: int = 5) -> str:
 
 
 def _absolute(path: str) -> str:
-    """A path setting's value as a path that does not depend on the current directory: a relative one,
-    or one through ``..`` (``--identity-dir ../x`` is made absolute without resolving), resolved as the
-    kernel would resolve it now, so that it still names the same place once the directory it was
-    given in is gone. Others are left as they are (their symlinks too); "" (the default) stays ""."""
+    """A path setting's value as a path that does not depend on the current directory, naming what it
+    names now, so that it still does once the directory it was given in is gone: a relative one is
+    joined to the current directory (as :meth:`Path.absolute` does; ``os.getcwd()`` has no links), and
+    one through ``..`` (``--identity-dir ../x``) is resolved as the kernel would resolve it now up to
+    its last ``..``. Nothing more is resolved: the last component is the one the checks look at (a
+    socket directory or a log file that is a symbolic link, in a directory others may write, is
+    refused, not followed), a --config file that is a link keeps naming the directory its relative
+    settings are read against, as its starter read them, and a link that shortens the socket's path
+    (a Unix socket's is at most 103 bytes) keeps shortening it. Absolute paths without ``..`` are left
+    as they are; "" (the default) stays ""."""
     if not path:
         return path
     path = os.path.expanduser(path)
-    if os.path.isabs(path) and ".." not in Path(path).parts:
-        return path
-    return os.path.realpath(path)
+    parts = Path(path).parts
+    if ".." not in parts:
+        return path if os.path.isabs(path) else str(Path(path).absolute())
+    last = len(parts) - 1 - parts[::-1].index("..")
+    return os.path.join(os.path.realpath(os.path.join(*parts[:last + 1])), *parts[last + 1:])
 
 
 def _settled(config: Config) -> Config:

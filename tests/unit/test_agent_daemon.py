@@ -11,7 +11,7 @@ import pytest
 
 from zerocomm_spark.agent import config as cfgmod
 from zerocomm_spark.agent import daemon
-from zerocomm_spark.errors import AgentNotRunningError
+from zerocomm_spark.errors import AgentNotRunningError, ConfigurationError, InsecurePermissionsError
 
 
 def test_stop_of_an_agent_that_exits_meanwhile_is_a_clear_error(tmp_path: Path,
@@ -238,3 +238,109 @@ def test_a_detached_agent_starts_in_root_with_absolute_paths(tmp_path: Path, mon
     assert argv[argv.index("--config") + 1] == str(tmp_path / "zc.toml")
     assert f"api.socket_dir={tmp_path / 'run'}" in argv and f"log.file={work / 'agent.log'}" in argv
     assert started["env"] == {"ZEROCOMM_JOURNAL_DIR": str(tmp_path / "journal"), "PATH": "/bin"}
+
+
+def _no_popen(monkeypatch: pytest.MonkeyPatch) -> dict:
+    started: dict = {}
+
+    def popen(argv: list[str], **kwargs: object) -> None:
+        started.update(kwargs, argv=argv)
+        raise OSError("stop here")
+
+    monkeypatch.setattr(daemon.subprocess, "Popen", popen)
+    return started
+
+
+def test_a_detached_start_does_not_follow_a_log_file_link_in_a_shared_directory(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Started from a directory others may write (/tmp), `--set log.file=agent.log` where another user
+    had planted agent.log -> ~/.bashrc: the paths were made absolute with realpath, which followed the
+    link, so the check that refuses such a link saw ~/.bashrc and the agent appended its log to it."""
+    shared, victim = tmp_path / "shared", tmp_path / "bashrc"
+    shared.mkdir()
+    shared.chmod(0o1777)
+    victim.write_text("# mine\n")
+    (shared / "agent.log").symlink_to(victim)
+    monkeypatch.chdir(shared)
+    started = _no_popen(monkeypatch)
+    config = cfgmod.load(None, env={}, flags=[f"identity.dir={tmp_path / 'id'}", "log.file=agent.log"])
+    with pytest.raises(ConfigurationError, match="symbolic link"):
+        daemon.start_detached(config, timeout=1)
+    assert not started and victim.read_text() == "# mine\n"
+
+
+def test_a_detached_start_refuses_a_socket_directory_link_given_relative(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--set api.socket_dir=runlink` (a link to a directory): the foreground start, status and stop
+    refuse a run directory that is a link, but the detached start resolved it first and started an agent
+    that the same command line could then neither see nor stop."""
+    real = tmp_path / "real"
+    real.mkdir(mode=0o700)
+    (tmp_path / "work").mkdir()
+    (tmp_path / "work" / "runlink").symlink_to(real)
+    monkeypatch.chdir(tmp_path / "work")
+    started = _no_popen(monkeypatch)
+    for socket_dir in ("runlink", "../work/runlink"):
+        config = cfgmod.load(None, env={}, flags=[f"identity.dir={tmp_path / 'id'}", f"api.socket_dir={socket_dir}"])
+        with pytest.raises(InsecurePermissionsError, match="not a plain directory"):
+            daemon.start_detached(config, timeout=1)
+    assert not started
+
+
+def test_a_config_file_given_through_a_link_is_read_as_its_starter_read_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--config zc.toml`, a link to ../shared/zc.toml saying `dir = "member"`: the starter read the
+    identity as ./member (relative to the link's directory), the agent got the link resolved and read it
+    as ../shared/member, so it served (and created) another member than the one the command named."""
+    (tmp_path / "shared").mkdir()
+    (tmp_path / "shared" / "zc.toml").write_text('[identity]\ndir = "member"\n')
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "zc.toml").symlink_to("../shared/zc.toml")
+    (tmp_path / "up").symlink_to("shared")
+    monkeypatch.chdir(work)
+    started = _no_popen(monkeypatch)
+    for given, expected, member in (("zc.toml", work / "zc.toml", work / "member"),
+                                    ("../work/zc.toml", work / "zc.toml", work / "member"),
+                                    ("../up/zc.toml", tmp_path / "up" / "zc.toml", tmp_path / "shared" / "member")):
+        config = cfgmod.load(given, env={})
+        with pytest.raises(OSError, match="stop here"):
+            daemon.start_detached(config, timeout=1)
+        argv = started["argv"]
+        assert argv[argv.index("--config") + 1] == str(expected)
+        # the agent reads the identity the starter named ("../work/member" is work/member)
+        assert config.identity_dir.resolve() == member
+        assert cfgmod.load(argv[argv.index("--config") + 1], env={}).identity_dir.resolve() == member
+
+
+def test_absolute_resolves_only_what_the_last_parent_step_needs(tmp_path: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "a" / "b").mkdir(parents=True)
+    (tmp_path / "link").symlink_to(tmp_path / "a" / "b")
+    monkeypatch.chdir(tmp_path / "a")
+    assert daemon._absolute("") == ""
+    assert daemon._absolute(".") == daemon._absolute("./") == str(tmp_path / "a")
+    assert daemon._absolute("x/./y/") == str(tmp_path / "a" / "x" / "y")
+    assert daemon._absolute("../link") == str(tmp_path / "link")  # after the last "..": kept as given
+    assert daemon._absolute("../link/f") == str(tmp_path / "link" / "f")
+    assert daemon._absolute("../link/..") == str(tmp_path / "a")  # up to it: as the kernel resolves it
+    assert daemon._absolute("../link/../c/link") == str(tmp_path / "a" / "c" / "link")
+    assert daemon._absolute(f"{tmp_path}/link/../x") == str(tmp_path / "a" / "x")
+    assert daemon._absolute("/abs/link") == "/abs/link"
+    assert daemon._absolute("~/x") == os.path.expanduser("~/x")
+
+
+def test_a_link_that_shortens_the_socket_path_keeps_shortening_it(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--set api.socket_dir=zc/run` with zc a short link to a deep directory (what one does for the
+    103 bytes a Unix socket's path may take): resolving the link made the agent's socket path too long,
+    and the detached start failed where the foreground one (and the same start before) served."""
+    deep = tmp_path / ("d" * 60) / ("e" * 60)
+    deep.mkdir(parents=True)
+    (tmp_path / "zc").symlink_to(deep)
+    monkeypatch.chdir(tmp_path)
+    started = _no_popen(monkeypatch)
+    config = cfgmod.load(None, env={}, flags=[f"identity.dir={tmp_path / 'id'}", "api.socket_dir=zc/run"])
+    with pytest.raises(OSError, match="stop here"):
+        daemon.start_detached(config, timeout=1)
+    assert f"api.socket_dir={tmp_path / 'zc' / 'run'}" in started["argv"]
