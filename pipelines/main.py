@@ -12,6 +12,10 @@
 5. replays the group from Delta in causal order (pipelines/replay.py), verifies every origin,
    checks that nothing is missing or doubled and that every reply comes after what it answers;
 6. prints a short summary: messages, publishers, rates, latencies (exit status 1 if a check failed).
+
+A job that cannot go on (a member or Spark failing, a publisher failing, the --timeout deadline)
+ends with one line saying what failed and what to do, exit 1. Spark's log (the JVM's and its
+workers' stderr) and the failure's traceback go to the job's log file, which that line names.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import random
 import shutil
 import sys
@@ -29,7 +34,7 @@ import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 from zerocomm_spark.deadlines import MAX_TIMEOUT
 
@@ -90,6 +95,22 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+class JobDeadlineError(Exception):
+    """The job's deadline (--timeout) passed: in which phase, and what the job had done by then."""
+
+    def __init__(self, timeout: float, phase: str, done: str) -> None:
+        self.timeout, self.phase, self.done = timeout, phase, done
+        super().__init__(f"the job's deadline (--timeout {timeout:g}s) passed while {phase}; {done}")
+
+
+class PublishFailedError(Exception):
+    """A publisher could not publish (its member's agent gone, a publish nobody acknowledged...)."""
+
+    def __init__(self, errors: Sequence[str], done: str) -> None:
+        self.errors, self.done = list(errors), done
+        super().__init__(f"publishing failed: {'; '.join(self.errors)} ({done})")
+
+
 @dataclass
 class _Published:
     ids: list[str] = field(default_factory=list)
@@ -98,13 +119,17 @@ class _Published:
 
 
 def _publisher(member: Any, group: str, cfg: JobConfig, out: _Published, lock: threading.Lock,
-               deadline: float, seed: int) -> None:
+               deadline: float, seed: int, stop: threading.Event | None = None) -> None:
     """Publish ``cfg.messages`` at ``cfg.rate`` per second, a chunk every 200 ms.
 
     A publish returns once every member acknowledged it (tens of ms), so up to four chunks are in
-    flight at once: the pace is the rate asked for, not one round trip per chunk.
+    flight at once: the pace is the rate asked for, not one round trip per chunk. Stops early when
+    ``stop`` is set (another publisher failed) or at the deadline, which the job reports itself: only
+    other failures go to ``out.errors``.
     """
-    from concurrent.futures import Future, ThreadPoolExecutor
+    from concurrent.futures import Future, ThreadPoolExecutor, wait
+
+    stop = stop or threading.Event()
 
     rng = random.Random(seed)
     chunk = max(1, int(cfg.rate / 5))
@@ -115,45 +140,60 @@ def _publisher(member: Any, group: str, cfg: JobConfig, out: _Published, lock: t
 
     def settle(block: bool) -> None:
         while pending and (block or pending[0][0].done() or len(pending) >= 4):
-            future, ids, headers = pending.pop(0)
-            future.result(timeout=max(deadline - time.monotonic(), 1.0))
+            future, ids, headers = pending[0]
+            until = time.monotonic() + max(deadline - time.monotonic(), 1.0)
+            while not future.done():  # in slices: a publisher stops as soon as the job fails
+                if stop.is_set():
+                    raise InterruptedError("stopped: the job is failing")
+                if time.monotonic() >= until:
+                    raise TimeoutError(f"{member.label}'s publish did not return within the job's deadline")
+                wait([future], timeout=0.2)
+            pending.pop(0)
+            future.result()
             with lock:
                 out.ids.extend(ids)
                 for mid, h in zip(ids, headers):
                     if h:
                         out.replies[mid] = h[REPLY_HEADER]
 
-    with ThreadPoolExecutor(max_workers=4, thread_name_prefix=f"publish-{member.label}") as pool:
-        try:
-            while sent < cfg.messages:
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"{member.label} could not publish within the job's deadline")
-                n = min(chunk, cfg.messages - sent)
-                if cfg.reply_fraction > 0:
-                    # What this member delivered from the others: a reply to one is causally after it.
-                    recent = member.client.fetch(group=group, last=64).table
-                    heard = [mid for mid, did in zip(recent.column("message_id").to_pylist(),
-                                                     recent.column("publisher_did").to_pylist()) if did != member.did]
-                ids, payloads, headers = [], [], []
-                for i in range(sent, sent + n):
-                    mid = f"{member.label}-{i}-{uuid.uuid4().hex[:8]}"
-                    text = f"{member.label} #{i}".encode()
-                    payloads.append(text + b"." * max(cfg.payload_bytes - len(text), 0))
-                    ids.append(mid)
-                    answer = rng.choice(heard) if heard and rng.random() < cfg.reply_fraction else None
-                    headers.append({REPLY_HEADER: answer} if answer else None)
-                future = pool.submit(member.publish, group, payloads, message_ids=ids, headers=headers,
-                                     timeout=max(min(deadline - time.monotonic(), 120.0), 1.0))
-                pending.append((future, ids, headers))
-                settle(block=False)
-                sent += n
-                pause = began + sent / cfg.rate - time.monotonic()
-                if pause > 0:
-                    time.sleep(pause)
-            settle(block=True)
-        except Exception as exc:  # noqa: BLE001 - reported in the summary, the job fails
-            with lock:
-                out.errors.append(f"{member.label}: {type(exc).__name__}: {str(exc)[:300]}")
+    pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix=f"publish-{member.label}")
+    try:
+        while sent < cfg.messages:
+            if stop.is_set() or time.monotonic() > deadline:
+                return
+            n = min(chunk, cfg.messages - sent)
+            if cfg.reply_fraction > 0:
+                # What this member delivered from the others: a reply to one is causally after it.
+                recent = member.client.fetch(group=group, last=64).table
+                heard = [mid for mid, did in zip(recent.column("message_id").to_pylist(),
+                                                 recent.column("publisher_did").to_pylist()) if did != member.did]
+            ids, payloads, headers = [], [], []
+            for i in range(sent, sent + n):
+                mid = f"{member.label}-{i}-{uuid.uuid4().hex[:8]}"
+                text = f"{member.label} #{i}".encode()
+                payloads.append(text + b"." * max(cfg.payload_bytes - len(text), 0))
+                ids.append(mid)
+                answer = rng.choice(heard) if heard and rng.random() < cfg.reply_fraction else None
+                headers.append({REPLY_HEADER: answer} if answer else None)
+            future = pool.submit(member.publish, group, payloads, message_ids=ids, headers=headers,
+                                 timeout=max(min(deadline - time.monotonic(), 120.0), 1.0))
+            pending.append((future, ids, headers))
+            settle(block=False)
+            sent += n
+            pause = began + sent / cfg.rate - time.monotonic()
+            if pause > 0:
+                stop.wait(pause)
+        settle(block=True)
+    except Exception as exc:  # noqa: BLE001 - reported by the job, which fails
+        if stop.is_set() or (isinstance(exc, TimeoutError) and time.monotonic() >= deadline - 1.0):
+            return  # the job is failing already, or its deadline passed: it says so itself
+        log.warning("%s could not publish", member.label, exc_info=True, extra={"file_only": True})
+        with lock:
+            out.errors.append(f"{member.label}: {type(exc).__name__}: {str(exc)[:300]}")
+        stop.set()
+    finally:
+        # What is still in flight when the job fails would only fail too: not waited for here.
+        pool.shutdown(wait=not stop.is_set(), cancel_futures=True)
 
 
 def _percentiles(values: list[float]) -> dict[str, float]:
@@ -219,6 +259,13 @@ def run(cfg: JobConfig) -> dict[str, Any]:
     summary: dict[str, Any] = {"mode": cfg.mode, "group": cfg.group, "table": table, "encrypted": cfg.encrypt}
     group = None
     query = None
+    stop = threading.Event()  # set when the job fails: publishers still running stop
+    threads: list[threading.Thread] = []
+
+    def check_deadline(phase: str, done: str) -> None:
+        if time.monotonic() >= deadline:
+            raise JobDeadlineError(cfg.timeout, phase, done)
+
     try:
         _say(cfg, f"starting {len(labels)} members ({cfg.mode}): {', '.join(labels)}")
         t0 = time.monotonic()
@@ -227,10 +274,14 @@ def run(cfg: JobConfig) -> dict[str, Any]:
                                  base_dir=work / "members" / f"run-{run_id}",
                                  timeout=max(min(deadline - time.monotonic(), 180.0), 10.0))
         summary["members_start_s"] = round(time.monotonic() - t0, 2)
+        started = f"{len(labels)} members started in {summary['members_start_s']}s"
+        check_deadline("starting the members", f"{started}, nothing published yet")
         _say(cfg, "starting Spark with Delta")
         t0 = time.monotonic()
         spark = local_spark("zerocomm-main")
         summary["spark_start_s"] = round(time.monotonic() - t0, 2)
+        started += f", Spark in {summary['spark_start_s']}s"
+        check_deadline("starting Spark", f"{started}, nothing published yet")
 
         batches: dict[int, dict[str, Any]] = {}  # from Spark's own progress reports: no extra Delta reads
 
@@ -253,23 +304,34 @@ def run(cfg: JobConfig) -> dict[str, Any]:
         query = ingest(spark, [cfg.group], table, checkpoint, agent=group["historian"].agent, trigger=cfg.trigger,
                        history_key=key, query_name="zerocomm_history_main")
         _wait_ready(query, deadline)
+        check_deadline("starting the ingest query", f"{started}, nothing published yet")
         total = cfg.publishers * cfg.messages
         _say(cfg, f"publishing {total} messages ({cfg.publishers} x {cfg.messages} at {cfg.rate:g}/s each, "
                   f"{cfg.reply_fraction:.0%} replies) while Spark ingests them into {table}")
         published = _Published()
         lock = threading.Lock()
-        threads = [threading.Thread(target=_publisher, name=f"publish-{label}",
-                                    args=(group[label], cfg.group, cfg, published, lock, deadline, n))
+        threads = [threading.Thread(target=_publisher, name=f"publish-{label}", daemon=True,
+                                    args=(group[label], cfg.group, cfg, published, lock, deadline, n, stop))
                    for n, label in enumerate(labels[1:])]
         t_pub = time.monotonic()
         for t in threads:
             t.start()
-        for t in threads:
-            t.join(max(deadline - time.monotonic(), 0.1))
+        # Until every publisher is done, one fails (the others stop: the job fails at once) or the deadline.
+        while any(t.is_alive() for t in threads) and not stop.is_set() and time.monotonic() < deadline:
+            stop.wait(0.1)
         publish_s = time.monotonic() - t_pub
+
+        def so_far() -> str:
+            with lock:
+                return (f"{started}; {len(published.ids)} of {total} messages published (acknowledged), "
+                        f"{ingested()} rows in Delta")
+
         if published.errors:
-            raise RuntimeError("publishing failed: " + "; ".join(published.errors))
-        while ingested() < len(published.ids) and time.monotonic() < deadline and query.exception() is None:
+            raise PublishFailedError(published.errors, so_far())
+        if any(t.is_alive() for t in threads) or len(published.ids) < total:
+            raise JobDeadlineError(cfg.timeout, "publishing", so_far())
+        while ingested() < len(published.ids) and query.exception() is None:
+            check_deadline("waiting for Delta to hold every message", so_far())
             time.sleep(0.25)
         ingest_s = time.monotonic() - t_pub
         if query.exception() is not None:
@@ -322,8 +384,12 @@ def run(cfg: JobConfig) -> dict[str, Any]:
             and len(position) == rows.num_rows and replies_ok == len(published.replies)
             and origin_ok == rows.num_rows)
     finally:
+        stop.set()
         if query is not None and query.isActive:
             query.stop()
+        until = time.monotonic() + 5.0
+        for t in threads:  # stopping: each at most a slice of a wait away
+            t.join(max(until - time.monotonic(), 0.0))
         if group is not None:
             group.close()
         summary["total_s"] = round(time.monotonic() - job_began, 2)
@@ -354,6 +420,7 @@ def render(summary: dict[str, Any]) -> str:
         f"publish->Delta p50 {dl['p50']:.2f} s, p95 {dl['p95']:.2f} s",
         f"publishers  {per}",
         f"table       {s['table']}",
+        *([f"log         {s['log']}"] if s.get("log") else []),
         f"result      {'OK' if s['ok'] else 'FAILED'} in {s['total_s']}s",
     ]
     return "\n".join(lines)
@@ -380,27 +447,81 @@ def _check_options(parser: argparse.ArgumentParser, cfg: JobConfig) -> None:
         parser.error(f"--timeout must be a number of seconds above 0 (at most {MAX_TIMEOUT:g}), not {cfg.timeout}")
 
 
-def _failure(exc: BaseException) -> dict[str, str] | None:
-    """What a user is told when the job cannot run (a member, the table's path, Spark): the error in
-    one line and what to do, not a traceback of Python and Java frames. None for anything else (a bug
-    keeps its traceback)."""
+def _failure(exc: BaseException, log_file: Path | None = None) -> dict[str, str] | None:
+    """What a user is told when the job cannot run (a member, the table's path, Spark), a publisher
+    fails or the deadline passes: the error in one line and what to do, not a traceback of Python and
+    Java frames. None for anything else (a bug keeps its traceback)."""
     from py4j.protocol import Py4JError
     from pyspark.errors import PySparkException
 
     from zerocomm_spark.errors import ZeroCommError
 
+    details = f"the job's log ({log_file}) has the details" if log_file else "Spark's log above has the details"
+    if isinstance(exc, JobDeadlineError):
+        return {"type": "DeadlineError", "message": str(exc), "phase": exc.phase,
+                "hint": f"Raise --timeout (it was {exc.timeout:g}s), or publish less (--messages, --publishers, "
+                        f"--rate){', or a shorter --trigger' if 'Delta' in exc.phase else ''}; {details}"}
+    if isinstance(exc, PublishFailedError):
+        return {"type": "PublishError", "message": str(exc),
+                "hint": "Check that every member is still running (with --mode agents: its agent process, "
+                        f"started from --work-dir's members/); {details}"}
     if isinstance(exc, ZeroCommError):
         return {"type": type(exc).__name__, "message": exc.message, "hint": exc.hint or ""}
     if isinstance(exc, (Py4JError, PySparkException)):
         from zerocomm_spark.pipelines.commands import _spark_reason
 
         return {"type": "SparkError", "message": f"Spark failed: {_spark_reason(exc)}",
-                "hint": "Check that --table and --work-dir name places this user can write; Spark's log above "
-                        "has the details"}
+                "hint": f"Check that --table and --work-dir name places this user can write; {details}"}
     if isinstance(exc, OSError):
         return {"type": type(exc).__name__, "message": str(exc),
                 "hint": "Check that --table and --work-dir name places this user can write"}
     return None
+
+
+def _log_path(cfg: JobConfig) -> Path:
+    """The job's log file: under --work-dir (logs/), else in the temporary directory (the temporary
+    work directory is removed at the end, the log of a failed run is not)."""
+    name = f"main-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.log"
+    if cfg.work_dir:
+        return Path(cfg.work_dir).absolute() / "logs" / name
+    return Path(tempfile.gettempdir()) / f"zerocomm-{name}"
+
+
+def _redirect_stderr(log_file: Path) -> TextIO:
+    """Send this process's file descriptor 2 to ``log_file``: Spark's JVM (started after this) and its
+    Python workers inherit it, so their log (a stopped query's ~1,400 lines among it) goes there, not
+    to the terminal. ``sys.stderr`` keeps writing to the terminal; returns it."""
+    log_file.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(log_file, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    terminal = os.dup(2)
+    os.dup2(fd, 2)
+    os.close(fd)
+    sys.stderr = os.fdopen(terminal, "w", buffering=1, encoding=sys.stderr.encoding, errors="backslashreplace")
+    return sys.stderr
+
+
+class _NotFileOnly(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not getattr(record, "file_only", False)
+
+
+def _setup_logging(log_file: Path, terminal: TextIO) -> logging.Handler:
+    """Everything (INFO and up, with tracebacks) to the log file; to the terminal only this package's
+    warnings, not what Spark and py4j log while a failing job stops its query."""
+    root = logging.getLogger()
+    root.setLevel(logging.INFO)
+    to_file = logging.FileHandler(log_file, encoding="utf-8")
+    to_file.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    root.addHandler(to_file)
+    console = logging.StreamHandler(terminal)
+    console.setLevel(logging.WARNING)
+    console.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+    console.addFilter(logging.Filter("zerocomm_spark"))
+    console.addFilter(_NotFileOnly())
+    root.addHandler(console)
+    return to_file
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -409,22 +530,32 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     cfg = JobConfig(**vars(args))
     _check_options(parser, cfg)
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    log_file = _log_path(cfg)
+    to_file = _setup_logging(log_file, _redirect_stderr(log_file))
+    keep_log = True
     try:
         summary = run(cfg)
+        keep_log = bool(cfg.work_dir or cfg.keep or not summary.get("ok"))
+        if keep_log:
+            summary["log"] = str(log_file)
     except KeyboardInterrupt:
         return 130
     except Exception as exc:
-        error = _failure(exc)
+        error = _failure(exc, log_file)
+        log.error("the main job failed", exc_info=True, extra={"file_only": True})
         if error is None:
             raise
-        log.debug("the main job failed", exc_info=True)
         if cfg.as_json:
-            print(json.dumps({"ok": False, "error": error, "exit_code": 1}), flush=True)
+            print(json.dumps({"ok": False, "error": error, "exit_code": 1, "log": str(log_file)}), flush=True)
         else:
             print(f"{parser.prog}: error: {error['message']}\n  what to do: {error['hint']}", file=sys.stderr,
                   flush=True)
         return 1
+    finally:
+        if not keep_log:  # a run that passed with a temporary work directory leaves nothing behind
+            logging.getLogger().removeHandler(to_file)  # (a closed FileHandler reopens on the next record)
+            to_file.close()
+            log_file.unlink(missing_ok=True)
     if cfg.as_json:
         print(json.dumps(summary, sort_keys=True), flush=True)
     else:

@@ -125,3 +125,67 @@ def test_main_job_runs_at_the_same_time_in_one_work_dir_each_check_their_own(tmp
         assert run.returncode == 0 and summary["ok"] is True, summary
         assert summary["rows"] == summary["published"] == 20 and summary["unexpected"] == 0, summary
     assert not list(tmp_path.glob("warm-up*"))  # scratch, removed
+
+
+def _spark_noise(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines()
+            if "Traceback" in line or line.startswith("\tat ") or " WARN " in line or " ERROR " in line]
+
+
+def test_the_deadline_is_one_line_naming_the_phase_and_what_to_raise(tmp_path):
+    """--timeout too short ended in a traceback ('publishing failed: alice: TimeoutError...'), or, hit
+    while Spark was ingesting, in ~1,400 lines of Spark's stop noise and a summary that did not say the
+    deadline was the cause. Now one line: the deadline, the phase, what was done, raise --timeout; exit
+    1, an error document with --json, Spark's log in the job's log file."""
+    for extra in ([], ["--json"]):
+        work = tmp_path / f"work{len(extra)}"
+        done = subprocess.run(
+            [sys.executable, "-m", "zerocomm_spark.pipelines.main", "--publishers", "1", "--messages", "2",
+             "--timeout", "0.01", "--work-dir", str(work), *extra],
+            cwd=ROOT, capture_output=True, text=True, timeout=400)
+        assert done.returncode == 1, (done.stdout[-2000:], done.stderr[-4000:])
+        assert not _spark_noise(done.stderr), done.stderr[-4000:]
+        logs = list((work / "logs").glob("main-*.log"))
+        assert len(logs) == 1 and "the main job failed" in logs[0].read_text()  # the details are kept
+        if extra:
+            error = json.loads(done.stdout.splitlines()[-1])
+            assert error["ok"] is False and error["exit_code"] == 1 and error["error"]["type"] == "DeadlineError"
+            assert error["error"]["phase"] == "starting the members" and "--timeout" in error["error"]["hint"]
+            assert error["log"] == str(logs[0])
+        else:
+            assert len(done.stderr.strip().splitlines()) == 2, done.stderr  # the error and what to do
+            assert "deadline (--timeout 0.01s) passed while starting the members" in done.stderr
+            assert "members started in" in done.stderr and "Raise --timeout" in done.stderr
+
+
+def test_a_publisher_agent_killed_mid_run_is_one_error_line(tmp_path):
+    """--mode agents, a publisher's agent killed with -9 while it publishes: a RuntimeError traceback
+    (after waiting for the other publishers' unacknowledged publishes). Now the job stops at once and
+    says in one line who failed and what to check, without Spark's noise from stopping its query."""
+    import os
+    import re
+    import signal
+    import time
+
+    job = subprocess.Popen(
+        [sys.executable, "-m", "zerocomm_spark.pipelines.main", "--mode", "agents", "--publishers", "2",
+         "--messages", "100000", "--rate", "20", "--timeout", "600", "--work-dir", str(tmp_path)],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert job.stdout is not None
+        for line in job.stdout:
+            if line.startswith("publishing"):
+                break
+        time.sleep(2)
+        config = next((tmp_path / "members").glob("run-*/alice/zerocomm.toml")).read_text()
+        socket_dir = re.search(r'socket_dir\s*=\s*"([^"]+)"', config).group(1)
+        os.kill(int((Path(socket_dir) / "agent.pid").read_text()), signal.SIGKILL)
+        out, err = job.communicate(timeout=300)
+    finally:
+        if job.poll() is None:
+            job.kill()
+    assert job.returncode == 1, (out[-2000:], err[-4000:])
+    assert not _spark_noise(err), err[-4000:]
+    assert "error: publishing failed: alice: " in err and "still running" in err, err[-2000:]
+    logs = list((tmp_path / "logs").glob("main-*.log"))
+    assert len(logs) == 1 and "alice could not publish" in logs[0].read_text()
