@@ -575,6 +575,19 @@ def test_a_registered_protocol_takes_another_minor_version_of_its_messages(tmp_p
         assert seen == [("Ask", "hello")]
 
 
+def _thread_ids_of_waiters(agent: Any) -> list[str]:
+    """The thread ids ``agent`` starts waiting on from now on, in order (a spy on its waiters)."""
+    thids: list[str] = []
+    real_waiter = agent._waiter  # noqa: SLF001
+
+    def spy(kind: str, thid: str, *args: Any) -> Any:
+        thids.append(thid)
+        return real_waiter(kind, thid, *args)
+
+    agent._waiter = spy  # noqa: SLF001
+    return thids
+
+
 @pytest.mark.parametrize("kind", ["ping", "discover"])
 def test_an_answer_on_another_connection_does_not_settle_a_ping_or_discover(tmp_path: Path, kind: str) -> None:
     """Ping and discover-features waiters were keyed by thread id alone: any connected peer that learnt
@@ -593,14 +606,7 @@ def test_an_answer_on_another_connection_does_not_settle_a_ping_or_discover(tmp_
         to_m = next(c for c in m.connections())
         # b takes pings and queries but never answers them: a waits on its connection to b.
         b._handlers[Ping] = b._handlers[Query] = lambda message, context: None  # noqa: SLF001
-        thids: list[str] = []
-        real_waiter = a._waiter  # noqa: SLF001
-
-        def spy(kind_: str, thid: str, *args: Any) -> Any:
-            thids.append(thid)
-            return real_waiter(kind_, thid, *args)
-
-        a._waiter = spy  # type: ignore[method-assign]  # noqa: SLF001
+        thids = _thread_ids_of_waiters(a)
         outcome: list[Any] = []
 
         def call() -> None:
@@ -642,14 +648,7 @@ def test_a_late_answer_is_dropped_quietly_and_only_from_the_peer_asked(tmp_path:
         to_b = next(c for c in a.connections() if c.label == "b")
         b_to_a, m_to_a = next(iter(b.connections())), next(iter(m.connections()))
         b._handlers[Ping] = b._handlers[Query] = lambda message, context: None  # noqa: SLF001  # b is slow
-        thids: list[str] = []
-        real_waiter = a._waiter  # noqa: SLF001
-
-        def spy(kind_: str, thid: str, *args: Any) -> Any:
-            thids.append(thid)
-            return real_waiter(kind_, thid, *args)
-
-        a._waiter = spy  # type: ignore[method-assign]  # noqa: SLF001
+        thids = _thread_ids_of_waiters(a)
         with pytest.raises(ZeroCommError):
             a.ping(to_b, timeout=0.5) if kind == "ping" else a.discover(to_b, timeout=0.5)
         assert len(thids) == 1
