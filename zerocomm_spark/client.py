@@ -25,6 +25,7 @@ Why it looks like this:
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import math
 import os
@@ -226,6 +227,24 @@ def check_socket_dir(socket_dir: Path) -> None:
         raise AgentNotRunningError(f"no agent listens on {sock} (a stale socket: the agent stopped or crashed)")
     if problem is not None:
         raise problem
+
+
+def _run_lock_held(socket_dir: Path) -> bool:
+    """Whether a process holds the agent's run lock (its pid file): an agent starting up holds it before
+    it listens, one stopping until it exits. Only used to decide to wait, never to signal anyone."""
+    try:  # O_NONBLOCK: a FIFO planted in place of the file must not hang the open
+        fd = os.open(socket_dir / PID_FILE, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except OSError:
+        return True
+    else:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return False
+    finally:
+        os.close(fd)
 
 
 def _listening(sock: Path) -> bool | None:
@@ -529,6 +548,18 @@ class Client:
                 if spawned and time.monotonic() < deadline:
                     time.sleep(0.05)
                     continue
+                if (isinstance(exc, AgentNotRunningError) and self.socket_dir is not None
+                        and _run_lock_held(self.socket_dir)):
+                    # An agent holds its run directory but does not listen yet: it is starting (one a
+                    # connector spawned a moment ago, say). Failing now would call a starting agent dead.
+                    if time.monotonic() < deadline:
+                        time.sleep(0.05)
+                        continue
+                    raise AgentNotRunningError(
+                        f"an agent holds {self.socket_dir} (starting or stopping) but did not serve on "
+                        f"{self.endpoint} within the deadline",
+                        hint="See its log; `zerocomm agent status` tells whether it is alive, "
+                             "`zerocomm agent stop --force` stops a hung one") from None
                 if isinstance(exc, ApiTimeoutError):
                     raise AgentNotRunningError(f"no agent answered on {self.endpoint} within the deadline") from None
                 raise

@@ -26,7 +26,7 @@ import pytest
 
 from zerocomm_spark.connector import LagListener, progress_lag
 from zerocomm_spark.connector.local_members import LocalMember, form_group, start_members
-from zerocomm_spark.errors import AgentStartError, BackpressureError, PeerTimeoutError, ZeroCommError
+from zerocomm_spark.errors import AgentNotRunningError, AgentStartError, BackpressureError, PeerTimeoutError, ZeroCommError
 
 pytestmark = [pytest.mark.spark, pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -866,15 +866,24 @@ def test_killed_agent_mid_stream_then_restart_exactly_once(spark, members, group
         query.stop()
     failure = query.exception()
     print("query after the agent crash:", "failed: " + str(failure)[:500] if failure else "rode over it")
-    if not carol.running():
+
+    def caught_up() -> bool:
+        # The connector's on-demand spawn may be starting an agent still, or one whose start the
+        # stopped query interrupted may be going away: start it here whenever none holds the identity.
         try:
-            carol.start()
-        except AgentStartError as exc:  # the connector's on-demand spawn got there first: it runs
-            if "already running" not in str(exc):
-                raise
-    wait_for(lambda: carol.client().latest(group)["publishers"] and
-             max(p["last_seq"] for p in carol.client().latest(group)["publishers"]) >= 500, 120,
-             "the restarted member to catch up with the group")
+            publishers = carol.client().latest(group)["publishers"]
+        except AgentNotRunningError:
+            carol.close_client()
+            if not carol.running():
+                try:
+                    carol.start()
+                except AgentStartError as exc:  # another start got there first: it runs
+                    if "already running" not in str(exc):
+                        raise
+            return False
+        return bool(publishers) and max(p["last_seq"] for p in publishers) >= 500
+
+    wait_for(caught_up, 120, "the restarted member to catch up with the group")
     drain = (source(spark, group, carol, startingOffsets="earliest")
              .writeStream.format("delta").option("checkpointLocation", str(ck))
              .trigger(availableNow=True).start(str(out)))

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import fcntl
 import os
 import pickle
 import socket
+import time
 from pathlib import Path
 
 import pyarrow as pa
@@ -92,6 +94,33 @@ def test_finding_no_agent_is_a_clear_error(tmp_path: Path) -> None:
         ipc_endpoint(tmp_path / ("x" * 120))
     with pytest.raises(errors.ConfigurationError, match="CURVE keys"):
         Client("tcp://127.0.0.1:1")
+
+
+def test_an_agent_holding_its_run_lock_but_not_listening_yet_is_waited_for(tmp_path: Path) -> None:
+    """A client that came while an agent was starting (its run lock taken, its socket not listening
+    yet: one a Spark connector had just spawned) was told at once that no agent runs there. It now
+    waits for it until its deadline; without a holder of the lock, a stale socket is still said at once."""
+    run = tmp_path / "run"
+    run.mkdir(mode=0o700)
+    _stale_socket(run / "api.sock")
+    (run / "agent.pid").write_text("12345\n")
+    started = time.monotonic()
+    with pytest.raises(errors.AgentNotRunningError, match="stale socket"):  # nobody holds the lock
+        Client.connect(run, timeout=3)
+    assert time.monotonic() - started < 1.5
+    holder = os.open(run / "agent.pid", os.O_RDONLY)
+    try:
+        fcntl.flock(holder, fcntl.LOCK_EX)  # what a starting agent holds before it listens
+        started = time.monotonic()
+        with pytest.raises(errors.AgentNotRunningError, match="starting or stopping") as info:
+            Client.connect(run, timeout=1.0)
+        assert time.monotonic() - started >= 0.9  # waited out its deadline, not told at once
+        assert "agent status" in str(info.value)
+        os.unlink(run / "api.sock")  # not even a socket yet: the same
+        with pytest.raises(errors.AgentNotRunningError, match="starting or stopping"):
+            Client.connect(run, timeout=0.3)
+    finally:
+        os.close(holder)
 
 
 def test_a_loose_socket_directory_without_an_agent_is_no_agent(tmp_path: Path) -> None:
