@@ -60,6 +60,11 @@ SPAWNER_SECRETS = frozenset({
 #: And any other variable of Spark's namespaces that names a secret, token or password: the names
 #: change between Spark versions (Spark Connect's token came with 4.0), and the agent reads none of them.
 _SPAWNER_SECRET_NAME = re.compile(r"^(?:_?SPARK|PYSPARK|PYTHON_WORKER_).*(?:SECRET|TOKEN|PASSWORD)")
+#: Credentials of whatever started it (an executor's cloud keys, Hadoop delegation tokens, a CI job's
+#: tokens): the agent reads none of them (its settings are ZEROCOMM_* and its passphrase variable),
+#: and a process that lives for days should not hold what its starter was given for an hour.
+_CREDENTIAL_NAME = re.compile(r"SECRET|TOKEN|PASSWORD|PASSWD|CREDENTIAL|PRIVATE_KEY|^AWS_ACCESS_KEY_ID$|^KRB5CCNAME$",
+                              re.IGNORECASE)
 
 
 def log_file_of(config: Config) -> Path:
@@ -126,13 +131,15 @@ def _agent_pythonpath(value: str | None) -> str | None:
 
 def agent_environment(config: Config, environ: Mapping[str, str]) -> dict[str, str]:
     """The environment a detached agent starts with: its starter's ``environ``, without Spark's secrets
-    (:data:`SPAWNER_SECRETS` and names like them) and PYTHONPATH (unless the package comes from it:
+    (:data:`SPAWNER_SECRETS` and names like them), other credentials (names with SECRET, TOKEN,
+    PASSWORD, CREDENTIAL, ...: cloud keys, Hadoop delegation tokens) and PYTHONPATH (unless the package comes from it:
     :func:`_agent_pythonpath`), with the relative paths in ZEROCOMM_* settings made absolute. The
     variable identity.passphrase_env names (the keystore's passphrase) is always kept; so are PATH,
     HOME, the locale, TMPDIR and the other ZEROCOMM_* variables."""
     passphrase = config.get("identity", "passphrase_env")
     env = {name: value for name, value in environ.items()
-           if name == passphrase or not (name in SPAWNER_SECRETS or _SPAWNER_SECRET_NAME.match(name))}
+           if name == passphrase or not (name in SPAWNER_SECRETS or _SPAWNER_SECRET_NAME.match(name)
+                                         or (_CREDENTIAL_NAME.search(name) and not name.startswith("ZEROCOMM_")))}
     for section, key in _PATH_SETTINGS:
         origin = config.source.get(f"{section}.{key}", "")
         if origin.startswith("env ") and origin[4:] in env:

@@ -183,9 +183,15 @@ def test_the_agent_environment_drops_sparks_secrets_and_keeps_what_the_agent_nee
     monkeypatch.chdir(tmp_path)
     spark = {name: "s3cret" for name in daemon.SPAWNER_SECRETS}
     spark.update({"SPARK_SOMEDAY_TOKEN": "s3cret", "PYSPARK_NEW_PASSWORD": "s3cret"})  # names Spark may add
+    # an executor's (or a CI job's) other credentials: the agent reads none of them
+    spark.update({"AWS_ACCESS_KEY_ID": "AKIA", "AWS_SECRET_ACCESS_KEY": "s3cret", "AWS_SESSION_TOKEN": "s3cret",
+                  "HADOOP_TOKEN_FILE_LOCATION": "/yarn/container_tokens", "AZURE_CLIENT_SECRET": "s3cret",
+                  "GOOGLE_APPLICATION_CREDENTIALS": "/keys/sa.json", "KRB5CCNAME": "FILE:/tmp/krb5cc_0",
+                  "GITHUB_TOKEN": "s3cret", "DB_password": "s3cret"})
     kept = {"PATH": "/usr/bin:/bin", "HOME": "/home/me", "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8", "TMPDIR": "/tmp",
             "ZEROCOMM_LOG_LEVEL": "debug", "ZEROCOMM_JARS": "/jars", "SPARK_HOME": "/opt/spark",
-            "SPARK_AUTH_SOCKET_TIMEOUT": "15", "SPARK_PASSPHRASE_FOR_ZC": "the passphrase"}
+            "SPARK_AUTH_SOCKET_TIMEOUT": "15", "SPARK_PASSPHRASE_FOR_ZC": "the passphrase",
+            "AWS_REGION": "eu-west-1", "SSH_AUTH_SOCK": "/run/ssh"}
     environ = {**spark, **kept, "ZEROCOMM_IDENTITY_DIR": "id", "ZEROCOMM_API_SOCKET_DIR": "~/run",
                "ZEROCOMM_LOG_FILE": "logs/../agent.log", "PWD": str(tmp_path),
                "PYTHONPATH": f"pyspark.zip{os.pathsep}{tmp_path / 'app'}"}
