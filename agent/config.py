@@ -265,7 +265,17 @@ def _coerce(section: str, key: str, value: Any, origin: str) -> Any:
                 hint="Keep the default 7d, give a longer duration, or 0 to never forget consumers")
     if isinstance(value, int) and not isinstance(value, bool) and value < 0:
         raise ConfigurationError(f"{name} (from {origin}) must not be negative")
+    if ((section, key) in _ENDPOINT_SETTINGS and isinstance(value, str) and value.startswith("ipc://")
+            and not value[6:].startswith(("/", "@"))):
+        # ZeroMQ resolves it from the current directory: a detached agent's is /, and every peer it is
+        # announced to resolves it from its own.
+        raise ConfigurationError(f"{name} (from {origin}) is the relative ipc endpoint {value!r}",
+                                 hint=f"Give an absolute path: ipc://{os.path.abspath(value[6:])}")
     return value
+
+
+#: Settings that name a peer-facing ZeroMQ endpoint.
+_ENDPOINT_SETTINGS = frozenset({("peer", "endpoint"), ("peer", "advertise"), ("groups", "publish_endpoint")})
 
 
 def _split_name(name: str, origin: str) -> tuple[str, str]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import tomllib
 from pathlib import Path
 
@@ -161,6 +162,22 @@ def test_values_no_agent_can_use_are_refused_when_loaded(flag: str, match: str) 
     and numbers past what ZeroMQ or the journal take crashed the start with an unexplained OverflowError."""
     with pytest.raises(ConfigurationError, match=match):
         cfgmod.load(None, env={}, flags=[flag])
+
+
+@pytest.mark.parametrize("name", ["peer.endpoint", "peer.advertise", "groups.publish_endpoint"])
+def test_a_relative_ipc_endpoint_is_refused_with_its_absolute_form(name: str, tmp_path: Path) -> None:
+    """ZeroMQ resolved ipc://run/peer.sock from the current directory: a detached agent's is /, and
+    the peers it was announced to resolved it from theirs, so nobody reached it."""
+    with pytest.raises(ConfigurationError, match=rf"{name} .* relative ipc endpoint .*ipc://{os.getcwd()}/run/peer.sock"):
+        cfgmod.load(None, env={}, flags=[f"{name}=ipc://run/peer.sock"])
+    file = tmp_path / "zc.toml"
+    section, key = name.split(".")
+    file.write_text(f'[{section}]\n{key} = "ipc://peer.sock"\n')
+    with pytest.raises(ConfigurationError, match="relative ipc endpoint"):
+        cfgmod.load(file, env={})
+    for fine in ("ipc:///tmp/peer.sock", "ipc://@abstract-name", "tcp://127.0.0.1:*"):
+        if name != "peer.advertise" or "*" not in fine:
+            assert cfgmod.load(None, env={}, flags=[f"{name}={fine}"]).get(section, key) == fine
 
 
 def test_an_endless_timeout_in_the_file_is_refused(tmp_path: Path) -> None:
