@@ -7,6 +7,7 @@ deadlines taken from the request, long polls for `tail`, and results as plain JS
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import logging
 import threading
@@ -89,13 +90,37 @@ def _mode(value: Any) -> str | None:
     return None if value in ("single", "multi", "shared") else "must be single, multi or shared"
 
 
+class _Sent:
+    """A message this agent published in this run, by (group, message id): a re-publish of the id
+    is answered from it (not sent again).
+
+    ``proof`` is whether the copy the group keeps carries this agent's origin proof: the copy sent
+    now if the journal kept it (``sign``), else an earlier one (the id published before this agent
+    started, or by another member: the id rule dropped this copy, here as everywhere), whose proof
+    this agent does not know (None). Until this member's journal took its own row (``journaled``
+    set), which of the two it is is not known either: ``settled`` False.
+    """
+
+    __slots__ = ("seq", "receipt", "sign", "journaled", "proof", "settled", "dropped")
+
+    def __init__(self, seq: int, receipt: Any, sign: bool, journaled: threading.Event | None) -> None:
+        self.seq = seq
+        self.receipt = receipt
+        self.sign = sign
+        self.journaled = journaled
+        self.proof: bool | None = sign if journaled is None else None  # no journal: nothing to find out
+        self.settled = journaled is None
+        self.dropped = False
+
+
 class AgentCalls:
     """The handlers; each takes the Request first, then its validated arguments."""
 
     def __init__(self, process: "AgentProcess") -> None:
         self.process = process
-        # (group, message id) -> (seq, receipt, whether it went out with this agent's origin proof)
-        self._published: OrderedDict[tuple[str, str], tuple[int, Any, bool]] = OrderedDict()
+        # Memory only (the newest _PUBLISHED_MEMORY): after a restart the journal tells what was
+        # published before (its id rule drops the copy sent again; see _settle).
+        self._published: OrderedDict[tuple[str, str], _Sent] = OrderedDict()
         self._published_lock = threading.Lock()
         self._group_locks: dict[str, threading.Lock] = {}
 
@@ -241,27 +266,26 @@ class AgentCalls:
         if sign:  # every row, known ids too: a re-published id is signed alike (Ed25519 is deterministic)
             headers = _signed(groups.origin_signer(), group, payloads, ids, headers)
         seqs: list[int | None] = [None] * len(ids)
-        signed = 0  # rows whose published message carries this agent's proof (a known id: as it went out)
+        known: list[_Sent] = []  # rows whose id this agent published before in this run: not sent again
+        sent: list[_Sent] = []  # rows sent now
         waits: list[Any] = []
         limit = self.process.config.get("groups", "publish_timeout")
         ingest = self.process.ingest
-        journaled: list[threading.Event] = []
         # One publish of a group at a time from the id check to the ids' recording: two calls with the
         # same new ids at once must not both find them new (each would send them under its own seqs).
         with self._group_lock(group):
             fresh: list[int] = []
             with self._published_lock:
                 for i, mid in enumerate(ids):
-                    known = self._published.get((group, mid))
+                    entry = self._published.get((group, mid))
                     # A receipt that failed (the group closed under it) had its messages never acked:
                     # a retry with the same ids, as its error advises, publishes them anew.
-                    if known is None or known[1].failed():
+                    if entry is None or entry.receipt.failed():
                         fresh.append(i)
                     else:
-                        seqs[i] = known[0]
-                        waits.append(known[1])
-                        signed += known[2]
-            duplicates = len(ids) - len(fresh)
+                        seqs[i] = entry.seq
+                        waits.append(entry.receipt)
+                        known.append(entry)
             if fresh:
                 # One data-plane publish for the whole batch: headers go per message (a signed row has
                 # its own), a mapping when every row has the same (None the most common).
@@ -278,17 +302,18 @@ class AgentCalls:
                     groups.wait_active(group, timeout=max(req.remaining() - 0.5, 0.1))
                     receipt = groups.publish(group, run_payloads, message_ids=run_ids, headers=run_headers,
                                              timeout=min(req.remaining(), limit))
+                journaled = None
                 if ingest is not None:  # seqs are assigned and tracked in the same order (the group lock)
-                    journaled.append(ingest.track_own(receipt, group, groups.did, run_payloads, run_ids,
-                                                      run_headers))
+                    journaled = ingest.track_own(receipt, group, groups.did, run_payloads, run_ids, run_headers)
                 with self._published_lock:
                     for i, seq in zip(fresh, receipt.seqs):
                         seqs[i] = seq
-                        self._published[(group, ids[i])] = (seq, receipt, sign)
+                        entry = _Sent(seq, receipt, sign, journaled)
+                        self._published[(group, ids[i])] = entry
+                        sent.append(entry)
                     while len(self._published) > _PUBLISHED_MEMORY:
                         self._published.popitem(last=False)
                 waits.append(receipt)
-                signed += len(fresh) if sign else 0
                 self.process.metrics.add(messages_published=len(fresh),
                                          bytes_published=sum(len(payloads[i]) for i in fresh))
         for receipt in {id(r): r for r in waits}.values():
@@ -300,9 +325,45 @@ class AgentCalls:
             receipt.wait(left)
         # Own messages are in this member's journal too before we answer (a reader on this member,
         # told "published", expects to read them); within the call's deadline, and said if not.
-        in_journal = all([done.wait(max(req.remaining() - _ANSWER_MARGIN_S, 0.0)) for done in journaled])
+        # Journaled, they also tell whether the group kept them or an earlier copy (see _Sent).
+        in_journal = self._settle(req, group, sent + known)
+        # "signed": rows whose kept copy surely carries this agent's proof; "signed_unknown": rows whose
+        # kept copy may be one published before this agent started (or not journaled here in time).
+        signed = sum(1 for e in sent if e.proof) + sum(1 for e in known if e.proof)
+        unknown = sum(1 for e in sent if e.proof is None) + sum(1 for e in known if e.proof is None)
+        # Duplicates: rows the group had before, whether this agent knew (not sent again) or its
+        # journal's id rule found out (sent again, dropped by every member as here).
+        duplicates = len(known) + sum(1 for e in sent if e.dropped)
         return {"group": group, "message_ids": ids, "seqs": seqs, "duplicates": duplicates,
-                "journaled": in_journal, "signed": signed}
+                "journaled": in_journal, "signed": signed, "signed_unknown": unknown}
+
+    def _settle(self, req: Request, group: str, entries: list[_Sent]) -> bool:
+        """Wait (within the call's deadline) until this member's journal took these own rows, and
+        settle for each whether the journal kept it or dropped it as a duplicate of an earlier copy
+        (its id rule records the dropped seq as superseded, durably, before the append returns): one
+        look-up per call, not per row. False if some were not journaled in time (left unsettled)."""
+        pending = [e for e in entries if not e.settled]
+        if not pending:
+            return True
+        done = []
+        waited: dict[int, bool] = {}
+        for e in pending:
+            assert e.journaled is not None
+            ok = waited.get(id(e.journaled))
+            if ok is None:
+                ok = waited[id(e.journaled)] = e.journaled.wait(max(req.remaining() - _ANSWER_MARGIN_S, 0.0))
+            if ok:
+                done.append(e)
+        if done:
+            ranges = self.journal.superseded(group, self.groups.did, min(e.seq for e in done), max(e.seq for e in done))
+            starts = [a for a, _ in ranges]
+            with self._published_lock:  # a concurrent re-publish of the same ids settles them alike
+                for e in done:
+                    at = bisect.bisect_right(starts, e.seq) - 1
+                    e.dropped = at >= 0 and ranges[at][1] >= e.seq
+                    e.proof = None if e.dropped else e.sign
+                    e.settled = True
+        return len(done) == len(pending)
 
     # --- the journal ----------------------------------------------------------------------------
 

@@ -822,7 +822,7 @@ def cmd_send(ctx: Ctx) -> int:
         ids = [a.message_id or uuid.uuid4().hex]
     message_ids: list[str] = []
     seqs: list[int] = []
-    duplicates = signed = 0
+    duplicates = signed = unknown = 0
     journaled = True
     with Progress(f"sending to {a.group}", enabled=None if not ctx.json and a.message == "-" else False) as progress:
         try:  # reading stdin fails too (a line that is not text): both say how far the sending got
@@ -832,6 +832,7 @@ def cmd_send(ctx: Ctx) -> int:
                 seqs += result.seqs
                 duplicates += result.duplicates
                 signed += result.signed
+                unknown += result.signed_unknown
                 journaled = journaled and bool(result.journaled)
                 progress.update({"phase": f"{len(message_ids)} line(s) acknowledged"})
         except ZeroCommError as exc:
@@ -855,19 +856,33 @@ def cmd_send(ctx: Ctx) -> int:
     if not message_ids:
         raise errors.ConfigurationError("stdin had no lines to send",
                                         hint="Pipe the lines into `zerocomm send GROUP -`, or give the text in place of -")
-    # "signed": every message went out with the proof; a duplicate keeps how it went out the first time.
+    # "signed": every message, as the group keeps it, has the proof; a duplicate keeps how it went out
+    # the first time, which the agent knows only for what it published since it last started.
     value = {"group": a.group, "message_ids": message_ids, "seqs": seqs, "duplicates": duplicates,
-             "journaled": journaled, "signed": signed == len(message_ids), "signed_count": signed}
+             "journaled": journaled, "signed": signed == len(message_ids), "signed_count": signed,
+             "signed_unknown": unknown}
     proof = ", signed" if signed == len(message_ids) else ""
+    without = len(message_ids) - signed - unknown
+    why = ("the group had them from before the agent last started" if journaled else
+           "this member's journal has not taken them yet")
     if len(message_ids) == 1:
-        human = (f"sent {message_ids[0]} (seq {seqs[0]}) to {a.group!r}{proof}; every member has it"
-                 + (" (already sent before" + (", without a proof)" if a.sign and not signed else ")")
-                    if duplicates else ""))
+        human = f"sent {message_ids[0]} (seq {seqs[0]}) to {a.group!r}{proof}; every member has it"
+        if duplicates:
+            human += " (already sent before" + (", before the agent last started: whether with a proof is not known)"
+                                                if a.sign and unknown else ", without a proof)"
+                                                if a.sign and not signed else ")")
+        elif a.sign and unknown:
+            human += f" (whether with a proof is not known: {why.replace('them', 'it')})"
     else:
         human = f"sent {len(message_ids)} messages (seqs {seqs[0]}..{seqs[-1]}) to {a.group!r}{proof}"
-        if a.sign and signed < len(message_ids):
-            human += (f"; {len(message_ids) - signed} of them were sent before without a proof "
+        if a.sign and without:
+            human += (f"; {without} of them were sent before without a proof "
                       "and were not sent again (a proof needs new message ids)")
+        if a.sign and unknown:
+            human += f"; whether {unknown} of them have a proof is not known ({why})"
+    if a.sign and unknown:
+        human += (f". `zerocomm history {shlex.quote(a.group)} --json` shows each message's headers: a proof "
+                  "is a zc-origin header")
     ctx.out(value, human)
     return EXIT_OK
 

@@ -426,13 +426,21 @@ class PublishResult:
     group: str
     message_ids: list[str]
     seqs: list[int]
-    duplicates: int = 0  # rows whose message id this agent had already published (not sent again)
+    #: Rows the group already had under their message id, so not delivered again: ids this agent
+    #: published before (not sent again), or, found by its journal, published before it started (or
+    #: by another member).
+    duplicates: int = 0
     #: False if this member's own journal did not hold the rows yet when the call answered (a slow
     #: disk): the group has them; a read on this member shows them once its journal catches up.
     journaled: bool = True
-    #: Rows whose message went out with the agent's origin proof: with ``sign=True``, fewer than all
-    #: when some ids were published before without it (a duplicate is not sent again, nor re-signed).
+    #: Rows whose message, as the group keeps it, surely carries the agent's origin proof: with
+    #: ``sign=True``, fewer than all when some ids were published before without it (a duplicate is
+    #: not delivered again, nor re-signed).
     signed: int = 0
+    #: Rows whose proof is not known: duplicates of messages published before the agent (re)started,
+    #: which it no longer remembers (the copy the group keeps may or may not be signed), and rows not
+    #: in this member's journal yet (``journaled`` False). Never counted in ``signed``.
+    signed_unknown: int = 0
 
     def __len__(self) -> int:
         return len(self.message_ids)
@@ -853,6 +861,9 @@ class Client:
         ``ed25519-member/1``, zerocomm_spark/group/origin.py), signed with its member key, so history
         can prove later who published each row; a row that already has a ``zc-origin`` header is
         then refused (BadRequestError). An agent older than this option refuses the argument.
+        The result's ``signed`` counts the rows the group keeps with the proof: a duplicate keeps
+        how it went out first, and one first published before the agent's last start counts in
+        ``signed_unknown`` instead (the agent keeps the ids it published in memory only).
         """
         if not isinstance(sign, bool):
             raise TypeError(f"sign is a bool, not {type(sign).__name__}")
@@ -861,10 +872,14 @@ class Client:
                            sign=True if sign else None)  # left out when False: older agents take the call
         ids, duplicates = list(result["message_ids"]), int(result.get("duplicates", 0))
         # An agent older than the count (one still running after an upgrade) signed what it sent new;
-        # whether its duplicates went out with a proof it cannot say.
-        signed = result["signed"] if "signed" in result else (len(ids) - duplicates if sign else 0)
+        # whether its duplicates went out with a proof it cannot say. One older than "signed_unknown"
+        # counted as signed a row sent again after its restart, which the group had already (unsigned).
+        if "signed" in result:
+            signed, unknown = int(result["signed"]), int(result.get("signed_unknown", 0))
+        else:  # it signed what it sent new; how its duplicates went out it does not say
+            signed, unknown = (len(ids) - duplicates, duplicates) if sign else (0, 0)
         return PublishResult(group=group, message_ids=ids, seqs=list(result["seqs"]), duplicates=duplicates,
-                             journaled=bool(result.get("journaled", True)), signed=int(signed))
+                             journaled=bool(result.get("journaled", True)), signed=signed, signed_unknown=unknown)
 
     # --- typed calls: the journal --------------------------------------------------------------
 

@@ -146,3 +146,35 @@ def test_zerocomm_send_sign_end_to_end(pair: list[Member]) -> None:
         assert _proof_holds(proof), mid
         assert not _proof_holds(proof, payload=b"tampered")
     assert ORIGIN_HEADER not in dict(rows[plain["message_ids"][0]]["headers"] or [])
+
+
+def test_after_a_restart_an_id_first_sent_unsigned_is_not_counted_as_signed(pair: list[Member]) -> None:
+    """The agent remembers the ids it published in memory only: after a restart, a re-publish with
+    sign of ids that first went out unsigned was counted as signed, though every member (and its own
+    journal) dropped the signed copy and kept the unsigned one. Its journal now tells it so."""
+    alice, bob = pair
+    ids = [f"u{i}" for i in range(5)]
+    payloads = [b"plain %d" % i for i in range(5)]
+    with _client(alice) as client:
+        assert client.publish("g", payloads, message_ids=ids).signed == 0
+    plain = alice.ok("send", "g", "plain line")
+    alice.ok("agent", "stop", "--timeout", "15", timeout=30)
+    alice.start()
+    with _client(alice) as client:
+        again = client.publish("g", payloads[:3] + [b"new"], message_ids=ids[:3] + ["n1"], sign=True, timeout=60)
+        assert again.journaled
+        assert (again.signed, again.signed_unknown, again.duplicates) == (1, 3, 3)  # only n1 is surely signed
+        # Remembered now, as the journal told: a third time says the same, not "signed".
+        third = client.publish("g", payloads[:3], message_ids=ids[:3], sign=True)
+        assert (third.signed, third.signed_unknown, third.duplicates) == (0, 3, 3)
+    one = alice.ok("send", "g", "plain line", "--sign", "--id", plain["message_ids"][0])
+    assert one["signed"] is False and one["signed_count"] == 0 and one["signed_unknown"] == 1
+    assert one["duplicates"] == 1
+    told = alice.run("send", "g", "plain line", "--sign", "--id", plain["message_ids"][0], json_out=False)
+    assert told.code == 0 and ", signed" not in told.stdout
+    assert "whether with a proof is not known" in told.stdout and "zerocomm history g --json" in told.stdout
+    wait_for(lambda: len(_rows(bob)) >= 7, 20, "bob to have every message")
+    got = _by_id(_rows(bob))  # raises on an id delivered twice
+    assert set(got) == {*ids, "n1", plain["message_ids"][0]}
+    assert [ORIGIN_HEADER in dict(got[m]["headers"] or []) for m in ids[:3]] == [False] * 3  # as the answer said
+    assert _proof_holds(got["n1"])

@@ -208,4 +208,11 @@ def test_publish_signed_from_an_agent_that_does_not_count_them(tmp_path: Path, m
     assert client.publish("g", [b"1", b"2", b"3"], message_ids=["a", "b", "c"]).signed == 0
     monkeypatch.setattr(client, "call", lambda *a, **k: {**old, "signed": 3})  # a counting agent is believed
     assert client.publish("g", [b"1", b"2", b"3"], message_ids=["a", "b", "c"], sign=True).signed == 3
+    # Its duplicate is "unknown", not "without a proof"; an agent that says so is believed too.
+    assert client.publish("g", [b"1", b"2", b"3"], message_ids=["a", "b", "c"], sign=True).signed_unknown == 0
+    monkeypatch.setattr(client, "call", lambda *a, **k: dict(old))
+    assert client.publish("g", [b"1", b"2", b"3"], message_ids=["a", "b", "c"], sign=True).signed_unknown == 1
+    monkeypatch.setattr(client, "call", lambda *a, **k: {**old, "signed": 0, "signed_unknown": 1})
+    result = client.publish("g", [b"1", b"2", b"3"], message_ids=["a", "b", "c"], sign=True)
+    assert (result.signed, result.signed_unknown) == (0, 1)
     client.close()

@@ -523,8 +523,11 @@ class Journal:
         """Seqs of this publisher in ``seq_from..seq_to`` that have no row because their message id
         was journaled before from another publisher (a retried sink task on another host): not lost."""
         self._check_open()
+        key = (group, publisher_did)
+        if not self._superseded.has(key):  # nearly every publisher (and every publish asks): no lock
+            return []
         with self._lock:
-            return self._superseded.within((group, publisher_did), seq_from, seq_to)
+            return self._superseded.within(key, seq_from, seq_to)
 
     def offset_for_timestamp(self, ts: int | datetime) -> int:
         """The first offset received at or after ``ts`` (int microseconds since the epoch, or an aware
