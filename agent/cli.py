@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import hashlib
 import io
 import os
 import shlex
@@ -103,6 +104,7 @@ examples:
   zerocomm group join sensors --via alice      join through a member you are connected to
   zerocomm send sensors 'hello'                publish; returns once every member has it
   zerocomm send sensors 'hello' --sign         ... with an origin proof signed by this member
+  zerocomm send sensors - < readings.txt       each line a message (an error says how to send the rest)
   zerocomm tail sensors                        follow the group's messages, like tail -F
 """
 
@@ -208,8 +210,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = add(sub, "send", "publish a message to a group; returns once every member acknowledged it", cmd_send)
     p.add_argument("group", metavar="GROUP")
-    p.add_argument("message", metavar="MESSAGE", help="the text, or - to publish each line of stdin")
+    p.add_argument("message", metavar="MESSAGE", help="the text, or - to publish each line of stdin (in chunks; "
+                                                      "see --id-prefix)")
     p.add_argument("--id", dest="message_id", metavar="ID", help="the message id (re-sending the same id is safe)")
+    p.add_argument("--id-prefix", metavar="PREFIX", type=_id_prefix,
+                   help="with -: line N of stdin gets the message id PREFIX-N-HASH (HASH of the group and the "
+                        "line's text), so the same input sent again with the same prefix delivers no line twice. "
+                        "Default: a fresh prefix each run (the same input sent twice is sent twice); a send that "
+                        "stops part way names its prefix and the --skip that send the rest")
+    p.add_argument("--skip", type=_count, default=0, metavar="N",
+                   help="with -: do not send the first N lines of stdin (acknowledged before); ids still count them")
     p.add_argument("--sign", action="store_true",
                    help="have the agent sign each message with this member's key (an origin proof, header "
                         "zc-origin), so history can prove later who published it")
@@ -223,6 +233,18 @@ def build_parser() -> argparse.ArgumentParser:
     add(sub, "keygen", "make a CURVE key pair for a remote API client (api.allowed_clients)", cmd_keygen)
     add(sub, "config", "show the configuration in force and where each setting comes from", cmd_config)
     return parser
+
+
+_ID_PREFIX_MAX = 64
+_ID_PREFIX_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._")
+
+
+def _id_prefix(text: str) -> str:
+    """A `send -` id prefix: letters, digits, '.', '_' (it goes into a command line the error prints)."""
+    if not text or len(text) > _ID_PREFIX_MAX or not set(text) <= _ID_PREFIX_CHARS:
+        raise argparse.ArgumentTypeError(f"an id prefix is 1 to {_ID_PREFIX_MAX} letters, digits, '.' or '_', "
+                                         f"not {text[:80]!r}")
+    return text
 
 
 def _count(text: str) -> int:
@@ -777,10 +799,22 @@ _SEND_CHUNK_LINES = 10_000
 _SEND_CHUNK_BYTES = 1 << 20
 
 
-def _stdin_chunks(request_bytes: Callable[[], int]) -> Iterator[list[str]]:
-    """Lines of stdin in chunks of at most half the agent's request limit (in UTF-8 bytes, as sent),
-    asked for at the first line."""
+def line_id(prefix: str, group: str, number: int, text: str) -> str:
+    """The message id `send -` gives line ``number`` (from 1) of stdin: the same for the same prefix,
+    group, line number and text, so sending the same input again with the same prefix is a duplicate
+    (dropped) line for line; a line whose text changed is a new message. The group is hashed in: the
+    journal's id rule spans groups, and the same file sent to two groups must reach both."""
+    digest = hashlib.sha256(group.encode("utf-8") + b"\0" + text.encode("utf-8")).hexdigest()[:16]
+    return f"{prefix}-{number}-{digest}"
+
+
+def _stdin_chunks(request_bytes: Callable[[], int], group: str, prefix: str,
+                  skip: int) -> Iterator[tuple[list[str], list[str]]]:
+    """Lines of stdin and their message ids (see line_id), in chunks of at most half the agent's
+    request limit (in UTF-8 bytes, as sent), asked for at the first line; the first ``skip`` lines
+    are read past."""
     chunk: list[str] = []
+    ids: list[str] = []
     size = 0
     limit = None
     # Decoded leniently whatever the locale (strict under en_US.UTF-8 and the like): a line that is not
@@ -788,46 +822,103 @@ def _stdin_chunks(request_bytes: Callable[[], int]) -> Iterator[list[str]]:
     if hasattr(sys.stdin, "reconfigure"):
         sys.stdin.reconfigure(errors="surrogateescape")
     for number, line in enumerate(sys.stdin, 1):
+        if number <= skip:
+            continue
         if limit is None:
             limit = min(_SEND_CHUNK_BYTES, max(request_bytes() // 2, 1))
         text = line.rstrip("\n")
         if not is_utf8_text(text):  # stdin decodes with surrogateescape: binary input would fail mid-send
             raise errors.BadRequestError(f"line {number} of stdin is not UTF-8 text",
                                          hint="Send text; encode binary data first (for example with base64)")
-        cost = len(text.encode("utf-8", "surrogateescape")) + 64
+        mid = line_id(prefix, group, number, text)
+        cost = len(text.encode("utf-8", "surrogateescape")) + len(mid) + 32
         if chunk and size + cost > limit:
-            yield chunk
-            chunk, size = [], 0
+            yield chunk, ids
+            chunk, ids, size = [], [], 0
         chunk.append(text)
+        ids.append(mid)
         size += cost
         if len(chunk) >= _SEND_CHUNK_LINES:
-            yield chunk
-            chunk, size = [], 0
+            yield chunk, ids
+            chunk, ids, size = [], [], 0
     if chunk:
-        yield chunk
+        yield chunk, ids
+
+
+#: Errors of a publish call that sent nothing of its chunk.
+_SENT_NOTHING = (errors.BadRequestError, errors.AgentBusyError, errors.ApiPermissionError, errors.ConfigurationError,
+                 errors.AgentNotRunningError, errors.GroupError)
+
+
+def _say_how_to_send_the_rest(exc: ZeroCommError, a: argparse.Namespace, prefix: str, *, acked: int,
+                              in_flight: int) -> None:
+    """Make ``exc`` (a `send -` that stopped part way) say how far it got and the command that sends
+    the rest exactly once: the same input, the same id prefix, the acknowledged lines skipped. The
+    lines in flight (perhaps out, kept for members that did not acknowledge them) are sent again
+    under their ids, which members drop if they have them; skipping only what was acknowledged keeps
+    that re-send within the ids the agent and the journals remember (a large input's first lines
+    may be out of their window)."""
+    # A refusal sent nothing of the chunk it refused (a busy agent, backpressure, a bad line or group):
+    # with nothing acknowledged before, the same command as it was is right, and the error says why.
+    maybe_out = in_flight and not isinstance(exc, _SENT_NOTHING)
+    if not (acked or maybe_out):
+        return
+    done = a.skip + acked  # lines of stdin acknowledged, by earlier runs (--skip) and this one
+    text = exc.message
+    if acked:  # earlier chunks went out: say how far, so the rest can be sent again
+        text += f" (the first {done} line(s) of stdin were sent and acknowledged"
+        text += f", {acked} by this run)" if a.skip else ")"
+    if maybe_out:
+        lines = f"line {done + 1}" if in_flight == 1 else f"lines {done + 1}..{done + in_flight}"
+        text += (f"; {lines} may be out, kept for the members that did not acknowledge them"
+                 if isinstance(exc, errors.PeerTimeoutError) else f"; {lines} may be out (the outcome is unknown)")
+    options = f"--id-prefix {prefix}" + (f" --skip {done}" if done else "")
+    given = " (in place of yours)" if a.id_prefix or a.skip else ""
+    resume = (f"To send the rest exactly once, run the same command on the same input with {options}{given}: "
+              f"line N has the id {prefix}-N-HASH (HASH of the group and the line's text) in every run with this "
+              "prefix, so a line a member has already is dropped, not delivered twice")
+    if isinstance(exc, errors.PeerTimeoutError):
+        resume += (f"; `zerocomm group members {shlex.quote(a.group)}` shows who did not acknowledge (inactive), "
+                   "and the command waits for them again")
+    hint = f"{exc.hint}. {resume}" if exc.hint and not isinstance(exc, (errors.PeerTimeoutError,
+                                                                         errors.ApiTimeoutError)) else resume
+    exc.hint = hint
+    exc.args = (f"{text}. {hint}",)
 
 
 def cmd_send(ctx: Ctx) -> int:
     a = ctx.args
+    prefix = None
     if a.message == "-":
-        if a.message_id:  # one id for many lines would publish the first and drop the rest as duplicates
+        if a.message_id:  # one id for many lines would publish the first and drop the rest as its duplicates
             raise errors.ConfigurationError("--id names one message; it cannot go with - (lines from stdin)",
-                                            hint="Send each line with its own --id, or leave --id out")
-        chunks: Iterator[list[str]] = _stdin_chunks(lambda: ctx.client().max_request_bytes)
-        ids = None
+                                            hint="Give --id-prefix PREFIX instead (line N then gets the id "
+                                                 "PREFIX-N-HASH), or leave --id out")
+        # Every line's id is made here, from one prefix, so that a send that stops part way (a member
+        # not acknowledging in time) can say how to send the rest: the same input again with the same
+        # prefix gives the same ids (what went out is dropped as duplicates), from the line it names.
+        prefix = a.id_prefix or uuid.uuid4().hex[:16]
+        chunks: Iterator[tuple[list[str], list[str]]] = _stdin_chunks(
+            lambda: ctx.client().max_request_bytes, a.group, prefix, a.skip)
     else:
-        chunks = iter([[a.message]])
+        if a.id_prefix or a.skip:
+            raise errors.ConfigurationError("--id-prefix and --skip go with - (lines from stdin)",
+                                            hint="Give one message's id with --id")
         # The id is made here, not by the agent, so that a send that times out can say which id to
         # send again with: without it a retry was a second message.
-        ids = [a.message_id or uuid.uuid4().hex]
+        single_id = a.message_id or uuid.uuid4().hex
+        chunks = iter([([a.message], [single_id])])
     message_ids: list[str] = []
     seqs: list[int] = []
     duplicates = signed = unknown = 0
     journaled = True
+    in_flight = 0
     with Progress(f"sending to {a.group}", enabled=None if not ctx.json and a.message == "-" else False) as progress:
         try:  # reading stdin fails too (a line that is not text): both say how far the sending got
-            for lines in chunks:
+            for lines, ids in chunks:
+                in_flight = len(lines)
                 result = ctx.client().publish(a.group, lines, message_ids=ids, timeout=ctx.timeout, sign=a.sign)
+                in_flight = 0
                 message_ids += result.message_ids
                 seqs += result.seqs
                 duplicates += result.duplicates
@@ -836,23 +927,27 @@ def cmd_send(ctx: Ctx) -> int:
                 journaled = journaled and bool(result.journaled)
                 progress.update({"phase": f"{len(message_ids)} line(s) acknowledged"})
         except ZeroCommError as exc:
-            if message_ids:  # earlier chunks went out: say how far, so the rest can be sent again
-                text, hint = exc.message, exc.hint
-                text += f" (the first {len(message_ids)} line(s) were sent and acknowledged)"
-                exc.args = (f"{text}. {hint}" if hint else text,)
-            elif ids and isinstance(exc, (errors.PeerTimeoutError, errors.ApiTimeoutError)):
+            if prefix is not None:
+                _say_how_to_send_the_rest(exc, a, prefix, acked=len(message_ids), in_flight=in_flight)
+            elif isinstance(exc, (errors.PeerTimeoutError, errors.ApiTimeoutError)):
                 # Members down (not acked in time), or the agent slow (the outcome unknown): the message
                 # may be out, kept for whoever did not ack it. The hint said stats()['lag'] (Python) and
                 # "wait again", which a command cannot; its id makes the retry safe. (A BackpressureError
                 # sent nothing: sending it again as it was is right.)
-                text = f"{exc.message} (message id {ids[0]})"
-                again = f"send it with --id {ids[0]}: a member drops an id it already has, so nothing arrives twice"
+                mid = single_id
+                text = f"{exc.message} (message id {mid})"
+                again = f"send it with --id {mid}: a member drops an id it already has, so nothing arrives twice"
                 exc.hint = (f"It stays buffered for the members that did not acknowledge it (`zerocomm group members "
                             f"{shlex.quote(a.group)}` shows who is inactive); to wait for them again, {again}"
                             if isinstance(exc, errors.PeerTimeoutError) else
                             f"The agent may still publish it; to find out, or to publish it if it did not, {again}")
                 exc.args = (f"{text}. {exc.hint}",)
             raise
+    if not message_ids and a.skip:
+        raise errors.ConfigurationError(f"stdin had no lines after the first {a.skip} (--skip {a.skip}); nothing "
+                                        "was sent",
+                                        hint="--skip is the number of lines acknowledged before (a send that "
+                                             "stopped part way names it): check it and the input")
     if not message_ids:
         raise errors.ConfigurationError("stdin had no lines to send",
                                         hint="Pipe the lines into `zerocomm send GROUP -`, or give the text in place of -")
@@ -861,14 +956,17 @@ def cmd_send(ctx: Ctx) -> int:
     value = {"group": a.group, "message_ids": message_ids, "seqs": seqs, "duplicates": duplicates,
              "journaled": journaled, "signed": signed == len(message_ids), "signed_count": signed,
              "signed_unknown": unknown}
+    if prefix is not None:
+        value["id_prefix"] = prefix
     proof = ", signed" if signed == len(message_ids) else ""
     without = len(message_ids) - signed - unknown
-    why = ("the group had them from before the agent last started" if journaled else
+    why = ("the group had them already: sent before the agent last started, or by another member" if journaled else
            "this member's journal has not taken them yet")
     if len(message_ids) == 1:
         human = f"sent {message_ids[0]} (seq {seqs[0]}) to {a.group!r}{proof}; every member has it"
         if duplicates:
-            human += " (already sent before" + (", before the agent last started: whether with a proof is not known)"
+            human += " (already sent before" + (" the agent last started, or by another member: whether with a proof "
+                                                "is not known)"
                                                 if a.sign and unknown else ", without a proof)"
                                                 if a.sign and not signed else ")")
         elif a.sign and unknown:

@@ -533,3 +533,64 @@ def test_init_again_with_the_identity_dir_written_differently_is_the_same_member
     assert config.read_text() == before
     other = zerocomm("--config", str(config), "init", "--identity-dir", str(tmp_path / "bob"), "--label", "bob")
     assert other.code == 2 and not (tmp_path / "bob").exists(), other.stdout + other.stderr  # still refused
+
+
+def test_a_send_from_stdin_that_stops_part_way_says_how_to_send_the_rest_exactly_once(tmp_path: Path) -> None:
+    """`send -` whose chunk a member did not acknowledge in time said how many lines had been
+    acknowledged but named no message ids: the lines had fresh random ids, so sending the input again
+    delivered every line that had gone out a second time. Each line's id now comes from a prefix, its
+    number and its text; the error names the prefix and the lines to skip, and the command it says,
+    run on the same input, delivers the rest, every line once (the chunk in flight included)."""
+    lines = [f"line {i:04d} " + "x" * 30 for i in range(1, 301)]
+    alice = Member(tmp_path, "alice", "api.max_request_bytes=20000")  # chunks of ~100 lines
+    bob = Member(tmp_path, "bob")
+    try:
+        start_all([alice, bob])
+        alice.ok("group", "create", "g")
+        bob.ok("connect", alice.ok("invite")["url"])
+        bob.ok("group", "join", "g", "--via", "alice")
+        wait_for(lambda: [m["status"] for m in alice.ok("group", "members", "g")] == ["active"] * 2, 20,
+                 "alice to see bob active")
+        # stdin fed by hand: the first chunk goes out and is acknowledged while bob is up; bob stops;
+        # the next chunk cannot be acknowledged.
+        send = subprocess.Popen([*ZEROCOMM, "--config", str(alice.config), "--json", "--timeout", "3", "send", "g",
+                                 "-"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            assert send.stdin is not None
+            send.stdin.write("\n".join(lines[:150]) + "\n")
+            send.stdin.flush()
+            # alice journals her own rows once every member acknowledged them
+            first = wait_for(lambda: len(alice.run("history", "g", "--all").json_lines), 30,
+                             "the first chunk to be acknowledged")
+            bob.stop()
+            out, err = send.communicate("\n".join(lines[150:]) + "\n", timeout=60)
+        finally:
+            if send.poll() is None:
+                send.kill()
+        assert send.returncode == 4, out + err
+        error = json.loads(out.strip().splitlines()[-1])["error"]
+        assert f"the first {first} line(s) of stdin were sent and acknowledged" in error["message"], error
+        assert f"lines {first + 1}.." in error["message"] and "may be out" in error["message"], error
+        prefix = error["hint"].split("--id-prefix ", 1)[1].split()[0]
+        assert f"--id-prefix {prefix} --skip {first}" in error["hint"] and "zerocomm group members g" in error["hint"]
+        bob.start()
+        rest = alice.ok("send", "g", "-", "--id-prefix", prefix, "--skip", str(first), input="\n".join(lines) + "\n",
+                        timeout=120)
+        assert len(rest["message_ids"]) == 300 - first and rest["id_prefix"] == prefix
+        assert rest["duplicates"] >= 1  # the chunk in flight had gone out: not sent again
+        # The whole input again with that prefix: every line is a duplicate, nothing new goes out.
+        again = alice.ok("send", "g", "-", "--id-prefix", prefix, input="\n".join(lines) + "\n", timeout=120)
+        assert again["duplicates"] == 300
+        for m in (alice, bob):
+            rows = wait_for(lambda m=m: (lambda r: r if len(r) >= 300 else None)(
+                m.run("history", "g", "--all").json_lines), 30, f"{m.name}'s journal to hold every line")
+            assert [r["payload"] for r in rows] == lines, m.name  # each line once, in order
+            assert {r["message_id"].rsplit("-", 2)[0] for r in rows} == {prefix}
+        # Without a prefix every run has its own: the same input sent twice on purpose is sent twice.
+        twice = [alice.ok("send", "g", "-", input="again\n")["message_ids"][0] for _ in range(2)]
+        assert twice[0] != twice[1]
+        refused = alice.run("send", "g", "one text", "--skip", "3")
+        assert refused.code == 2 and "go with -" in refused.json["error"]["message"]
+    finally:
+        alice.stop()
+        bob.stop()

@@ -335,3 +335,30 @@ def test_text_from_stdin_that_cannot_be_sent_is_refused_before_the_agent_is_aske
     code = main(["--identity-dir", str(tmp_path / "id"), "--json", *argv])  # no agent runs: it would be exit 3
     error = json.loads(capsys.readouterr().out)["error"]
     assert code == 2 and message in error["message"], error
+
+
+def test_send_from_stdin_line_ids_are_the_same_for_the_same_prefix_line_and_text() -> None:
+    """`send -` makes each line's id, so that the same input sent again with the same prefix drops
+    what went out (the resume an interrupted send names); a changed line, another group or another
+    line number is another message."""
+    from zerocomm_spark.agent.cli import line_id
+
+    one = line_id("p1", "g", 7, "hello")
+    assert one == line_id("p1", "g", 7, "hello") and one.startswith("p1-7-")
+    assert len({one, line_id("p1", "g", 7, "hello!"), line_id("p1", "h", 7, "hello"), line_id("p1", "g", 8, "hello"),
+                line_id("p2", "g", 7, "hello")}) == 5
+
+
+def test_send_id_prefix_and_skip_are_checked(tmp_path, monkeypatch, capsys) -> None:  # type: ignore[no-untyped-def]
+    import io
+
+    from zerocomm_spark.agent.cli import main
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.delenv("ZEROCOMM_CONFIG", raising=False)
+    monkeypatch.setattr("sys.stdin", io.StringIO("one\n"))
+    for bad in ("a b", "", "x" * 65, "a;rm"):
+        code = main(["--identity-dir", str(tmp_path / "id"), "--json", "send", "g", "-", "--id-prefix", bad])
+        assert code == 2 and "id prefix" in json.loads(capsys.readouterr().out)["error"]["message"], bad
+    code = main(["--identity-dir", str(tmp_path / "id"), "--json", "send", "g", "text", "--id-prefix", "p"])
+    assert code == 2 and "go with -" in json.loads(capsys.readouterr().out)["error"]["message"]
