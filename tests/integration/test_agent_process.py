@@ -371,7 +371,9 @@ def test_a_stop_ends_long_polls_at_once(tmp_path: Path) -> None:
         poll.join(10)
         client.close()
         assert stopped.code == 0, stopped.stderr
-        assert took < 4.0, took
+        # Held by the poll, the stop took half its timeout (15 s); at once it is a CLI start and a clean
+        # stop, ~1-2 s on a loaded 2-CPU machine: the bound leaves room for that, not for the wait.
+        assert took < 10.0, took
         assert len(got) == 1 and got[0].table.num_rows == 0 and got[0].next_offset == start  # type: ignore[attr-defined]
     finally:
         m.stop()
@@ -457,8 +459,10 @@ def test_a_command_to_an_agent_that_does_not_answer_says_so(tmp_path: Path) -> N
         os.kill(pid, signal.SIGSTOP)
         for spawn in ([], ["--spawn"]):
             began = time.monotonic()
-            result = m.run("--timeout", "2", *spawn, "group", "list", timeout=30)
-            assert time.monotonic() - began < 10
+            result = m.run("--timeout", "2", *spawn, "group", "list", timeout=60)
+            # --timeout 2 kept, not the default 30 s: a CLI start and the 2 s deadline take 3-6 s
+            # on a loaded 2-CPU machine, so the bound is well above that and well below 30 s.
+            assert time.monotonic() - began < 20
             assert result.code == 4, (result.code, result.stdout, result.stderr)
             error = result.json["error"]
             assert error["type"] == "ApiTimeoutError" and f"pid {pid}" in error["message"], error
