@@ -845,9 +845,14 @@ def _stdin_chunks(request_bytes: Callable[[], int], group: str, prefix: str,
         yield chunk, ids
 
 
-#: Errors of a publish call that sent nothing of its chunk.
+#: Errors of a publish call that sent nothing of its chunk: refusals before the group had it. Not
+#: AgentNotRunningError (also "the agent stopped before it answered": the outcome is unknown) nor
+#: GroupError as such (a group or data plane closed before every member acked, retention dropping
+#: messages some members lacked): raised once the chunk was out to some members, perhaps.
 _SENT_NOTHING = (errors.BadRequestError, errors.AgentBusyError, errors.ApiPermissionError, errors.ConfigurationError,
-                 errors.AgentNotRunningError, errors.GroupError)
+                 errors.ClientClosedError, errors.BackpressureError, errors.GroupNotFoundError,
+                 errors.GroupNotOpenError, errors.NotAMemberError, errors.ReadOnlyMemberError,
+                 errors.InvalidGroupNameError)
 
 
 def _say_how_to_send_the_rest(exc: ZeroCommError, a: argparse.Namespace, prefix: str, *, acked: int,

@@ -362,3 +362,58 @@ def test_send_id_prefix_and_skip_are_checked(tmp_path, monkeypatch, capsys) -> N
         assert code == 2 and "id prefix" in json.loads(capsys.readouterr().out)["error"]["message"], bad
     code = main(["--identity-dir", str(tmp_path / "id"), "--json", "send", "g", "text", "--id-prefix", "p"])
     assert code == 2 and "go with -" in json.loads(capsys.readouterr().out)["error"]["message"]
+
+
+@pytest.mark.parametrize("raised", [
+    errors.AgentNotRunningError("the agent at ipc:///run/api.sock stopped before it answered publish",
+                                hint="The outcome is unknown: start the agent again and retry"),
+    errors.GroupError("group 'g' was closed before its messages were acked"),
+    errors.MessagesDroppedError("messages of seqs 1-3 in group 'g' were dropped before these members acked them"),
+])
+def test_a_send_from_stdin_whose_first_chunk_may_be_out_names_its_prefix(raised, tmp_path, monkeypatch,  # type: ignore[no-untyped-def]
+                                                                          capsys) -> None:
+    """An error raised after the chunk was handed to the group (the agent stopped before it answered,
+    the group closed before every member acked, retention dropped it for some members) was taken
+    for a refusal that sent nothing: with no chunk acknowledged before, the error named no prefix,
+    so the same command run again gave every line a new id and members that had the chunk got it twice."""
+    from zerocomm_spark.agent import cli
+
+    class Fake:
+        max_request_bytes = 1 << 20
+
+        def publish(self, *args: object, **kwargs: object) -> None:
+            raise raised
+
+    fake = Fake()
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.delenv("ZEROCOMM_CONFIG", raising=False)
+    monkeypatch.setattr(cli.Ctx, "client", lambda self: fake)
+    monkeypatch.setattr("sys.stdin", io.StringIO("one\ntwo\nthree\n"))
+    code = cli.main(["--identity-dir", str(tmp_path / "id"), "--json", "send", "g", "-", "--id-prefix", "p1"])
+    error = json.loads(capsys.readouterr().out)["error"]
+    assert code != 0
+    assert "lines 1..3 may be out" in error["message"], error
+    assert "--id-prefix p1" in error["hint"] and "--skip" not in error["hint"], error
+
+
+@pytest.mark.parametrize("raised", [errors.BackpressureError("members are slow"),
+                                    errors.GroupNotFoundError("no group 'g'"),
+                                    errors.AgentBusyError("busy")])
+def test_a_send_from_stdin_refused_before_anything_went_out_is_the_same_command_again(  # type: ignore[no-untyped-def]
+        raised, tmp_path, monkeypatch, capsys) -> None:
+    from zerocomm_spark.agent import cli
+
+    class Fake:
+        max_request_bytes = 1 << 20
+
+        def publish(self, *args: object, **kwargs: object) -> None:
+            raise raised
+
+    fake = Fake()
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.delenv("ZEROCOMM_CONFIG", raising=False)
+    monkeypatch.setattr(cli.Ctx, "client", lambda self: fake)
+    monkeypatch.setattr("sys.stdin", io.StringIO("one\ntwo\nthree\n"))
+    code = cli.main(["--identity-dir", str(tmp_path / "id"), "--json", "send", "g", "-"])
+    error = json.loads(capsys.readouterr().out)["error"]
+    assert code != 0 and "may be out" not in error["message"] and "--id-prefix" not in error["hint"], error
