@@ -934,18 +934,25 @@ def cmd_send(ctx: Ctx) -> int:
         except ZeroCommError as exc:
             if prefix is not None:
                 _say_how_to_send_the_rest(exc, a, prefix, acked=len(message_ids), in_flight=in_flight)
-            elif isinstance(exc, (errors.PeerTimeoutError, errors.ApiTimeoutError)):
-                # Members down (not acked in time), or the agent slow (the outcome unknown): the message
-                # may be out, kept for whoever did not ack it. The hint said stats()['lag'] (Python) and
-                # "wait again", which a command cannot; its id makes the retry safe. (A BackpressureError
-                # sent nothing: sending it again as it was is right.)
+            elif not isinstance(exc, _SENT_NOTHING):
+                # Members down (not acked in time), the agent slow or gone before it answered, the group
+                # closed before every member acked (the outcome unknown): the message may be out, kept
+                # for whoever did not ack it. The hint said stats()['lag'] (Python) and "wait again",
+                # which a command cannot; its id makes the retry safe. (A refusal such as a
+                # BackpressureError sent nothing: sending it again as it was is right.)
                 mid = single_id
                 text = f"{exc.message} (message id {mid})"
-                again = f"send it with --id {mid}: a member drops an id it already has, so nothing arrives twice"
-                exc.hint = (f"It stays buffered for the members that did not acknowledge it (`zerocomm group members "
-                            f"{shlex.quote(a.group)}` shows who is inactive); to wait for them again, {again}"
-                            if isinstance(exc, errors.PeerTimeoutError) else
-                            f"The agent may still publish it; to find out, or to publish it if it did not, {again}")
+                again = (f"send it with --id {shlex.quote(mid)}: a member drops an id it already has, so nothing "
+                         "arrives twice")
+                if isinstance(exc, errors.PeerTimeoutError):
+                    exc.hint = (f"It stays buffered for the members that did not acknowledge it (`zerocomm group "
+                                f"members {shlex.quote(a.group)}` shows who is inactive); to wait for them again, "
+                                f"{again}")
+                elif isinstance(exc, errors.ApiTimeoutError):
+                    exc.hint = f"The agent may still publish it; to find out, or to publish it if it did not, {again}"
+                else:
+                    exc.hint = (f"{exc.hint + '. ' if exc.hint else ''}Some members may have it; to publish it to "
+                                f"the rest, {again}")
                 exc.args = (f"{text}. {exc.hint}",)
             raise
     if not message_ids and a.skip:

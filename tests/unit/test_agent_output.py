@@ -417,3 +417,35 @@ def test_a_send_from_stdin_refused_before_anything_went_out_is_the_same_command_
     code = cli.main(["--identity-dir", str(tmp_path / "id"), "--json", "send", "g", "-"])
     error = json.loads(capsys.readouterr().out)["error"]
     assert code != 0 and "may be out" not in error["message"] and "--id-prefix" not in error["hint"], error
+
+
+@pytest.mark.parametrize("raised", [
+    errors.AgentNotRunningError("the agent at ipc:///run/api.sock stopped before it answered publish",
+                                hint="The outcome is unknown: start the agent again and retry"),
+    errors.GroupError("group 'g' was closed before its messages were acked"),
+    errors.PeerTimeoutError("1 member(s) did not ack seq 3 of group 'g' within 3s: bob"),
+])
+def test_a_send_that_may_be_out_names_its_id_quoted_for_the_shell(raised, tmp_path, monkeypatch,  # type: ignore[no-untyped-def]
+                                                                  capsys) -> None:
+    """`send GROUP TEXT` that ended once the message may be out (the agent gone before it answered, the
+    group closed before every member acked) named no id, so the same command again was a second
+    message for members that had it; and the id the hint printed into a command was not quoted."""
+    import shlex
+
+    from zerocomm_spark.agent import cli
+
+    class Fake:
+        max_request_bytes = 1 << 20
+
+        def publish(self, *args: object, **kwargs: object) -> None:
+            raise raised
+
+    fake = Fake()
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.delenv("ZEROCOMM_CONFIG", raising=False)
+    monkeypatch.setattr(cli.Ctx, "client", lambda self: fake)
+    mid = "order 7; $(id)"
+    code = cli.main(["--identity-dir", str(tmp_path / "id"), "--json", "send", "g", "hello", "--id", mid])
+    error = json.loads(capsys.readouterr().out)["error"]
+    assert code != 0 and f"(message id {mid})" in error["message"], error
+    assert f"--id {shlex.quote(mid)}:" in error["hint"], error
