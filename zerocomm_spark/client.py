@@ -505,7 +505,9 @@ class Client:
         ``where`` is a socket directory, an ``ipc://`` or ``tcp://`` endpoint, or a ``.toml``
         configuration file; None means the configuration in force on this host (``config``,
         $ZEROCOMM_CONFIG, ~/.zerocomm/zerocomm.toml, defaults). With ``spawn`` an agent for that
-        configuration is started when none answers, and waited for until the deadline.
+        configuration is started when none answers, and waited for until the deadline. Without
+        ``spawn``, no agent there is an AgentNotRunningError at once, but an agent that holds its
+        run directory and does not serve yet (starting, or stopping) is waited for until ``timeout``.
         """
         deadline = time.monotonic() + _timeout(timeout, 10.0)
         config_path: str | os.PathLike[str] | None = config
