@@ -918,11 +918,14 @@ def cmd_send(ctx: Ctx) -> int:
     duplicates = signed = unknown = 0
     journaled = True
     in_flight = 0
+    calling = False  # the publish call was made (its outcome may be unknown), not only the connect
     with Progress(f"sending to {a.group}", enabled=None if not ctx.json and a.message == "-" else False) as progress:
         try:  # reading stdin fails too (a line that is not text): both say how far the sending got
             for lines, ids in chunks:
                 in_flight = len(lines)
-                result = ctx.client().publish(a.group, lines, message_ids=ids, timeout=ctx.timeout, sign=a.sign)
+                client = ctx.client()
+                calling = True
+                result = client.publish(a.group, lines, message_ids=ids, timeout=ctx.timeout, sign=a.sign)
                 in_flight = 0
                 message_ids += result.message_ids
                 seqs += result.seqs
@@ -934,7 +937,9 @@ def cmd_send(ctx: Ctx) -> int:
         except ZeroCommError as exc:
             if prefix is not None:
                 _say_how_to_send_the_rest(exc, a, prefix, acked=len(message_ids), in_flight=in_flight)
-            elif not isinstance(exc, _SENT_NOTHING):
+            elif not isinstance(exc, _SENT_NOTHING) and (calling or not isinstance(exc, errors.AgentNotRunningError)):
+                # (No agent found by the connect sent nothing either: said plainly. One that stopped
+                # during the call, before it answered, may have sent it.)
                 # Members down (not acked in time), the agent slow or gone before it answered, the group
                 # closed before every member acked (the outcome unknown): the message may be out, kept
                 # for whoever did not ack it. The hint said stats()['lag'] (Python) and "wait again",

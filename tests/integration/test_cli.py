@@ -109,6 +109,10 @@ def test_exit_codes_and_errors_that_say_what_to_do(tmp_path: Path) -> None:
     result = lonely.run("group", "list", json_out=False)
     assert result.code == 3
     assert "no agent is running" in result.stderr and "zerocomm agent start --detach" in result.stderr
+    # a send with no agent to send it: nothing went out, so no "may be out ... send it with --id"
+    unsent = lonely.run("send", "g", "hello", json_out=False)
+    assert unsent.code == 3 and "no agent is running" in unsent.stderr, unsent
+    assert "--id" not in unsent.stderr and "may have it" not in unsent.stderr, unsent.stderr
     assert lonely.run("agent", "status").code == 3
     assert lonely.run("agent", "stop").code == 3
     # usage: argparse (2), and a malformed setting names itself (2)
