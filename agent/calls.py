@@ -26,6 +26,7 @@ from zerocomm_spark.errors import (
     BadRequestError,
     DataLossError,
     GroupError,
+    JournalClosedError,
     OffsetOutOfRangeError,
     PeerTimeoutError,
     ZeroCommError,
@@ -355,7 +356,11 @@ class AgentCalls:
             if ok:
                 done.append(e)
         if done:
-            ranges = self.journal.superseded(group, self.groups.did, min(e.seq for e in done), max(e.seq for e in done))
+            try:
+                ranges = self.journal.superseded(group, self.groups.did, min(e.seq for e in done),
+                                                 max(e.seq for e in done))
+            except JournalClosedError:  # the agent stopping: the group has the rows; how they are kept is unknown
+                return False
             starts = [a for a, _ in ranges]
             with self._published_lock:  # a concurrent re-publish of the same ids settles them alike
                 for e in done:

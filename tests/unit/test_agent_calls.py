@@ -303,3 +303,36 @@ def test_a_seq_read_returns_no_more_than_its_page(tmp_path) -> None:
         assert journal.read_by_seq("g", "did:peer:x", 5, 400, max_bytes=1000).num_rows == 10
         assert journal.read_by_seq("g", "did:peer:x", 5, 400, max_bytes=10).num_rows == 1  # one at least
         assert journal.read_by_seq("g", "did:peer:x", 1, 400).num_rows == 400
+
+
+class _Ingest:
+    """This member's own rows taken by its journal at once (the event the publish call waits for)."""
+
+    def track_own(self, receipt: object, group: str, did: str, payloads: object, ids: object,
+                  headers: object) -> object:
+        import threading
+
+        done = threading.Event()
+        done.set()
+        return done
+
+
+def test_a_publish_answered_while_the_journal_closes_is_acknowledged_not_an_error(tmp_path) -> None:
+    """The call settles its rows from this member's journal (kept, or dropped as an earlier copy's
+    duplicate) after the group acknowledged them: a journal closed meanwhile (the agent stopping)
+    turned that acknowledged publish into an error, and a retry into a second look. It answers, with
+    how the rows are kept unknown."""
+    from zerocomm_spark.agent.calls import AgentCalls
+    from zerocomm_spark.client import table_to_ipc
+    from zerocomm_spark.journal import Journal
+
+    process = _PublishingProcess()
+    process.ingest = _Ingest()
+    journal = Journal.open(tmp_path / "j", key=bytes(32), fsync="never")
+    journal.close()
+    process.journal = journal  # type: ignore[attr-defined]
+    calls = AgentCalls(process)  # type: ignore[arg-type]
+    bulk = table_to_ipc(pa.table({"payload": pa.array([b"x"] * 2), "message_id": pa.array(["c-1", "c-2"])}))
+    answer = calls.publish(_BulkRequest(bulk), "g")
+    assert answer["seqs"] == [1, 2] and answer["journaled"] is False
+    assert (answer["signed"], answer["signed_unknown"], answer["duplicates"]) == (0, 2, 0)
