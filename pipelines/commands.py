@@ -67,6 +67,81 @@ def _spark_reason(exc: BaseException) -> str:
     return ((named or firsts or [type(exc).__name__])[0])[:300]
 
 
+# A line that opens an exception in Java's or Python's rendering of one: "Caused by: a.b.CException:
+# msg", ": a.b.CException: msg" (a Py4JJavaError's Java part), "pkg.mod.SomeError: msg" (a traceback's last).
+_EXCEPTION_LINE = re.compile(
+    r"^(?:Caused by: |: )?((?:[A-Za-z_$][\w$]*\.)*[A-Za-z_$][\w$]*(?:Exception|Error))(?: \w+=\w+)?: (.*)$")
+# Exceptions that only carry another one across a boundary (the JVM and the Python driver, a task and
+# the driver, a streaming query and its caller): never the reason.
+_WRAPPERS = ("An exception was raised by the Python Proxy", "An error occurred while calling",
+             "[FOREACH_BATCH_USER_FUNCTION_ERROR]", "Exception thrown in awaitResult", "Job aborted due to stage failure")
+_WRAPPER_CLASSES = ("StreamingQueryException", "ForeachBatchUserFuncException", "Py4JJavaError", "Py4JException",
+                    "ExecutionException", "InvocationTargetException", "UndeclaredThrowableException")
+_SQLSTATE = re.compile(r"\s*SQLSTATE: \w+\.?\s*$")
+
+
+def _without_query_description(text: str) -> str:
+    """A streaming query's error without the description Spark adds to it ("=== Streaming Query ===",
+    its offsets and plan, up to the stack or the next cause)."""
+    out: list[str] = []
+    skipping = False
+    for line in text.splitlines():
+        if line.strip() == "=== Streaming Query ===":
+            skipping = True
+        elif skipping and line.startswith(("\tat ", "Caused by: ")):
+            skipping = False
+        if not skipping:
+            out.append(line)
+    return "\n".join(out)
+
+
+def _query_reason(exc: BaseException, full_text: str | None = None) -> str:
+    """Why a streaming query failed, in one line, from its StreamingQueryException (``query.exception()``):
+    the first error Spark or Delta named (an error class, "[DELTA_...] ..."), else the first exception
+    that is not a wrapper, and the root cause beneath it if it says more ("...; cause:
+    ParentNotDirectoryException: Parent path is not a directory: ..."). Not the query's description
+    (offsets, plan) and not a stack: a failure in ``foreachBatch`` arrives as a Python traceback that
+    holds the Java error's whole stack, and the JVM's own failures as a chain of causes. ``full_text``:
+    the JVM's rendering of the error with its causes (Utils.exceptionString), when there is one."""
+    texts: list[str] = []
+    seen: set[int] = set()
+    node: Any = exc
+    while node is not None and id(node) not in seen and len(texts) < 12:  # this exception and its causes
+        seen.add(id(node))
+        text = getattr(node, "_desc", None)
+        if text is None:
+            try:
+                text = str(node)
+            except Exception:  # noqa: BLE001 - only the message is at stake
+                text = ""
+        texts.append(_without_query_description(str(text)))
+        node = getattr(node, "_cause", None) or node.__cause__
+    if full_text:
+        texts.append(_without_query_description(full_text))
+    found: list[tuple[str, str]] = []
+    for text in texts:
+        for line in text.splitlines():
+            match = _EXCEPTION_LINE.match(line.strip())
+            if match is None:
+                continue
+            name = match.group(1).rsplit(".", 1)[-1].rsplit("$", 1)[-1]  # (Shell$ExitCodeException)
+            message = _SQLSTATE.sub("", match.group(2)).strip()
+            if name in _WRAPPER_CLASSES or message.startswith(_WRAPPERS) or not message:
+                continue
+            if (name, message) not in found:
+                found.append((name, message))
+    first_line = next((line.strip() for text in texts for line in text.splitlines() if line.strip()), "")
+    if not found:
+        return " ".join(first_line.split())[:300] or type(exc).__name__
+    named = [f for f in found if f[1].startswith("[")]
+    head = named[0] if named else found[0]
+    reason = head[1] if head[1].startswith("[") else f"{head[0]}: {head[1]}"
+    root = found[-1]
+    if root != head and root[1] not in head[1]:
+        reason = f"{reason[:300]}; cause: {root[0]}: {root[1][:200]}"
+    return " ".join(reason.split())[:520]
+
+
 # Spark's and Delta's error classes that mean a file of the table (data or _delta_log) is missing or
 # its log cannot be put together (Delta 4.4 on Spark 4.2); a class matches its subclasses too.
 _DAMAGE_CLASSES = ("FAILED_READ_FILE.FILE_NOT_EXIST", "FAILED_READ_FILE.CANNOT_READ_FILE_FOOTER",

@@ -13,8 +13,9 @@
    checks that nothing is missing or doubled and that every reply comes after what it answers;
 6. prints a short summary: messages, publishers, rates, latencies (exit status 1 if a check failed).
 
-A job that cannot go on (a member or Spark failing, a publisher failing, the --timeout deadline)
-ends with one line saying what failed and what to do, exit 1. Spark's log (the JVM's and its
+A job that cannot go on (a member or Spark failing, a publisher or the ingest query failing, the
+--timeout deadline, which covers every phase, the replay and the checks too) ends with one line
+saying what failed and what to do, exit 1. Spark's log (the JVM's and its
 workers' stderr) and the failure's traceback go to the job's log file, which that line names.
 """
 
@@ -101,6 +102,15 @@ class JobDeadlineError(Exception):
     def __init__(self, timeout: float, phase: str, done: str) -> None:
         self.timeout, self.phase, self.done = timeout, phase, done
         super().__init__(f"the job's deadline (--timeout {timeout:g}s) passed while {phase}; {done}")
+
+
+class IngestQueryFailedError(Exception):
+    """The ingest streaming query stopped with an error (the table or its checkpoint could not be
+    written, a micro-batch failed...): Spark's reason in one line, the phase, what the job had done."""
+
+    def __init__(self, reason: str, phase: str, done: str, table: str, checkpoint: str) -> None:
+        self.reason, self.phase, self.done, self.table, self.checkpoint = reason, phase, done, table, checkpoint
+        super().__init__(f"the ingest query failed while {phase}: {reason} ({done})")
 
 
 class PublishFailedError(Exception):
@@ -222,6 +232,40 @@ def _warm_up(spark: Any, scratch: Path, table: str, agent: str, group: str) -> N
     spark.read.format("delta").load(table).count()
 
 
+def _within_deadline(spark: Any, deadline: float, timeout: float, phase: str, done: Any, work: Any) -> Any:
+    """``work()`` (Spark actions: the replay, the checks' reads) on a thread of its own, waited for until
+    the job's deadline; then its Spark jobs are cancelled and JobDeadlineError says so (``done()``: what
+    the job had done). A read of a table whose storage hangs never returns on its own."""
+    job_group = f"zerocomm-main-{uuid.uuid4().hex[:12]}"
+    box: dict[str, Any] = {}
+
+    def body() -> None:
+        try:
+            spark.sparkContext.setJobGroup(job_group, phase, interruptOnCancel=True)
+            box["result"] = work()
+        except BaseException as exc:  # noqa: BLE001 - raised again on the job's thread
+            box["error"] = exc
+
+    worker = threading.Thread(target=body, name=f"main-{phase.split()[0]}", daemon=True)
+    worker.start()
+    worker.join(max(deadline - time.monotonic(), 0.0))
+    if worker.is_alive():
+        log.warning("the deadline passed while %s: cancelling its Spark jobs", phase, extra={"file_only": True})
+        spark.sparkContext.cancelJobGroup(job_group)
+        worker.join(5.0)  # (a task stuck in a read the cancel cannot interrupt is left behind: a daemon)
+        raise JobDeadlineError(timeout, phase, done())
+    if "error" in box:
+        raise box["error"]
+    return box.get("result")
+
+
+def _stop_query(spark: Any, query: Any, within: float) -> None:
+    """Stop the query, waiting at most ``within`` seconds for its thread (Spark's stopTimeout; its default
+    waits as long as a micro-batch takes, which a hung write makes forever)."""
+    spark.conf.set("spark.sql.streaming.stopTimeout", f"{max(int(within * 1000), 1000)}ms")
+    query.stop()
+
+
 def _wait_ready(query: Any, deadline: float) -> None:
     """Until the query's source is up (it has asked the member where the group stands)."""
     while time.monotonic() < deadline and query.isActive and query.status.get("message", "").startswith("Initializing"):
@@ -266,6 +310,27 @@ def run(cfg: JobConfig) -> dict[str, Any]:
         if time.monotonic() >= deadline:
             raise JobDeadlineError(cfg.timeout, phase, done)
 
+    def check_query(phase: str, done: Any) -> None:
+        """The ingest query stopped (only ever with an error while the job needs it): the job fails
+        at once, with Spark's reason in one line; the whole error goes to the job's log."""
+        from zerocomm_spark.pipelines.commands import _query_reason
+
+        if query is None or query.isActive:
+            return
+        stop.set()  # publishers still running stop
+        error = query.exception()
+        if error is None:
+            reason = "it stopped without an error (something else stopped it)"
+        else:
+            try:  # the JVM's whole error: every cause, with its stack
+                full = str(spark.sparkContext._jvm.org.apache.spark.util.Utils.exceptionString(
+                    query._jsq.exception().get()))
+            except Exception:  # noqa: BLE001 - what pyspark kept of it then
+                full = str(getattr(error, "_desc", error))
+            reason = _query_reason(error, full)
+            log.error("the ingest query failed:\n%s", full, extra={"file_only": True})
+        raise IngestQueryFailedError(reason, phase, done(), table, checkpoint) from None
+
     try:
         _say(cfg, f"starting {len(labels)} members ({cfg.mode}): {', '.join(labels)}")
         t0 = time.monotonic()
@@ -304,6 +369,7 @@ def run(cfg: JobConfig) -> dict[str, Any]:
         query = ingest(spark, [cfg.group], table, checkpoint, agent=group["historian"].agent, trigger=cfg.trigger,
                        history_key=key, query_name="zerocomm_history_main")
         _wait_ready(query, deadline)
+        check_query("starting the ingest query", lambda: f"{started}, nothing published yet")
         check_deadline("starting the ingest query", f"{started}, nothing published yet")
         total = cfg.publishers * cfg.messages
         _say(cfg, f"publishing {total} messages ({cfg.publishers} x {cfg.messages} at {cfg.rate:g}/s each, "
@@ -316,39 +382,54 @@ def run(cfg: JobConfig) -> dict[str, Any]:
         t_pub = time.monotonic()
         for t in threads:
             t.start()
-        # Until every publisher is done, one fails (the others stop: the job fails at once) or the deadline.
-        while any(t.is_alive() for t in threads) and not stop.is_set() and time.monotonic() < deadline:
-            stop.wait(0.1)
-        publish_s = time.monotonic() - t_pub
 
         def so_far() -> str:
             with lock:
                 return (f"{started}; {len(published.ids)} of {total} messages published (acknowledged), "
                         f"{ingested()} rows in Delta")
 
+        # Until every publisher is done, one fails or the ingest query does (the others stop: the job
+        # fails at once), or the deadline.
+        while any(t.is_alive() for t in threads) and not stop.is_set() and time.monotonic() < deadline:
+            check_query("publishing", so_far)
+            stop.wait(0.1)
+        publish_s = time.monotonic() - t_pub
         if published.errors:
             raise PublishFailedError(published.errors, so_far())
         if any(t.is_alive() for t in threads) or len(published.ids) < total:
             raise JobDeadlineError(cfg.timeout, "publishing", so_far())
-        while ingested() < len(published.ids) and query.exception() is None:
+        while ingested() < len(published.ids):
+            check_query("waiting for Delta to hold every message", so_far)
             check_deadline("waiting for Delta to hold every message", so_far())
             time.sleep(0.25)
         ingest_s = time.monotonic() - t_pub
-        if query.exception() is not None:
-            raise RuntimeError(f"the ingest query failed: {query.exception()}")
-        query.stop()
+        check_query("waiting for Delta to hold every message", so_far)
+        try:
+            _stop_query(spark, query, max(deadline - time.monotonic(), 1.0))
+        except Exception:
+            check_deadline("stopping the ingest query", so_far())  # Spark's stopTimeout, at the deadline
+            raise
+        check_deadline("stopping the ingest query", so_far())
         total_in = ingested()
         _say(cfg, f"ingested {total_in} rows in {len(batches)} micro-batches; replaying in causal order")
+        done = (f"{started}; {len(published.ids)} of {total} messages published (acknowledged), {total_in} rows "
+                f"ingested into Delta")
+        check_deadline("replaying the group from Delta", f"{done}, nothing replayed yet")
 
         t0 = time.monotonic()
         # This run's rows are its publishers' (new members, new DIDs): a run going on at the same time
         # in this --work-dir (or on this --table) commits rows of a group of the same name meanwhile.
         ours = [group[label].did for label in labels[1:]]
-        rows = replay(spark, table, cfg.group, since=since, verify=True, history_key=key).where(
-            F.col("publisher_did").isin(ours)).select(
-            "message_id", "publisher_label", "publisher_did", "lamport_ts", "sent_at", "received_at",
-            "ingested_at", "headers", "origin_ok").toArrow()
+        rows = _within_deadline(
+            spark, deadline, cfg.timeout, "replaying the group from Delta",
+            lambda: f"{done}, the replay not finished after {time.monotonic() - t0:.1f}s",
+            lambda: replay(spark, table, cfg.group, since=since, verify=True, history_key=key).where(
+                F.col("publisher_did").isin(ours)).select(
+                "message_id", "publisher_label", "publisher_did", "lamport_ts", "sent_at", "received_at",
+                "ingested_at", "headers", "origin_ok").toArrow())
         replay_s = time.monotonic() - t0
+        done += f", {rows.num_rows} rows replayed in {replay_s:.1f}s"
+        check_deadline("checking what was replayed", f"{done}, nothing checked yet")
         ids = rows.column("message_id").to_pylist()
         position = {mid: i for i, mid in enumerate(ids)}
         replies_ok = sum(1 for reply, original in published.replies.items()
@@ -366,7 +447,11 @@ def run(cfg: JobConfig) -> dict[str, Any]:
         origin_ok = sum(rows.column("origin_ok").to_pylist())
         from delta.tables import DeltaTable
 
-        version = DeltaTable.forPath(spark, table).history(1).select("version").first()[0]
+        t1 = time.monotonic()
+        version = _within_deadline(
+            spark, deadline, cfg.timeout, "checking what was replayed",
+            lambda: f"{done}, reading the table's newest version not finished after {time.monotonic() - t1:.1f}s",
+            lambda: DeltaTable.forPath(spark, table).history(1).select("version").first()[0])
         summary.update({
             "publishers": cfg.publishers, "published": len(published.ids), "replies": len(published.replies),
             "ingested": total_in, "rows": rows.num_rows, "distinct": len(position),
@@ -386,7 +471,10 @@ def run(cfg: JobConfig) -> dict[str, Any]:
     finally:
         stop.set()
         if query is not None and query.isActive:
-            query.stop()
+            try:
+                _stop_query(spark, query, 30.0)
+            except Exception:  # noqa: BLE001 - the job is failing already, or its summary is made
+                log.warning("the ingest query did not stop", exc_info=True, extra={"file_only": True})
         until = time.monotonic() + 5.0
         for t in threads:  # stopping: each at most a slice of a wait away
             t.join(max(until - time.monotonic(), 0.0))
@@ -460,7 +548,13 @@ def _failure(exc: BaseException, log_file: Path | None = None) -> dict[str, str]
     if isinstance(exc, JobDeadlineError):
         return {"type": "DeadlineError", "message": str(exc), "phase": exc.phase,
                 "hint": f"Raise --timeout (it was {exc.timeout:g}s), or publish less (--messages, --publishers, "
-                        f"--rate){', or a shorter --trigger' if 'Delta' in exc.phase else ''}; {details}"}
+                        f"--rate){', or a shorter --trigger' if exc.phase.startswith('waiting for Delta') else ''}; "
+                        f"{details}"}
+    if isinstance(exc, IngestQueryFailedError):
+        return {"type": "IngestQueryError", "message": str(exc), "phase": exc.phase, "reason": exc.reason,
+                "hint": f"Check that the table ({exc.table}) and the query's checkpoint ({exc.checkpoint}) can be "
+                        "written and that nothing else moves, removes or writes them while the job runs, then run "
+                        f"the job again (it starts a new checkpoint and appends to the table); {details}"}
     if isinstance(exc, PublishFailedError):
         return {"type": "PublishError", "message": str(exc),
                 "hint": "Check that every member is still running (with --mode agents: its agent process, "

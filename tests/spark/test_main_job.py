@@ -189,3 +189,166 @@ def test_a_publisher_agent_killed_mid_run_is_one_error_line(tmp_path):
     assert "error: publishing failed: alice: " in err and "still running" in err, err[-2000:]
     logs = list((tmp_path / "logs").glob("main-*.log"))
     assert len(logs) == 1 and "alice could not publish" in logs[0].read_text()
+
+
+def _wait_for(what, found, seconds):
+    """Poll ``found()`` until it gives something, for at most ``seconds``."""
+    import time
+
+    until = time.monotonic() + seconds
+    while time.monotonic() < until:
+        value = found()
+        if value:
+            return value
+        time.sleep(0.2)
+    raise AssertionError(f"no {what} within {seconds}s")
+
+
+def _nothing_secret(printed: str) -> None:
+    """What a failing job prints names paths and counts, never a payload ("alice #12....") or a key."""
+    import re
+
+    assert " #" not in printed and "..." not in printed, printed[-2000:]
+    assert not re.search(r"[0-9a-fA-F]{32}|[A-Za-z0-9+/]{43}=", printed), printed[-2000:]  # hex, base64 keys
+
+
+def test_an_ingest_query_that_fails_mid_run_is_one_error_line(tmp_path):
+    """The ingest query failing while members publish (the table's directory replaced by a file: Delta
+    cannot write its log; the checkpoint's offsets log replaced by a file: the query cannot record its
+    next batch) went unnoticed until every message was published or the deadline passed, then ended in
+    a RuntimeError traceback with the query's whole description. Now the job stops at once and says
+    in one line that the ingest query failed, Spark's reason (not its stack), what was done and what
+    to check; the query's whole error goes to the job's log."""
+    import signal
+
+    for broken, extra in (("table", []), ("checkpoint", ["--json", "--encrypt"])):
+        work = tmp_path / broken
+        job = subprocess.Popen(
+            [sys.executable, "-m", "zerocomm_spark.pipelines.main", "--publishers", "2", "--messages", "100000",
+             "--rate", "20", "--timeout", "300", "--work-dir", str(work), *extra],
+            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            # Mid-run: the query has committed a micro-batch of what the members publish.
+            checkpoint = _wait_for("committed micro-batch", lambda: [
+                c.parent.parent for c in (work / "checkpoints").glob("history-*/commits/[0-9]*")], 280)[0]
+            if broken == "table":
+                (work / "history").rename(work / "history-moved")
+                (work / "history").write_text("not a table\n")
+            else:
+                (checkpoint / "offsets").rename(checkpoint / "offsets-moved")
+                (checkpoint / "offsets").write_text("not a directory\n")
+            out, err = job.communicate(timeout=400)
+        finally:
+            if job.poll() is None:
+                job.send_signal(signal.SIGKILL)
+                job.communicate()
+        assert job.returncode == 1, (broken, out[-2000:], err[-4000:])
+        assert not _spark_noise(err), err[-4000:]
+        _nothing_secret(out + err)
+        logs = list((work / "logs").glob("main-*.log"))
+        assert len(logs) == 1
+        logged = logs[0].read_text()
+        assert "the ingest query failed:" in logged and "the main job failed" in logged  # the whole error is kept
+        if broken == "table":
+            lines = err.strip().splitlines()
+            assert len(lines) == 2, err  # the error and what to do
+            assert "error: the ingest query failed while publishing: [DELTA_CANNOT_CREATE_LOG_PATH]" in lines[0]
+            assert "Parent path is not a directory" in lines[0] and str(work / "history") in lines[0]
+            assert "messages published (acknowledged)" in lines[0] and "rows in Delta" in lines[0]
+            assert lines[1].startswith("  what to do: Check that the table") and str(logs[0]) in lines[1]
+        else:
+            assert err == "", err[-4000:]
+            error = json.loads(out.splitlines()[-1])
+            assert error["ok"] is False and error["exit_code"] == 1 and error["log"] == str(logs[0])
+            assert error["error"]["type"] == "IngestQueryError" and error["error"]["phase"] == "publishing"
+            reason = error["error"]["reason"]
+            # Hadoop's words depend on the step its write of the next offsets was at ("parent is not a dir",
+            # chmod's "Not a directory", "rename destination parent ... is a file"): the path is always named.
+            assert str(checkpoint / "offsets") in reason and "Exception: " in reason, reason
+            assert "\n" not in reason and "\tat " not in error["error"]["message"]
+            assert "=== Streaming Query ===" not in out and str(checkpoint) in error["error"]["hint"]
+
+
+def _committed_files(table: Path) -> list[Path]:
+    """The data files the table's Delta log holds (added by a commit: written to the end)."""
+    from urllib.parse import unquote
+
+    files = []
+    for commit in sorted((table / "_delta_log").glob("*.json")):
+        for line in commit.read_text().splitlines():
+            if line.strip() and "add" in (entry := json.loads(line)):
+                files.append(table / unquote(entry["add"]["path"]))
+    return files
+
+
+def test_a_replay_that_hangs_ends_at_the_deadline_in_one_line(tmp_path):
+    """The replay and the checks after it had no deadline: a read of the table that never returns (a
+    hung file system; here a data file of the table replaced by a named pipe no one writes to) held
+    the job past --timeout for ever. Now the deadline covers them: Spark's jobs are cancelled and the
+    job ends in the one deadline line naming the phase, soon after the deadline."""
+    import os
+    import time
+
+    timeout = 150
+    job = subprocess.Popen(
+        [sys.executable, "-m", "zerocomm_spark.pipelines.main", "--publishers", "1", "--messages", "200",
+         "--rate", "10", "--reply-fraction", "0", "--timeout", str(timeout), "--work-dir", str(tmp_path)],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    began = time.monotonic()
+    fifo = None
+    try:
+        assert job.stdout is not None
+        for line in job.stdout:
+            if line.startswith("publishing"):
+                break
+        # A data file of a micro-batch committed while the member publishes (20 s of it; one still
+        # being written would not do): nothing reads it back until the replay.
+        data = _wait_for("committed data file", lambda: _committed_files(tmp_path / "history"), 18)[0]
+        data.rename(data.with_name(data.name + ".moved"))
+        os.mkfifo(data)
+        fifo = data
+        out, err = job.communicate(timeout=timeout + 120)
+        ended = time.monotonic() - began
+    finally:
+        if fifo is not None:  # a reader still blocked on the pipe gets its end
+            try:
+                os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+            except OSError:
+                pass
+        if job.poll() is None:
+            job.kill()
+            job.communicate()
+    assert job.returncode == 1, err[-4000:]
+    assert "replaying in causal order" in out, out  # the members published, Delta holds it all
+    assert ended < timeout + 45, ended  # the deadline, with what stopping takes; not for ever
+    assert not _spark_noise(err), err[-4000:]
+    _nothing_secret(out + err)
+    lines = err.strip().splitlines()
+    assert len(lines) == 2, (out[-3000:], err)  # the error and what to do
+    assert f"deadline (--timeout {timeout}s) passed while replaying the group from Delta" in lines[0]
+    assert "rows ingested into Delta, the replay not finished after" in lines[0] and "Raise --timeout" in lines[1]
+    logs = list((tmp_path / "logs").glob("main-*.log"))
+    assert len(logs) == 1 and "cancelling its Spark jobs" in logs[0].read_text()
+
+
+def test_the_deadline_cancels_the_spark_work_it_waits_for(spark):
+    """The helper the replay and the checks wait through: at the deadline it cancels their Spark jobs
+    (not just stops waiting) and raises the deadline error naming the phase; Spark goes on working."""
+    import time
+
+    from zerocomm_spark.pipelines.main import JobDeadlineError, _within_deadline
+
+    def slow(batches):
+        for batch in batches:
+            time.sleep(120)
+            yield batch
+
+    began = time.monotonic()
+    with pytest.raises(JobDeadlineError) as raised:
+        _within_deadline(spark, time.monotonic() + 3, 3, "checking what was replayed", lambda: "10 rows replayed",
+                         lambda: spark.range(1).mapInArrow(slow, "id long").count())
+    assert time.monotonic() - began < 3 + 10
+    assert raised.value.phase == "checking what was replayed" and "10 rows replayed" in str(raised.value)
+    tracker = spark.sparkContext.statusTracker()
+    _wait_for("cancelled job", lambda: not tracker.getActiveJobsIds(), 30)
+    assert spark.range(5).count() == 5
