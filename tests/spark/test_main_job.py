@@ -292,7 +292,7 @@ def test_a_replay_that_hangs_ends_at_the_deadline_in_one_line(tmp_path):
     timeout = 150
     job = subprocess.Popen(
         [sys.executable, "-m", "zerocomm_spark.pipelines.main", "--publishers", "1", "--messages", "200",
-         "--rate", "10", "--reply-fraction", "0", "--timeout", str(timeout), "--work-dir", str(tmp_path)],
+         "--rate", "5", "--reply-fraction", "0", "--timeout", str(timeout), "--work-dir", str(tmp_path)],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     began = time.monotonic()
     fifo = None
@@ -301,9 +301,10 @@ def test_a_replay_that_hangs_ends_at_the_deadline_in_one_line(tmp_path):
         for line in job.stdout:
             if line.startswith("publishing"):
                 break
-        # A data file of a micro-batch committed while the member publishes (20 s of it; one still
-        # being written would not do): nothing reads it back until the replay.
-        data = _wait_for("committed data file", lambda: _committed_files(tmp_path / "history"), 18)[0]
+        # A data file of a micro-batch committed while the member publishes (40 s of it, time for a
+        # loaded machine's first micro-batch; one still being written would not do): nothing reads
+        # it back until the replay.
+        data = _wait_for("committed data file", lambda: _committed_files(tmp_path / "history"), 36)[0]
         data.rename(data.with_name(data.name + ".moved"))
         os.mkfifo(data)
         fifo = data
