@@ -212,6 +212,10 @@ def _spark_failure(exc: BaseException, table: str, action: str) -> ZeroCommError
             f"the history table at {table} has no such version or time ({reason})",
             hint="Give a version or time the table has: DESCRIBE HISTORY delta.`<table>` lists them "
                  "(--as-of, --since-version)")
+    if action == "ingest":
+        return ZeroCommError(f"starting the ingest into the history table at {table} failed in Spark ({reason})",
+                             hint="Give --table a Delta table of group history, or a path with nothing there yet "
+                                  "(one is made); Spark's log (the driver's output) has the details")
     doing = {"replay": "replaying", "compact": "compacting", "vacuum": "vacuuming"}.get(action, action)
     return ZeroCommError(f"{doing} the history table at {table} failed in Spark ({reason})",
                          hint="Spark's own error: its log (the driver's output) has the details; the table's files "
@@ -240,7 +244,7 @@ def _reading(table: str, action: str = "replay") -> Iterator[None]:
             said = f"the history table at {table} could not be read: a file of it is damaged or missing ({reason})"
             then = ("give another history table (DESCRIBE HISTORY delta.`<table>` lists the versions it has)")
         else:
-            doing = {"compact": "compacting", "vacuum": "vacuuming"}.get(action, action)
+            doing = {"compact": "compacting", "vacuum": "vacuuming", "ingest": "ingesting into"}.get(action, action)
             said = f"{doing} the history table at {table} failed: a file of it is damaged or missing ({reason})"
             then = f"{action} it again once it is whole"
         raise ConfigurationError(said, hint="Its _delta_log or data files are damaged or were removed: put the "
@@ -272,17 +276,20 @@ def ingest(ctx: Any) -> int:
                                                                  else " (already in Delta, skipped)"))
 
     spark = _spark()
-    query = start(spark, a.groups, table, checkpoint, agent=str(ctx.config.socket_dir),
-                  starting_offsets=a.starting_offsets, max_messages_per_trigger=a.max_per_trigger,
-                  trigger="available_now" if a.available_now else a.trigger, history_key=key, on_batch=on_batch,
-                  delta_txn=a.delta_txn)
+    with _reading(table, "ingest"):  # a table Spark or Delta refuses at start: one line, not a Py4J traceback
+        query = start(spark, a.groups, table, checkpoint, agent=str(ctx.config.socket_dir),
+                      starting_offsets=a.starting_offsets, max_messages_per_trigger=a.max_per_trigger,
+                      trigger="available_now" if a.available_now else a.trigger, history_key=key,
+                      on_batch=on_batch, delta_txn=a.delta_txn)
     try:
         while query.isActive:
             query.awaitTermination(1.0)
     except KeyboardInterrupt:
         query.stop()
     if query.exception() is not None:
-        raise ConfigurationError(f"the ingest query failed: {str(query.exception())[:1000]}",
+        # One line (Spark's reason and its root cause), not the first 1,000 characters of a traceback
+        # and the query's description; Spark logged the whole error above.
+        raise ConfigurationError(f"the ingest query failed: {_query_reason(query.exception())}",
                                  hint="See the Spark log above; restarting with the same --checkpoint resumes "
                                       "where it stopped, without writing anything twice")
     ctx.out({"table": table, "rows": total[0], "checkpoint": checkpoint},

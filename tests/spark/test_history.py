@@ -402,6 +402,15 @@ def test_compact_vacuum_and_the_history_commands(spark, members, story, tmp_path
                      "--available-now"]) == 0
     lines = [json.loads(x) for x in capsys.readouterr().out.splitlines() if x.strip()]
     assert lines[-1]["rows"] == 110 and sum(x.get("rows", 0) for x in lines[:-1]) == 110
+    # A table Delta refuses (its path is a file) is said in one line naming it (it was a Py4J traceback).
+    not_a_dir = tmp_path / "a-file"
+    not_a_dir.write_text("not a table\n")
+    assert zerocomm(["--config", config, "--json", "history", "ingest", "story", "--table", str(not_a_dir),
+                     "--checkpoint", str(tmp_path / "ck-failing"), "--available-now"]) == 1
+    failed = json.loads(capsys.readouterr().out.splitlines()[-1])["error"]
+    assert failed["message"].startswith(f"starting the ingest into the history table at {not_a_dir} failed"), failed
+    assert "\n" not in failed["message"] and "=== Streaming Query ===" not in failed["message"], failed
+    assert "Traceback" not in failed["message"] and "\tat " not in failed["message"], failed
     assert zerocomm(["--config", config, "--json", "history", "replay", "story", "--table", str(table),
                      "--since-lamport", "0", "--limit", "0", "--verify"]) == 0
     replayed = [json.loads(x) for x in capsys.readouterr().out.splitlines() if x.strip()]
