@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+from pathlib import Path
 
 import pytest
 
@@ -364,6 +365,27 @@ def test_send_id_prefix_and_skip_are_checked(tmp_path, monkeypatch, capsys) -> N
     assert code == 2 and "go with -" in json.loads(capsys.readouterr().out)["error"]["message"]
 
 
+def _send_failing_with(raised: Exception, argv: list[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                       capsys: pytest.CaptureFixture[str], stdin: str | None = None) -> tuple[int, dict]:
+    """`zerocomm --json ARGV` against a client whose publish raises ``raised``: exit code and error document."""
+    from zerocomm_spark.agent import cli
+
+    class Fake:
+        max_request_bytes = 1 << 20
+
+        def publish(self, *args: object, **kwargs: object) -> None:
+            raise raised
+
+    fake = Fake()
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.delenv("ZEROCOMM_CONFIG", raising=False)
+    monkeypatch.setattr(cli.Ctx, "client", lambda self: fake)
+    if stdin is not None:
+        monkeypatch.setattr("sys.stdin", io.StringIO(stdin))
+    code = cli.main(["--identity-dir", str(tmp_path / "id"), "--json", *argv])
+    return code, json.loads(capsys.readouterr().out)["error"]
+
+
 @pytest.mark.parametrize("raised", [
     errors.AgentNotRunningError("the agent at ipc:///run/api.sock stopped before it answered publish",
                                 hint="The outcome is unknown: start the agent again and retry"),
@@ -376,21 +398,8 @@ def test_a_send_from_stdin_whose_first_chunk_may_be_out_names_its_prefix(raised,
     the group closed before every member acked, retention dropped it for some members) was taken
     for a refusal that sent nothing: with no chunk acknowledged before, the error named no prefix,
     so the same command run again gave every line a new id and members that had the chunk got it twice."""
-    from zerocomm_spark.agent import cli
-
-    class Fake:
-        max_request_bytes = 1 << 20
-
-        def publish(self, *args: object, **kwargs: object) -> None:
-            raise raised
-
-    fake = Fake()
-    monkeypatch.setenv("HOME", str(tmp_path))
-    monkeypatch.delenv("ZEROCOMM_CONFIG", raising=False)
-    monkeypatch.setattr(cli.Ctx, "client", lambda self: fake)
-    monkeypatch.setattr("sys.stdin", io.StringIO("one\ntwo\nthree\n"))
-    code = cli.main(["--identity-dir", str(tmp_path / "id"), "--json", "send", "g", "-", "--id-prefix", "p1"])
-    error = json.loads(capsys.readouterr().out)["error"]
+    code, error = _send_failing_with(raised, ["send", "g", "-", "--id-prefix", "p1"], tmp_path, monkeypatch, capsys,
+                                     stdin="one\ntwo\nthree\n")
     assert code != 0
     assert "lines 1..3 may be out" in error["message"], error
     assert "--id-prefix p1" in error["hint"] and "--skip" not in error["hint"], error
@@ -401,21 +410,8 @@ def test_a_send_from_stdin_whose_first_chunk_may_be_out_names_its_prefix(raised,
                                     errors.AgentBusyError("busy")])
 def test_a_send_from_stdin_refused_before_anything_went_out_is_the_same_command_again(  # type: ignore[no-untyped-def]
         raised, tmp_path, monkeypatch, capsys) -> None:
-    from zerocomm_spark.agent import cli
-
-    class Fake:
-        max_request_bytes = 1 << 20
-
-        def publish(self, *args: object, **kwargs: object) -> None:
-            raise raised
-
-    fake = Fake()
-    monkeypatch.setenv("HOME", str(tmp_path))
-    monkeypatch.delenv("ZEROCOMM_CONFIG", raising=False)
-    monkeypatch.setattr(cli.Ctx, "client", lambda self: fake)
-    monkeypatch.setattr("sys.stdin", io.StringIO("one\ntwo\nthree\n"))
-    code = cli.main(["--identity-dir", str(tmp_path / "id"), "--json", "send", "g", "-"])
-    error = json.loads(capsys.readouterr().out)["error"]
+    code, error = _send_failing_with(raised, ["send", "g", "-"], tmp_path, monkeypatch, capsys,
+                                     stdin="one\ntwo\nthree\n")
     assert code != 0 and "may be out" not in error["message"] and "--id-prefix" not in error["hint"], error
 
 
@@ -432,20 +428,7 @@ def test_a_send_that_may_be_out_names_its_id_quoted_for_the_shell(raised, tmp_pa
     message for members that had it; and the id the hint printed into a command was not quoted."""
     import shlex
 
-    from zerocomm_spark.agent import cli
-
-    class Fake:
-        max_request_bytes = 1 << 20
-
-        def publish(self, *args: object, **kwargs: object) -> None:
-            raise raised
-
-    fake = Fake()
-    monkeypatch.setenv("HOME", str(tmp_path))
-    monkeypatch.delenv("ZEROCOMM_CONFIG", raising=False)
-    monkeypatch.setattr(cli.Ctx, "client", lambda self: fake)
     mid = "order 7; $(id)"
-    code = cli.main(["--identity-dir", str(tmp_path / "id"), "--json", "send", "g", "hello", "--id", mid])
-    error = json.loads(capsys.readouterr().out)["error"]
+    code, error = _send_failing_with(raised, ["send", "g", "hello", "--id", mid], tmp_path, monkeypatch, capsys)
     assert code != 0 and f"(message id {mid})" in error["message"], error
     assert f"--id {shlex.quote(mid)}:" in error["hint"], error
