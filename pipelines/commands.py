@@ -74,6 +74,7 @@ _EXCEPTION_LINE = re.compile(
 # Exceptions that only carry another one across a boundary (the JVM and the Python driver, a task and
 # the driver, a streaming query and its caller): never the reason.
 _WRAPPERS = ("An exception was raised by the Python Proxy", "An error occurred while calling",
+             "Traceback (most recent call last):",
              "[FOREACH_BATCH_USER_FUNCTION_ERROR]", "Exception thrown in awaitResult", "Job aborted due to stage failure")
 _WRAPPER_CLASSES = ("StreamingQueryException", "ForeachBatchUserFuncException", "Py4JJavaError", "Py4JException",
                     "ExecutionException", "InvocationTargetException", "UndeclaredThrowableException")
@@ -215,7 +216,8 @@ def _spark_failure(exc: BaseException, table: str, action: str) -> ZeroCommError
     if action == "ingest":
         return ZeroCommError(f"starting the ingest into the history table at {table} failed in Spark ({reason})",
                              hint="Give --table a Delta table of group history, or a path with nothing there yet "
-                                  "(one is made); Spark's log (the driver's output) has the details")
+                                  "(one is made), and a --checkpoint this user can write; Spark's log (the "
+                                  "driver's output) has the details")
     doing = {"replay": "replaying", "compact": "compacting", "vacuum": "vacuuming"}.get(action, action)
     return ZeroCommError(f"{doing} the history table at {table} failed in Spark ({reason})",
                          hint="Spark's own error: its log (the driver's output) has the details; the table's files "
@@ -236,6 +238,11 @@ def _reading(table: str, action: str = "replay") -> Iterator[None]:
     try:
         yield
     except (Py4JError, PySparkException) as exc:
+        if isinstance(exc, (ValueError, TypeError)):  # PySpark refusing an argument (a --trigger): usage, as before
+            raise
+        ours = _zerocomm_error_in(exc)
+        if ours is not None:  # the connector refusing an option in a Python worker: its own error and exit code
+            raise ours from None
         log.debug("history %s of %s failed in Spark: %s", action, table, " <- ".join(_java_chain(exc)) or exc)
         reason = _table_damage(exc, table)
         if reason is None:
@@ -249,6 +256,40 @@ def _reading(table: str, action: str = "replay") -> Iterator[None]:
             then = f"{action} it again once it is whole"
         raise ConfigurationError(said, hint="Its _delta_log or data files are damaged or were removed: put the "
                                             f"table back from a copy, or {then}") from None
+
+
+_OUR_ERROR = re.compile(r"^zerocomm_spark\.errors\.([A-Za-z]+Error): (.+)$", re.MULTILINE)
+
+
+def _zerocomm_error_in(exc: BaseException) -> ZeroCommError | None:
+    """A ZeroComm error raised in a Python worker (a connector option refused while Spark made the data
+    source) comes back inside Spark's error as the worker's traceback: the same error again, so its
+    message (hint included) and exit code are the user's, not "Spark failed"."""
+    from zerocomm_spark import errors
+
+    try:
+        texts = [str(getattr(exc, "_desc", None) or exc)]
+    except Exception:  # noqa: BLE001 - a Py4J error whose JVM side cannot be read: its chain only
+        texts = []
+    texts += _java_chain(exc)
+    found = [m for text in texts for m in _OUR_ERROR.finditer(text)]
+    if not found:
+        return None
+    name, message = found[-1].group(1), found[-1].group(2).strip()
+    cls = getattr(errors, name, None)
+    if not (isinstance(cls, type) and issubclass(cls, ZeroCommError)):
+        return None
+    return cls(message, hint="")  # the message carries its hint already
+
+
+def query_failure_text(spark: Any, query: Any) -> str:
+    """A failed streaming query's whole error, every cause with its stack (the JVM's rendering), for the
+    log and for _query_reason; what pyspark kept of it where the JVM's cannot be had."""
+    try:
+        return str(spark.sparkContext._jvm.org.apache.spark.util.Utils.exceptionString(query._jsq.exception().get()))
+    except Exception:  # noqa: BLE001 - only the text is at stake
+        error = query.exception()
+        return str(getattr(error, "_desc", error))
 
 
 def _spark() -> Any:
@@ -288,10 +329,12 @@ def ingest(ctx: Any) -> int:
         query.stop()
     if query.exception() is not None:
         # One line (Spark's reason and its root cause), not the first 1,000 characters of a traceback
-        # and the query's description; Spark logged the whole error above.
-        raise ConfigurationError(f"the ingest query failed: {_query_reason(query.exception())}",
-                                 hint="See the Spark log above; restarting with the same --checkpoint resumes "
-                                      "where it stopped, without writing anything twice")
+        # and the query's description; Spark logged the whole error above. Spark's failure: exit 1.
+        full = query_failure_text(spark, query)
+        log.debug("the ingest query failed: %s", full)
+        raise ZeroCommError(f"the ingest query failed: {_query_reason(query.exception(), full)}",
+                            hint="See the Spark log above; restarting with the same --checkpoint resumes "
+                                 "where it stopped, without writing anything twice")
     ctx.out({"table": table, "rows": total[0], "checkpoint": checkpoint},
             f"ingested {total[0]} rows into {table} (checkpoint {checkpoint})")
     return 0

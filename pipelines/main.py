@@ -14,7 +14,8 @@
 6. prints a short summary: messages, publishers, rates, latencies (exit status 1 if a check failed).
 
 A job that cannot go on (a member or Spark failing, a publisher or the ingest query failing, the
---timeout deadline, which covers every phase, the replay and the checks too) ends with one line
+--timeout deadline, which bounds publishing, the wait for Delta, the replay and the checks, and is
+checked after each start-up step) ends with one line
 saying what failed and what to do, exit 1. Spark's log (the JVM's and its
 workers' stderr) and the failure's traceback go to the job's log file, which that line names.
 """
@@ -251,19 +252,44 @@ def _within_deadline(spark: Any, deadline: float, timeout: float, phase: str, do
     worker.join(max(deadline - time.monotonic(), 0.0))
     if worker.is_alive():
         log.warning("the deadline passed while %s: cancelling its Spark jobs", phase, extra={"file_only": True})
-        spark.sparkContext.cancelJobGroup(job_group)
-        worker.join(5.0)  # (a task stuck in a read the cancel cannot interrupt is left behind: a daemon)
+        # Its running jobs and those it would submit next (the replay is several jobs in a row: a cancel
+        # between two of them hit nothing, and the next ran on after the job had failed).
+        until = time.monotonic() + 5.0
+        _cancel_group(spark, job_group)
+        while worker.is_alive() and time.monotonic() < until:
+            worker.join(0.5)  # (a task stuck in a read the cancel cannot interrupt is left behind: a daemon)
+            _cancel_group(spark, job_group)
         raise JobDeadlineError(timeout, phase, done())
     if "error" in box:
         raise box["error"]
     return box.get("result")
 
 
+def _cancel_group(spark: Any, job_group: str) -> None:
+    """Cancel the group's running jobs and any it submits later (Spark 4's cancelJobGroupAndFutureJobs;
+    cancelJobGroup, which cancels only the running ones, where that is missing)."""
+    try:
+        spark.sparkContext._jsc.sc().cancelJobGroupAndFutureJobs(job_group)
+    except Exception:  # noqa: BLE001 - an older Spark: the running jobs at least
+        spark.sparkContext.cancelJobGroup(job_group)
+
+
+_STOP_TIMEOUT = "spark.sql.streaming.stopTimeout"
+
+
 def _stop_query(spark: Any, query: Any, within: float) -> None:
     """Stop the query, waiting at most ``within`` seconds for its thread (Spark's stopTimeout; its default
-    waits as long as a micro-batch takes, which a hung write makes forever)."""
-    spark.conf.set("spark.sql.streaming.stopTimeout", f"{max(int(within * 1000), 1000)}ms")
-    query.stop()
+    waits as long as a micro-batch takes, which a hung write makes forever). The session's own setting
+    is put back: a notebook's or a caller's later stop() must not inherit this job's bound."""
+    previous = spark.conf.get(_STOP_TIMEOUT, None)
+    spark.conf.set(_STOP_TIMEOUT, f"{max(int(within * 1000), 1000)}ms")
+    try:
+        query.stop()
+    finally:
+        if previous is None:
+            spark.conf.unset(_STOP_TIMEOUT)
+        else:
+            spark.conf.set(_STOP_TIMEOUT, previous)
 
 
 def _wait_ready(query: Any, deadline: float) -> None:
@@ -313,7 +339,7 @@ def run(cfg: JobConfig) -> dict[str, Any]:
     def check_query(phase: str, done: Any) -> None:
         """The ingest query stopped (only ever with an error while the job needs it): the job fails
         at once, with Spark's reason in one line; the whole error goes to the job's log."""
-        from zerocomm_spark.pipelines.commands import _query_reason
+        from zerocomm_spark.pipelines.commands import _query_reason, query_failure_text
 
         if query is None or query.isActive:
             return
@@ -322,11 +348,7 @@ def run(cfg: JobConfig) -> dict[str, Any]:
         if error is None:
             reason = "it stopped without an error (something else stopped it)"
         else:
-            try:  # the JVM's whole error: every cause, with its stack
-                full = str(spark.sparkContext._jvm.org.apache.spark.util.Utils.exceptionString(
-                    query._jsq.exception().get()))
-            except Exception:  # noqa: BLE001 - what pyspark kept of it then
-                full = str(getattr(error, "_desc", error))
+            full = query_failure_text(spark, query)  # the JVM's whole error: every cause, with its stack
             reason = _query_reason(error, full)
             log.error("the ingest query failed:\n%s", full, extra={"file_only": True})
         raise IngestQueryFailedError(reason, phase, done(), table, checkpoint) from None
@@ -470,16 +492,22 @@ def run(cfg: JobConfig) -> dict[str, Any]:
             and origin_ok == rows.num_rows)
     finally:
         stop.set()
-        if query is not None and query.isActive:
+        # Each step on its own: a JVM gone (isActive raising) or a member that will not close must not
+        # skip the rest (the members' agent processes, the work directory) nor replace the job's error.
+        if query is not None:
             try:
-                _stop_query(spark, query, 30.0)
+                if query.isActive:
+                    _stop_query(spark, query, 30.0)
             except Exception:  # noqa: BLE001 - the job is failing already, or its summary is made
                 log.warning("the ingest query did not stop", exc_info=True, extra={"file_only": True})
         until = time.monotonic() + 5.0
         for t in threads:  # stopping: each at most a slice of a wait away
             t.join(max(until - time.monotonic(), 0.0))
         if group is not None:
-            group.close()
+            try:
+                group.close()
+            except Exception:  # noqa: BLE001 - as above
+                log.warning("the members did not all close", exc_info=True, extra={"file_only": True})
         summary["total_s"] = round(time.monotonic() - job_began, 2)
         if not cfg.keep and not cfg.work_dir:
             shutil.rmtree(work, ignore_errors=True)
@@ -533,6 +561,11 @@ def _check_options(parser: argparse.ArgumentParser, cfg: JobConfig) -> None:
     # lock waits overflow past threading.TIMEOUT_MAX (--timeout 1e10 ended in an OverflowError traceback).
     if not (math.isfinite(cfg.timeout) and 0 < cfg.timeout <= MAX_TIMEOUT):
         parser.error(f"--timeout must be a number of seconds above 0 (at most {MAX_TIMEOUT:g}), not {cfg.timeout}")
+    if cfg.trigger.strip().lower() in ("once", "available_now", "availablenow", "available-now"):
+        # The ingest query must run while the members publish: one that ends by itself was then taken
+        # for a failed query ("it stopped without an error").
+        parser.error(f"--trigger is an interval for the ingest query that runs while the members publish "
+                     f"(like '1 second'), not {cfg.trigger!r}")
 
 
 def _failure(exc: BaseException, log_file: Path | None = None) -> dict[str, str] | None:
@@ -545,6 +578,11 @@ def _failure(exc: BaseException, log_file: Path | None = None) -> dict[str, str]
     from zerocomm_spark.errors import ZeroCommError
 
     details = f"the job's log ({log_file}) has the details" if log_file else "Spark's log above has the details"
+    if isinstance(exc, JobDeadlineError) and exc.phase.startswith(("replaying", "checking")):
+        # Publishing less does not help a read of the table that does not end.
+        return {"type": "DeadlineError", "message": str(exc), "phase": exc.phase,
+                "hint": f"Raise --timeout (it was {exc.timeout:g}s) if the table is large; a read that never "
+                        f"ends means the table's storage does not answer (a hung mount?): check it; {details}"}
     if isinstance(exc, JobDeadlineError):
         return {"type": "DeadlineError", "message": str(exc), "phase": exc.phase,
                 "hint": f"Raise --timeout (it was {exc.timeout:g}s), or publish less (--messages, --publishers, "

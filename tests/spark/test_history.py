@@ -411,6 +411,13 @@ def test_compact_vacuum_and_the_history_commands(spark, members, story, tmp_path
     assert failed["message"].startswith(f"starting the ingest into the history table at {not_a_dir} failed"), failed
     assert "\n" not in failed["message"] and "=== Streaming Query ===" not in failed["message"], failed
     assert "Traceback" not in failed["message"] and "\tat " not in failed["message"], failed
+    # An option the connector refuses (in the Python worker Spark makes the source in) is that error
+    # again, with its own message and exit code (2, a usage error), not "Spark failed" blaming --table.
+    assert zerocomm(["--config", config, "--json", "history", "ingest", "story", "--table", str(tmp_path / "t2"),
+                     "--starting-offsets", "bogus", "--available-now"]) == 2
+    refused = json.loads(capsys.readouterr().out.splitlines()[-1])["error"]
+    assert refused["type"] == "ConnectorOptionError" and "startingOffsets" in refused["message"], refused
+    assert "Traceback" not in refused["message"] and "--table" not in refused["hint"], refused
     assert zerocomm(["--config", config, "--json", "history", "replay", "story", "--table", str(table),
                      "--since-lamport", "0", "--limit", "0", "--verify"]) == 0
     replayed = [json.loads(x) for x in capsys.readouterr().out.splitlines() if x.strip()]

@@ -63,7 +63,8 @@ def test_options_out_of_range_are_usage_errors_before_anything_starts():
     for argv, said in ((["--timeout", "nan"], "--timeout"), (["--timeout", "inf"], "--timeout"),
                        (["--timeout", "1e10"], "--timeout"),  # finite, but past what a thread's join can wait
                        (["--publishers", "0"], "--publishers"), (["--rate", "nan"], "--rate"),
-                       (["--messages", "0"], "--messages")):
+                       (["--messages", "0"], "--messages"),
+                       (["--trigger", "available_now"], "--trigger"), (["--trigger", "once"], "--trigger")):
         done = subprocess.run([sys.executable, "-m", "zerocomm_spark.pipelines.main", *argv], cwd=ROOT,
                               capture_output=True, text=True, timeout=60)
         assert done.returncode == 2, (argv, done.stdout, done.stderr[-2000:])
@@ -353,3 +354,37 @@ def test_the_deadline_cancels_the_spark_work_it_waits_for(spark):
     tracker = spark.sparkContext.statusTracker()
     _wait_for("cancelled job", lambda: not tracker.getActiveJobsIds(), 30)
     assert spark.range(5).count() == 5
+
+    # Work whose next job comes after the deadline (the replay is several jobs in a row, planned on the
+    # driver in between): cancelling only the running jobs hit nothing, and that job ran on afterwards.
+    def then_a_job() -> int:
+        time.sleep(4.5)
+        return spark.range(1).mapInArrow(slow, "id long").count()
+
+    with pytest.raises(JobDeadlineError):
+        _within_deadline(spark, time.monotonic() + 3, 3, "replaying the group from Delta", lambda: "", then_a_job)
+    time.sleep(1.0)
+    assert not tracker.getActiveJobsIds()  # it was cancelled as it came, not left running for 120 s
+    assert spark.range(5).count() == 5
+
+
+def test_stopping_the_query_leaves_the_sessions_stop_timeout_as_it_was(spark):
+    """The job bounds its query's stop with spark.sql.streaming.stopTimeout, a setting of the whole
+    session: left set, a notebook's (or a test's) later stop() of another query threw a TimeoutException
+    after that bound instead of waiting for its batch."""
+    from zerocomm_spark.pipelines.main import _STOP_TIMEOUT, _stop_query
+
+    before = spark.conf.get(_STOP_TIMEOUT, None)
+    query = spark.readStream.format("rate").load().writeStream.format("noop").start()
+    _stop_query(spark, query, 20.0)
+    assert not query.isActive and spark.conf.get(_STOP_TIMEOUT, None) == before
+    spark.conf.set(_STOP_TIMEOUT, "45s")
+    try:
+        query = spark.readStream.format("rate").load().writeStream.format("noop").start()
+        _stop_query(spark, query, 20.0)
+        assert spark.conf.get(_STOP_TIMEOUT) == "45s"
+    finally:
+        if before is None:
+            spark.conf.unset(_STOP_TIMEOUT)
+        else:
+            spark.conf.set(_STOP_TIMEOUT, before)
