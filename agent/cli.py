@@ -163,6 +163,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = add(agent_sub, "start", "run the agent (foreground; --detach for the background)", cmd_agent_start)
     p.add_argument("--detach", action="store_true", help="run in the background and return once it serves")
     p.add_argument("--ready-fd", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--run-lock-fd", type=int, help=argparse.SUPPRESS)  # the run lock a detached start passes down
     p = add(agent_sub, "stop", "stop the agent gracefully (SIGTERM, then wait)", cmd_agent_stop)
     p.add_argument("--force", action="store_true", help="kill it if it does not stop within the deadline")
     add(agent_sub, "status", "is the agent running, and how is it (exit 3 if not running)", cmd_agent_status)
@@ -600,7 +601,8 @@ def cmd_agent_start(ctx: Ctx) -> int:
                              f"{health.get('endpoints', {}).get('api')}; Ctrl-C to stop\n")
 
     try:
-        code = run_foreground(ctx.config, ready_fd=ctx.args.ready_fd, on_ready=ready)
+        code = run_foreground(ctx.config, ready_fd=ctx.args.ready_fd, run_lock_fd=ctx.args.run_lock_fd,
+                              on_ready=ready)
     except ZeroCommError as exc:
         code = _report_error(exc, ctx.json)
     # Everything durable is closed by now. Exit at once: the interpreter would otherwise join

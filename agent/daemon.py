@@ -7,6 +7,10 @@ file, and reports through an inherited pipe: one JSON line, ready or the error i
 parent waits for that line with a deadline, so failures (a second agent on the same identity, a
 port in use) surface in the command that started it, not only in a log.
 
+The parent takes the run directory's lock before it starts the child, and passes it down (the
+locked descriptor, which the child adopts: ``--run-lock-fd``): the agent's interpreter takes a second
+to start, and a client coming meanwhile must find an agent starting (and wait for it), not none.
+
 The agent outlives whoever started it (a Spark executor's Python worker, a notebook), so it takes
 neither its starter's working directory (a Spark application's directory, deleted with the
 application on YARN) nor the secrets in its starter's environment: it starts in ``/`` with every
@@ -33,7 +37,7 @@ from typing import Any
 from zerocomm_spark.agent.config import _PATH_SETTINGS, Config
 from zerocomm_spark.agent.logging import open_log_file
 from zerocomm_spark.agent.ingest import EXIT_JOURNAL_FAILED
-from zerocomm_spark.agent.runfiles import held_by, pid_alive, read_health
+from zerocomm_spark.agent.runfiles import RunLock, clear_left_by, held_by, pid_alive, read_health
 from zerocomm_spark.client import Client, error_header, raise_for_error
 from zerocomm_spark.errors import (
     AgentAlreadyRunningError,
@@ -173,29 +177,42 @@ def start_detached(config: Config, timeout: float | None = None) -> dict[str, An
     wait = timeout if timeout is not None else config.get("agent", "start_timeout")
     holder = held_by(config.socket_dir)
     if holder is not None:
-        raise AgentAlreadyRunningError(
-            f"an agent is already running for {config.identity_dir} (pid {holder})",
-            hint="Use it, or stop it first with `zerocomm agent stop`")
+        raise _already_running(config, holder)
     prepare_socket_dir(config.socket_dir)
-    log_path = log_file_of(config)
-    log_fd = open_log_file(log_path)
-    argv = [sys.executable, "-m", "zerocomm_spark.agent", *_agent_settings(config)]
-    read_fd, write_fd = os.pipe()
-    argv += ["agent", "start", "--ready-fd", str(write_fd)]
+    try:  # held from now on, by us and then by the child: see the module's docstring
+        lock = RunLock(config.socket_dir).acquire(name_self=False)
+    except AgentAlreadyRunningError:  # another start won the race since the check above
+        raise _already_running(config, held_by(config.socket_dir)) from None
+    child: subprocess.Popen[bytes] | None = None
     try:
-        child = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log_fd, stderr=log_fd,
-                                 pass_fds=(write_fd,), start_new_session=True, close_fds=True,
-                                 cwd=AGENT_CWD, env=agent_environment(config, os.environ))
+        log_path = log_file_of(config)
+        argv = [sys.executable, "-m", "zerocomm_spark.agent", *_agent_settings(config)]
+        env = agent_environment(config, os.environ)
+        log_fd = open_log_file(log_path)
+        read_fd, write_fd = os.pipe()
+        assert lock.fd is not None
+        argv += ["agent", "start", "--ready-fd", str(write_fd), "--run-lock-fd", str(lock.fd)]
+        try:
+            child = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log_fd, stderr=log_fd,
+                                     pass_fds=(write_fd, lock.fd), start_new_session=True, close_fds=True,
+                                     cwd=AGENT_CWD, env=env)
+        finally:
+            os.close(write_fd)
+            os.close(log_fd)
+            if child is None:
+                os.close(read_fd)
     finally:
-        os.close(write_fd)
-        os.close(log_fd)
+        if child is None:  # nothing started: let go of the directory
+            lock.release()
+        else:  # the child's copy alone holds it now: gone when the child exits, at start-up or later
+            lock.hand_over(child.pid)
     deadline = time.monotonic() + wait
     buffer = b""
     try:
         while b"\n" not in buffer:
             left = deadline - time.monotonic()
             if left <= 0:
-                _abandon(child)
+                _abandon(child, config.socket_dir)
                 raise AgentStartError(f"the agent (pid {child.pid}) did not report ready within {wait:g}s and was "
                                       f"stopped; see {log_path}")
             ready, _, _ = select.select([read_fd], [], [], min(left, 0.5))
@@ -204,11 +221,12 @@ def start_detached(config: Config, timeout: float | None = None) -> dict[str, An
             chunk = os.read(read_fd, 65536)
             if not chunk:
                 code = child.wait(timeout=5.0)
+                clear_left_by(config.socket_dir, child.pid)  # killed or crashed before it could
                 raise AgentStartError(f"the agent exited (code {code}) before it was ready; the end of {log_path}:\n"
                                       f"{_tail(log_path)}")
             buffer += chunk
     except KeyboardInterrupt:  # Ctrl-C: whoever asked for this start gave up on it; it must not come up later
-        _abandon(child)
+        _abandon(child, config.socket_dir)
         raise
     finally:
         os.close(read_fd)
@@ -227,9 +245,16 @@ def start_detached(config: Config, timeout: float | None = None) -> dict[str, An
     return health
 
 
-def _abandon(child: subprocess.Popen[bytes]) -> None:
+def _already_running(config: Config, pid: int | None) -> AgentAlreadyRunningError:
+    who = f"pid {pid}" if pid is not None and pid > 0 else "its pid not written yet: starting"
+    return AgentAlreadyRunningError(f"an agent is already running for {config.identity_dir} ({who})",
+                                    hint="Use it, or stop it first with `zerocomm agent stop`")
+
+
+def _abandon(child: subprocess.Popen[bytes], run_dir: Path) -> None:
     """Stop a child that missed its start deadline: reported as failed, it must not come up later
-    and hold the identity (the next start would be refused as "already running")."""
+    and hold the identity (the next start would be refused as "already running"). Stopped before its
+    interpreter started, it leaves the pid file its starter wrote for it: removed here."""
     child.terminate()  # graceful: it stops right after its start completes
     try:
         child.wait(timeout=5.0)
@@ -238,7 +263,8 @@ def _abandon(child: subprocess.Popen[bytes]) -> None:
         try:
             child.wait(timeout=5.0)
         except subprocess.TimeoutExpired:
-            pass
+            return
+    clear_left_by(run_dir, child.pid)
 
 
 def _report(fd: int | None, answer: dict[str, Any]) -> None:
@@ -276,9 +302,11 @@ def _no_core_dumps() -> None:
             pass
 
 
-def run_foreground(config: Config, *, ready_fd: int | None = None,
+def run_foreground(config: Config, *, ready_fd: int | None = None, run_lock_fd: int | None = None,
                    on_ready: Any = None) -> int:
-    """Run the agent in this process until SIGTERM or SIGINT; returns the exit code, raises if it cannot start."""
+    """Run the agent in this process until SIGTERM or SIGINT; returns the exit code, raises if it cannot start.
+
+    ``run_lock_fd``: the run directory's lock, taken by :func:`start_detached` and passed down."""
     from zerocomm_spark.agent import logging as agent_logging
     from zerocomm_spark.agent.process import AgentProcess
 
@@ -289,7 +317,7 @@ def run_foreground(config: Config, *, ready_fd: int | None = None,
     log = logging.getLogger("zerocomm_spark.agent")
     for warning in config.warnings:
         log.warning(warning)
-    process = AgentProcess(config)
+    process = AgentProcess(config, run_lock_fd=run_lock_fd)
     signals = {"count": 0}
 
     def on_signal(signum: int, frame: Any) -> None:
@@ -382,6 +410,13 @@ def agent_status(config: Config, timeout: float = 5.0) -> dict[str, Any]:
     except ZeroCommError as exc:
         out["responding"] = False
         out["problem"] = str(exc)
+        holder = held_by(config.socket_dir)
+        if isinstance(exc, AgentNotRunningError) and holder is not None:
+            # The client's own hint sends the user to `agent status`, which is this.
+            out["problem"] = (
+                f"the agent (pid {holder if holder > 0 else 'unknown'}) holds {config.socket_dir} but did not serve "
+                f"its API within {timeout:g}s: it is starting, stopping or hung. See its log {log_file_of(config)}, "
+                "or stop it with `zerocomm agent stop` (`--force` if it does not stop)")
     beat = out.get("heartbeat_at")
     if isinstance(beat, (int, float)):
         out["heartbeat_age_s"] = round(time.time() - beat, 3)

@@ -5,9 +5,12 @@ holds the identity directory (the keystore's lock makes it the only one), keeps 
 groups, journals every delivered message before acknowledging it, and serves clients (the CLI,
 notebooks, Spark tasks) over a Unix socket only its user can open.
 
-Start order is chosen so that a failure leaves nothing half-made: identity (refuses a second agent),
-run directory lock, journal, groups, API; close runs it backwards, with the API first so no new call
-starts while the rest shuts down.
+Start order is chosen so that a failure leaves nothing half-made: run directory lock (refuses a second
+agent on the same socket directory), identity (refuses a second agent on the same member), journal,
+groups, API; close runs it backwards, with the API first so no new call starts while the rest shuts
+down. The run lock comes first because it is what clients look at: while it is held, a client waits for
+the agent that is starting instead of being told that none runs (a detached start even takes it before
+the agent's process exists, and hands it over: ``run_lock_fd``).
 """
 
 from __future__ import annotations
@@ -44,8 +47,9 @@ API_CURVE_SECRET = "api-curve-secret"
 class AgentProcess:
     """Everything one agent runs; ``start()``, then ``run()`` until ``stop()``, then ``close()``."""
 
-    def __init__(self, config: Config) -> None:
+    def __init__(self, config: Config, *, run_lock_fd: int | None = None) -> None:
         self.config = config
+        self._run_lock_fd = run_lock_fd  # the run lock its starter took and passed down (RunLock.adopt)
         self.metrics = Metrics()
         self.member: Agent | None = None
         self.journal: Journal | None = None
@@ -65,9 +69,14 @@ class AgentProcess:
         """Open everything and serve; raises (having released what it opened) if any part fails."""
         cfg = self.config
         try:
+            if self._run_lock_fd is not None:
+                fd, self._run_lock_fd = self._run_lock_fd, None
+                self._lock = RunLock(cfg.socket_dir).adopt(fd)
+                prepare_socket_dir(cfg.socket_dir)  # as its starter made it: checked again, not trusted
+            else:
+                prepare_socket_dir(cfg.socket_dir)
+                self._lock = RunLock(cfg.socket_dir).acquire()
             self._open_member()
-            prepare_socket_dir(cfg.socket_dir)
-            self._lock = RunLock(cfg.socket_dir).acquire()
             self._open_api()
             self.write_health("running")
         except BaseException:
@@ -89,15 +98,15 @@ class AgentProcess:
                 max_frame_bytes=cfg.get("peer", "max_frame_bytes"), workers=cfg.get("peer", "workers"),
                 group_config=group_config(cfg), prepare_groups=self._attach_journal)
         except AgentAlreadyRunningError:
+            # It serves another socket directory (this one's lock is ours): the keystore lock names the
+            # holder. This directory's health file is a dead agent's, if any, unless it names that pid.
+            try:
+                text = (cfg.identity_dir / "keystore.lock").read_text(encoding="ascii").strip()
+                pid = int(text) if text.isdigit() else None
+            except OSError:
+                pid = None
             health = read_health(cfg.socket_dir) or {}
-            pid = health.get("pid")
-            api = (health.get("endpoints") or {}).get("api")
-            if pid is None:  # it serves another socket directory: the keystore lock names the holder
-                try:
-                    text = (cfg.identity_dir / "keystore.lock").read_text(encoding="ascii").strip()
-                    pid = int(text) if text.isdigit() else None
-                except OSError:
-                    pid = None
+            api = (health.get("endpoints") or {}).get("api") if pid is not None and health.get("pid") == pid else None
             who = f" (pid {pid}" + (f", API {api})" if api else ")") if pid else ""
             raise AgentAlreadyRunningError(
                 f"an agent is already running for the identity directory {cfg.identity_dir}{who}; "

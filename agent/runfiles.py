@@ -19,10 +19,15 @@ from pathlib import Path
 from typing import Any
 
 from zerocomm_spark.client import HEALTH_FILE, PID_FILE
-from zerocomm_spark.errors import AgentAlreadyRunningError, ConfigurationError, InsecurePermissionsError
+from zerocomm_spark.errors import (
+    AgentAlreadyRunningError,
+    AgentStartError,
+    ConfigurationError,
+    InsecurePermissionsError,
+)
 
-__all__ = ["RunLock", "identity_in_use", "read_health", "read_pid", "held_by", "pid_alive", "still_at",
-           "write_json_atomic"]
+__all__ = ["RunLock", "clear_left_by", "identity_in_use", "read_health", "read_pid", "held_by", "pid_alive",
+           "still_at", "write_json_atomic"]
 
 
 def write_json_atomic(path: Path, data: dict[str, Any]) -> None:
@@ -155,7 +160,8 @@ def _check_holder(run_dir: Path, pid_file: os.stat_result, pid: int) -> None:
 
 def identity_in_use(identity_dir: Path) -> bool:
     """Whether the process last named in the identity's keystore lock file still runs: an agent
-    still opening its member (it holds the identity before it takes the run directory).
+    opening its member, or serving it from another run directory (one that took the identity before
+    its run directory, as agents did before they took the run lock first).
 
     Read, never probed: a probe holding that lock for a moment would make the agent's own
     non-blocking lock fail as "already running". A dead holder's pid stays in the file; a reused
@@ -166,6 +172,25 @@ def identity_in_use(identity_dir: Path) -> bool:
     except (OSError, UnicodeDecodeError):
         return False
     return text.isdigit() and int(text) != os.getpid() and pid_alive(int(text))
+
+
+def clear_left_by(run_dir: Path, pid: int) -> None:
+    """Remove the pid file the agent ``pid`` left when it died at start-up (its starter saw it exit), as
+    the agent would have on a clean exit: only if nobody holds it and it still names ``pid``, unlinked
+    while held, as :meth:`RunLock.release` does, so that no start racing this one holds a lost file."""
+    path = run_dir / PID_FILE
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        if os.pread(fd, 32, 0).decode("ascii", "replace").strip() == str(pid) and _same_file(fd, path):
+            path.unlink()
+    except OSError:  # held (an agent started since), or unreadable: not ours to remove
+        pass
+    finally:
+        os.close(fd)
 
 
 _BUSY_RETRY_S = 0.5  # how long a start retries a held lock (a probe holds it for microseconds)
@@ -180,6 +205,23 @@ def still_at(path: Path, ident: tuple[int, int]) -> bool:
     except OSError as exc:
         return exc.errno not in (errno.ENOENT, errno.ENOTDIR)
     return (there.st_dev, there.st_ino) == ident
+
+
+def _name_pid(fd: int, pid: int) -> None:
+    """Write ``pid`` to the pid file held through ``fd``, which is empty or names ``pid`` already (a
+    starter and the agent it handed the lock to both write it): written, then cut to its length, so a
+    reader sees the pid or nothing, never a mix."""
+    data = f"{pid}\n".encode("ascii")
+    os.pwrite(fd, data, 0)
+    os.ftruncate(fd, len(data))
+    os.fsync(fd)
+
+
+def _close_quietly(fd: int) -> None:
+    try:
+        os.close(fd)
+    except OSError:
+        pass
 
 
 def _same_file(fd: int, path: Path) -> bool:
@@ -198,8 +240,12 @@ class RunLock:
         self.run_dir = run_dir
         self._fd: int | None = None
 
-    def acquire(self) -> "RunLock":
+    def acquire(self, *, name_self: bool = True) -> "RunLock":
         """Hold the run directory, or raise AgentAlreadyRunningError.
+
+        ``name_self=False`` is for a starter that hands the lock to the agent it launches
+        (:meth:`hand_over`): the pid file is left empty until it names that agent, never the starter,
+        which `agent stop` would otherwise signal.
 
         Two races are closed here. A probe (``held_by``: ``agent status``, a client deciding whether
         to spawn) holds a shared lock for a moment, so a refusal is only final after ~0.5 s of
@@ -230,8 +276,64 @@ class RunLock:
                 break
             os.close(fd)  # won the lock of an unlinked pid file: try the one at the path now
         os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode("ascii"), 0)
+        if name_self:
+            os.pwrite(fd, f"{os.getpid()}\n".encode("ascii"), 0)
         os.fsync(fd)
+        self._fd = fd
+        return self
+
+    @property
+    def fd(self) -> int | None:
+        """The locked descriptor of the pid file (None once released or handed over)."""
+        return self._fd
+
+    def hand_over(self, pid: int) -> None:
+        """Name ``pid`` in the pid file and close this process's copy of the lock without unlocking it.
+
+        For a starter that launched the agent ``pid`` with this descriptor (which adopts it, see
+        :meth:`adopt`): an flock belongs to the open file description, which parent and child share,
+        so the lock stays held by the child alone and goes when the child exits, however it exits.
+        An unlock here (or :meth:`release`) would drop the child's lock too.
+        """
+        fd, self._fd = self._fd, None
+        if fd is None:
+            return
+        try:
+            _name_pid(fd, pid)
+        except OSError:  # the child names itself too (adopt): this write only makes it known sooner
+            pass
+        finally:
+            os.close(fd)
+
+    def adopt(self, fd: int) -> "RunLock":
+        """Hold the run directory through ``fd``, the pid file its starter locked and passed down
+        (``agent start --detach``), so that it was held from before this process existed: a client
+        coming meanwhile waited for a starting agent instead of being told that none runs.
+
+        Raises AgentAlreadyRunningError if another process holds that file's lock, AgentStartError if
+        the pid file was removed or replaced since the starter locked it, ConfigurationError if ``fd``
+        is no open file. ``fd`` is closed on failure.
+        """
+        path = self.run_dir / PID_FILE
+        try:
+            os.set_inheritable(fd, False)  # nothing this process starts gets the lock
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # already ours (inherited): a no-op
+        except OSError as exc:
+            _close_quietly(fd)
+            if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                pid = read_pid(self.run_dir)
+                raise AgentAlreadyRunningError(
+                    f"another agent (pid {pid if pid is not None else 'unknown'}) already serves the API socket "
+                    f"directory {self.run_dir}",
+                    hint="Stop it with `zerocomm agent stop`, or give this agent its own api.socket_dir") from None
+            raise ConfigurationError(f"cannot take over the run lock passed as descriptor {fd}: {exc.strerror}",
+                                     hint="--run-lock-fd is for `zerocomm agent start --detach` only; start the "
+                                          "agent without it") from None
+        if not _same_file(fd, path):
+            _close_quietly(fd)
+            raise AgentStartError(f"the pid file {path} was removed or replaced while the agent started",
+                                  hint="Start the agent again; if this repeats, something removes its run directory")
+        _name_pid(fd, os.getpid())
         self._fd = fd
         return self
 

@@ -14,12 +14,14 @@ import subprocess
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pyarrow as pa
 import pytest
 import zmq
 
 from test_cli_support import ZEROCOMM, Member, wait_for, zerocomm
+from zerocomm_spark.agent.runfiles import held_by
 from zerocomm_spark.client import Client, table_to_ipc
 from zerocomm_spark.errors import (
     AgentNotRunningError,
@@ -575,3 +577,114 @@ def test_a_detached_agent_leaves_its_starters_directory_and_secrets_behind(tmp_p
         assert list((member / "journal").iterdir()) and (member / "logs" / "agent.log").stat().st_size > 0
     finally:
         subprocess.run([*stop, "--timeout", "15"], env=base, capture_output=True, timeout=30)
+
+
+def _parked_start(m: Member, tmp_path: Path) -> tuple[subprocess.Popen[str], Path, Any]:
+    """`agent start --detach` whose agent process parks at the very start of its interpreter (before it
+    imports anything of ours) until the file ``go`` exists: the second of Python start-up, made as long
+    as the test needs. Returns the starter, ``go`` and a function giving the agent process's pid once
+    it exists."""
+    go = tmp_path / "go"
+    parked = tmp_path / "parked-start"
+    parked.mkdir()
+    (parked / "sitecustomize.py").write_text(
+        "import os, sys, time\n"
+        "if '--ready-fd' in sys.argv:\n"
+        "    deadline = time.monotonic() + 60\n"
+        f"    while not os.path.exists({str(go)!r}) and time.monotonic() < deadline:\n"
+        "        time.sleep(0.05)\n")
+    root = str(Path(__file__).resolve().parents[2])  # the agent keeps PYTHONPATH as the package comes from it
+    paths = (str(parked), root, os.environ.get("PYTHONPATH"))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in paths if p))
+
+    def agent_child() -> int | None:
+        for proc in Path("/proc").iterdir():
+            try:
+                argv = (proc / "cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if b"--ready-fd" in argv and str(m.config).encode() in argv:
+                return int(proc.name)
+        return None
+
+    starter = subprocess.Popen([*ZEROCOMM, "--config", str(m.config), "--json", "agent", "start", "--detach"],
+                               env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return starter, go, agent_child
+
+
+def test_an_agent_starting_detached_is_waited_for_not_reported_missing(tmp_path: Path) -> None:
+    """The agent took its run lock only once its interpreter had started (~1 s): meanwhile a client that
+    does not spawn (Client.connect, `zerocomm send`, `agent status`) was told that no agent runs, and a
+    second start was not refused by the lock. The starter now takes it before it launches the agent and
+    hands it over: the directory is held, naming the agent's pid, from before the agent's first line."""
+    m = Member(tmp_path, "early")
+    m.init()
+    starter, go, agent_child = _parked_start(m, tmp_path)
+    try:
+        child = wait_for(agent_child, 30, "the agent process to be started")
+        began = time.monotonic()
+        with pytest.raises(AgentNotRunningError, match="starting or stopping"):
+            Client.connect(m.run_dir, timeout=1)  # waited for until its deadline, not "no agent" at once
+        assert time.monotonic() - began >= 0.9
+        assert m.pid() == child  # named by the starter right after the launch: `agent stop` finds it
+        status = m.run("--timeout", "1", "agent", "status", timeout=30)
+        assert status.code == 1 and status.json["responding"] is False and status.json["pid"] == child, status
+        problem = status.json["problem"]
+        assert str(m.run_dir / "agent.log") in problem and "zerocomm agent stop" in problem, problem
+        assert "agent status" not in problem, problem  # not sent round to the command that said it
+        again = m.run("agent", "start", "--detach", json_out=False, timeout=30)
+        assert again.code == 5 and "already running" in again.stderr and "zerocomm agent stop" in again.stderr
+
+        connected: list[Client] = []
+        failed: list[BaseException] = []
+
+        def connect() -> None:
+            try:
+                connected.append(Client.connect(m.run_dir, timeout=60))
+            except BaseException as exc:  # noqa: BLE001 - asserted below
+                failed.append(exc)
+
+        waiter = threading.Thread(target=connect)
+        waiter.start()
+        go.touch()  # the agent's interpreter goes on
+        out, err = starter.communicate(timeout=90)
+        waiter.join(90)
+        assert starter.returncode == 0, err
+        assert json.loads(out.splitlines()[-1])["pid"] == child == m.pid()
+        assert not failed and len(connected) == 1, failed
+        with connected[0] as client:
+            assert client.status()["pid"] == child
+    finally:
+        go.touch()
+        if starter.poll() is None:
+            starter.kill()
+        m.stop()
+
+
+def test_an_agent_killed_while_starting_detached_leaves_no_lock(tmp_path: Path) -> None:
+    """The lock the starter hands over must die with the agent: the starter keeps no copy of it, or a
+    crash at start-up would leave the identity's directory held by a command that has exited."""
+    m = Member(tmp_path, "stillborn")
+    m.init()
+    starter, go, agent_child = _parked_start(m, tmp_path)
+    try:
+        child = wait_for(agent_child, 30, "the agent process to be started")
+        wait_for(lambda: m.pid() == child, 10, "the starter to name the agent in the pid file")
+        os.kill(child, signal.SIGKILL)
+        out, err = starter.communicate(timeout=60)
+        assert starter.returncode == 1, out + err
+        error = json.loads(out.splitlines()[-1])["error"]
+        assert error["type"] == "AgentStartError" and "before it was ready" in error["message"], error
+        assert held_by(m.run_dir) is None  # the child held the only copy of the lock
+        assert m.pid() is None  # and its starter, which saw it die, removed the pid file it wrote for it
+        with pytest.raises(AgentNotRunningError, match="no agent socket"):
+            Client.connect(m.run_dir, timeout=5)  # told at once, not waited for
+        assert m.run("agent", "status").code == 3
+        go.touch()
+        restarted = m.start()
+        assert restarted["pid"] != child and m.ok("agent", "status")["responding"] is True
+    finally:
+        go.touch()
+        if starter.poll() is None:
+            starter.kill()
+        m.stop()

@@ -350,3 +350,46 @@ def test_a_link_that_shortens_the_socket_path_keeps_shortening_it(tmp_path: Path
     with pytest.raises(OSError, match="stop here"):
         daemon.start_detached(config, timeout=1)
     assert f"api.socket_dir={tmp_path / 'zc' / 'run'}" in started["argv"]
+
+
+def test_a_detached_start_holds_the_run_directory_before_the_agent_process_exists(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The agent took its run lock a second after it was launched (its interpreter's start-up), so
+    clients that came meanwhile were told that no agent runs. The starter holds it when it launches the
+    agent, passes it down (--run-lock-fd), and lets go of it if the launch fails."""
+    from zerocomm_spark.agent.runfiles import RunLock, held_by
+
+    config = cfgmod.load(None, env={}, flags=[f"identity.dir={tmp_path / 'id'}"])
+    run = tmp_path / "id" / "run"
+    seen: dict = {}
+
+    def popen(argv: list[str], **kwargs: object) -> None:
+        fd = int(argv[argv.index("--run-lock-fd") + 1])
+        seen.update(holder=held_by(run), passed=fd in kwargs["pass_fds"],  # type: ignore[operator]
+                    same=os.path.samestat(os.fstat(fd), os.stat(run / "agent.pid")))
+        raise OSError("stop here")
+
+    monkeypatch.setattr(daemon.subprocess, "Popen", popen)
+    with pytest.raises(OSError, match="stop here"):
+        daemon.start_detached(config, timeout=1)
+    assert seen == {"holder": -1, "passed": True, "same": True}  # held, and no pid named but the agent's
+    assert held_by(run) is None
+    RunLock(run).acquire().release()
+
+
+def test_status_of_an_agent_that_holds_its_directory_but_does_not_serve_says_what_to_do(tmp_path: Path) -> None:
+    """`agent status` waited for it, then said "`zerocomm agent status` tells whether it is alive"."""
+    from zerocomm_spark.agent.runfiles import RunLock
+
+    config = cfgmod.load(None, env={}, flags=[f"identity.dir={tmp_path / 'id'}"])
+    run = tmp_path / "id" / "run"
+    run.mkdir(parents=True, mode=0o700)
+    lock = RunLock(run).acquire()  # an agent starting: it holds the directory, no socket yet
+    try:
+        status = daemon.agent_status(config, timeout=0.5)
+    finally:
+        lock.release()
+    assert status["responding"] is False and status["pid"] == os.getpid()
+    problem = status["problem"]
+    assert f"pid {os.getpid()}" in problem and str(run / "agent.log") in problem, problem
+    assert "zerocomm agent stop" in problem and "agent status" not in problem, problem

@@ -93,3 +93,56 @@ def test_a_held_pid_file_that_was_removed_or_replaced_is_lost_but_an_unreadable_
     finally:
         lock.release()
     assert (run / "agent.pid").read_text() == "999999\n"  # the other agent's file is left alone
+
+
+_ADOPTER = ("import sys\nfrom pathlib import Path\nfrom zerocomm_spark.agent.runfiles import RunLock\n"
+            "RunLock(Path(sys.argv[1])).adopt(int(sys.argv[2]))\nprint('adopted', flush=True)\nsys.stdin.read()\n")
+
+
+def test_a_lock_handed_to_a_child_is_held_throughout_and_dies_with_the_child(tmp_path: Path) -> None:
+    """A detached start locks the run directory before the agent's process exists and passes the lock
+    down: held all along (clients wait for a starting agent), naming the child, and gone with the child
+    however it dies (the starter keeps no copy)."""
+    import signal
+    import subprocess
+    import sys
+
+    (tmp_path / "agent.pid").write_text("999999\n")  # a stale file of a crashed agent: taken over
+    lock = RunLock(tmp_path).acquire(name_self=False)
+    assert held_by(tmp_path) == -1  # held, its pid not written yet: never the starter's pid
+    assert lock.fd is not None
+    child = subprocess.Popen([sys.executable, "-c", _ADOPTER, str(tmp_path), str(lock.fd)], pass_fds=(lock.fd,),
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    try:
+        lock.hand_over(child.pid)
+        assert lock.fd is None and held_by(tmp_path) == child.pid
+        assert child.stdout is not None and child.stdout.readline() == b"adopted\n"
+        assert held_by(tmp_path) == child.pid
+        assert (tmp_path / "agent.pid").read_text() == f"{child.pid}\n"
+        with pytest.raises(AgentAlreadyRunningError, match=f"pid {child.pid}"):
+            RunLock(tmp_path).acquire()
+        child.send_signal(signal.SIGKILL)
+        child.wait(10)
+        assert held_by(tmp_path) is None  # the child held the only copy
+        RunLock(tmp_path).acquire().release()
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait(10)
+
+
+def test_adopting_a_lock_whose_pid_file_was_removed_meanwhile_is_refused(tmp_path: Path) -> None:
+    """The run directory was removed between the starter's lock and the agent's adoption: the lock is on a
+    file nobody finds, so the agent would be invisible to clients, `agent status` and `agent stop`."""
+    from zerocomm_spark.errors import AgentStartError
+
+    lock = RunLock(tmp_path).acquire(name_self=False)
+    assert lock.fd is not None
+    passed = os.dup(lock.fd)  # the child's copy: the same open file description
+    lock.hand_over(12345)
+    (tmp_path / "agent.pid").unlink()
+    with pytest.raises(AgentStartError, match="removed or replaced"):
+        RunLock(tmp_path).adopt(passed)
+    with pytest.raises(OSError):
+        os.fstat(passed)  # closed by the refusal: the lock went with it
+    RunLock(tmp_path).acquire().release()
