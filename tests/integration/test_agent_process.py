@@ -688,3 +688,26 @@ def test_an_agent_killed_while_starting_detached_leaves_no_lock(tmp_path: Path) 
         if starter.poll() is None:
             starter.kill()
         m.stop()
+
+
+def test_an_agent_starting_detached_can_be_stopped(tmp_path: Path) -> None:
+    """`agent stop` while a detached start is under way said "no agent is running" and left it coming up:
+    the pid file now names the starting agent, so the stop finds it, and the start reports that it ended."""
+    m = Member(tmp_path, "stopped-early")
+    m.init()
+    starter, go, agent_child = _parked_start(m, tmp_path)
+    try:
+        child = wait_for(agent_child, 30, "the agent process to be started")
+        stopped = m.ok("agent", "stop", "--timeout", "15", timeout=30)
+        assert stopped["pid"] == child and stopped["forced"] is False
+        out, err = starter.communicate(timeout=60)
+        assert starter.returncode == 1, out + err
+        assert json.loads(out.splitlines()[-1])["error"]["type"] == "AgentStartError"
+        assert held_by(m.run_dir) is None and m.pid() is None
+        go.touch()
+        assert m.start()["pid"] != child
+    finally:
+        go.touch()
+        if starter.poll() is None:
+            starter.kill()
+        m.stop()
