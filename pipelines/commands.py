@@ -10,6 +10,7 @@ import logging
 import os
 import re
 import stat
+import sys
 import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
@@ -361,13 +362,23 @@ def replay(ctx: Any) -> int:
         if a.limit and a.limit > 0:
             df = df.limit(a.limit)
         rows = _readable_rows(df.toArrow())
-        if not rows:  # a misspelt group printed "(no messages)", exit 0, as a group that has none would
-            held = groups_in(spark, a.table)
-            if a.group not in held:
-                raise GroupNotFoundError(
-                    f"the history table at {a.table} holds no messages of group {a.group!r}",
-                    hint="Check the name; the groups it holds: " + (", ".join(repr(g) for g in held) or "none")
-                         + " (`zerocomm history ingest GROUP --table PATH` adds a group)")
+        held = groups_in(spark, a.table) if not rows else None
+    if held == []:
+        # A table with no rows yet (made by an ingest that has had no messages): nothing to replay is
+        # not a failure, and no group name can be checked against it. Exit 0, saying so; with --json
+        # no lines (one per message, as always), the note on stderr where it cannot break a reader.
+        said = f"the history table at {a.table} holds no messages yet (of any group)"
+        if ctx.json:
+            sys.stderr.write(f"zerocomm: note: {said}\n")
+        else:
+            print(f"(no messages: {said}; `zerocomm history ingest GROUP --table PATH` adds them)", flush=True)
+        return 0
+    if held is not None and a.group not in held:
+        # a misspelt group printed "(no messages)", exit 0, as a group that has none would
+        raise GroupNotFoundError(
+            f"the history table at {a.table} holds no messages of group {a.group!r}",
+            hint="Check the name; the groups it holds: " + ", ".join(repr(g) for g in held)
+                 + " (`zerocomm history ingest GROUP --table PATH` adds a group)")
     key_id = key.key_id if key is not None else None
     if ctx.json:
         for r in rows:

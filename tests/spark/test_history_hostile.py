@@ -190,3 +190,42 @@ def test_the_replay_command_on_a_damaged_or_hostile_table_says_what_is_wrong(spa
     err = capsys.readouterr().err
     assert f"vacuuming the history table at {garbled} failed" in err and "FAILED_READ_FILE" in err, err
     assert "MALFORMED_RECORD_IN_PARSING" in err and "put the table back from a copy" in err and "Traceback" not in err
+
+
+def test_the_history_commands_on_a_table_with_no_rows_yet_succeed_and_say_so(spark, tmp_path, alice, monkeypatch,
+                                                                               capsys):
+    """`history replay` of a table an ingest made but has not written to yet (no messages so far) exited
+    6, "holds no messages of group 'g'" with "the groups it holds: none": a failure for nothing to
+    replay. It exits 0 and says the table holds no messages yet; the other commands on it succeed too."""
+    import zerocomm_spark.pipelines.commands as commands
+    from zerocomm_spark.agent.cli import main as zerocomm
+    from zerocomm_spark.pipelines.history import ensure_table
+
+    monkeypatch.setenv("HOME", str(tmp_path))  # no configuration of this host's
+    monkeypatch.delenv("ZEROCOMM_CONFIG", raising=False)
+    monkeypatch.setattr(commands, "_spark", lambda: spark)
+    empty = str(tmp_path / "new")
+    ensure_table(spark, empty)  # what `history ingest` makes before its first message
+    capsys.readouterr()
+    for argv in ([], ["--verify"], ["--since-version", "0"], ["--as-of", "0"], ["--since-lamport", "5"]):
+        assert zerocomm(["history", "replay", "g", "--table", empty, *argv]) == 0, argv
+        said = capsys.readouterr()
+        assert f"the history table at {empty} holds no messages yet" in said.out, (argv, said)
+        assert "error" not in said.err, (argv, said.err)
+    # --json: one line per message, so none, and exit 0; the note on stderr cannot break a reader.
+    assert zerocomm(["--json", "history", "replay", "g", "--table", empty]) == 0
+    said = capsys.readouterr()
+    assert said.out.strip() == "" and "holds no messages yet" in said.err, said
+    assert zerocomm(["--json", "history", "compact", "--table", empty]) == 0
+    assert json.loads(capsys.readouterr().out.splitlines()[-1]).get("numFilesAdded", 0) == 0
+    assert zerocomm(["--json", "history", "vacuum", "--table", empty, "--dry-run"]) == 0
+    assert json.loads(capsys.readouterr().out.splitlines()[-1])["files"] == 0
+    report = restore("g", [DeltaProvider(spark, empty, "new")])  # a provider with nothing: nothing, no error
+    assert report.delivered == 0 and report.missing == [] and report.rejected == []
+    # Once the table holds rows, a group it does not hold is exit 6 again, naming those it holds.
+    spark.read.format("delta").load(history(spark, tmp_path, alice, ["a"])).write.format("delta").mode(
+        "append").save(empty)
+    assert zerocomm(["--json", "history", "replay", "h", "--table", empty]) == 6
+    assert "'g'" in json.loads(capsys.readouterr().out.splitlines()[-1])["error"]["hint"]
+    assert zerocomm(["history", "replay", "g", "--table", empty, "--as-of", "0"]) == 0  # g now, none then
+    assert "(no messages)" in capsys.readouterr().out

@@ -157,6 +157,36 @@ def test_replay_of_a_group_the_table_does_not_hold_says_so(monkeypatch, capsys, 
     assert "(no messages)" in capsys.readouterr().out  # a group it holds, nothing in the range: no error
 
 
+def test_replay_of_a_table_with_no_rows_yet_is_no_messages_not_a_missing_group(monkeypatch, capsys, tmp_path):
+    """A table no message was ingested into yet exited 6 ("holds no messages of group 'g'", "the groups
+    it holds: none"): nothing to replay is not a failure, and no name can be checked against it."""
+    import zerocomm_spark.pipelines.commands as commands
+    import zerocomm_spark.pipelines.replay as replay_mod
+    from zerocomm_spark.agent.cli import main as zerocomm
+
+    class Empty:
+        def limit(self, n):
+            return self
+
+        def toArrow(self):
+            class Table:
+                def to_pylist(self):
+                    return []
+            return Table()
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.delenv("ZEROCOMM_CONFIG", raising=False)
+    monkeypatch.setattr(commands, "_spark", lambda: None)
+    monkeypatch.setattr(replay_mod, "replay", lambda *a, **k: Empty())
+    monkeypatch.setattr(commands, "groups_in", lambda spark, table: [])
+    assert zerocomm(["history", "replay", "g", "--table", "/t"]) == 0
+    said = capsys.readouterr()
+    assert "the history table at /t holds no messages yet" in said.out and "error" not in said.err, said
+    assert zerocomm(["--json", "history", "replay", "g", "--table", "/t"]) == 0
+    said = capsys.readouterr()
+    assert said.out == "" and "holds no messages yet" in said.err, said  # no line that is not a message
+
+
 class _Java:
     """Just enough of a Java exception through Py4J: toString() and getCause()."""
 
