@@ -893,6 +893,18 @@ def _say_how_to_send_the_rest(exc: ZeroCommError, a: argparse.Namespace, prefix:
     exc.args = (f"{text}. {hint}",)
 
 
+def _say_interrupted(a: argparse.Namespace, prefix: str, *, acked: int, in_flight: int) -> None:
+    """On stderr, for a `send -` stopped by Ctrl-C: how far it got and the options that send the rest
+    exactly once, as a send that failed part way says them (a long send is often interrupted)."""
+    said = errors.ZeroCommError("interrupted (Ctrl-C)")
+    _say_how_to_send_the_rest(said, a, prefix, acked=acked, in_flight=in_flight)
+    hint = said.hint or ("No line of stdin was sent: the same command sends them all" if not a.skip else
+                         f"No line of stdin was sent by this run: the same command (--skip {a.skip}) sends the rest")
+    sys.stderr.write(f"zerocomm: {printable(said.message, keep=chr(10))}\n"
+                     f"  what to do: {printable(hint, keep=chr(10))}\n")
+    sys.stderr.flush()
+
+
 def cmd_send(ctx: Ctx) -> int:
     a = ctx.args
     prefix = None
@@ -921,6 +933,7 @@ def cmd_send(ctx: Ctx) -> int:
     journaled = True
     in_flight = 0
     calling = False  # the publish call was made (its outcome may be unknown), not only the connect
+    interrupted = False
     with Progress(f"sending to {a.group}", enabled=None if not ctx.json and a.message == "-" else False) as progress:
         try:  # reading stdin fails too (a line that is not text): both say how far the sending got
             for lines, ids in chunks:
@@ -962,6 +975,13 @@ def cmd_send(ctx: Ctx) -> int:
                                 f"the rest, {again}")
                 exc.args = (f"{text}. {exc.hint}",)
             raise
+        except KeyboardInterrupt:
+            if prefix is None:
+                raise
+            interrupted = True
+    if interrupted and prefix is not None:  # said once the progress line is cleared
+        _say_interrupted(a, prefix, acked=len(message_ids), in_flight=in_flight if calling else 0)
+        raise KeyboardInterrupt  # exit 130, as any command interrupted
     if not message_ids and a.skip:
         raise errors.ConfigurationError(f"stdin had no lines after the first {a.skip} (--skip {a.skip}); nothing "
                                         "was sent",

@@ -598,3 +598,131 @@ def test_a_send_from_stdin_that_stops_part_way_says_how_to_send_the_rest_exactly
     finally:
         alice.stop()
         bob.stop()
+
+
+# Linux system call numbers: read, and the polls a client's wait for the agent's answer is in.
+_READ = {"x86_64": "0", "aarch64": "63"}
+_POLLS = {"x86_64": {"7", "271"}, "aarch64": {"73"}}
+
+
+def _main_thread_in(pid: int) -> list[str]:
+    """The system call the process's main thread waits in and its arguments ([] if not in one)."""
+    try:
+        fields = Path(f"/proc/{pid}/syscall").read_text().split()
+    except OSError:
+        return []
+    return [] if not fields or fields[0] == "running" else fields
+
+
+def _blocked_reading_stdin(pid: int) -> bool:
+    import platform
+
+    return _main_thread_in(pid)[:2] == [_READ.get(platform.machine()), "0x0"]
+
+
+def _waiting_for_the_agent(pid: int) -> bool:
+    import platform
+
+    fields = _main_thread_in(pid)
+    return bool(fields) and fields[0] in _POLLS.get(platform.machine(), set())
+
+
+def _syscalls_seen() -> bool:
+    import platform
+
+    return Path(f"/proc/{os.getpid()}/syscall").exists() and platform.machine() in _READ
+
+
+def test_a_send_from_stdin_interrupted_with_ctrl_c_says_how_to_send_the_rest(tmp_path: Path) -> None:
+    """`send -` stopped with Ctrl-C exited 130 saying nothing, though a long send is most often stopped
+    that way: without the prefix, the same input sent again gave the acknowledged lines new ids and
+    delivered them twice. It now says on stderr how many lines were acknowledged and the --id-prefix
+    and --skip that send the rest exactly once, and those options do."""
+    if not _syscalls_seen():
+        pytest.skip("needs /proc/PID/syscall (x86_64 or aarch64 Linux) to see the sender wait for stdin")
+    lines = [f"line {i:04d} " + "x" * 30 for i in range(1, 301)]
+    solo = Member(tmp_path, "solo", "api.max_request_bytes=20000")  # chunks of ~100 lines
+    try:
+        start_all([solo])
+        solo.ok("group", "create", "g")
+        send = subprocess.Popen([*ZEROCOMM, "--config", str(solo.config), "--json", "send", "g", "-"],
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            assert send.stdin is not None
+            send.stdin.write("\n".join(lines[:150]) + "\n")  # one chunk goes out, the next waits for lines
+            send.stdin.flush()
+            wait_for(lambda: solo.run("history", "g", "--all").json_lines, 30, "the first chunk to be acknowledged")
+            # Acknowledged and back to reading stdin: the one place a send waits that long for its input.
+            wait_for(lambda: _blocked_reading_stdin(send.pid), 30, "the send to wait for more lines")
+            send.send_signal(signal.SIGINT)
+            out, err = send.communicate(timeout=30)
+        finally:
+            if send.poll() is None:
+                send.kill()
+        assert send.returncode == 130, out + err
+        assert "Traceback" not in err, err
+        acked = len(solo.run("history", "g", "--all").json_lines)
+        assert 0 < acked < 150
+        assert f"interrupted (Ctrl-C) (the first {acked} line(s) of stdin were sent and acknowledged)" in err, err
+        assert "may be out" not in err, err  # nothing was in flight: it waited for stdin
+        prefix = err.split("--id-prefix ", 1)[1].split()[0]
+        assert f"--id-prefix {prefix} --skip {acked}" in err, err
+        rest = solo.ok("send", "g", "-", "--id-prefix", prefix, "--skip", str(acked), input="\n".join(lines) + "\n",
+                       timeout=120)
+        assert len(rest["message_ids"]) == 300 - acked and rest["duplicates"] == 0
+        rows = solo.run("history", "g", "--all", timeout=60).json_lines
+        assert [r["payload"] for r in rows] == lines  # each line once, in order
+        assert {r["message_id"].rsplit("-", 2)[0] for r in rows} == {prefix}
+    finally:
+        solo.stop()
+
+
+def test_a_send_from_stdin_interrupted_while_a_chunk_is_out_says_it_may_be_out(tmp_path: Path) -> None:
+    """Ctrl-C while a chunk waited for a member's acknowledgement exited 130 saying nothing: the lines
+    in flight may be out to some members. It says so, with the options that send the rest, and those
+    options deliver every line once (the chunk in flight dropped by the member that has it)."""
+    if not _syscalls_seen():
+        pytest.skip("needs /proc/PID/syscall (x86_64 or aarch64 Linux) to see where the sender waits")
+    lines = [f"line {i:04d} " + "x" * 30 for i in range(1, 301)]
+    alice = Member(tmp_path, "alice", "api.max_request_bytes=20000")  # chunks of ~100 lines
+    bob = Member(tmp_path, "bob")
+    try:
+        start_all([alice, bob])
+        alice.ok("group", "create", "g")
+        bob.ok("connect", alice.ok("invite")["url"])
+        bob.ok("group", "join", "g", "--via", "alice")
+        wait_for(lambda: [m["status"] for m in alice.ok("group", "members", "g")] == ["active"] * 2, 20,
+                 "alice to see bob active")
+        send = subprocess.Popen([*ZEROCOMM, "--config", str(alice.config), "--timeout", "60", "send", "g", "-"],
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            assert send.stdin is not None
+            send.stdin.write("\n".join(lines[:150]) + "\n")
+            send.stdin.flush()
+            wait_for(lambda: _blocked_reading_stdin(send.pid), 30, "the first chunk to be acknowledged")
+            bob.stop()  # the next chunk cannot be acknowledged: its publish waits (up to --timeout 60)
+            send.stdin.write("\n".join(lines[150:]) + "\n")
+            send.stdin.flush()
+            wait_for(lambda: _waiting_for_the_agent(send.pid), 30, "the second chunk's publish to wait")
+            send.send_signal(signal.SIGINT)
+            out, err = send.communicate(timeout=30)
+        finally:
+            if send.poll() is None:
+                send.kill()
+        assert send.returncode == 130, out + err
+        first = int(err.split("the first ", 1)[1].split()[0])
+        assert f"interrupted (Ctrl-C) (the first {first} line(s) of stdin were sent and acknowledged)" in err, err
+        assert f"lines {first + 1}.." in err and "may be out" in err, err
+        prefix = err.split("--id-prefix ", 1)[1].split()[0]
+        assert f"--id-prefix {prefix} --skip {first}" in err, err
+        bob.start()
+        rest = alice.ok("send", "g", "-", "--id-prefix", prefix, "--skip", str(first), input="\n".join(lines) + "\n",
+                        timeout=120)
+        assert len(rest["message_ids"]) == 300 - first
+        for m in (alice, bob):
+            rows = wait_for(lambda m=m: (lambda r: r if len(r) >= 300 else None)(
+                m.run("history", "g", "--all").json_lines), 30, f"{m.name}'s journal to hold every line")
+            assert [r["payload"] for r in rows] == lines, m.name  # each line once, in order
+    finally:
+        alice.stop()
+        bob.stop()

@@ -415,6 +415,54 @@ def test_a_send_from_stdin_refused_before_anything_went_out_is_the_same_command_
     assert code != 0 and "may be out" not in error["message"] and "--id-prefix" not in error["hint"], error
 
 
+def test_a_send_from_stdin_interrupted_during_a_chunk_says_it_may_be_out_and_how_to_resume(  # type: ignore[no-untyped-def]
+        tmp_path, monkeypatch, capsys) -> None:
+    """Ctrl-C while a chunk was being published exited 130 saying nothing; it says on stderr how many
+    lines were acknowledged, that the chunk in flight may be out, and the options that resume."""
+    from zerocomm_spark.agent import cli
+    from zerocomm_spark.client import PublishResult
+
+    class Interrupted:
+        max_request_bytes = 600  # chunks of two lines
+
+        def __init__(self) -> None:
+            self.calls = 0
+
+        def publish(self, group, lines, *, message_ids, **kwargs):  # type: ignore[no-untyped-def]
+            self.calls += 1
+            if self.calls == 2:
+                raise KeyboardInterrupt  # as the client's wait for the agent's answer is interrupted
+            return PublishResult(group, list(message_ids), list(range(1, len(lines) + 1)))
+
+    fake = Interrupted()
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.delenv("ZEROCOMM_CONFIG", raising=False)
+    monkeypatch.setattr(cli.Ctx, "client", lambda self: fake)
+    monkeypatch.setattr("sys.stdin", io.StringIO("".join(f"line {i} {'x' * 60}\n" for i in range(1, 7))))
+    code = cli.main(["--identity-dir", str(tmp_path / "id"), "--json", "send", "g", "-", "--id-prefix", "p1",
+                     "--skip", "1"])
+    said = capsys.readouterr()
+    assert code == 130 and fake.calls == 2 and said.out == "", said
+    assert "interrupted (Ctrl-C) (the first 3 line(s) of stdin were sent and acknowledged, 2 by this run)" in said.err
+    assert "lines 4..5 may be out (the outcome is unknown)" in said.err, said.err
+    assert "--id-prefix p1 --skip 3 (in place of yours)" in said.err, said.err
+    # The first chunk in flight, none acknowledged: the run's own prefix, nothing to skip.
+    monkeypatch.setattr("sys.stdin", io.StringIO("only\n"))
+    fake.calls = 1
+    assert cli.main(["--identity-dir", str(tmp_path / "id"), "send", "g", "-"]) == 130
+    err = capsys.readouterr().err
+    assert "line 1 may be out" in err and "--id-prefix " in err and "--skip" not in err, err
+
+    class Waiting(io.StringIO):  # Ctrl-C while waiting for the first line: nothing went out
+        def __iter__(self):  # type: ignore[no-untyped-def]
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr("sys.stdin", Waiting())
+    assert cli.main(["--identity-dir", str(tmp_path / "id"), "send", "g", "-"]) == 130
+    err = capsys.readouterr().err
+    assert "interrupted (Ctrl-C)" in err and "No line of stdin was sent" in err and "--id-prefix" not in err, err
+
+
 @pytest.mark.parametrize("raised", [
     errors.AgentNotRunningError("the agent at ipc:///run/api.sock stopped before it answered publish",
                                 hint="The outcome is unknown: start the agent again and retry"),
