@@ -217,6 +217,18 @@ def _name_pid(fd: int, pid: int) -> None:
     os.fsync(fd)
 
 
+def _above_std_streams(fd: int) -> int:
+    """``fd``, moved above 0-2 if it is one of them (its starter ran with stdin, stdout or stderr closed):
+    a lock handed down to the agent (``--run-lock-fd``) keeps its number in the child, where 0-2 are
+    replaced by /dev/null and the log file, which would close the child's copy of the lock."""
+    if fd > 2:
+        return fd
+    try:
+        return fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, 3)
+    finally:
+        os.close(fd)
+
+
 def _close_quietly(fd: int) -> None:
     try:
         os.close(fd)
@@ -257,7 +269,7 @@ class RunLock:
         deadline = time.monotonic() + _BUSY_RETRY_S
         while True:
             try:
-                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+                fd = _above_std_streams(os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600))
             except OSError as exc:
                 raise ConfigurationError(f"cannot open the pid file {path}: {exc.strerror}") from None
             try:

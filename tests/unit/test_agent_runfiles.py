@@ -146,3 +146,20 @@ def test_adopting_a_lock_whose_pid_file_was_removed_meanwhile_is_refused(tmp_pat
     with pytest.raises(OSError):
         os.fstat(passed)  # closed by the refusal: the lock went with it
     RunLock(tmp_path).acquire().release()
+
+
+def test_a_lock_to_hand_down_is_never_on_a_standard_stream(tmp_path: Path) -> None:
+    """`agent start --detach` with its stdin closed (`<&-`, a supervisor that closes it) opened the pid file
+    as descriptor 0 and passed it down as --run-lock-fd 0: in the child, 0 became /dev/null, the starter's
+    close let go of the lock, and the agent refused to start ("the pid file ... was removed or replaced")."""
+    import subprocess
+    import sys
+
+    script = ("import os, sys\nos.close(0)\nfrom pathlib import Path\n"
+              "from zerocomm_spark.agent.runfiles import RunLock, held_by\n"
+              "lock = RunLock(Path(sys.argv[1])).acquire(name_self=False)\n"
+              "print(lock.fd, held_by(Path(sys.argv[1])))\n")
+    done = subprocess.run([sys.executable, "-c", script, str(tmp_path)], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    fd, holder = done.stdout.split()
+    assert int(fd) > 2 and holder == "-1"  # still the held pid file
