@@ -49,6 +49,7 @@ from zerocomm_spark.errors import (
 
 __all__ = ["agent_environment", "log_file_of", "run_foreground", "start_detached", "stop_agent", "agent_status"]
 _KILL_WAIT_S = 5.0  # after `stop --force` sent SIGKILL: how long the process gets to be gone
+_NAMING_WAIT_S = 5.0  # `stop` of a directory held by a starting agent whose pid is not written yet
 
 #: The directory a detached agent runs in: one that always exists and that nobody removes.
 AGENT_CWD = "/"
@@ -357,6 +358,12 @@ def stop_agent(config: Config, timeout: float | None = None, *, force: bool = Fa
     """SIGTERM the agent holding this configuration's run directory and wait until it let go."""
     wait = timeout if timeout is not None else config.get("agent", "stop_timeout")
     pid = held_by(config.socket_dir)
+    # A detached start holds the directory a moment before the pid file names the agent it launches (the
+    # launch; until the agent names itself, if its starter died in between): wait for the name.
+    named_by = time.monotonic() + min(wait, _NAMING_WAIT_S)
+    while pid is not None and pid <= 0 and time.monotonic() < named_by:
+        time.sleep(0.05)
+        pid = held_by(config.socket_dir)
     if pid is None:
         raise AgentNotRunningError(f"no agent is running for {config.identity_dir} (nothing holds {config.socket_dir})",
                                    hint="Nothing to stop; `zerocomm agent status` shows the same")

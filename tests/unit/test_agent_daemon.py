@@ -393,3 +393,40 @@ def test_status_of_an_agent_that_holds_its_directory_but_does_not_serve_says_wha
     problem = status["problem"]
     assert f"pid {os.getpid()}" in problem and str(run / "agent.log") in problem, problem
     assert "zerocomm agent stop" in problem and "agent status" not in problem, problem
+
+
+def test_stop_while_a_detached_start_has_not_named_its_agent_yet_stops_it(tmp_path: Path) -> None:
+    """A detached start holds the run directory, its pid file empty, from its lock to the launch of the agent
+    (and, if the starter dies in between, until the agent names itself): a stop then said "its pid file is
+    unreadable" (exit 3, "not running") and the agent came up. It waits for the pid and stops that."""
+    import threading
+
+    from zerocomm_spark.agent.runfiles import RunLock, held_by
+
+    config = cfgmod.load(None, env={}, flags=[f"identity.dir={tmp_path / 'id'}"])
+    run = tmp_path / "id" / "run"
+    run.mkdir(parents=True, mode=0o700)
+    lock = RunLock(run).acquire(name_self=False)
+    assert lock.fd is not None and held_by(run) == -1
+    children: list[subprocess.Popen] = []
+
+    def launch() -> None:  # the starter's launch, 0.3 s after its lock
+        threading.Event().wait(0.3)
+        assert lock.fd is not None
+        children.append(subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], pass_fds=(lock.fd,)))
+        lock.hand_over(children[0].pid)
+
+    starter = threading.Thread(target=launch)
+    starter.start()
+    try:
+        stopped = daemon.stop_agent(config, timeout=10)
+        starter.join(10)
+        assert stopped["stopped"] is True and stopped["pid"] == children[0].pid and stopped["forced"] is False
+        assert children[0].wait(10) == -15 and held_by(run) is None
+    finally:
+        starter.join(10)
+        lock.release()
+        for child in children:
+            if child.poll() is None:
+                child.kill()
+                child.wait(10)
