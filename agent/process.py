@@ -30,7 +30,7 @@ from zerocomm_spark.agent.config import Config
 from zerocomm_spark.agent.ingest import JournalIngest
 from zerocomm_spark.agent.logging import event
 from zerocomm_spark.agent.metrics import Metrics
-from zerocomm_spark.agent.runfiles import RunLock, read_health
+from zerocomm_spark.agent.runfiles import RunLock, read_health, read_pid
 from zerocomm_spark.agent.server import ApiServer, prepare_socket_dir
 from zerocomm_spark.errors import AgentAlreadyRunningError, ConfigurationError
 from zerocomm_spark.journal import Journal, journal_key
@@ -75,7 +75,15 @@ class AgentProcess:
                 prepare_socket_dir(cfg.socket_dir)  # as its starter made it: checked again, not trusted
             else:
                 prepare_socket_dir(cfg.socket_dir)
-                self._lock = RunLock(cfg.socket_dir).acquire()
+                try:
+                    self._lock = RunLock(cfg.socket_dir).acquire()
+                except AgentAlreadyRunningError:
+                    # The agent of this very identity, most often (a second `agent start`): say so, as when
+                    # it was the identity that refused, not "give this agent its own api.socket_dir".
+                    holder = read_pid(cfg.socket_dir)
+                    if holder is not None and holder == self._identity_holder():
+                        raise self._identity_taken(holder) from None
+                    raise
             self._open_member()
             self._open_api()
             self.write_health("running")
@@ -98,22 +106,30 @@ class AgentProcess:
                 max_frame_bytes=cfg.get("peer", "max_frame_bytes"), workers=cfg.get("peer", "workers"),
                 group_config=group_config(cfg), prepare_groups=self._attach_journal)
         except AgentAlreadyRunningError:
-            # It serves another socket directory (this one's lock is ours): the keystore lock names the
-            # holder. This directory's health file is a dead agent's, if any, unless it names that pid.
-            try:
-                text = (cfg.identity_dir / "keystore.lock").read_text(encoding="ascii").strip()
-                pid = int(text) if text.isdigit() else None
-            except OSError:
-                pid = None
-            health = read_health(cfg.socket_dir) or {}
-            api = (health.get("endpoints") or {}).get("api") if pid is not None and health.get("pid") == pid else None
-            who = f" (pid {pid}" + (f", API {api})" if api else ")") if pid else ""
-            raise AgentAlreadyRunningError(
-                f"an agent is already running for the identity directory {cfg.identity_dir}{who}; "
-                "one identity is served by one agent at a time",
-                hint="Use the running agent (`zerocomm agent status`), stop it first (`zerocomm agent stop`), "
-                     "or start this one with another --identity-dir") from None
+            # It serves another socket directory (this one's lock is ours): the keystore lock names the holder.
+            raise self._identity_taken(self._identity_holder()) from None
         self.groups = self.member.groups  # an agent process always runs its data plane
+
+    def _identity_holder(self) -> int | None:
+        """The pid the identity's keystore lock file names (advisory: its last holder)."""
+        try:
+            text = (self.config.identity_dir / "keystore.lock").read_text(encoding="ascii").strip()
+        except (OSError, UnicodeDecodeError):
+            return None
+        return int(text) if text.isdigit() else None
+
+    def _identity_taken(self, pid: int | None) -> AgentAlreadyRunningError:
+        """The identity is served by the agent ``pid``. The health file here names its API only if it is
+        that agent's (the one of this directory): otherwise it is a dead agent's, if any."""
+        cfg = self.config
+        health = read_health(cfg.socket_dir) or {}
+        api = (health.get("endpoints") or {}).get("api") if pid is not None and health.get("pid") == pid else None
+        who = f" (pid {pid}" + (f", API {api})" if api else ")") if pid else ""
+        return AgentAlreadyRunningError(
+            f"an agent is already running for the identity directory {cfg.identity_dir}{who}; "
+            "one identity is served by one agent at a time",
+            hint="Use the running agent (`zerocomm agent status`), stop it first (`zerocomm agent stop`), "
+                 "or start this one with another --identity-dir")
 
     def _attach_journal(self, member: Agent, manager: Any) -> None:
         """Open the journal and hook it to the group manager before the manager starts.

@@ -430,3 +430,30 @@ def test_stop_while_a_detached_start_has_not_named_its_agent_yet_stops_it(tmp_pa
             if child.poll() is None:
                 child.kill()
                 child.wait(10)
+
+
+def test_a_second_foreground_start_of_a_running_identity_says_the_identity_is_served(tmp_path: Path) -> None:
+    """Since the agent takes its run lock before its identity, a second `agent start` (foreground) of a
+    running member was refused by the lock: "another agent already serves the API socket directory ...
+    give this agent its own api.socket_dir", advice that only leads to the identity's refusal. It was,
+    and is again, "already running for the identity directory" with the running agent's pid and API."""
+    from zerocomm_spark.agent.process import AgentProcess
+    from zerocomm_spark.agent.runfiles import RunLock, write_json_atomic
+    from zerocomm_spark.errors import AgentAlreadyRunningError
+
+    identity = tmp_path / "id"
+    config = cfgmod.load(None, env={}, flags=[f"identity.dir={identity}"])
+    run = identity / "run"
+    run.mkdir(parents=True, mode=0o700)
+    (identity / "keystore.lock").write_text(f"{os.getpid()}\n")  # the running agent: this process
+    lock = RunLock(run).acquire()
+    write_json_atomic(run / "health.json", {"pid": os.getpid(), "endpoints": {"api": "ipc:///there/api.sock"}})
+    try:
+        with pytest.raises(AgentAlreadyRunningError) as refused:
+            AgentProcess(config).start()
+    finally:
+        lock.release()
+    message = str(refused.value)
+    assert f"already running for the identity directory {identity} (pid {os.getpid()}, API ipc:///there/api.sock)" \
+        in message, message
+    assert "another --identity-dir" in (refused.value.hint or "")
