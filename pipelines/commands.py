@@ -441,8 +441,17 @@ def compact(ctx: Any) -> int:
 
     began = time.monotonic()
     spark = _spark()
+    group = ctx.args.group
+    held: list[str] | None = None
     with _reading(ctx.args.table, "compact"):
-        metrics = optimize(spark, ctx.args.table, group=ctx.args.group)
+        metrics = optimize(spark, ctx.args.table, group=group)
+        if group is not None and not metrics.get("numFilesRemoved"):  # nothing done: a misspelt group?
+            held = groups_in(spark, ctx.args.table)
+    if held and group not in held:  # "0 files into 0", exit 0, as for a group already compacted
+        raise GroupNotFoundError(
+            f"the history table at {ctx.args.table} holds no messages of group {group!r}; nothing was compacted",
+            hint="Check the name; the groups it holds: " + ", ".join(repr(g) for g in held)
+                 + " (without --group every group is compacted)")
     metrics["seconds"] = round(time.monotonic() - began, 3)
     ctx.out(metrics, f"compacted {ctx.args.table}: {metrics.get('numFilesRemoved', 0)} files into "
                      f"{metrics.get('numFilesAdded', 0)}")

@@ -450,3 +450,9 @@ def test_compact_vacuum_and_the_history_commands(spark, members, story, tmp_path
     assert result["files"] == metrics["numFilesRemoved"]
     assert replay(spark, str(story.table), "story").toArrow().equals(before)
     assert zerocomm(["--json", "history", "compact", "--table", str(story.table), "--group", "story"]) == 0
+    capsys.readouterr()
+    # a group the table does not hold: said, exit 6 (it was "0 files into 0", exit 0, like a compacted one)
+    assert zerocomm(["--json", "history", "compact", "--table", str(story.table), "--group", "stroy"]) == 6
+    misspelt = json.loads(capsys.readouterr().out.splitlines()[-1])["error"]
+    assert misspelt["type"] == "GroupNotFoundError" and "'stroy'" in misspelt["message"], misspelt
+    assert "'story'" in misspelt["hint"], misspelt
