@@ -9,6 +9,8 @@ crash publishes the same ids again, and the member (and every receiver, and ever
 drops ids it has seen, so nothing is delivered twice. A task returns only once the group acknowledged
 all its messages, so a batch commits only when they are all delivered; otherwise the task fails
 with :class:`~zerocomm_spark.errors.PublishNotAcknowledgedError` and Spark retries or fails the query.
+A row that can never be a group message (a null payload or header value, ...) fails its task with a
+:class:`~zerocomm_spark.errors.SinkRowError` naming it instead: a retry cannot get past it.
 
 Each task publishes through the member on its own host (started on demand), in row order, so a
 reader sees one task's rows in the order they had in the partition.
@@ -35,12 +37,21 @@ from pyspark.sql.datasource import (
 )
 
 from zerocomm_spark.errors import (
+    SINK_ROWS_BEFORE,
+    BadRequestError,
     ConnectorOptionError,
     PublishNotAcknowledgedError,
+    RequestTooLargeError,
+    SinkHeaderError,
+    SinkNullPayloadError,
+    SinkOriginClaimError,
     SinkPayloadTooLargeError,
+    SinkRowError,
     StreamContextError,
+    UnknownCallError,
     ZeroCommError,
 )
+from zerocomm_spark.group.datamessage import MAX_HEADER_LENGTH, MAX_HEADERS
 from zerocomm_spark.group.origin import ORIGIN_HEADER
 
 from zerocomm_spark.connector.agent_link import MemberLink
@@ -204,10 +215,9 @@ def publish_partition(batches: Iterator[pa.RecordBatch], options: SinkOptions, c
             if columns.payload_is_string:
                 payload = payload.cast(pa.binary())
             if payload.null_count:
-                raise PublishNotAcknowledgedError(
+                raise SinkNullPayloadError(
                     f"row {row + _first_null(payload)} of partition {partition} has a null payload; nothing from "
-                    "this row on was published",
-                    hint="Filter out null payloads (df.where('payload IS NOT NULL')) or give them a value")
+                    f"row {row} of the partition on was published")
             _check_payload_sizes(payload, link.max_message_bytes, row, partition)
             headers = chunk.column("headers") if columns.has_headers else None
             if columns.has_message_id:
@@ -227,6 +237,7 @@ def publish_partition(batches: Iterator[pa.RecordBatch], options: SinkOptions, c
                 data["headers"] = chunk.column("headers").cast(_HEADERS)
                 if options.sign_origin:
                     _check_no_origin_claim(data["headers"], row, partition)
+                _check_headers(data["headers"], row, partition, options.sign_origin)
             table = pa.table(data)
             repeated = 0
             if columns.has_message_id:
@@ -234,7 +245,7 @@ def publish_partition(batches: Iterator[pa.RecordBatch], options: SinkOptions, c
                 # agent refuses a batch naming an id twice), as a repeat in a later chunk is by the
                 # member - both counted as duplicates.
                 table, repeated = _first_of_each_id(table)
-            result = link.publish(options.group, table, options.publish_timeout_s, sign=options.sign_origin)
+            result = _publish(link, options, table, row, partition)
             if len(result.message_ids) != table.num_rows:
                 raise PublishNotAcknowledgedError(
                     f"the agent acknowledged {len(result.message_ids)} of {table.num_rows} messages")
@@ -281,10 +292,70 @@ def _check_no_origin_claim(headers: pa.ChunkedArray, row: int, partition: int) -
     if not pc.any(claimed).as_py():
         return
     at = int(pc.index(claimed, True).as_py())
-    raise PublishNotAcknowledgedError(
+    raise SinkOriginClaimError(
         f"row {row + at} of partition {partition} has a {ORIGIN_HEADER!r} header, and signOrigin is true: the agent "
-        f"adds the origin proof itself; nothing from row {row} of the partition on was published",
-        hint=f"Drop the {ORIGIN_HEADER} entry from the headers column (map_filter), or set signOrigin to false")
+        f"adds the origin proof itself; nothing from row {row} of the partition on was published")
+
+
+def _check_headers(headers: pa.ChunkedArray, row: int, partition: int, sign: bool) -> None:
+    """Refuse a chunk holding a row whose headers the agent refuses (a null value, an empty key, too
+    many entries, a key or value too long), naming the row and the key: the agent's refusal came back
+    as PublishNotAcknowledgedError, advising a retry that fails the same way every time."""
+    most = MAX_HEADERS - 1 if sign else MAX_HEADERS  # signing adds zc-origin
+    at = row
+    for chunk in headers.chunks:
+        if _headers_may_be_refused(chunk, most):  # only then row by row, to name the first such row
+            for i, head in enumerate(chunk.to_pylist()):
+                _check_row_headers(head or [], at + i, partition, most, row)
+        at += len(chunk)
+
+
+def _headers_may_be_refused(chunk: pa.MapArray, most: int) -> bool:
+    """A vectorised look over every entry of the chunk's buffers (a superset of its rows' entries)."""
+    if len(chunk) == 0:
+        return False
+    keys, values = pc.utf8_length(chunk.keys), pc.utf8_length(chunk.items)
+    return bool(chunk.items.null_count or pc.any(pc.equal(keys, 0)).as_py()
+                or (pc.max(keys).as_py() or 0) > MAX_HEADER_LENGTH or (pc.max(values).as_py() or 0) > MAX_HEADER_LENGTH
+                or int(np.max(np.diff(chunk.offsets.to_numpy(zero_copy_only=False)))) > most)
+
+
+def _check_row_headers(head: list[tuple[str, str | None]], at: int, partition: int, most: int, row: int) -> None:
+    where = f"row {at} of partition {partition}"
+    then = f"nothing from row {row} of the partition on was published"
+    if len(head) > most:
+        raise SinkHeaderError(
+            f"{where} has {len(head)} headers; a group message carries at most {most}"
+            f"{' with signOrigin (which adds zc-origin)' if most < MAX_HEADERS else ''}; {then}",
+            hint=f"Keep at most {most} entries in such rows' headers; " + SINK_ROWS_BEFORE)
+    for key, value in head:
+        if value is None:
+            raise SinkHeaderError(f"{where} has a null value for header {key[:64]!r}; {then}")
+        if not key:
+            raise SinkHeaderError(f"{where} has a header with an empty key; {then}",
+                                  hint="Drop the entries with an empty key (map_filter(headers, (k, v) -> k != '')); "
+                                       + SINK_ROWS_BEFORE)
+        if len(key) > MAX_HEADER_LENGTH or len(value) > MAX_HEADER_LENGTH:
+            raise SinkHeaderError(
+                f"{where} has header {key[:64]!r} whose key or value is longer than {MAX_HEADER_LENGTH} characters; "
+                f"{then}", hint="Shorten or drop such entries, or move the data into the payload; "
+                                + SINK_ROWS_BEFORE)
+
+
+def _publish(link: MemberLink, options: SinkOptions, table: pa.Table, row: int, partition: int) -> object:
+    """One publish call. The agent refusing the rows themselves (BadRequestError, as the sink's own
+    checks should have) is a SinkRowError: PublishNotAcknowledgedError's advice to rerun and check the
+    members cannot help with it. MemberLink wraps every ApiError in PublishNotAcknowledgedError, so
+    the refusal is looked for in its context too."""
+    try:
+        return link.publish(options.group, table, options.publish_timeout_s, sign=options.sign_origin)
+    except (BadRequestError, PublishNotAcknowledgedError) as exc:
+        refused = exc if isinstance(exc, BadRequestError) else exc.__cause__ or exc.__context__
+        if not isinstance(refused, BadRequestError) or isinstance(refused, (RequestTooLargeError, UnknownCallError)):
+            raise  # not about the rows: a request past api.max_request_bytes, an agent of another version
+        raise SinkRowError(f"the agent on host {os.uname().nodename} refused rows {row}-{row + table.num_rows - 1} "
+                           f"of partition {partition} (nothing from row {row} on was published): {refused.message}",
+                           hint=f"Fix or leave out the rows it names; {SINK_ROWS_BEFORE}") from None
 
 
 def _first_of_each_id(table: pa.Table) -> tuple[pa.Table, int]:

@@ -523,12 +523,44 @@ class SinkSchemaError(ConnectorOptionError):
             "(map<string,string>), e.g. df.selectExpr(\"CAST(value AS STRING) AS payload\")")
 
 
-class SinkPayloadTooLargeError(ConnectorOptionError):
+#: What every SinkRowError's hint ends with: what the failed task had already published.
+SINK_ROWS_BEFORE = ("the rows before it were published: a streaming query re-runs the batch under the same ids "
+                    "(none is delivered twice), a df.write does so only with a message_id column")
+
+
+class SinkRowError(ConnectorOptionError):
+    """A row written to format("zerocomm") cannot be a group message as it is: a data error, which fails
+    the same way at every retry (unlike PublishNotAcknowledgedError, which a retry can get past)."""
+
+    hint = f"Fix or leave out the named row, then write again; {SINK_ROWS_BEFORE}"
+
+
+class SinkPayloadTooLargeError(SinkRowError):
     """A row written to format("zerocomm") has a payload bigger than one group message carries."""
 
     hint = ("Split such payloads over several rows, or leave them out (df.where(octet_length(payload) <= LIMIT)); "
-            "the rows before it were published: a streaming query re-runs the batch under the same ids (none "
-            "is delivered twice), a df.write does so only with a message_id column")
+            + SINK_ROWS_BEFORE)
+
+
+class SinkNullPayloadError(SinkRowError):
+    """A row written to format("zerocomm") has a null payload; a group message always has one."""
+
+    hint = ("Leave such rows out (df.where('payload IS NOT NULL')) or give them a value (coalesce(payload, '')); "
+            + SINK_ROWS_BEFORE)
+
+
+class SinkHeaderError(SinkRowError):
+    """A row's headers cannot be a group message's: a null value, an empty key, too many or too long."""
+
+    hint = ("Drop the entries with a null value (map_filter(headers, (k, v) -> v IS NOT NULL)) or fill them "
+            "(transform_values(headers, (k, v) -> coalesce(v, ''))); " + SINK_ROWS_BEFORE)
+
+
+class SinkOriginClaimError(SinkHeaderError):
+    """With signOrigin, a row's headers already hold a zc-origin entry: the agent signs only its own claim."""
+
+    hint = ("Drop the zc-origin entry from the headers column (map_filter(headers, (k, v) -> k != 'zc-origin')), "
+            "or set signOrigin to false; " + SINK_ROWS_BEFORE)
 
 
 class StreamContextError(ZeroCommError, RuntimeError):

@@ -660,6 +660,62 @@ def test_a_row_bigger_than_a_group_message_is_refused_naming_it_and_the_limit(sp
     wait_for(lambda: carol.client().read(group=group).num_rows == 1, 30, "carol to receive the largest message")
 
 
+def test_a_row_no_group_message_can_carry_is_a_data_error_naming_it_not_a_publish_to_retry(spark, members, group):
+    """A null header value came back as PublishNotAcknowledgedError ("... rerun the query (or let Spark
+    retry) ... Check that the group's members are up, or raise publishTimeoutMs"), as did a null payload
+    and, with signOrigin, a row's own zc-origin header: data errors that fail the same way at every
+    retry. Each is now its own SinkRowError naming the row (and the key) and what to do with it."""
+    bob, carol = members["bob"], members["carol"]
+
+    def refused(sql: str, sign: str = "false") -> str:
+        started = time.monotonic()
+        with pytest.raises(Exception) as info:
+            (spark.sql(sql).write.format("zerocomm").option("group", group).option("agent", str(bob.config))
+             .option("signOrigin", sign).mode("append").save())
+        assert time.monotonic() - started < 60
+        text = str(info.value)
+        assert "PublishNotAcknowledgedError" not in text and "members are up" not in text, text[-3000:]
+        return text
+
+    text = refused("SELECT 'hv' AS payload, map('k', CAST(NULL AS STRING)) AS headers")
+    assert "SinkHeaderError: row 0 of partition 0 has a null value for header 'k'" in text, text[-3000:]
+    assert "map_filter" in text and "coalesce" in text
+    text = refused("SELECT CAST(NULL AS STRING) AS payload")
+    assert "SinkNullPayloadError: row 0 of partition 0 has a null payload" in text, text[-3000:]
+    text = refused("SELECT 'forged' AS payload, map('zc-origin', '1:x') AS headers", sign="true")
+    assert "SinkOriginClaimError: row 0 of partition 0 has a 'zc-origin' header" in text, text[-3000:]
+    assert "signOrigin to false" in text
+    (spark.sql("SELECT 'ok' AS payload, map_filter(map('k', CAST(NULL AS STRING), 'j', 'v'), (k, v) -> v IS NOT NULL) "
+               "AS headers").write.format("zerocomm").option("group", group).option("agent", str(bob.config))
+     .mode("append").save())  # what the error says to do
+    wait_for(lambda: carol.client().read(group=group).num_rows == 1, 30, "carol to receive the fixed row")
+    time.sleep(0.5)
+    rows = carol.client().read(group=group)
+    assert rows.column("payload").to_pylist() == [b"ok"] and dict(rows.column("headers")[0].as_py()) == {"j": "v"}
+
+
+def test_the_agent_refusing_a_sinks_rows_is_a_data_error_not_a_publish_to_retry(members, group, monkeypatch):
+    """Rows the sink's own checks let through but the agent refuses (BadRequestError, wrapped by
+    MemberLink in PublishNotAcknowledgedError with its advice to rerun and check the members): a
+    SinkRowError with the agent's words. A real agent, its checks in the sink turned off."""
+    import pyarrow as pa
+
+    from zerocomm_spark.connector import writer
+    from zerocomm_spark.connector.options import SinkOptions
+    from zerocomm_spark.connector.schema import SinkColumns
+    from zerocomm_spark.errors import PublishNotAcknowledgedError, SinkRowError
+
+    monkeypatch.setattr(writer, "_check_headers", lambda *args: None)
+    rows = [pa.record_batch({"payload": pa.array(["a", "b"]),
+                             "headers": pa.array([None, [("k", None)]], pa.map_(pa.string(), pa.string()))})]
+    options = SinkOptions.parse({"group": group, "agent": str(members["alice"].config)})
+    with pytest.raises(SinkRowError) as info:
+        writer.publish_partition(iter(rows), options, SinkColumns(True, False, True), "q.0.0", 0)
+    assert not isinstance(info.value, PublishNotAcknowledgedError)
+    assert "refused rows 0-1 of partition 0" in str(info.value) and "null value (for 'k')" in str(info.value)
+    assert "members are up" not in str(info.value) and "zerocomm --help" not in str(info.value)
+
+
 def test_sink_task_with_empty_and_repeated_given_ids_delivers_each_id_once_across_retries(members, group):
     """A task's own rows, published twice (a retry): an empty id gets the derived id like a null one
     (not a random one, new at every attempt), and an id repeated within a chunk or across chunks is

@@ -11,7 +11,15 @@ from zerocomm_spark.connector import writer
 from zerocomm_spark.connector.options import SinkOptions
 from zerocomm_spark.connector.schema import SinkColumns
 from zerocomm_spark.connector.writer import publish_partition
-from zerocomm_spark.errors import ConnectorOptionError, PublishNotAcknowledgedError
+from zerocomm_spark.errors import (
+    BadRequestError,
+    ConnectorOptionError,
+    PublishNotAcknowledgedError,
+    SinkHeaderError,
+    SinkNullPayloadError,
+    SinkOriginClaimError,
+    SinkRowError,
+)
 
 
 class Member:
@@ -219,11 +227,69 @@ def test_sign_origin_asks_the_agent_to_sign_and_refuses_a_row_that_claims_an_ori
     publish_partition(batches(["d"], [None]), SinkOptions.parse({"group": "g"}), columns, "q.0.1", 0)
     assert fake.signs == [True, True, False] and len(fake.delivered) == 4
     claims = [None, [("k", "v")], [("zc-origin", "1:forged")]]
-    with pytest.raises(PublishNotAcknowledgedError, match="row 2 of partition 7 has a 'zc-origin' header, and "
-                                                          "signOrigin is true") as info:
+    with pytest.raises(SinkOriginClaimError, match="row 2 of partition 7 has a 'zc-origin' header, and "
+                                                   "signOrigin is true") as info:
         publish_partition(batches(["e", "f", "g"], claims), signed, columns, "q.1.0", 7)
     assert "nothing from row 2" in str(info.value) and len(fake.delivered) == 6  # the chunk before it went out
+    assert not isinstance(info.value, PublishNotAcknowledgedError) and "map_filter" in info.value.hint
     # Without signOrigin a row's own header is passed on as before (history verifies it then).
     publish_partition(batches(["g"], [[("zc-origin", "1:forged")]]), SinkOptions.parse({"group": "g"}), columns,
                       "q.2.0", 0)
     assert len(fake.delivered) == 7
+
+
+_RETRY_ADVICE = "rerun the query (or let Spark retry)"
+
+
+@pytest.mark.parametrize("headers, words", [
+    ([[("a", "1")], [("a", "2"), ("k", None)]], "row 3 of partition 5 has a null value for header 'k'"),
+    ([[("a", "1")], [("", "x")]], "row 3 of partition 5 has a header with an empty key"),
+    ([[("a", "1")], [(f"k{i}", "v") for i in range(65)]], "row 3 of partition 5 has 65 headers; a group message "
+                                                          "carries at most 64"),
+    ([[("a", "1")], [("k", "v" * 4097)]], "row 3 of partition 5 has header 'k' whose key or value is longer than "
+                                          "4096 characters"),
+])
+def test_headers_the_agent_would_refuse_are_a_data_error_naming_the_row(member, headers, words):
+    """A null header value came back as PublishNotAcknowledgedError, whose advice (rerun, check the
+    members, raise publishTimeoutMs) cannot help: every retry fails the same way."""
+    columns = SinkColumns(payload_is_string=True, has_message_id=False, has_headers=True)
+    options = SinkOptions.parse({"group": "g", "publishBatchSize": "2"})
+    with pytest.raises(SinkHeaderError) as info:
+        publish_partition(batches(["a", "b", "c", "d"], [None, None, *headers]), options, columns, "q.0.5", 5)
+    assert words in str(info.value) and "nothing from row 2 of the partition on was published" in str(info.value)
+    assert not isinstance(info.value, PublishNotAcknowledgedError) and _RETRY_ADVICE not in str(info.value)
+    assert len(member.delivered) == 2  # the chunk before it went out
+    if "null value" in words:
+        assert "map_filter" in info.value.hint and "coalesce" in info.value.hint
+
+
+def test_a_null_payload_is_a_data_error_naming_the_row(member):
+    columns = SinkColumns(payload_is_string=True, has_message_id=False, has_headers=False)
+    with pytest.raises(SinkNullPayloadError, match="row 1 of partition 2 has a null payload") as info:
+        publish_partition(batches(["a", None]), SinkOptions.parse({"group": "g"}), columns, "q.0.2", 2)
+    assert not isinstance(info.value, PublishNotAcknowledgedError) and _RETRY_ADVICE not in str(info.value)
+    assert "payload IS NOT NULL" in info.value.hint and not member.delivered
+
+
+def test_the_agent_refusing_the_rows_is_a_data_error_not_a_publish_to_retry(monkeypatch):
+    """MemberLink wraps the agent's BadRequestError in PublishNotAcknowledgedError (from None): the
+    sink finds the refusal in its context and says it as a SinkRowError, with the agent's words."""
+    class Refusing(Member):
+        def publish(self, _group, table, _timeout, *, sign: bool = False):  # type: ignore[override]
+            try:
+                raise BadRequestError("publish: headers of row 0 have a null value (for 'k')")
+            except BadRequestError as exc:
+                raise PublishNotAcknowledgedError(f"publishing 1 message(s) to group 'g' failed: {exc}") from None
+
+    class Timing(Member):
+        def publish(self, _group, table, _timeout, *, sign: bool = False):  # type: ignore[override]
+            raise PublishNotAcknowledgedError("the group 'g' did not acknowledge 1 message(s) within 1s")
+
+    columns = SinkColumns(payload_is_string=True, has_message_id=False, has_headers=False)
+    monkeypatch.setattr(writer.MemberLink, "connect", Refusing().connect)
+    with pytest.raises(SinkRowError, match="refused rows 0-0 of partition 3 .*null value \\(for 'k'\\)") as info:
+        publish_partition(batches(["a"]), SinkOptions.parse({"group": "g"}), columns, "q.0.3", 3)
+    assert not isinstance(info.value, PublishNotAcknowledgedError) and _RETRY_ADVICE not in str(info.value)
+    monkeypatch.setattr(writer.MemberLink, "connect", Timing().connect)
+    with pytest.raises(PublishNotAcknowledgedError, match="did not acknowledge"):  # a retry can help: as it was
+        publish_partition(batches(["a"]), SinkOptions.parse({"group": "g"}), columns, "q.0.3", 3)
