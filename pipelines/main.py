@@ -16,7 +16,8 @@
 A job that cannot go on (a member or Spark failing, a publisher or the ingest query failing, the
 --timeout deadline, which bounds publishing, the wait for Delta, the replay and the checks, and is
 checked after each start-up step) ends with one line
-saying what failed and what to do, exit 1. Spark's log (the JVM's and its
+saying what failed and what to do, exit 1 (2 for an option out of range or a --work-dir that
+cannot be a directory, before anything starts). Spark's log (the JVM's and its
 workers' stderr) and the failure's traceback go to the job's log file, which that line names.
 """
 
@@ -619,6 +620,23 @@ def _log_path(cfg: JobConfig) -> Path:
     return Path(tempfile.gettempdir()) / f"zerocomm-{name}"
 
 
+def _make_log_dir(parser: argparse.ArgumentParser, cfg: JobConfig, log_file: Path) -> None:
+    """The log file's directory, made before anything starts: a --work-dir that names a file (or a
+    path under one, or one this user cannot write) ended in a NotADirectoryError traceback. It is a
+    usage error (exit 2) naming the option, as an out-of-range option is."""
+    try:
+        log_file.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        if not cfg.work_dir:  # the system's temporary directory: not an option of the job's
+            raise SystemExit(f"{parser.prog}: error: cannot create the job's log in {log_file.parent}: "
+                             f"{exc.strerror or exc}; set TMPDIR to a directory this user can write") from None
+        blocker = next((p for p in (log_file.parent, *log_file.parent.parents) if p.exists()), None)
+        why = (f"{blocker} is a file" if blocker is not None and not blocker.is_dir()
+               else f"{exc.strerror or exc} ({exc.filename or log_file.parent})")
+        parser.error(f"--work-dir {cfg.work_dir} cannot be used: {why}; name a directory this user can write "
+                     "(it is created if missing)")
+
+
 def _redirect_stderr(log_file: Path) -> TextIO:
     """Send this process's file descriptor 2 to ``log_file``: Spark's JVM (started after this) and its
     Python workers inherit it, so their log (a stopped query's ~1,400 lines among it) goes there, not
@@ -663,6 +681,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     cfg = JobConfig(**vars(args))
     _check_options(parser, cfg)
     log_file = _log_path(cfg)
+    _make_log_dir(parser, cfg, log_file)
     to_file = _setup_logging(log_file, _redirect_stderr(log_file))
     keep_log = True
     try:

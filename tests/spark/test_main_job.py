@@ -71,6 +71,21 @@ def test_options_out_of_range_are_usage_errors_before_anything_starts():
         assert said in done.stderr and "Traceback" not in done.stderr, (argv, done.stderr[-2000:])
 
 
+def test_a_work_dir_that_is_a_file_is_a_usage_error_before_anything_starts(tmp_path):
+    """--work-dir naming a file (or a path under one) ended in a NotADirectoryError traceback from
+    making the log's directory; it is one line naming the option and the file, exit 2 (a usage
+    error, as an option out of range), before any member or Spark starts."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory\n")
+    for work, extra in ((blocker, []), (blocker / "sub", []), (blocker, ["--json"])):
+        done = subprocess.run([sys.executable, "-m", "zerocomm_spark.pipelines.main", "--work-dir", str(work), *extra],
+                              cwd=ROOT, capture_output=True, text=True, timeout=60)
+        assert done.returncode == 2, (work, done.stdout[-2000:], done.stderr[-2000:])
+        assert "Traceback" not in done.stderr, done.stderr[-2000:]
+        assert f"error: --work-dir {work} cannot be used: {blocker} is a file" in done.stderr, done.stderr[-2000:]
+        assert blocker.read_text() == "not a directory\n"
+
+
 def test_a_table_path_that_cannot_be_written_is_one_error_line(tmp_path):
     """--table under a file (or /proc): 180 lines of Python and Java traceback. Now one line naming
     Spark's reason and the path, and what to check, exit 1 (and an error document with --json)."""
