@@ -299,12 +299,58 @@ def _spark() -> Any:
     return local_spark("zerocomm-history")
 
 
+#: `history ingest --trigger`'s default (agent/cli.py): a --trigger other than it was given.
+_DEFAULT_TRIGGER = "1 second"
+# An interval as Spark's processing-time trigger takes it: "[interval] N unit [N unit ...]" (a
+# fraction in seconds only); months and years it refuses.
+_INTERVAL_TERM = re.compile(r"([+-]?)(\d+(?:\.\d*)?|\.\d+)\s+(week|day|hour|minute|second|millisecond|microsecond)s?",
+                            re.IGNORECASE)
+_INTERVAL = re.compile(rf"\s*(?:interval\s+)?{_INTERVAL_TERM.pattern}(?:\s+{_INTERVAL_TERM.pattern})*\s*",
+                       re.IGNORECASE)
+_UNIT_SECONDS = {"week": 604800.0, "day": 86400.0, "hour": 3600.0, "minute": 60.0, "second": 1.0,
+                 "millisecond": 1e-3, "microsecond": 1e-6}
+
+
+def interval_seconds(text: str) -> float | None:
+    """Seconds in a trigger interval ("1 second", "500 milliseconds", "1 minute 30 seconds"), or None
+    if Spark would refuse it: checked here so a bad --trigger is a usage error before Spark starts."""
+    if not _INTERVAL.fullmatch(text):
+        return None
+    total = 0.0
+    for sign, number, unit in _INTERVAL_TERM.findall(text):
+        if "." in number and unit.lower() != "second":
+            return None  # Spark: "cannot have fractional part"
+        total += (-1 if sign == "-" else 1) * float(number) * _UNIT_SECONDS[unit.lower()]
+    return total if total >= 0 else None
+
+
+def _check_ingest_args(a: Any) -> None:
+    """--trigger and --max-per-trigger, checked before Spark starts (~18 s): Spark refused them only
+    once started, naming trigger='bogus' and its own option maxMessagesPerTrigger, and ignored a
+    --trigger given with --available-now. Usage errors (exit 2) naming the flags."""
+    trigger = a.trigger
+    if a.available_now and trigger is not None and trigger != _DEFAULT_TRIGGER:
+        raise ConfigurationError(f"--trigger {trigger!r} and --available-now cannot go together: --available-now "
+                                 "ingests what is there now in as many micro-batches as it takes, then stops",
+                                 hint="Give one of them: --available-now to stop once done, --trigger INTERVAL to "
+                                      "run until Ctrl-C")
+    if not a.available_now and trigger is not None and interval_seconds(trigger) is None:
+        raise ConfigurationError(f"--trigger {trigger!r} is not an interval",
+                                 hint="Give an interval like '1 second', '500 milliseconds' or '1 minute 30 seconds' "
+                                      "(weeks to microseconds, not months or years), or --available-now to ingest "
+                                      "what is there now and stop")
+    if a.max_per_trigger is not None and a.max_per_trigger < 1:
+        raise ConfigurationError(f"--max-per-trigger must be 1 or more, not {a.max_per_trigger}",
+                                 hint="Give the most messages a micro-batch may take, or leave it out (no limit)")
+
+
 def ingest(ctx: Any) -> int:
     """Run the ingest query until Ctrl-C (or, with --available-now, until it has what is there now)."""
     from zerocomm_spark.pipelines.history import IngestBatch
     from zerocomm_spark.pipelines.history import ingest as start
 
     a = ctx.args
+    _check_ingest_args(a)
     key = read_key_file(a.history_key_file) if a.history_key_file else None
     table = str(Path(a.table).expanduser().absolute()) if "://" not in a.table else a.table
     checkpoint = a.checkpoint or table.rstrip("/") + "/_checkpoints/ingest"

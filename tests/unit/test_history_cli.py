@@ -358,3 +358,54 @@ def test_a_version_or_time_the_table_lacks_is_a_usage_error_not_a_traceback(line
         with _reading(TABLE, "replay"):
             raise _java_error(line)
     assert "DESCRIBE HISTORY" in raised.value.hint
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--trigger", "bogus"], "--trigger 'bogus' is not an interval"),
+    (["--trigger", "1.5 minutes"], "--trigger '1.5 minutes' is not an interval"),
+    (["--trigger", "1 month"], "--trigger '1 month' is not an interval"),
+    (["--max-per-trigger", "0"], "--max-per-trigger must be 1 or more, not 0"),
+    (["--available-now", "--max-per-trigger", "-3"], "--max-per-trigger must be 1 or more, not -3"),
+    (["--available-now", "--trigger", "bogus"], "--trigger 'bogus' and --available-now cannot go together"),
+    (["--available-now", "--trigger", "5 seconds"], "--trigger '5 seconds' and --available-now cannot go together"),
+])
+def test_ingest_trigger_options_are_usage_errors_before_spark_starts(monkeypatch, capsys, tmp_path, argv, words):
+    """--trigger bogus and --max-per-trigger 0 were refused only once Spark had started (~18 s), naming
+    trigger='bogus' and the connector's maxMessagesPerTrigger; with --available-now, --trigger bogus
+    was accepted without a word (exit 0). Usage errors (exit 2) naming the flags; Spark never starts."""
+    import json
+
+    import zerocomm_spark.pipelines.commands as commands
+    from zerocomm_spark.agent.cli import main as zerocomm
+
+    def no_spark():
+        raise AssertionError("Spark was started")
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.delenv("ZEROCOMM_CONFIG", raising=False)
+    monkeypatch.setattr(commands, "_spark", no_spark)
+    assert zerocomm(["history", "ingest", "sensors", "--table", str(tmp_path / "t"), *argv]) == 2
+    assert words in capsys.readouterr().err
+    assert zerocomm(["--json", "history", "ingest", "sensors", "--table", str(tmp_path / "t"), *argv]) == 2
+    error = json.loads(capsys.readouterr().out.splitlines()[-1])["error"]
+    assert words in error["message"] and error["type"] == "ConfigurationError"
+
+
+@pytest.mark.parametrize("trigger, seconds", [
+    ("1 second", 1.0), ("500 milliseconds", 0.5), ("interval 2 minutes", 120.0), ("1.5 seconds", 1.5),
+    ("1 hour 2 minutes", 3720.0), (" 1  Second ", 1.0), ("1 week", 604800.0), ("0 seconds", 0.0),
+    ("1 minute -10 seconds", 50.0), ("10 microseconds", 1e-5),
+])
+def test_trigger_intervals_spark_takes_are_taken(trigger, seconds):
+    """What Spark 4's processing-time trigger accepts (checked against its IntervalUtils) is accepted."""
+    from zerocomm_spark.pipelines.commands import interval_seconds
+
+    assert interval_seconds(trigger) == pytest.approx(seconds)
+
+
+@pytest.mark.parametrize("trigger", ["bogus", "1second", "1s", "500 ms", "1 min", "10", "1 second 2", "1.5 minutes",
+                                     "1 month", "2 years", "-1 second", "every second", "1 hours,", ""])
+def test_trigger_intervals_spark_refuses_are_refused(trigger):
+    from zerocomm_spark.pipelines.commands import interval_seconds
+
+    assert interval_seconds(trigger) is None
