@@ -155,7 +155,14 @@ def _groups(opts: Mapping[str, str], *, single: bool) -> tuple[str, ...]:
     else:
         names = [n.strip() for n in text.split(",")]
     groups: list[str] = []
-    for name in names:
+    for i, name in enumerate(names):
+        if name == "":  # check_group said only "a group name is a non-empty string, got str"
+            where = f"after {names[i - 1]!r}" if i else "at the start"
+            listed = "the JSON list" if text.startswith("[") else "the comma-separated list"
+            raise ConnectorOptionError(
+                f"option group is {raw!r}: {listed} has an empty name (name {i + 1} of {len(names)}, {where})",
+                hint="Remove the stray comma (or the empty string), e.g. .option(\"group\", \"a,b\") or "
+                     "'[\"a\", \"b\"]'")
         try:
             check_group(name)
         except InvalidGroupNameError as exc:

@@ -1011,6 +1011,10 @@ def test_a_reading_members_socket_directory_removed_mid_stream_is_ridden_over_ex
     ({"failOnDataLoss": "perhaps"}, "failOnDataLoss is 'perhaps', not a boolean"),
     ({"publishTimeoutMs": "10"}, "applies to writes only"),
     ({"agentTimeoutMs": str(10**14)}, "agentTimeoutMs is 100000000000000; it must be at most"),
+    # These said "option group: a group name is a non-empty string, got str".
+    ({"group": "sensors,"}, "option group is 'sensors,': the comma-separated list has an empty name \\(name 2 of 2, "
+                            "after 'sensors'\\)"),
+    ({"group": '["a", ""]'}, "the JSON list has an empty name \\(name 2 of 2, after 'a'\\)"),
 ])
 def test_bad_options_fail_at_load_naming_the_option(spark, options, words):
     reader = spark.readStream.format("zerocomm")

@@ -42,6 +42,13 @@ def test_source_options_are_case_insensitive_and_typed():
     ({"group": "[1]"}, "JSON list"),
     ({"group": "[" * 100_000}, "JSON list"),
     ({"group": "[]"}, "option group is .*: it names no group"),
+    # An empty name in the list said only "a group name is a non-empty string, got str".
+    ({"group": "sensors,"}, r"option group is 'sensors,': the comma-separated list has an empty name \(name 2 of 2, "
+                            r"after 'sensors'\)"),
+    ({"group": "a,,b"}, r"the comma-separated list has an empty name \(name 2 of 3, after 'a'\)"),
+    ({"group": ",a"}, r"the comma-separated list has an empty name \(name 1 of 2, at the start\)"),
+    ({"group": '["a",""]'}, r"option group is '\[\"a\",\"\"\]': the JSON list has an empty name \(name 2 of 2, "
+                            r"after 'a'\)"),
     ({"group": "g", "maxMessagePerTrigger": "5"}, "Did you mean 'maxMessagesPerTrigger'"),
     ({"group": "g", "colour": "blue"}, "unknown option 'colour'"),
     ({"group": "g", "maxMessagesPerTrigger": "0"}, "maxMessagesPerTrigger is 0; it must be >= 1"),
@@ -72,6 +79,8 @@ def test_sink_options():
     assert opts.group == "out" and opts.publish_timeout_s == 2.0 and opts.publish_batch_size == 2000
     with pytest.raises(ConnectorOptionError, match="a write goes to exactly one"):
         SinkOptions.parse({"group": "a,b"})
+    with pytest.raises(ConnectorOptionError, match="option group is 'out,': the comma-separated list has an empty"):
+        SinkOptions.parse({"group": "out,"})
     with pytest.raises(ConnectorOptionError, match="applies to reads only"):
         SinkOptions.parse({"group": "a", "startingOffsets": "earliest"})
     with pytest.raises(ConnectorOptionError, match="publishBatchSize"):
@@ -137,3 +146,4 @@ def test_a_path_is_refused_naming_the_group_option(key):
         SinkOptions.parse({"group": "g", key: "/tmp/out"})
     assert '.option("group", ...)' in info.value.hint and "checkpointLocation" in info.value.hint
     SinkOptions.parse({"group": "g", "checkpointLocation": "/c", "queryName": "q"})  # Spark's own still pass
+
