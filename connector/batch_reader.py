@@ -37,6 +37,7 @@ class ZeroCommBatchReader(DataSourceReader):
             start = self.options.starting.resolve(
                 ranges, lambda key, ts: link.first_sent_at_or_after(key, ts, ranges[key]))
             end = self.options.ending.resolve(ranges)
+            self.options.ending.check_start(self.options.starting, start)  # e.g. a startingTimestamp past the end
             # publishers named only in endingOffsets start at their first retained seq
             start = start.updated({k: ranges[k].first if k in ranges else 1 for k in end if k not in start})
             labels = link.labels(self.options.groups)

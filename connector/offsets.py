@@ -343,6 +343,37 @@ class EndingOffsets:
         return ZeroCommOffset(positions)
 
 
+    def check_start(self, starting: StartingOffsets, start: ZeroCommOffset | None = None) -> None:
+        """Refuse a publisher whose start is after the end named for it: the read returned nothing of
+        it without a word. With ``start`` None (at load) only seqs named in both options are compared;
+        with the resolved start (at planning) also a start from startingTimestamp or earliest."""
+        for key, end in self.per_publisher.items():
+            if end == LATEST:
+                continue
+            named = starting.per_publisher.get(key) if starting.kind == "json" else None
+            begin = named if named is not None and named >= 1 else (start.get(key) if start is not None else None)
+            if begin is None or begin <= end:
+                continue
+            group, did = key
+            hint = ("endingOffsets is exclusive and comes after the start: give that publisher a start at or below "
+                    f"{end}, or a later end (-1: latest)")
+            if begin == named:
+                said = f"startingOffsets {begin} is after endingOffsets {end}"
+            elif starting.kind == "timestamp":
+                said = (f"startingTimestamp {starting.timestamp_ms} starts it at seq {begin} (its first message sent "
+                        f"at or after it), after endingOffsets {end}")
+                hint = f"Give an earlier startingTimestamp, or an endingOffsets past {begin} (-1: latest) for it"
+            else:
+                said = (f"startingOffsets earliest starts it at seq {begin} (the first this host's member still "
+                        f"holds), after endingOffsets {end}")
+                hint = (f"Its seqs below {begin} are not on this member (retention took them, or it joined later): "
+                        f"give an endingOffsets past {begin} (-1: latest) for it, or read through a member that "
+                        "holds them")
+            raise ConnectorOptionError(
+                f"publisher {did} in group {group!r}: {said}; the read [start, end) would return none of its "
+                "messages", hint=hint)
+
+
 def _concrete(choice: int, span: SeqRange) -> int:
     if choice == EARLIEST:
         return span.first

@@ -424,6 +424,38 @@ def test_batch_read_and_offsets_options(spark, members, group):
     assert sorted(r.seq for r in later) == list(range(31, 51))
 
 
+def test_a_batch_read_starting_after_its_end_is_refused_naming_both(spark, members, group):
+    """startingOffsets {DID: 10} with endingOffsets {DID: 5} returned 0 rows for that publisher without
+    a word: refused at load, naming the group, the publisher and both values. A startingTimestamp that
+    starts the publisher past its end is known only at planning: refused then."""
+    alice, bob = members["alice"], members["bob"]
+    publish(bob, group, [f"m{i}" for i in range(6)])
+    time.sleep(0.3)
+    publish(bob, group, [f"m{i}" for i in range(6, 12)])
+    did = bob.did(group)
+    wait_for(lambda: alice.client().read(group=group).num_rows == 12, 30, "alice to receive")
+
+    def read(**options: str):
+        reader = spark.read.format("zerocomm").option("group", group).option("agent", str(alice.config))
+        for key, value in options.items():
+            reader = reader.option(key, value)
+        return reader.load()
+
+    started = time.monotonic()
+    with pytest.raises(Exception, match=f"publisher {did} in group '{group}': startingOffsets 10 is after "
+                                        "endingOffsets 5"):
+        read(startingOffsets=json.dumps({group: {did: 10}}), endingOffsets=json.dumps({group: {did: 5}}))
+    seventh = next(r.sent_at for r in read().collect() if r.seq == 7).replace(tzinfo=timezone.utc)
+    with pytest.raises(Exception, match=f"publisher {did} in group '{group}': startingTimestamp .* starts it at "
+                                        "seq 7 .*after endingOffsets 5"):
+        read(startingTimestamp=str(int(seventh.timestamp() * 1000)),
+             endingOffsets=json.dumps({group: {did: 5}})).collect()
+    assert time.monotonic() - started < 90
+    # A start at the end is an empty range (endingOffsets is exclusive), not an error.
+    assert read(startingOffsets=json.dumps({group: {did: 5}}), endingOffsets=json.dumps({group: {did: 5}})).count() == 0
+    assert read(startingOffsets=json.dumps({group: {did: 5}}), endingOffsets=json.dumps({group: {did: 10}})).count() == 5
+
+
 def test_max_messages_per_trigger_bounds_every_micro_batch(spark, members, group, tmp_path):
     alice, bob, carol = members["alice"], members["bob"], members["carol"]
     publish(bob, group, [f"b{i}" for i in range(350)])

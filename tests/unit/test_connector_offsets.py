@@ -167,6 +167,27 @@ def test_ending_offsets():
         EndingOffsets.parse("earliest", ["g"])
 
 
+def test_a_start_resolved_after_the_named_end_is_refused_naming_both():
+    """At planning: a startingTimestamp (or earliest, past retention) that starts a publisher after the
+    end named for it read nothing of it without a word."""
+    ending = EndingOffsets.parse(json.dumps({"g": {A[1]: 5}}), ["g", "h"])
+    by_time = StartingOffsets.parse(None, ["g", "h"], default="earliest", timestamp="1767225600000")
+    with pytest.raises(ConnectorOptionError, match=f"publisher {A[1]} in group 'g': startingTimestamp 1767225600000 "
+                                                   "starts it at seq 7 .*after endingOffsets 5") as info:
+        ending.check_start(by_time, ZeroCommOffset({A: 7, B: 1}))
+    assert "earlier startingTimestamp" in info.value.hint
+    earliest = StartingOffsets.parse("earliest", ["g", "h"], default="earliest")
+    with pytest.raises(ConnectorOptionError, match="startingOffsets earliest starts it at seq 9 .*after "
+                                                   "endingOffsets 5") as info:
+        ending.check_start(earliest, ZeroCommOffset({A: 9}))
+    assert "below 9 are not on this member" in info.value.hint
+    for start in ({A: 5}, {A: 1}, {B: 99}):  # an empty range, a read, another publisher: no error
+        ending.check_start(by_time, ZeroCommOffset(start))
+    EndingOffsets.parse(json.dumps({"g": {A[1]: -1}}), ["g"]).check_start(earliest, ZeroCommOffset({A: 9}))
+    named = StartingOffsets.parse(json.dumps({"g": {A[1]: 3}}), ["g"], default="earliest")
+    ending.check_start(named, ZeroCommOffset({A: 3}))  # the seq named wins over what it resolved to
+
+
 def test_limit_rows_is_fair_bounded_and_monotonic():
     start = ZeroCommOffset({A: 1, B: 1, C: 1})
     latest = ZeroCommOffset({A: 101, B: 3, C: 51})

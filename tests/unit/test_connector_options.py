@@ -147,3 +147,22 @@ def test_a_path_is_refused_naming_the_group_option(key):
     assert '.option("group", ...)' in info.value.hint and "checkpointLocation" in info.value.hint
     SinkOptions.parse({"group": "g", "checkpointLocation": "/c", "queryName": "q"})  # Spark's own still pass
 
+
+@pytest.mark.parametrize("mode", ["any", "batch"])
+def test_a_batch_read_starting_after_its_end_is_refused_at_load(mode):
+    """startingOffsets {DID: 10} with endingOffsets {DID: 5} returned 0 rows of that publisher without a
+    word. Refused at load, naming the group, the publisher and both values; an equal start and end (an
+    empty range, endingOffsets being exclusive) and an end at -1 (latest) are not."""
+    did = "did:peer:2.bob"
+    with pytest.raises(ConnectorOptionError, match=f"publisher {did} in group 'g': startingOffsets 10 is after "
+                                                   "endingOffsets 5") as info:
+        SourceOptions.parse({"group": "g,h", "startingOffsets": f'{{"g": {{"{did}": 10}}, "h": "earliest"}}',
+                             "endingOffsets": f'{{"g": {{"{did}": 5}}}}'}, mode=mode)
+    assert "at or below 5" in info.value.hint
+    for end in (10, 11, -1):
+        SourceOptions.parse({"group": "g", "startingOffsets": f'{{"g": {{"{did}": 10}}}}',
+                             "endingOffsets": f'{{"g": {{"{did}": {end}}}}}'}, mode=mode)
+    # A stream takes no endingOffsets: it is refused as such, whatever the start.
+    with pytest.raises(ConnectorOptionError, match="endingOffsets applies to batch reads"):
+        SourceOptions.parse({"group": "g", "startingOffsets": f'{{"g": {{"{did}": 10}}}}',
+                             "endingOffsets": f'{{"g": {{"{did}": 5}}}}'}, mode="stream")
