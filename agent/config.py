@@ -300,14 +300,16 @@ def load(config: str | os.PathLike[str] | None = None, *, env: Mapping[str, str]
     identity whatever directory it is started from.
 
     ``flags`` are ``section.key=value`` strings (the ``--set`` option) or a mapping of them.
-    ``missing_ok``: a named file that does not exist yet counts as empty (`zerocomm init` writes it).
+    ``missing_ok``: a file named by ``config`` or $ZEROCOMM_CONFIG that does not exist yet counts as
+    empty (`zerocomm init` writes it).
     """
     env = os.environ if env is None else env
     values = {section: dict(keys) for section, keys in DEFAULTS.items()}
     source = {f"{s}.{k}": "default" for s, keys in DEFAULTS.items() for k in keys}
     warnings: list[str] = []
-    if missing_ok and config is not None and not Path(config).expanduser().exists():
-        path = None
+    named = config if config is not None else env.get("ZEROCOMM_CONFIG") or None
+    if missing_ok and named is not None and not Path(named).expanduser().exists():
+        path = None  # (--config or $ZEROCOMM_CONFIG: both name the file init is to write)
     else:
         path = find_config_file(config, env)
     if path is not None:
@@ -381,5 +383,8 @@ def render_toml(values: Mapping[str, Mapping[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def user_config_file() -> Path:
-    return Path(USER_CONFIG_FILE).expanduser()
+def user_config_file(env: Mapping[str, str] | None = None) -> Path:
+    """The file `zerocomm init` writes without --config: the one $ZEROCOMM_CONFIG names (what every
+    later command then reads), else ~/.zerocomm/zerocomm.toml."""
+    named = (os.environ if env is None else env).get("ZEROCOMM_CONFIG")
+    return Path(named or USER_CONFIG_FILE).expanduser()

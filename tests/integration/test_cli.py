@@ -539,6 +539,25 @@ def test_init_again_with_the_identity_dir_written_differently_is_the_same_member
     assert other.code == 2 and not (tmp_path / "bob").exists(), other.stdout + other.stderr  # still refused
 
 
+def test_init_writes_the_file_zerocomm_config_names(tmp_path: Path) -> None:
+    """With ZEROCOMM_CONFIG naming a file not made yet (first setup, as the READMEs advise for
+    executors), `zerocomm init` refused: "ZEROCOMM_CONFIG names ..., which does not exist. Create it
+    with `zerocomm init`" (exit 2). init writes that file; other commands keep the clear error."""
+    config = tmp_path / "x" / "zc.toml"
+    env = {**os.environ, "ZEROCOMM_CONFIG": str(config)}
+    made = zerocomm("--json", "init", "--identity-dir", str(tmp_path / "x" / "id"), "--label", "bob", env=env)
+    assert made.code == 0, made.stdout + made.stderr
+    assert made.json["config_file"] == str(config) and made.json["config_written"] is True
+    shown = zerocomm("--json", "config", env=env)
+    assert shown.code == 0, shown.stderr
+    assert shown.json["file"] == str(config) and shown.json["identity_dir"] == str(tmp_path / "x" / "id")
+    assert shown.json["values"]["identity"]["label"] == "bob"
+    missing = {**os.environ, "ZEROCOMM_CONFIG": str(tmp_path / "y" / "zc.toml")}
+    refused = zerocomm("config", env=missing)
+    assert refused.code == 2 and "ZEROCOMM_CONFIG names" in refused.stderr and "does not exist" in refused.stderr
+    assert "zerocomm init" in refused.stderr
+
+
 def test_a_send_from_stdin_that_stops_part_way_says_how_to_send_the_rest_exactly_once(tmp_path: Path) -> None:
     """`send -` whose chunk a member did not acknowledge in time said how many lines had been
     acknowledged but named no message ids: the lines had fresh random ids, so sending the input again

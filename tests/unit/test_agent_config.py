@@ -77,6 +77,9 @@ def test_zerocomm_config_env_names_the_file(tmp_path: Path) -> None:
     assert cfg.identity_dir == Path("/tmp/somewhere")
     with pytest.raises(ConfigurationError, match="ZEROCOMM_CONFIG"):
         cfgmod.load(None, env={"ZEROCOMM_CONFIG": str(tmp_path / "missing.toml")})
+    # init's load: the file ZEROCOMM_CONFIG names is the one it is to write, as for --config
+    assert cfgmod.load(None, env={"ZEROCOMM_CONFIG": str(tmp_path / "missing.toml")}, missing_ok=True).file is None
+    assert cfgmod.user_config_file({"ZEROCOMM_CONFIG": str(tmp_path / "missing.toml")}) == tmp_path / "missing.toml"
 
 
 @pytest.mark.parametrize(("text", "match"), [
