@@ -164,6 +164,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--detach", action="store_true", help="run in the background and return once it serves")
     p.add_argument("--ready-fd", type=int, help=argparse.SUPPRESS)
     p.add_argument("--run-lock-fd", type=int, help=argparse.SUPPRESS)  # the run lock a detached start passes down
+    # A start on demand (Client.connect(spawn=True), the connector): for an existing identity only.
+    p.add_argument("--existing-identity", action="store_true", help=argparse.SUPPRESS)
     p = add(agent_sub, "stop", "stop the agent gracefully (SIGTERM, then wait)", cmd_agent_stop)
     p.add_argument("--force", action="store_true", help="kill it if it does not stop within the deadline")
     add(agent_sub, "status", "is the agent running, and how is it (exit 3 if not running)", cmd_agent_status)
@@ -416,7 +418,7 @@ class Ctx:
             from zerocomm_spark.agent.daemon import start_detached
 
             try:
-                start_detached(cfg)
+                start_detached(cfg, existing_identity=True)  # --spawn never creates a member
             except errors.AgentAlreadyRunningError:
                 pass  # another command is starting it at this moment: wait for that one below
             deadline = time.monotonic() + cfg.get("agent", "start_timeout")
@@ -586,7 +588,8 @@ def cmd_agent_start(ctx: Ctx) -> int:
     if getattr(ctx.args, "detach", False):
         # The same file and flags (--identity-dir, --socket-dir...: the agent they name), quoted to paste as is.
         stop = ctx.command("agent stop")
-        health = start_detached(ctx.config, timeout=getattr(ctx.args, "timeout", None))
+        health = start_detached(ctx.config, timeout=getattr(ctx.args, "timeout", None),
+                                existing_identity=ctx.args.existing_identity)
         ctx.out(health, lambda: f"agent {health.get('label')!r} running in the background (pid {health.get('pid')})\n"
                                 f"  API  {health.get('endpoints', {}).get('api')}\n"
                                 f"  log  {health.get('log_file')}\n"

@@ -26,6 +26,7 @@ import os
 import re
 import resource
 import select
+import shlex
 import signal
 import subprocess
 import sys
@@ -47,7 +48,8 @@ from zerocomm_spark.errors import (
     ZeroCommError,
 )
 
-__all__ = ["agent_environment", "log_file_of", "run_foreground", "start_detached", "stop_agent", "agent_status"]
+__all__ = ["agent_environment", "log_file_of", "require_identity", "run_foreground", "start_detached", "stop_agent",
+           "agent_status"]
 _KILL_WAIT_S = 5.0  # after `stop --force` sent SIGKILL: how long the process gets to be gone
 _NAMING_WAIT_S = 5.0  # `stop` of a directory held by a starting agent whose pid is not written yet
 
@@ -170,11 +172,40 @@ def _agent_settings(config: Config) -> list[str]:
     return argv
 
 
-def start_detached(config: Config, timeout: float | None = None) -> dict[str, Any]:
-    """Start an agent in the background and return its health once it serves; raise what stopped it."""
+def require_identity(config: Config) -> None:
+    """Refuse to start an agent on demand for an identity directory that holds no identity.
+
+    An agent that opens an empty directory creates a new member there: right for `zerocomm init`, wrong
+    for --spawn, spawn=True or the connector's spawnAgent, where it came from a typo or a host never set
+    up and went unnoticed (a new member in no group, its agent left running)."""
+    from zerocomm_spark.errors import IdentityNotFoundError
+    from zerocomm_spark.keys.keystore import SEALED_FILE
+
+    directory = config.identity_dir
+    if (directory / SEALED_FILE).is_file():
+        return
+    origin = config.source.get("identity.dir", "default")
+    where = {"default": "the default identity directory", "flag": "the identity directory given"}.get(
+        origin, f"the identity directory ({origin.replace('env ', 'from ')})" if origin.startswith("env ")
+        else f"the identity directory of {origin}")
+    raise IdentityNotFoundError(
+        f"{where}, {directory}, holds no identity (no {SEALED_FILE}); an agent started on demand serves an "
+        "existing member and never creates one",
+        hint=f"Create it with `zerocomm init --identity-dir {shlex.quote(str(directory))} --label NAME`, or "
+             "point at an existing identity: --config or --identity-dir for the command, Client.connect(config=...)"
+             ", or the connector's `agent` option (its zerocomm.toml or socket directory) or ZEROCOMM_CONFIG on "
+             "each host")
+
+
+def start_detached(config: Config, timeout: float | None = None, *, existing_identity: bool = False) -> dict[str, Any]:
+    """Start an agent in the background and return its health once it serves; raise what stopped it.
+
+    ``existing_identity``: a start on demand, which refuses to create the identity (:func:`require_identity`)."""
     from zerocomm_spark.agent.server import prepare_socket_dir
 
     config = _settled(config)  # the agent runs in AGENT_CWD: relative paths mean the starter's directory
+    if existing_identity:
+        require_identity(config)
     wait = timeout if timeout is not None else config.get("agent", "start_timeout")
     holder = held_by(config.socket_dir)
     if holder is not None:

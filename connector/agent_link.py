@@ -29,6 +29,7 @@ from zerocomm_spark.errors import (
     BackpressureError,
     ClientClosedError,
     GroupNotFoundError,
+    IdentityNotFoundError,
     OffsetOutOfRangeError,
     PeerTimeoutError,
     PublishNotAcknowledgedError,
@@ -68,6 +69,9 @@ class MemberLink:
         try:
             return Client.connect(agent.where, spawn=agent.spawn, timeout=agent.timeout_s,
                                   call_timeout=agent.timeout_s)
+        except IdentityNotFoundError as exc:  # spawnAgent on a host not set up: say which host
+            raise IdentityNotFoundError(f"format(\"zerocomm\") on host {os.uname().nodename}: {exc.message}",
+                                        hint=exc.hint) from None
         except AgentNotRunningError as exc:
             where = agent.where or "the configured location ($ZEROCOMM_CONFIG, ~/.zerocomm)"
             raise AgentNotRunningError(

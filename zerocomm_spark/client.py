@@ -973,7 +973,8 @@ def _spawn_agent(config: str | os.PathLike[str] | None, deadline: float) -> None
     argv = [sys.executable, "-m", "zerocomm_spark.agent", "--json"]
     if config is not None:
         argv += ["--config", os.fspath(config)]
-    argv += ["agent", "start", "--detach", "--timeout", f"{max(deadline - time.monotonic(), 1.0):.3f}"]
+    argv += ["agent", "start", "--detach", "--existing-identity",  # a spawn never creates a member
+             "--timeout", f"{max(deadline - time.monotonic(), 1.0):.3f}"]
     try:
         done = subprocess.run(argv, stdin=subprocess.DEVNULL, capture_output=True, text=True,
                               timeout=max(deadline - time.monotonic(), 1.0) + 5.0)

@@ -48,6 +48,14 @@ class InvalidTimeoutError(ConfigurationError, ValueError):
 # --- keys and identities -----------------------------------------------------------------------
 
 
+class IdentityNotFoundError(ConfigurationError):
+    """No identity in the directory an agent started on demand would serve: a spawn never creates one
+    (a typo in a path would otherwise make a new member, silently, and leave its agent running)."""
+
+    hint = ("Create it with `zerocomm init --identity-dir DIR`, or point at an existing one (--config or "
+            "--identity-dir; the connector's `agent` option or ZEROCOMM_CONFIG)")
+
+
 class KeystoreError(ZeroCommError):
     """The sealed keystore cannot be opened or written."""
 

@@ -27,6 +27,7 @@ from zerocomm_spark.errors import (
     AgentNotRunningError,
     BadRequestError,
     GroupNotFoundError,
+    IdentityNotFoundError,
     OffsetOutOfRangeError,
     RequestTooLargeError,
 )
@@ -428,6 +429,46 @@ def test_non_finite_numbers_are_refused_and_no_call_spins(tmp_path: Path) -> Non
         time.sleep(2.0)
         assert cpu() - before < 1.0  # nothing left spinning
         assert m.ok("agent", "status")["responding"] is True
+    finally:
+        m.stop()
+
+
+def test_a_spawn_never_creates_an_identity(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A spawn for an identity directory with no identity (a typo, a host never set up) created a new
+    member there ("member", in no group) and left its agent running: `--spawn group list` printed
+    "(none)", exit 0, and the connector said the member "is not in group(s) 'sensors'". It now fails
+    naming the directory and the init that creates it, and creates nothing."""
+    from zerocomm_spark.connector.agent_link import MemberLink
+    from zerocomm_spark.connector.options import AgentOptions
+
+    home = tmp_path / "home"
+    home.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.delenv("ZEROCOMM_CONFIG", raising=False)
+    typo = tmp_path / "typo-dir"
+    listed = zerocomm("--identity-dir", str(typo), "--spawn", "--json", "group", "list", env=dict(os.environ))
+    assert listed.code == 2, listed.stdout + listed.stderr
+    error = listed.json["error"]
+    assert error["type"] == "IdentityNotFoundError" and str(typo) in error["message"], error
+    assert f"zerocomm init --identity-dir {typo}" in error["hint"], error
+    assert not typo.exists()  # no identity, no run directory, no agent
+    said = zerocomm("--identity-dir", str(typo), "--spawn", "group", "list", env=dict(os.environ))
+    assert said.code == 2 and "holds no identity" in said.stderr and "zerocomm init" in said.stderr, said.stderr
+    # the client and the connector (spawnAgent, no configuration on the host: the default identity)
+    with pytest.raises(IdentityNotFoundError, match="default identity directory") as info:
+        Client.connect(spawn=True, timeout=30)
+    assert str(home / ".zerocomm" / "member") in info.value.message
+    with pytest.raises(IdentityNotFoundError) as info:
+        MemberLink.connect(AgentOptions(None, True, 30.0)).check_groups(("sensors",))
+    assert "ZEROCOMM_CONFIG" in info.value.hint and "agent" in info.value.hint
+    assert f"on host {os.uname().nodename}" in info.value.message and str(home) in info.value.message
+    assert not list(home.iterdir())
+    # an existing identity is spawned as before
+    m = Member(tmp_path, "real")
+    m.init()
+    try:
+        assert m.run("--spawn", "group", "list").code == 0
+        assert m.pid() is not None
     finally:
         m.stop()
 

@@ -249,7 +249,7 @@ def test_the_stop_command_printed_by_a_detached_start_stops_that_agent(tmp_path,
     identity = tmp_path / "their id"
     config.parent.mkdir()
     config.write_text("[journal]\nfsync = \"always\"\n")
-    monkeypatch.setattr(daemon, "start_detached", lambda cfg, timeout=None: {"label": "x", "pid": 1})
+    monkeypatch.setattr(daemon, "start_detached", lambda cfg, timeout=None, **how: {"label": "x", "pid": 1})
     assert cli.main(["--config", str(config), "--identity-dir", str(identity), "agent", "start", "--detach"]) == 0
     line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("stop it with: "))
     argv = shlex.split(line.removeprefix("stop it with: "))
