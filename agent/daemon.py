@@ -447,10 +447,16 @@ def agent_status(config: Config, timeout: float = 5.0) -> dict[str, Any]:
         out["responding"] = True
     except ZeroCommError as exc:
         out["responding"] = False
+        # The health file's "running" is what the agent last wrote, not what it is now.
+        out["state"] = "not responding"
         out["problem"] = str(exc)
         holder = held_by(config.socket_dir)
-        if isinstance(exc, AgentNotRunningError) and holder is not None:
-            # The client's own hint sends the user to `agent status`, which is this.
+        if holder is None and pid > 0 and pid_alive(pid):
+            holder = pid  # it held the directory a moment ago and lives: the same agent, not answering
+        if isinstance(exc, (AgentNotRunningError, TimeoutError)) and holder is not None:
+            # Whatever the client called it ("no agent answered", a call's deadline), an agent that holds
+            # the directory is not one to start (that start is refused as already running); and the
+            # client's own hints send the user to `agent status`, which is this.
             out["problem"] = (
                 f"the agent (pid {holder if holder > 0 else 'unknown'}) holds {config.socket_dir} but did not serve "
                 f"its API within {timeout:g}s: it is starting, stopping or hung. See its log {log_file_of(config)}, "

@@ -511,6 +511,14 @@ def test_a_command_to_an_agent_that_does_not_answer_says_so(tmp_path: Path) -> N
             assert error["type"] == "ApiTimeoutError" and f"pid {pid}" in error["message"], error
             assert "did not answer" in error["message"] and "agent stop --force" in error["hint"], error
         assert m.pid() == pid  # --spawn started no other agent
+        # `agent status` says it does not respond (not the health file's "running") and how to stop it,
+        # never to start one (refused: already running)
+        status = m.run("agent", "status", "--timeout", "2", timeout=60)
+        assert status.code == 1 and status.json["responding"] is False, status
+        assert status.json["state"] == "not responding", status.json
+        assert f"pid {pid}" in status.json["problem"] and "zerocomm agent stop" in status.json["problem"]
+        said = m.run("agent", "status", "--timeout", "2", timeout=60, json_out=False)
+        assert said.code == 1 and "not responding" in said.stdout and "agent start" not in said.stdout, said
     finally:
         os.kill(pid, signal.SIGCONT)
         m.stop()

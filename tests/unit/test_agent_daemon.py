@@ -395,6 +395,36 @@ def test_status_of_an_agent_that_holds_its_directory_but_does_not_serve_says_wha
     assert "zerocomm agent stop" in problem and "agent status" not in problem, problem
 
 
+@pytest.mark.parametrize("failure", ["deadline", "no answer", "lock let go meanwhile"])
+def test_status_of_an_agent_that_does_not_answer_never_says_to_start_one(tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch,
+                                                                          failure: str) -> None:
+    """A hung agent's status said "no agent answered ... Start one with `zerocomm agent start --detach`"
+    (a start then refused as already running), and --json said "state": "running" beside
+    "responding": false. Every way the client says it got no answer, with the agent alive, gives the
+    advice for a hung agent; the state says it does not respond."""
+    from zerocomm_spark.errors import ApiTimeoutError
+
+    config = cfgmod.load(None, env={}, flags=[f"identity.dir={tmp_path / 'id'}"])
+    (tmp_path / "id" / "run").mkdir(parents=True, mode=0o700)
+    me = os.getpid()
+    answers = iter([me, None if failure == "lock let go meanwhile" else me])
+    monkeypatch.setattr(daemon, "held_by", lambda run_dir: next(answers))
+    monkeypatch.setattr(daemon, "read_health", lambda run_dir: {"state": "running", "pid": me, "heartbeat_at": 0})
+
+    def connect(*args: object, **kwargs: object) -> None:
+        if failure == "deadline":
+            raise ApiTimeoutError("the agent at ipc://x did not answer status within 0.5s")
+        raise AgentNotRunningError("no agent answered on ipc://x/api.sock within the deadline")
+
+    monkeypatch.setattr(daemon.Client, "connect", connect)
+    status = daemon.agent_status(config, timeout=0.5)
+    assert status["responding"] is False and status["state"] == "not responding", status
+    problem = status["problem"]
+    assert f"pid {me}" in problem and "zerocomm agent stop" in problem, problem
+    assert "agent start" not in problem and "outcome is unknown" not in problem, problem
+
+
 def test_stop_while_a_detached_start_has_not_named_its_agent_yet_stops_it(tmp_path: Path) -> None:
     """A detached start holds the run directory, its pid file empty, from its lock to the launch of the agent
     (and, if the starter dies in between, until the agent names itself): a stop then said "its pid file is
