@@ -813,15 +813,32 @@ def line_id(prefix: str, group: str, number: int, text: str) -> str:
     return f"{prefix}-{number}-{digest}"
 
 
-def _stdin_chunks(request_bytes: Callable[[], int], group: str, prefix: str,
-                  skip: int) -> Iterator[tuple[list[str], list[str]]]:
+def _bad_line(exc: ZeroCommError, number: int) -> ZeroCommError:
+    """``exc`` marked as about line ``number`` of stdin, which cannot be sent as it is: sending the
+    same input again would stop at it again, so the resume a `send -` names is on an edited input."""
+    exc.stdin_line = number  # type: ignore[attr-defined]
+    return exc
+
+
+def _too_large(number: int, size: int, limit: int) -> errors.FrameTooLargeError:
+    return errors.FrameTooLargeError(
+        f"line {number} of stdin is {size} bytes, more than the agent publishes as one message "
+        f"(max_message_bytes={limit})",
+        hint=f"Split line {number} into lines of at most {limit} bytes, or remove it")
+
+
+def _stdin_chunks(request_bytes: Callable[[], int], group: str, prefix: str, skip: int,
+                  message_bytes: Callable[[], int | None] = lambda: None) -> Iterator[tuple[list[str], list[str]]]:
     """Lines of stdin and their message ids (see line_id), in chunks of at most half the agent's
     request limit (in UTF-8 bytes, as sent), asked for at the first line; the first ``skip`` lines
-    are read past."""
+    are read past. A line larger than ``message_bytes()`` (the agent's largest message) ends the
+    lines: those before it are yielded first, so they go out, then the error names it (the agent
+    refused a whole chunk for one line, naming none). A line that is not text is refused with its chunk."""
     chunk: list[str] = []
     ids: list[str] = []
     size = 0
     limit = None
+    largest: int | None = None
     # Decoded leniently whatever the locale (strict under en_US.UTF-8 and the like): a line that is not
     # UTF-8 is then told by its number below, as a ZeroCommError (it says how many lines went out).
     if hasattr(sys.stdin, "reconfigure"):
@@ -831,12 +848,21 @@ def _stdin_chunks(request_bytes: Callable[[], int], group: str, prefix: str,
             continue
         if limit is None:
             limit = min(_SEND_CHUNK_BYTES, max(request_bytes() // 2, 1))
+            largest = message_bytes()
         text = line.rstrip("\n")
         if not is_utf8_text(text):  # stdin decodes with surrogateescape: binary input would fail mid-send
-            raise errors.BadRequestError(f"line {number} of stdin is not UTF-8 text",
-                                         hint="Send text; encode binary data first (for example with base64)")
+            # (Refused with its chunk, as before: binary input is most often binary from its first chunk.)
+            raise _bad_line(errors.BadRequestError(
+                f"line {number} of stdin is not UTF-8 text",
+                hint=f"Encode binary data first (for example with base64), or remove line {number}"), number)
+        encoded = len(text.encode("utf-8", "surrogateescape"))
+        if largest is not None and encoded > largest:
+            if chunk:
+                yield chunk, ids
+                chunk, ids, size = [], [], 0
+            raise _bad_line(_too_large(number, encoded, largest), number)
         mid = line_id(prefix, group, number, text)
-        cost = len(text.encode("utf-8", "surrogateescape")) + len(mid) + 32
+        cost = encoded + len(mid) + 32
         if chunk and size + cost > limit:
             yield chunk, ids
             chunk, ids, size = [], [], 0
@@ -857,7 +883,7 @@ def _stdin_chunks(request_bytes: Callable[[], int], group: str, prefix: str,
 _SENT_NOTHING = (errors.BadRequestError, errors.AgentBusyError, errors.ApiPermissionError, errors.ConfigurationError,
                  errors.ClientClosedError, errors.BackpressureError, errors.GroupNotFoundError,
                  errors.GroupNotOpenError, errors.NotAMemberError, errors.ReadOnlyMemberError,
-                 errors.InvalidGroupNameError)
+                 errors.InvalidGroupNameError, errors.FrameTooLargeError)
 
 
 def _say_how_to_send_the_rest(exc: ZeroCommError, a: argparse.Namespace, prefix: str, *, acked: int,
@@ -884,6 +910,14 @@ def _say_how_to_send_the_rest(exc: ZeroCommError, a: argparse.Namespace, prefix:
                  if isinstance(exc, errors.PeerTimeoutError) else f"; {lines} may be out (the outcome is unknown)")
     options = f"--id-prefix {prefix}" + (f" --skip {done}" if done else "")
     given = " (in place of yours)" if a.id_prefix or a.skip else ""
+    bad = getattr(exc, "stdin_line", None)
+    if bad is not None:  # the same input would stop at the same line: the rest goes from an edited input
+        hint = (f"{exc.hint}; then, to send the rest exactly once, run the same command on the edited input with "
+                f"{options}{given}: the first {done} line(s) are read past, and line {done + 1} and those after "
+                "it were not sent")
+        exc.hint = hint
+        exc.args = (f"{text}. {hint}",)
+        return
     resume = (f"To send the rest exactly once, run the same command on the same input with {options}{given}: "
               f"line N has the id {prefix}-N-HASH (HASH of the group and the line's text) in every run with this "
               "prefix, so a line a member has already is dropped, not delivered twice")
@@ -894,6 +928,26 @@ def _say_how_to_send_the_rest(exc: ZeroCommError, a: argparse.Namespace, prefix:
                                                                          errors.ApiTimeoutError)) else resume
     exc.hint = hint
     exc.args = (f"{text}. {hint}",)
+
+
+def _max_message_bytes(client: Client) -> int | None:
+    """The largest payload the agent publishes as one message, as it said when the client connected."""
+    value = (getattr(client, "agent", None) or {}).get("max_message_bytes")
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+
+def _name_the_large_line(exc: errors.FrameTooLargeError, lines: list[str], first: int) -> None:
+    """For a chunk the agent refused whole for a payload too large (a limit its status did not give,
+    such as the room an origin proof takes): name the largest line of the chunk, which is the one."""
+    sizes = [len(line.encode("utf-8", "surrogateescape")) for line in lines]
+    index = max(range(len(sizes)), key=sizes.__getitem__)
+    number = first + index
+    span = f"lines {first}..{first + len(lines) - 1}" if len(lines) > 1 else f"line {first}"
+    text = (f"{exc.message} (line {number} of stdin, {sizes[index]} bytes, the largest of {span}; the agent "
+            "refused them whole, so none of them was sent)")
+    exc.hint = f"Split line {number} into smaller lines, or remove it"
+    exc.args = (f"{text}. {exc.hint}",)
+    _bad_line(exc, number)
 
 
 def _say_interrupted(a: argparse.Namespace, prefix: str, *, acked: int, in_flight: int) -> None:
@@ -921,7 +975,8 @@ def cmd_send(ctx: Ctx) -> int:
         # prefix gives the same ids (what went out is dropped as duplicates), from the line it names.
         prefix = a.id_prefix or uuid.uuid4().hex[:16]
         chunks: Iterator[tuple[list[str], list[str]]] = _stdin_chunks(
-            lambda: ctx.client().max_request_bytes, a.group, prefix, a.skip)
+            lambda: ctx.client().max_request_bytes, a.group, prefix, a.skip,
+            lambda: _max_message_bytes(ctx.client()))
     else:
         if a.id_prefix or a.skip:
             raise errors.ConfigurationError("--id-prefix and --skip go with - (lines from stdin)",
@@ -932,6 +987,7 @@ def cmd_send(ctx: Ctx) -> int:
         chunks = iter([([a.message], [single_id])])
     message_ids: list[str] = []
     seqs: list[int] = []
+    sending: list[str] = []  # the lines of the chunk in flight
     duplicates = signed = unknown = 0
     journaled = True
     in_flight = 0
@@ -940,7 +996,7 @@ def cmd_send(ctx: Ctx) -> int:
     with Progress(f"sending to {a.group}", enabled=None if not ctx.json and a.message == "-" else False) as progress:
         try:  # reading stdin fails too (a line that is not text): both say how far the sending got
             for lines, ids in chunks:
-                in_flight = len(lines)
+                in_flight, sending = len(lines), lines
                 client = ctx.client()
                 calling = True
                 result = client.publish(a.group, lines, message_ids=ids, timeout=ctx.timeout, sign=a.sign)
@@ -954,6 +1010,8 @@ def cmd_send(ctx: Ctx) -> int:
                 progress.update({"phase": f"{len(message_ids)} line(s) acknowledged"})
         except ZeroCommError as exc:
             if prefix is not None:
+                if isinstance(exc, errors.FrameTooLargeError) and in_flight and getattr(exc, "stdin_line", None) is None:
+                    _name_the_large_line(exc, sending, a.skip + len(message_ids) + 1)
                 _say_how_to_send_the_rest(exc, a, prefix, acked=len(message_ids), in_flight=in_flight)
             elif not isinstance(exc, _SENT_NOTHING) and (calling or not isinstance(exc, errors.AgentNotRunningError)):
                 # (No agent found by the connect sent nothing either: said plainly. One that stopped

@@ -558,6 +558,45 @@ def test_init_writes_the_file_zerocomm_config_names(tmp_path: Path) -> None:
     assert "zerocomm init" in refused.stderr
 
 
+def test_a_line_too_large_for_one_message_is_named_and_the_lines_before_it_go_out(tmp_path: Path) -> None:
+    """`send -` with one line over the agent's largest message refused its whole chunk: "a N-byte
+    payload exceeds max_message_bytes (the first 1 line(s) ... acknowledged); line 2 may be out (the
+    outcome is unknown)", and the --skip it named hit the same line again. The line is checked against
+    the agent's limit before its chunk goes: the lines before it go out, the error names it (split or
+    remove it), and the resume it names, on the edited input, sends the rest once. A line the agent
+    refuses for a limit it did not give (an origin proof's room) is named too."""
+    solo = Member(tmp_path, "solo", "peer.max_frame_bytes=200000")
+    try:
+        start_all([solo])
+        solo.ok("group", "create", "g")
+        largest = solo.ok("agent", "status")["max_message_bytes"]
+        big = "x" * (largest + 1)
+        sent = solo.run("send", "g", "-", input=f"small1\n{big}\nsmall3\n")
+        assert sent.code == 1, sent.stdout + sent.stderr
+        error = sent.json["error"]
+        assert error["type"] == "FrameTooLargeError" and f"line 2 of stdin is {largest + 1} bytes" in error["message"]
+        assert "the first 1 line(s) of stdin were sent and acknowledged" in error["message"], error
+        assert "may be out" not in error["message"], error
+        assert "Split line 2" in error["hint"] and "remove it" in error["hint"] and "edited input" in error["hint"]
+        prefix = error["hint"].split("--id-prefix ", 1)[1].split()[0]
+        assert f"--id-prefix {prefix} --skip 1" in error["hint"], error
+        assert [r["payload"] for r in solo.run("history", "g").json_lines] == ["small1"]
+        rest = solo.ok("send", "g", "-", "--id-prefix", prefix, "--skip", "1", input="small1\nsmall3\n")
+        assert rest["seqs"] == [2]
+        assert [r["payload"] for r in solo.run("history", "g").json_lines] == ["small1", "small3"]
+        # --sign: a proof header takes room the status's limit does not count; the agent refuses the chunk
+        edge = "y" * largest
+        signed = solo.run("send", "g", "-", "--sign", input=f"a\n{edge}\nb\n")
+        assert signed.code == 1, signed.stdout + signed.stderr
+        error = signed.json["error"]
+        assert error["type"] == "FrameTooLargeError", error
+        assert f"line 2 of stdin, {largest} bytes, the largest of lines 1..3" in error["message"], error
+        assert "none of them was sent" in error["message"] and "Split line 2" in error["hint"], error
+        assert len(solo.run("history", "g").json_lines) == 2
+    finally:
+        solo.stop()
+
+
 def test_a_send_from_stdin_that_stops_part_way_says_how_to_send_the_rest_exactly_once(tmp_path: Path) -> None:
     """`send -` whose chunk a member did not acknowledge in time said how many lines had been
     acknowledged but named no message ids: the lines had fresh random ids, so sending the input again
