@@ -179,6 +179,23 @@ def test_what_to_do_next_fits_the_situation(tmp_path: Path) -> None:
         solo.stop()
 
 
+def test_joining_a_group_it_is_in_says_it_is_a_member(tmp_path: Path) -> None:
+    """`group join sensors --via alice` by a member of sensors said "this member already has a group
+    named 'sensors'. Pick another name, or leave(group) first", advice for a create."""
+    with running(tmp_path, "alice", "bob") as (alice, bob):
+        alice.ok("group", "create", "sensors")
+        bob.ok("connect", alice.ok("invite")["url"])
+        bob.ok("group", "join", "sensors", "--via", "alice")
+        again = bob.run("group", "join", "sensors", "--via", "alice")
+        assert again.code == 1 and again.json["error"]["type"] == "GroupExistsError", again
+        error = again.json["error"]
+        assert "already a member of group 'sensors'" in error["message"], error
+        assert "Pick another name" not in error["hint"] and "Nothing to do" in error["hint"], error
+        assert "zerocomm group leave sensors" in error["hint"], error
+        refused = alice.run("group", "create", "sensors")  # a create keeps its own advice
+        assert refused.code == 1 and "already has a group named 'sensors'" in refused.json["error"]["message"]
+
+
 def test_joiner_policy_from_the_configuration(tmp_path: Path) -> None:
     """groups.joiner_policy=invitation: only joiners who came through an invitation for the group get in."""
     owner = Member(tmp_path, "owner", "groups.joiner_policy=invitation")

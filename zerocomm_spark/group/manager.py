@@ -580,8 +580,16 @@ class GroupManager:
                  "ordered" if ordered else "unordered", consistent_join, role)
         return self.info(group)
 
-    def _reserve(self, group: str) -> None:
+    def _reserve(self, group: str, *, joining: bool = False) -> None:
         with self._lock:
+            if joining and group in self._groups and group not in self._reserved:
+                # "already has a group named ...; pick another name" fits a create, not a join: the name
+                # is the group's own, and this member is in it.
+                raise GroupExistsError(
+                    f"this member is already a member of group {group!r}",
+                    hint=f"Nothing to do: it is in the group (`zerocomm group info {group}`, info(group)). To join "
+                         f"it again (another role, through another member), leave it first (`zerocomm group leave "
+                         f"{group}`, leave(group)), then join")
             if group in self._groups or group in self._reserved:
                 raise GroupExistsError(f"this member already has a group named {group!r}")
             self._reserved.add(group)
@@ -762,7 +770,7 @@ class GroupManager:
         acceptor = self._record(connection.id)
         if acceptor is None:
             raise ConnectionNotReadyError(f"connection {connection.id} is {connection.state}")
-        self._reserve(group)
+        self._reserve(group, joining=True)
         accepted: dict[str, _Pair] = {}
         try:
             self._join(group, acceptor, role, the_policy, deadline, accepted)
