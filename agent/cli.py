@@ -38,6 +38,7 @@ from zerocomm_spark.client import Client, error_header
 from zerocomm_spark.deadlines import check_timeout
 from zerocomm_spark.errors import ZeroCommError
 from zerocomm_spark.group.topics import check_group
+from zerocomm_spark.paths import make_dirs, not_a_directory
 from zerocomm_spark.text import is_utf8_text
 
 __all__ = ["main", "exit_code_for", "EXIT_CODES"]
@@ -480,6 +481,12 @@ def cmd_init(ctx: Ctx) -> int:
     writing = not target.exists() or getattr(ctx.args, "force", False)
     if writing:  # a file that cannot be written must fail before the identity exists, not after
         _init_toml(cfg, str(cfg.label or cfg.identity_dir.name))
+        blocker = not_a_directory(target.parent)
+        if blocker is not None:
+            raise errors.ConfigurationError(
+                f"the configuration file {target} cannot be written: {blocker} is a file, not a directory",
+                hint="Give --config (or ZEROCOMM_CONFIG) a path in a directory, or one whose directories do not "
+                     "exist yet (they are created); nothing was created")
     else:  # the kept file must name this identity, or every command after (and the printed one) runs another
         kept = config_mod.load(str(target), env={}).identity_dir
         if cfg.source.get("identity.dir") == "flag" and not _same_dir(kept, cfg.identity_dir):
@@ -523,7 +530,7 @@ def cmd_init(ctx: Ctx) -> int:
     if writing:
         data = _init_toml(cfg, label)
         try:
-            target.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+            make_dirs(target.parent)
             # Private from its creation (a write then a chmod left it readable by others meanwhile), and
             # never through a link someone planted in its place.
             fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)

@@ -88,12 +88,13 @@ def open_log_file(path: Path) -> int:
     """An append-only descriptor on the agent's log file (mode 600), its directory made if needed;
     a path that cannot be used is a ConfigurationError naming it, not a traceback."""
     from zerocomm_spark.errors import ConfigurationError
+    from zerocomm_spark.paths import make_dirs
 
     hint = ("Set log.file (--set log.file=PATH) to a file this user can write, or to \"\" for the "
             "default (stderr in the foreground, <api.socket_dir>/agent.log in the background)")
     flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND
     try:
-        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        make_dirs(path.parent)  # (a file in the way: "Not a directory", not mkdir's "File exists")
         try:
             fd = os.open(path, flags | os.O_NOFOLLOW, 0o600)
         except OSError as exc:

@@ -227,11 +227,15 @@ class CallRegistry:
 
 def prepare_socket_dir(directory: Path) -> None:
     """Create the socket directory mode 700, or refuse one another user could enter."""
+    from zerocomm_spark.paths import make_dirs
+
     try:
-        directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        make_dirs(directory)
         st = directory.lstat()
     except OSError as exc:
-        raise ConfigurationError(f"cannot create the API socket directory {directory}: {exc.strerror}") from None
+        raise ConfigurationError(f"cannot create the API socket directory {directory}: {exc.strerror}",
+                                 hint="Set api.socket_dir (--socket-dir) to a directory this user can create, "
+                                      "or leave it unset (<identity.dir>/run)") from None
     if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
         raise InsecurePermissionsError(f"the API socket directory {directory} is not a plain directory")
     if st.st_uid != os.getuid():

@@ -62,6 +62,13 @@ class KeystoreError(ZeroCommError):
     hint = "Check the identity directory's permissions and the passphrase."
 
 
+class IdentityPathError(KeystoreError, ConfigurationError):
+    """The identity directory's path is a file, or goes through one: a mistake in the path given (a
+    usage error), not a keystore's permissions or passphrase."""
+
+    hint = "Give identity.dir (--identity-dir) a directory, or a path that does not exist yet (it is created)"
+
+
 class KeystoreLockedError(KeystoreError):
     """The keystore could not be unsealed: wrong passphrase or key file, or a damaged file."""
 

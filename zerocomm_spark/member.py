@@ -269,12 +269,16 @@ class Agent:
             transport = PeerTransport(bind, max_frame_bytes=max_frame_bytes, workers=workers)
             try:
                 transport.start()
-            except ConfigurationError:
+            except ConfigurationError as exc:
                 if not rebind:
-                    raise
+                    raise ConfigurationError(
+                        exc.message, hint="Free that address, or bind another: peer.endpoint (--endpoint, "
+                                          "ZEROCOMM_PEER_ENDPOINT; endpoint= in Python); port * picks a free one, "
+                                          "as in tcp://127.0.0.1:*") from None
                 raise ConfigurationError(
                     f"cannot bind {saved} again, the endpoint this agent's peers know it by (is the port "
-                    "taken?); free it, or pass endpoint= explicitly and reconnect with new invitations"
+                    "taken?)", hint="Free it (another process holds it), or bind another with peer.endpoint "
+                                    "(--endpoint; endpoint= in Python) and reconnect with new invitations"
                 ) from None
             if advertise is None and rebind and isinstance(settings.get("advertise"), str):
                 advertise = settings["advertise"]

@@ -129,3 +129,35 @@ def test_history_of_a_group_the_member_is_not_in_says_so(members: tuple[Member, 
         for args in (("history", name), ("tail", name, "--no-follow")):
             refused(up, *args, code=2)
             refused(down, *args, code=2)  # checked before looking for an agent
+
+
+def test_a_file_where_a_directory_must_be_is_said_as_such(tmp_path: Path) -> None:
+    """A parent path that is a file said "File exists" (mkdir's error for it), and an identity
+    directory that is a file was a keystore problem ("check the permissions and the passphrase", exit
+    1); a taken --endpoint was told to "check the named setting against conf/zerocomm.toml"."""
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    fresh = Member(tmp_path, "fresh")
+    error = refused(fresh, "init", "--identity-dir", str(afile), code=2)
+    assert f"{afile} is a file" in error["message"] and "--identity-dir" in error["hint"], error
+    assert "passphrase" not in error["hint"] and not fresh.config.exists()
+    error = refused(fresh, "init", "--identity-dir", str(afile / "id"), code=2)
+    assert "Not a directory" in error["message"] and "--identity-dir" in error["hint"], error
+    error = raw("--config", str(afile / "x.toml"), "--json", "init", "--identity-dir", str(tmp_path / "id"))
+    said = json.loads(error.stdout.decode().splitlines()[-1])["error"]
+    assert error.returncode == 2 and f"{afile} is a file" in said["message"], said
+    assert "File exists" not in said["message"] and "--config" in said["hint"], said
+    assert not (tmp_path / "id").exists()  # refused before the identity was made
+    fresh.init()
+    error = refused(fresh, "--set", f"log.file={afile / 'agent.log'}", "agent", "start", "--detach", code=2)
+    assert "Not a directory" in error["message"] and f"{afile} is a file" in error["message"], error
+    assert "File exists" not in error["message"] and "log.file" in error["hint"], error
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        error = refused(fresh, "--endpoint", f"tcp://127.0.0.1:{port}", "agent", "start", "--detach", code=2)
+    assert "cannot bind" in error["message"] and "--endpoint" in error["hint"], error
+    assert "conf/zerocomm.toml" not in error["hint"], error

@@ -35,6 +35,7 @@ from zerocomm_spark.journal.schema import JOURNAL_SCHEMA, now_micros, rows_withi
 from zerocomm_spark.journal.segment import RecordEntry, Segment, create_segment, open_for_append
 from zerocomm_spark.journal.superseded import Superseded
 from zerocomm_spark.journal.writer import AppendResult, FsyncPolicy, JournalStats, Writer
+from zerocomm_spark.paths import make_dirs
 
 log = logging.getLogger(__name__)
 
@@ -158,9 +159,11 @@ class Journal:
         key = crypto.check_key(key)
         path = Path(directory).expanduser()
         try:
-            path.mkdir(mode=0o700, parents=True, exist_ok=True)
+            make_dirs(path)
         except OSError as exc:
-            raise ConfigurationError(f"cannot create the journal directory {path}: {exc.strerror}") from None
+            raise ConfigurationError(f"cannot create the journal directory {path}: {exc.strerror}",
+                                     hint="Set journal.dir to a directory this user can create, or leave it unset "
+                                          "(<identity.dir>/journal)") from None
         _check_directory(path)
         journal = cls(path, key, fsync, fsync_interval_ms, segment_bytes, retention_bytes, retention_ms,
                       dedup_window, float(timeout), threads, consumer_expiry_ms)

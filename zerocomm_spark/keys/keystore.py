@@ -54,6 +54,7 @@ import nacl.utils
 
 from zerocomm_spark.errors import (
     AgentAlreadyRunningError,
+    IdentityPathError,
     InsecurePermissionsError,
     InvalidRecordError,
     KeyNotFoundError,
@@ -62,6 +63,7 @@ from zerocomm_spark.errors import (
     KeystoreLockedError,
 )
 from zerocomm_spark.keys.keypair import KeyPair
+from zerocomm_spark.paths import make_dirs
 
 __all__ = ["KeyInfo", "Keystore"]
 
@@ -203,11 +205,14 @@ def _check_private(path: Path, *, what: str, tighten: bool = False) -> None:
 
 
 def _prepare_directory(directory: Path) -> None:
+    # A path that is or goes through a file is a mistake in the path given, not a keystore's trouble.
     if (directory.exists() or directory.is_symlink()) and not directory.is_dir():
-        raise KeystoreError(f"the identity path {directory} is not a directory")
+        raise IdentityPathError(f"the identity path {directory} is a file, not a directory")
     try:
-        directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        make_dirs(directory)
         st = directory.stat()
+    except NotADirectoryError as exc:
+        raise IdentityPathError(f"cannot create the identity directory {directory}: {exc.strerror}") from None
     except OSError as exc:
         raise KeystoreError(f"cannot create the identity directory {directory}: {exc.strerror}") from exc
     if st.st_uid != os.getuid():  # whatever its mode: its owner may rename and delete our files there
