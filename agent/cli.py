@@ -834,6 +834,17 @@ def _too_large(number: int, size: int, limit: int) -> errors.FrameTooLargeError:
         hint=f"Split line {number} into lines of at most {limit} bytes, or remove it")
 
 
+def _line_text(line: str) -> str:
+    """A line of stdin less its line ending, ``\n`` or ``\r\n`` (a file written on Windows): the
+    text sent and hashed into its id, the same in every run. Only the final ``\r`` before the ``\n``
+    is an ending; a ``\r`` elsewhere is the line's own."""
+    if line.endswith("\n"):
+        line = line[:-1]
+        if line.endswith("\r"):
+            line = line[:-1]
+    return line
+
+
 def _stdin_chunks(request_bytes: Callable[[], int], group: str, prefix: str, skip: int,
                   message_bytes: Callable[[], int | None] = lambda: None) -> Iterator[tuple[list[str], list[str]]]:
     """Lines of stdin and their message ids (see line_id), in chunks of at most half the agent's
@@ -856,7 +867,7 @@ def _stdin_chunks(request_bytes: Callable[[], int], group: str, prefix: str, ski
         if limit is None:
             limit = min(_SEND_CHUNK_BYTES, max(request_bytes() // 2, 1))
             largest = message_bytes()
-        text = line.rstrip("\n")
+        text = _line_text(line)
         if not is_utf8_text(text):  # stdin decodes with surrogateescape: binary input would fail mid-send
             # (Refused with its chunk, as before: binary input is most often binary from its first chunk.)
             raise _bad_line(errors.BadRequestError(

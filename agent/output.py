@@ -94,15 +94,14 @@ def format_time(value: Any) -> str:
 
 
 def format_payload(payload: bytes | None, width: int | None = None) -> str:
-    """Text as itself; binary as a marked hex prefix (a terminal must not receive raw bytes)."""
+    """UTF-8 text as itself, its control characters escaped as Python writes them (``multi\\nline``:
+    one line per row, and a terminal never receives an escape sequence); anything else as a marked
+    hex prefix (raw bytes have no place on a terminal)."""
     if payload is None:
         return ""
     try:
-        text = payload.decode("utf-8")
-        printable = all(c.isprintable() or c in "\t" for c in text)
+        text = printable(payload.decode("utf-8"), keep="\t")
     except UnicodeDecodeError:
-        printable = False
-    if not printable:
         text = f"<{len(payload)} bytes: {payload[:16].hex()}{'...' if len(payload) > 16 else ''}>"
     if width is not None and len(text) > width:
         text = text[: max(width - 3, 1)] + "..."

@@ -411,6 +411,35 @@ def test_json_history_and_tail_carry_every_payload_exactly(tmp_path: Path) -> No
         solo.stop()
 
 
+def test_tables_show_text_as_text_one_line_per_message_and_send_strips_crlf(tmp_path: Path) -> None:
+    """`history` and `tail` tables showed UTF-8 text with a newline as hex (`<10 bytes: 6d756c...>`),
+    which the README keeps for payloads that are not UTF-8; and `printf 'e3\\r\\n' | send g -` stored
+    "e3\\r". Text is shown with its control characters escaped (one line per row), hex stays for
+    binary; a CRLF line ending is stripped as an ending."""
+    from zerocomm_spark.client import Client
+
+    solo = Member(tmp_path, "solo")
+    try:
+        start_all([solo])
+        solo.ok("group", "create", "g")
+        with Client.connect(config=str(solo.config), timeout=10) as client:
+            client.publish("g", [b"multi\nline", b"\xff\x00 binary"], timeout=30)
+        sent = solo.ok("send", "g", "-", input="e3\r\nsplit\rhalf\r\n")
+        assert [r["payload"] for r in solo.run("history", "g").json_lines][2:] == ["e3", "split\rhalf"]
+        again = solo.ok("send", "g", "-", "--id-prefix", sent["id_prefix"], input="e3\r\nsplit\rhalf\n")
+        assert again["duplicates"] == 2  # the same ids whichever line ending: nothing sent twice
+        for command in (("history", "g"), ("tail", "g", "--no-follow")):
+            shown = solo.run(*command, json_out=False, timeout=60)
+            assert shown.code == 0, shown.stderr
+            lines = shown.stdout.splitlines()
+            assert len(lines) == 4 + (command[0] == "history"), shown.stdout  # a header, then one line each
+            assert lines[-4].endswith("multi\\nline") and "bytes" not in lines[-4], shown.stdout
+            assert "<9 bytes: ff0020" in lines[-3] and lines[-2].endswith("e3"), shown.stdout
+            assert lines[-1].endswith("split\\rhalf"), shown.stdout
+    finally:
+        solo.stop()
+
+
 def test_the_start_command_a_missing_agent_is_told_names_this_agent(tmp_path: Path) -> None:
     """A member with its own --config was told "Start it with `zerocomm agent start --detach`" by
     `agent status` and every other command: pasted as printed, that starts the default

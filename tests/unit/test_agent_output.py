@@ -31,8 +31,11 @@ def test_tables_are_aligned_under_their_headers() -> None:
 def test_payloads_are_shown_safely() -> None:
     assert format_payload("héllo".encode()) == "héllo"
     assert format_payload(b"\x00\x01\xff") == "<3 bytes: 0001ff>"  # never raw bytes to a terminal
-    assert format_payload(b"\x1b[2J") .startswith("<4 bytes")  # nor escape sequences
+    assert format_payload(b"\x1b[2J") == "\\x1b[2J"  # nor escape sequences: escaped, as Python writes them
     assert format_payload(b"x" * 50, 10) == "xxxxxxx..."
+    # text that is UTF-8 stays text, one line: it was hex ("<10 bytes: 6d756c74690a6c696e65>")
+    assert format_payload(b"multi\nline") == "multi\\nline"
+    assert format_payload("tab\there\r\n\u2028é".encode()) == "tab\there\\r\\n\\u2028é"
     did = "did:peer:2." + "a" * 100
     assert short_did(did).startswith("did:peer") and len(short_did(did)) <= 27
 
@@ -480,3 +483,15 @@ def test_a_send_that_may_be_out_names_its_id_quoted_for_the_shell(raised, tmp_pa
     code, error = _send_failing_with(raised, ["send", "g", "hello", "--id", mid], tmp_path, monkeypatch, capsys)
     assert code != 0 and f"(message id {mid})" in error["message"], error
     assert f"--id {shlex.quote(mid)}:" in error["hint"], error
+
+
+def test_send_from_stdin_strips_a_crlf_line_ending_before_the_line_is_sent_or_hashed(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """`printf 'e3\\r\\n' | zerocomm send g -` published "e3\\r": a CRLF ending is an ending. The id's
+    hash is of the text sent, so a resume of a CRLF file gives the same ids as its first run."""
+    from zerocomm_spark.agent.cli import _line_text, _stdin_chunks, line_id
+
+    assert [_line_text(x) for x in ("e3\r\n", "e3\n", "e3", "a\rb\n", "e3\r\r\n", "\r\n")] == [
+        "e3", "e3", "e3", "a\rb", "e3\r", ""]
+    monkeypatch.setattr("sys.stdin", io.StringIO("e1\r\ne2\r\ne3\r"))
+    chunks = list(_stdin_chunks(lambda: 1 << 20, "g", "p", 1))
+    assert chunks == [(["e2", "e3\r"], [line_id("p", "g", 2, "e2"), line_id("p", "g", 3, "e3\r")])]
