@@ -287,7 +287,7 @@ def _add_history(sub: Any, add: Callable[..., argparse.ArgumentParser]) -> None:
     p.add_argument("--checkpoint", metavar="PATH", help="the query's checkpoint (default: PATH/_checkpoints/ingest)")
     p.add_argument("--starting-offsets", default="earliest", metavar="WHERE",
                    help="earliest (default), latest or per-publisher JSON, for a new checkpoint")
-    p.add_argument("--trigger", default="1 second", metavar="INTERVAL", help="micro-batch interval (default 1 second)")
+    p.add_argument("--trigger", metavar="INTERVAL", help="micro-batch interval (default 1 second)")
     p.add_argument("--available-now", action="store_true", help="ingest what is there now, then stop")
     p.add_argument("--delta-txn", action="store_true",
                    help="also use Delta's txnAppId/txnVersion on every batch (guards against two live runs of one "

@@ -299,7 +299,7 @@ def _spark() -> Any:
     return local_spark("zerocomm-history")
 
 
-#: `history ingest --trigger`'s default (agent/cli.py): a --trigger other than it was given.
+#: `history ingest`'s micro-batch interval without --trigger (None there: a --trigger given at all is known).
 _DEFAULT_TRIGGER = "1 second"
 # An interval as Spark's processing-time trigger takes it: "[interval] N unit [N unit ...]" (a
 # fraction in seconds only); months and years it refuses.
@@ -329,7 +329,7 @@ def _check_ingest_args(a: Any) -> None:
     once started, naming trigger='bogus' and its own option maxMessagesPerTrigger, and ignored a
     --trigger given with --available-now. Usage errors (exit 2) naming the flags."""
     trigger = a.trigger
-    if a.available_now and trigger is not None and trigger != _DEFAULT_TRIGGER:
+    if a.available_now and trigger is not None:
         raise ConfigurationError(f"--trigger {trigger!r} and --available-now cannot go together: --available-now "
                                  "ingests what is there now in as many micro-batches as it takes, then stops",
                                  hint="Give one of them: --available-now to stop once done, --trigger INTERVAL to "
@@ -367,7 +367,7 @@ def ingest(ctx: Any) -> int:
     with _reading(table, "ingest"):  # a table Spark or Delta refuses at start: one line, not a Py4J traceback
         query = start(spark, a.groups, table, checkpoint, agent=str(ctx.config.socket_dir),
                       starting_offsets=a.starting_offsets, max_messages_per_trigger=a.max_per_trigger,
-                      trigger="available_now" if a.available_now else a.trigger, history_key=key,
+                      trigger="available_now" if a.available_now else (a.trigger or _DEFAULT_TRIGGER), history_key=key,
                       on_batch=on_batch, delta_txn=a.delta_txn)
     try:
         while query.isActive:

@@ -368,6 +368,7 @@ def test_a_version_or_time_the_table_lacks_is_a_usage_error_not_a_traceback(line
     (["--available-now", "--max-per-trigger", "-3"], "--max-per-trigger must be 1 or more, not -3"),
     (["--available-now", "--trigger", "bogus"], "--trigger 'bogus' and --available-now cannot go together"),
     (["--available-now", "--trigger", "5 seconds"], "--trigger '5 seconds' and --available-now cannot go together"),
+    (["--available-now", "--trigger", "1 second"], "--trigger '1 second' and --available-now cannot go together"),
 ])
 def test_ingest_trigger_options_are_usage_errors_before_spark_starts(monkeypatch, capsys, tmp_path, argv, words):
     """--trigger bogus and --max-per-trigger 0 were refused only once Spark had started (~18 s), naming
