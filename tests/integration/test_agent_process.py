@@ -5,6 +5,7 @@ serving."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 import os
@@ -13,6 +14,7 @@ import stat
 import subprocess
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -661,15 +663,28 @@ def _parked_start(m: Member, tmp_path: Path) -> tuple[subprocess.Popen[str], Pat
     return starter, go, agent_child
 
 
+@contextlib.contextmanager
+def _parked(tmp_path: Path, name: str) -> Iterator[tuple[Member, subprocess.Popen[str], Path, Any]]:
+    """A member whose detached start is parked (:func:`_parked_start`); whatever the test did, the agent
+    is let go on, the starter does not outlive the test and the member is stopped."""
+    m = Member(tmp_path, name)
+    m.init()
+    starter, go, agent_child = _parked_start(m, tmp_path)
+    try:
+        yield m, starter, go, agent_child
+    finally:
+        go.touch()
+        if starter.poll() is None:
+            starter.kill()
+        m.stop()
+
+
 def test_an_agent_starting_detached_is_waited_for_not_reported_missing(tmp_path: Path) -> None:
     """The agent took its run lock only once its interpreter had started (~1 s): meanwhile a client that
     does not spawn (Client.connect, `zerocomm send`, `agent status`) was told that no agent runs, and a
     second start was not refused by the lock. The starter now takes it before it launches the agent and
     hands it over: the directory is held, naming the agent's pid, from before the agent's first line."""
-    m = Member(tmp_path, "early")
-    m.init()
-    starter, go, agent_child = _parked_start(m, tmp_path)
-    try:
+    with _parked(tmp_path, "early") as (m, starter, go, agent_child):
         child = wait_for(agent_child, 30, "the agent process to be started")
         began = time.monotonic()
         with pytest.raises(AgentNotRunningError, match="starting or stopping"):
@@ -703,20 +718,12 @@ def test_an_agent_starting_detached_is_waited_for_not_reported_missing(tmp_path:
         assert not failed and len(connected) == 1, failed
         with connected[0] as client:
             assert client.status()["pid"] == child
-    finally:
-        go.touch()
-        if starter.poll() is None:
-            starter.kill()
-        m.stop()
 
 
 def test_an_agent_killed_while_starting_detached_leaves_no_lock(tmp_path: Path) -> None:
     """The lock the starter hands over must die with the agent: the starter keeps no copy of it, or a
     crash at start-up would leave the identity's directory held by a command that has exited."""
-    m = Member(tmp_path, "stillborn")
-    m.init()
-    starter, go, agent_child = _parked_start(m, tmp_path)
-    try:
+    with _parked(tmp_path, "stillborn") as (m, starter, go, agent_child):
         child = wait_for(agent_child, 30, "the agent process to be started")
         wait_for(lambda: m.pid() == child, 10, "the starter to name the agent in the pid file")
         os.kill(child, signal.SIGKILL)
@@ -732,20 +739,12 @@ def test_an_agent_killed_while_starting_detached_leaves_no_lock(tmp_path: Path) 
         go.touch()
         restarted = m.start()
         assert restarted["pid"] != child and m.ok("agent", "status")["responding"] is True
-    finally:
-        go.touch()
-        if starter.poll() is None:
-            starter.kill()
-        m.stop()
 
 
 def test_an_agent_starting_detached_can_be_stopped(tmp_path: Path) -> None:
     """`agent stop` while a detached start is under way said "no agent is running" and left it coming up:
     the pid file now names the starting agent, so the stop finds it, and the start reports that it ended."""
-    m = Member(tmp_path, "stopped-early")
-    m.init()
-    starter, go, agent_child = _parked_start(m, tmp_path)
-    try:
+    with _parked(tmp_path, "stopped-early") as (m, starter, go, agent_child):
         child = wait_for(agent_child, 30, "the agent process to be started")
         stopped = m.ok("agent", "stop", "--timeout", "15", timeout=30)
         assert stopped["pid"] == child and stopped["forced"] is False
@@ -755,8 +754,3 @@ def test_an_agent_starting_detached_can_be_stopped(tmp_path: Path) -> None:
         assert held_by(m.run_dir) is None and m.pid() is None
         go.touch()
         assert m.start()["pid"] != child
-    finally:
-        go.touch()
-        if starter.poll() is None:
-            starter.kill()
-        m.stop()

@@ -643,6 +643,16 @@ def test_a_line_too_large_for_one_message_is_named_and_the_lines_before_it_go_ou
         solo.stop()
 
 
+def _pair_in_group(alice: Member, bob: Member) -> None:
+    """Start both; alice creates group g and bob joins it through her; alice sees bob active."""
+    start_all([alice, bob])
+    alice.ok("group", "create", "g")
+    bob.ok("connect", alice.ok("invite")["url"])
+    bob.ok("group", "join", "g", "--via", "alice")
+    wait_for(lambda: [m["status"] for m in alice.ok("group", "members", "g")] == ["active"] * 2, 20,
+             "alice to see bob active")
+
+
 def test_a_send_from_stdin_that_stops_part_way_says_how_to_send_the_rest_exactly_once(tmp_path: Path) -> None:
     """`send -` whose chunk a member did not acknowledge in time said how many lines had been
     acknowledged but named no message ids: the lines had fresh random ids, so sending the input again
@@ -653,12 +663,7 @@ def test_a_send_from_stdin_that_stops_part_way_says_how_to_send_the_rest_exactly
     alice = Member(tmp_path, "alice", "api.max_request_bytes=20000")  # chunks of ~100 lines
     bob = Member(tmp_path, "bob")
     try:
-        start_all([alice, bob])
-        alice.ok("group", "create", "g")
-        bob.ok("connect", alice.ok("invite")["url"])
-        bob.ok("group", "join", "g", "--via", "alice")
-        wait_for(lambda: [m["status"] for m in alice.ok("group", "members", "g")] == ["active"] * 2, 20,
-                 "alice to see bob active")
+        _pair_in_group(alice, bob)
         # stdin fed by hand: the first chunk goes out and is acknowledged while bob is up; bob stops;
         # the next chunk cannot be acknowledged.
         send = subprocess.Popen([*ZEROCOMM, "--config", str(alice.config), "--json", "--timeout", "3", "send", "g",
@@ -791,12 +796,7 @@ def test_a_send_from_stdin_interrupted_while_a_chunk_is_out_says_it_may_be_out(t
     alice = Member(tmp_path, "alice", "api.max_request_bytes=20000")  # chunks of ~100 lines
     bob = Member(tmp_path, "bob")
     try:
-        start_all([alice, bob])
-        alice.ok("group", "create", "g")
-        bob.ok("connect", alice.ok("invite")["url"])
-        bob.ok("group", "join", "g", "--via", "alice")
-        wait_for(lambda: [m["status"] for m in alice.ok("group", "members", "g")] == ["active"] * 2, 20,
-                 "alice to see bob active")
+        _pair_in_group(alice, bob)
         send = subprocess.Popen([*ZEROCOMM, "--config", str(alice.config), "--timeout", "60", "send", "g", "-"],
                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         try:

@@ -125,14 +125,10 @@ def test_replay_json_says_what_the_origin_column_says(monkeypatch, capsys, tmp_p
     assert {json.loads(x)["origin"] for x in capsys.readouterr().out.splitlines() if x.strip()} == {None}
 
 
-def test_replay_of_a_group_the_table_does_not_hold_says_so(monkeypatch, capsys, tmp_path):
-    """`history replay sensor --table T` (a misspelt group) printed "(no messages)" and exited 0, as
-    for a group with nothing in the range asked; it exits 6 and names the groups the table holds."""
-    import json
-
+def _replay_finds_nothing(monkeypatch, tmp_path, *, held: list[str]) -> None:
+    """`history replay` without Spark: its read returns no rows, and the table holds the groups ``held``."""
     import zerocomm_spark.pipelines.commands as commands
     import zerocomm_spark.pipelines.replay as replay_mod
-    from zerocomm_spark.agent.cli import main as zerocomm
 
     class Empty:
         def limit(self, n):
@@ -148,7 +144,17 @@ def test_replay_of_a_group_the_table_does_not_hold_says_so(monkeypatch, capsys, 
     monkeypatch.delenv("ZEROCOMM_CONFIG", raising=False)
     monkeypatch.setattr(commands, "_spark", lambda: None)
     monkeypatch.setattr(replay_mod, "replay", lambda *a, **k: Empty())
-    monkeypatch.setattr(commands, "groups_in", lambda spark, table: ["sensors", "alerts"])
+    monkeypatch.setattr(commands, "groups_in", lambda spark, table: held)
+
+
+def test_replay_of_a_group_the_table_does_not_hold_says_so(monkeypatch, capsys, tmp_path):
+    """`history replay sensor --table T` (a misspelt group) printed "(no messages)" and exited 0, as
+    for a group with nothing in the range asked; it exits 6 and names the groups the table holds."""
+    import json
+
+    from zerocomm_spark.agent.cli import main as zerocomm
+
+    _replay_finds_nothing(monkeypatch, tmp_path, held=["sensors", "alerts"])
     assert zerocomm(["--json", "history", "replay", "sensor", "--table", "/t"]) == 6
     error = json.loads(capsys.readouterr().out.splitlines()[-1])["error"]
     assert error["type"] == "GroupNotFoundError" and "'sensor'" in error["message"]
@@ -160,25 +166,9 @@ def test_replay_of_a_group_the_table_does_not_hold_says_so(monkeypatch, capsys, 
 def test_replay_of_a_table_with_no_rows_yet_is_no_messages_not_a_missing_group(monkeypatch, capsys, tmp_path):
     """A table no message was ingested into yet exited 6 ("holds no messages of group 'g'", "the groups
     it holds: none"): nothing to replay is not a failure, and no name can be checked against it."""
-    import zerocomm_spark.pipelines.commands as commands
-    import zerocomm_spark.pipelines.replay as replay_mod
     from zerocomm_spark.agent.cli import main as zerocomm
 
-    class Empty:
-        def limit(self, n):
-            return self
-
-        def toArrow(self):
-            class Table:
-                def to_pylist(self):
-                    return []
-            return Table()
-
-    monkeypatch.setenv("HOME", str(tmp_path))
-    monkeypatch.delenv("ZEROCOMM_CONFIG", raising=False)
-    monkeypatch.setattr(commands, "_spark", lambda: None)
-    monkeypatch.setattr(replay_mod, "replay", lambda *a, **k: Empty())
-    monkeypatch.setattr(commands, "groups_in", lambda spark, table: [])
+    _replay_finds_nothing(monkeypatch, tmp_path, held=[])
     assert zerocomm(["history", "replay", "g", "--table", "/t"]) == 0
     said = capsys.readouterr()
     assert "the history table at /t holds no messages yet" in said.out and "error" not in said.err, said
