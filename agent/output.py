@@ -96,16 +96,29 @@ def format_time(value: Any) -> str:
 def format_payload(payload: bytes | None, width: int | None = None) -> str:
     """UTF-8 text as itself, its control characters escaped as Python writes them (``multi\\nline``:
     one line per row, and a terminal never receives an escape sequence); anything else as a marked
-    hex prefix (raw bytes have no place on a terminal)."""
+    hex prefix (raw bytes have no place on a terminal). In text that needed escapes a backslash is
+    doubled too, so a newline and the two characters ``\\n`` do not look alike there."""
     if payload is None:
         return ""
     try:
-        text = printable(payload.decode("utf-8"), keep="\t")
+        decoded = payload.decode("utf-8")
     except UnicodeDecodeError:
         text = f"<{len(payload)} bytes: {payload[:16].hex()}{'...' if len(payload) > 16 else ''}>"
+    else:
+        cut = width is not None and len(decoded) > width
+        # Only what can be shown is escaped (escaping never shortens): a 4 MB text costs no more than a line.
+        text = _escaped(decoded[:width] if width is not None else decoded)
+        if cut:
+            text += "..."
     if width is not None and len(text) > width:
         text = text[: max(width - 3, 1)] + "..."
     return text
+
+
+def _escaped(text: str) -> str:
+    if all(c.isprintable() or c == "\t" for c in text):
+        return text
+    return "".join("\\\\" if c == "\\" else c if c.isprintable() or c == "\t" else repr(c)[1:-1] for c in text)
 
 
 def render_table(rows: Iterable[Mapping[str, Any]], columns: Sequence[tuple[str, str]],

@@ -36,6 +36,11 @@ def test_payloads_are_shown_safely() -> None:
     # text that is UTF-8 stays text, one line: it was hex ("<10 bytes: 6d756c74690a6c696e65>")
     assert format_payload(b"multi\nline") == "multi\\nline"
     assert format_payload("tab\there\r\n\u2028é".encode()) == "tab\there\\r\\n\\u2028é"
+    # where escapes are shown a backslash is doubled: a newline and a backslash-n differ there
+    assert format_payload(b"a\\nb\nc") == "a\\\\nb\\nc"
+    assert format_payload(b"C:\\dir") == "C:\\dir"  # text with nothing to escape is shown as it is
+    # only what is shown is escaped: a long text is cut first, then escaped (the same as cut after)
+    assert format_payload(b"ab\ncd" * 100_000, 12) == "ab\\ncdab\\..."
     did = "did:peer:2." + "a" * 100
     assert short_did(did).startswith("did:peer") and len(short_did(did)) <= 27
 
