@@ -447,8 +447,10 @@ def agent_status(config: Config, timeout: float = 5.0) -> dict[str, Any]:
         out["responding"] = True
     except ZeroCommError as exc:
         out["responding"] = False
-        # The health file's "running" is what the agent last wrote, not what it is now.
-        out["state"] = "not responding"
+        # The health file's "running" is what the agent last wrote, not what it is now; its "starting"
+        # or "stopping" (this agent's own) is still the best word for why it does not answer.
+        said = out.get("state") if (health or {}).get("pid") == pid else None
+        out["state"] = said if said in ("starting", "stopping") else "not responding"
         out["problem"] = str(exc)
         holder = held_by(config.socket_dir)
         if holder is None and pid > 0 and pid_alive(pid):
@@ -459,7 +461,9 @@ def agent_status(config: Config, timeout: float = 5.0) -> dict[str, Any]:
             # client's own hints send the user to `agent status`, which is this.
             out["problem"] = (
                 f"the agent (pid {holder if holder > 0 else 'unknown'}) holds {config.socket_dir} but did not serve "
-                f"its API within {timeout:g}s: it is starting, stopping or hung. See its log {log_file_of(config)}, "
+                f"its API within {timeout:g}s: "
+                f"{'it is ' + out['state'] if out['state'] != 'not responding' else 'it is starting, stopping or hung'}. "
+                f"See its log {log_file_of(config)}, "
                 "or stop it with `zerocomm agent stop` (`--force` if it does not stop)")
     beat = out.get("heartbeat_at")
     if isinstance(beat, (int, float)):

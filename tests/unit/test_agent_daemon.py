@@ -425,6 +425,29 @@ def test_status_of_an_agent_that_does_not_answer_never_says_to_start_one(tmp_pat
     assert "agent start" not in problem and "outcome is unknown" not in problem, problem
 
 
+@pytest.mark.parametrize("state", ["starting", "stopping"])
+def test_status_of_an_agent_not_answering_keeps_what_its_health_file_says_it_is_doing(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, state: str) -> None:
+    """"not responding" replaced a health file's "starting" or "stopping" too, and the problem then
+    guessed "starting, stopping or hung" where the agent had said which."""
+    config = cfgmod.load(None, env={}, flags=[f"identity.dir={tmp_path / 'id'}"])
+    (tmp_path / "id" / "run").mkdir(parents=True, mode=0o700)
+    me = os.getpid()
+    monkeypatch.setattr(daemon, "held_by", lambda run_dir: me)
+    monkeypatch.setattr(daemon, "read_health", lambda run_dir: {"state": state, "pid": me, "heartbeat_at": 0})
+
+    def connect(*args: object, **kwargs: object) -> None:
+        raise AgentNotRunningError("no agent answered on ipc://x/api.sock within the deadline")
+
+    monkeypatch.setattr(daemon.Client, "connect", connect)
+    status = daemon.agent_status(config, timeout=0.5)
+    assert status["responding"] is False and status["state"] == state, status
+    assert f"it is {state}." in status["problem"] and "or hung" not in status["problem"], status
+    # a health file left by another pid says nothing of this one
+    monkeypatch.setattr(daemon, "read_health", lambda run_dir: {"state": state, "pid": me + 1, "heartbeat_at": 0})
+    assert daemon.agent_status(config, timeout=0.5)["state"] == "not responding"
+
+
 def test_stop_while_a_detached_start_has_not_named_its_agent_yet_stops_it(tmp_path: Path) -> None:
     """A detached start holds the run directory, its pid file empty, from its lock to the launch of the agent
     (and, if the starter dies in between, until the agent names itself): a stop then said "its pid file is
