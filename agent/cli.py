@@ -38,7 +38,7 @@ from zerocomm_spark.client import Client, error_header
 from zerocomm_spark.deadlines import check_timeout
 from zerocomm_spark.errors import ZeroCommError
 from zerocomm_spark.group.topics import check_group
-from zerocomm_spark.paths import make_dirs, not_a_directory
+from zerocomm_spark.paths import make_dirs, not_a_directory, what_is
 from zerocomm_spark.text import is_utf8_text
 
 __all__ = ["main", "exit_code_for", "EXIT_CODES"]
@@ -484,7 +484,7 @@ def cmd_init(ctx: Ctx) -> int:
         blocker = not_a_directory(target.parent)
         if blocker is not None:
             raise errors.ConfigurationError(
-                f"the configuration file {target} cannot be written: {blocker} is a file, not a directory",
+                f"the configuration file {target} cannot be written: {blocker} {what_is(blocker)}",
                 hint="Give --config (or ZEROCOMM_CONFIG) a path in a directory, or one whose directories do not "
                      "exist yet (they are created); nothing was created")
     else:  # the kept file must name this identity, or every command after (and the printed one) runs another

@@ -447,6 +447,14 @@ def replay(ctx: Any) -> int:
     return 0
 
 
+def _holds_group(spark: Any, table: str, group: str) -> bool:
+    """Whether the table has a row of ``group``: one partition looked at (the table is partitioned by
+    group), not every file as listing the groups does - a compacted group is the nightly case."""
+    from pyspark.sql import functions as F
+
+    return bool(spark.read.format("delta").load(table).where(F.col("group") == group).limit(1).count())
+
+
 def groups_in(spark: Any, table: str) -> list[str]:
     """The groups the history table's current version holds rows of (it is append-only: every group
     ever ingested)."""
@@ -491,8 +499,8 @@ def compact(ctx: Any) -> int:
     held: list[str] | None = None
     with _reading(ctx.args.table, "compact"):
         metrics = optimize(spark, ctx.args.table, group=group)
-        if group is not None and not metrics.get("numFilesRemoved"):  # nothing done: a misspelt group?
-            held = groups_in(spark, ctx.args.table)
+        if group is not None and not metrics.get("numFilesRemoved") and not _holds_group(spark, ctx.args.table, group):
+            held = groups_in(spark, ctx.args.table)  # nothing done and none of its rows: a misspelt group
     if held and group not in held:  # "0 files into 0", exit 0, as for a group already compacted
         raise GroupNotFoundError(
             f"the history table at {ctx.args.table} holds no messages of group {group!r}; nothing was compacted",

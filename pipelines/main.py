@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from zerocomm_spark.deadlines import MAX_TIMEOUT
+from zerocomm_spark.paths import what_is
 
 __all__ = ["JobConfig", "build_parser", "main", "run"]
 
@@ -631,7 +632,7 @@ def _make_log_dir(parser: argparse.ArgumentParser, cfg: JobConfig, log_file: Pat
             raise SystemExit(f"{parser.prog}: error: cannot create the job's log in {log_file.parent}: "
                              f"{exc.strerror or exc}; set TMPDIR to a directory this user can write") from None
         blocker = next((p for p in (log_file.parent, *log_file.parent.parents) if p.exists()), None)
-        why = (f"{blocker} is a file" if blocker is not None and not blocker.is_dir()
+        why = (f"{blocker} {what_is(blocker)}" if blocker is not None and not blocker.is_dir()
                else f"{exc.strerror or exc} ({exc.filename or log_file.parent})")
         parser.error(f"--work-dir {cfg.work_dir} cannot be used: {why}; name a directory this user can write "
                      "(it is created if missing)")

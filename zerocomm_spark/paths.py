@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import errno
 import os
+import stat
 from pathlib import Path
 
-__all__ = ["make_dirs", "not_a_directory"]
+__all__ = ["make_dirs", "not_a_directory", "what_is"]
 
 
 def not_a_directory(path: Path) -> Path | None:
@@ -15,6 +16,22 @@ def not_a_directory(path: Path) -> Path | None:
         if os.path.lexists(part):
             return None if part.is_dir() else part
     return None
+
+
+def what_is(path: Path) -> str:
+    """What is at ``path`` where a directory must be, for an error: "is a file", "is a broken symbolic
+    link", "is a FIFO", ... (a dangling symlink or a FIFO called "a file" sent the user looking wrong)."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return "is not a directory"
+    if stat.S_ISLNK(st.st_mode):
+        return "is a symbolic link to a directory that does not exist" if not os.path.exists(path) else \
+            "is a symbolic link to something that is not a directory"
+    kind = ("a file" if stat.S_ISREG(st.st_mode) else "a FIFO" if stat.S_ISFIFO(st.st_mode)
+            else "a socket" if stat.S_ISSOCK(st.st_mode) else "a device" if stat.S_ISCHR(st.st_mode) or
+            stat.S_ISBLK(st.st_mode) else None)
+    return f"is {kind}, not a directory" if kind else "is not a directory"
 
 
 def make_dirs(path: Path, mode: int = 0o700) -> None:
@@ -26,5 +43,5 @@ def make_dirs(path: Path, mode: int = 0o700) -> None:
         blocker = not_a_directory(path)
         if blocker is None:
             raise
-        raise NotADirectoryError(errno.ENOTDIR, f"{os.strerror(errno.ENOTDIR)} ({blocker} is a file)",
+        raise NotADirectoryError(errno.ENOTDIR, f"{os.strerror(errno.ENOTDIR)} ({blocker} {what_is(blocker)})",
                                  str(path)) from None

@@ -31,6 +31,7 @@ from __future__ import annotations
 import logging
 import queue
 import random
+import shlex
 import threading
 import time
 from collections import deque
@@ -587,9 +588,9 @@ class GroupManager:
                 # is the group's own, and this member is in it.
                 raise GroupExistsError(
                     f"this member is already a member of group {group!r}",
-                    hint=f"Nothing to do: it is in the group (`zerocomm group info {group}`, info(group)). To join "
-                         f"it again (another role, through another member), leave it first (`zerocomm group leave "
-                         f"{group}`, leave(group)), then join")
+                    hint=f"Nothing to do: it is in the group (`zerocomm group info {shlex.quote(group)}`, info(group)). "
+                         f"To join it again (another role, through another member), leave it first (`zerocomm group "
+                         f"leave {shlex.quote(group)}`, leave(group)), then join")
             if group in self._groups or group in self._reserved:
                 raise GroupExistsError(f"this member already has a group named {group!r}")
             self._reserved.add(group)

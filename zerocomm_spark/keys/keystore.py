@@ -63,7 +63,7 @@ from zerocomm_spark.errors import (
     KeystoreLockedError,
 )
 from zerocomm_spark.keys.keypair import KeyPair
-from zerocomm_spark.paths import make_dirs
+from zerocomm_spark.paths import make_dirs, what_is
 
 __all__ = ["KeyInfo", "Keystore"]
 
@@ -207,7 +207,7 @@ def _check_private(path: Path, *, what: str, tighten: bool = False) -> None:
 def _prepare_directory(directory: Path) -> None:
     # A path that is or goes through a file is a mistake in the path given, not a keystore's trouble.
     if (directory.exists() or directory.is_symlink()) and not directory.is_dir():
-        raise IdentityPathError(f"the identity path {directory} is a file, not a directory")
+        raise IdentityPathError(f"the identity path {directory} {what_is(directory)}")
     try:
         make_dirs(directory)
         st = directory.stat()
