@@ -7,6 +7,7 @@ streaming batch is.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator, Sequence
 
 import pyarrow as pa
@@ -20,6 +21,8 @@ from zerocomm_spark.connector.options import SourceOptions
 from zerocomm_spark.connector.partition_reader import ZeroCommInputPartition, read_partition
 
 __all__ = ["ZeroCommBatchReader"]
+
+log = logging.getLogger("zerocomm_spark.connector")
 
 
 class ZeroCommBatchReader(DataSourceReader):
@@ -37,7 +40,10 @@ class ZeroCommBatchReader(DataSourceReader):
             start = self.options.starting.resolve(
                 ranges, lambda key, ts: link.first_sent_at_or_after(key, ts, ranges[key]))
             end = self.options.ending.resolve(ranges)
-            self.options.ending.check_start(self.options.starting, start)  # e.g. a startingTimestamp past the end
+            # A start resolved past the end (retention, a later join, nothing sent since the timestamp) is an
+            # empty read of that publisher, not an error: the options themselves do not contradict.
+            for said in self.options.ending.late_starts(self.options.starting, start, ranges):
+                log.warning("zerocomm read: %s", said)
             # publishers named only in endingOffsets start at their first retained seq
             start = start.updated({k: ranges[k].first if k in ranges else 1 for k in end if k not in start})
             labels = link.labels(self.options.groups)

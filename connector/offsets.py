@@ -342,36 +342,59 @@ class EndingOffsets:
             positions[key] = span.next if choice == LATEST else min(choice, span.next)
         return ZeroCommOffset(positions)
 
-
-    def check_start(self, starting: StartingOffsets, start: ZeroCommOffset | None = None) -> None:
-        """Refuse a publisher whose start is after the end named for it: the read returned nothing of
-        it without a word. With ``start`` None (at load) only seqs named in both options are compared;
-        with the resolved start (at planning) also a start from startingTimestamp or earliest."""
+    def check_start(self, starting: StartingOffsets) -> None:
+        """At load: refuse a publisher whose start seq named in startingOffsets is after the end named for
+        it in endingOffsets. Both are the user's: a contradiction between options, as Kafka refuses it."""
+        if starting.kind != "json":
+            return
         for key, end in self.per_publisher.items():
-            if end == LATEST:
-                continue
-            named = starting.per_publisher.get(key) if starting.kind == "json" else None
-            begin = named if named is not None and named >= 1 else (start.get(key) if start is not None else None)
-            if begin is None or begin <= end:
+            begin = starting.per_publisher.get(key)
+            if end == LATEST or begin is None or begin < 1 or begin <= end:
                 continue
             group, did = key
-            hint = ("endingOffsets is exclusive and comes after the start: give that publisher a start at or below "
-                    f"{end}, or a later end (-1: latest)")
-            if begin == named:
-                said = f"startingOffsets {begin} is after endingOffsets {end}"
-            elif starting.kind == "timestamp":
-                said = (f"startingTimestamp {starting.timestamp_ms} starts it at seq {begin} (its first message sent "
-                        f"at or after it), after endingOffsets {end}")
-                hint = f"Give an earlier startingTimestamp, or an endingOffsets past {begin} (-1: latest) for it"
-            else:
-                said = (f"startingOffsets earliest starts it at seq {begin} (the first this host's member still "
-                        f"holds), after endingOffsets {end}")
-                hint = (f"Its seqs below {begin} are not on this member (retention took them, or it joined later): "
-                        f"give an endingOffsets past {begin} (-1: latest) for it, or read through a member that "
-                        "holds them")
             raise ConnectorOptionError(
-                f"publisher {did} in group {group!r}: {said}; the read [start, end) would return none of its "
-                "messages", hint=hint)
+                f"publisher {did} in group {group!r}: startingOffsets {begin} is after endingOffsets {end}; the read "
+                "[start, end) would return none of its messages",
+                hint="endingOffsets is exclusive and comes after the start: give that publisher a start at or below "
+                     f"{end}, or a later end (-1: latest)")
+
+    def late_starts(self, starting: StartingOffsets, start: ZeroCommOffset,
+                    known: Mapping[PublisherKey, SeqRange] | None = None) -> list[str]:
+        """At planning: for each publisher whose start, resolved from earliest or startingTimestamp, is at or
+        after the end named for it, why the read returns none of its messages (for a warning).
+
+        Not an error: the options do not contradict each other, the member just holds nothing in that
+        range (retention, a later join, or no message sent since the timestamp), so the read is empty
+        for that publisher, as a range named in seqs whose messages are gone is under failOnDataLoss=false."""
+        said: list[str] = []
+        for key, end in self.per_publisher.items():
+            begin = start.get(key)
+            named = starting.per_publisher.get(key) if starting.kind == "json" else None
+            # begin == end is empty for the same reasons (end 1 asks for nothing); a seq named in both
+            # was checked at load
+            if end == LATEST or end == 1 or begin is None or begin < end or (named is not None and named >= 1):
+                continue
+            group, did = key
+            span = known.get(key) if known is not None else None
+            if starting.kind == "timestamp":
+                # ``begin`` may be last + 1 (nothing sent at or after the time): a position, not a message
+                why = (f"this member holds no message of it sent at or after startingTimestamp "
+                       f"{starting.timestamp_ms} before seq {end}: the read starts it at seq {begin}")
+                if span is not None and begin > span.last:
+                    why += f", after its last seq here ({span.last})"
+                if span is not None and span.first >= end and span.first > 1:
+                    why += (f"; its seqs below {span.first} are not on this member (retention took them, or it "
+                            "joined the group later)")
+                todo = "give an earlier startingTimestamp, or a later endingOffsets (-1: latest) for it"
+            else:
+                why = (f"startingOffsets earliest starts it at seq {begin}, where what this member holds of it begins: "
+                       f"its seqs below {begin} are not on this member (retention took them, or it joined the group "
+                       "later)")
+                todo = (f"give an endingOffsets past {begin} (-1: latest) for it, or read through a member that "
+                        "holds those seqs")
+            said.append(f"group {group!r}, publisher {did}: {why}; with endingOffsets {end} (exclusive) the read "
+                        f"returns none of its messages. To read some, {todo}")
+        return said
 
 
 def _concrete(choice: int, span: SeqRange) -> int:

@@ -231,7 +231,7 @@ class SourceOptions:
                                        hint="Remove it, or use trigger(availableNow=True) to stop at the newest "
                                             "messages seen at start")
         ending = EndingOffsets.parse(opts.get("endingoffsets"), groups)
-        ending.check_start(starting)  # seqs named in both; a start resolved at planning is checked then
+        ending.check_start(starting)  # seqs named in both; a start resolved past the end at planning is warned of
         if mode == "batch" and (starting.kind == "latest" or LATEST in starting.per_group.values()
                                 or LATEST in starting.per_publisher.values()):
             # [latest, ...) is empty: the read came back with nothing, without a word (as Kafka refuses it)

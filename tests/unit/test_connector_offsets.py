@@ -167,25 +167,52 @@ def test_ending_offsets():
         EndingOffsets.parse("earliest", ["g"])
 
 
-def test_a_start_resolved_after_the_named_end_is_refused_naming_both():
-    """At planning: a startingTimestamp (or earliest, past retention) that starts a publisher after the
-    end named for it read nothing of it without a word."""
+def test_a_start_seq_named_after_the_named_end_is_refused_at_load_naming_both():
+    """Both seqs are the user's: a contradiction between the options, refused as Kafka does."""
+    ending = EndingOffsets.parse(json.dumps({"g": {A[1]: 5}}), ["g", "h"])
+    named = StartingOffsets.parse(json.dumps({"g": {A[1]: 10}}), ["g"], default="earliest")
+    with pytest.raises(ConnectorOptionError, match=f"publisher {A[1]} in group 'g': startingOffsets 10 is after "
+                                                   "endingOffsets 5"):
+        ending.check_start(named)
+    for text in (json.dumps({"g": {A[1]: 5}}), json.dumps({"g": {A[1]: -2}}), "earliest"):  # empty, or resolved later
+        ending.check_start(StartingOffsets.parse(text, ["g"], default="earliest"))
+    ending.check_start(StartingOffsets.parse(None, ["g"], default="earliest", timestamp="1767225600000"))
+
+
+def test_a_start_resolved_past_the_named_end_is_an_empty_read_with_a_reason_not_an_error():
+    """At planning, earliest past retention (or a later join) or a startingTimestamp after the publisher's
+    messages before the end starts it at or after the end: the member just holds nothing of that range.
+    It was refused as an option error, ignoring failOnDataLoss=false (the same range named in seqs is
+    warned of and skipped); and for a timestamp past every message it called last + 1 "its first message
+    sent at or after it", a message that does not exist."""
     ending = EndingOffsets.parse(json.dumps({"g": {A[1]: 5}}), ["g", "h"])
     by_time = StartingOffsets.parse(None, ["g", "h"], default="earliest", timestamp="1767225600000")
-    with pytest.raises(ConnectorOptionError, match=f"publisher {A[1]} in group 'g': startingTimestamp 1767225600000 "
-                                                   "starts it at seq 7 .*after endingOffsets 5") as info:
-        ending.check_start(by_time, ZeroCommOffset({A: 7, B: 1}))
-    assert "earlier startingTimestamp" in info.value.hint
+    [said] = ending.late_starts(by_time, ZeroCommOffset({A: 7, B: 1}), KNOWN)
+    assert said.startswith(f"group 'g', publisher {A[1]}: this member holds no message of it sent at or after "
+                           "startingTimestamp 1767225600000 before seq 5: the read starts it at seq 7")
+    assert "endingOffsets 5 (exclusive) the read returns none of its messages" in said
+    assert "To read some, give an earlier startingTimestamp, or a later endingOffsets (-1: latest) for it" in said
+    # Nothing sent at or after the time: the start is last + 1 (11), a position, never called a message
+    [said] = ending.late_starts(by_time, ZeroCommOffset({A: 11}), KNOWN)
+    assert "starts it at seq 11, after its last seq here (10)" in said
+    assert "first message" not in said and "message sent at or after it" not in said
+    # the timestamp's start is where retention left the publisher: said too
+    [said] = ending.late_starts(by_time, ZeroCommOffset({A: 9}), {A: SeqRange(9, 12)})
+    assert "its seqs below 9 are not on this member (retention took them, or it joined the group later)" in said
     earliest = StartingOffsets.parse("earliest", ["g", "h"], default="earliest")
-    with pytest.raises(ConnectorOptionError, match="startingOffsets earliest starts it at seq 9 .*after "
-                                                   "endingOffsets 5") as info:
-        ending.check_start(earliest, ZeroCommOffset({A: 9}))
-    assert "below 9 are not on this member" in info.value.hint
-    for start in ({A: 5}, {A: 1}, {B: 99}):  # an empty range, a read, another publisher: no error
-        ending.check_start(by_time, ZeroCommOffset(start))
-    EndingOffsets.parse(json.dumps({"g": {A[1]: -1}}), ["g"]).check_start(earliest, ZeroCommOffset({A: 9}))
+    for spec in (earliest, StartingOffsets.parse(json.dumps({"g": {A[1]: -2}}), ["g"], default="latest"),
+                 StartingOffsets.parse(json.dumps({"g": "earliest"}), ["g"], default="latest")):
+        [said] = ending.late_starts(spec, ZeroCommOffset({A: 9}), {A: SeqRange(9, 12)})
+        assert said.startswith(f"group 'g', publisher {A[1]}: startingOffsets earliest starts it at seq 9, where what "
+                               "this member holds of it begins: its seqs below 9 are not on this member")
+        assert "endingOffsets past 9" in said
+    assert ending.late_starts(earliest, ZeroCommOffset({A: 5}), {A: SeqRange(5, 12)})  # [5, 5): empty, said why
+    for start in ({A: 4}, {A: 1}, {B: 99}):  # a read, another publisher: nothing to say
+        assert ending.late_starts(by_time, ZeroCommOffset(start), KNOWN) == []
+    assert EndingOffsets.parse(json.dumps({"g": {A[1]: -1}}), ["g"]).late_starts(earliest, ZeroCommOffset({A: 9})) == []
+    assert EndingOffsets.parse(json.dumps({"g": {A[1]: 1}}), ["g"]).late_starts(earliest, ZeroCommOffset({A: 9})) == []
     named = StartingOffsets.parse(json.dumps({"g": {A[1]: 3}}), ["g"], default="earliest")
-    ending.check_start(named, ZeroCommOffset({A: 3}))  # the seq named wins over what it resolved to
+    assert ending.late_starts(named, ZeroCommOffset({A: 9})) == []  # a seq named is load's to check
 
 
 def test_limit_rows_is_fair_bounded_and_monotonic():

@@ -204,3 +204,71 @@ def test_a_query_with_nothing_to_read_keeps_telling_the_journal_it_is_alive(monk
         assert stream.latestOffset(start, None) == start
     assert len(link.commits) == 4 and all(register for _, register in link.commits)
     assert {end.consumer for end, _ in link.commits} == {"spark-q"}
+
+
+class PlanningMember:
+    """What the batch planner asks the driver's member: bob's seqs 9..12 are all it holds (retention took
+    1..8); carol's 1..3 are all there."""
+
+    BOB, CAROL = (GROUP, "did:peer:2.bob"), (GROUP, "did:peer:2.carol")
+
+    def __init__(self, sent_since: dict) -> None:
+        self.sent_since = sent_since  # key -> what first_sent_at_or_after answers
+
+    def connect(self, _agent):
+        return self
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        pass
+
+    def check_groups(self, groups):
+        pass
+
+    def ranges(self, groups):
+        from zerocomm_spark.connector.offsets import SeqRange
+
+        return {self.BOB: SeqRange(9, 12), self.CAROL: SeqRange(1, 3)}
+
+    def first_sent_at_or_after(self, key, timestamp_ms, span):
+        return self.sent_since[key]
+
+    def labels(self, groups):
+        return {}
+
+
+@pytest.mark.parametrize("starting, fail_on_data_loss, words", [
+    ({"startingOffsets": "earliest"}, "false", "startingOffsets earliest starts it at seq 9, where what this member "
+                                               "holds of it begins: its seqs below 9 are not on this member "
+                                               "(retention took them, or it joined the group later)"),
+    ({}, "true", "startingOffsets earliest starts it at seq 9"),  # earliest is the default of a batch read
+    ({"startingTimestamp": "1767225600000"}, "true", "this member holds no message of it sent at or after "
+                                                     "startingTimestamp 1767225600000 before seq 5: the read starts "
+                                                     "it at seq 13"),
+])
+def test_a_batch_read_whose_resolved_start_is_past_its_end_is_empty_with_a_warning(monkeypatch, caplog, starting,
+                                                                                   fail_on_data_loss, words):
+    """endingOffsets {bob: 5} below the first seq the member holds (9), or a startingTimestamp after
+    every message of bob (its start is last + 1 = 13): refused as an option error at planning, even with
+    failOnDataLoss=false, while the same range named as startingOffsets {bob: 1} is warned of and skipped.
+    Now bob's read is empty and a warning says why; carol is read as asked."""
+    import json
+    import logging
+
+    from zerocomm_spark.connector import batch_reader
+    from zerocomm_spark.connector.options import SourceOptions
+
+    member = PlanningMember({PlanningMember.BOB: 13, PlanningMember.CAROL: 1})
+    monkeypatch.setattr(batch_reader.MemberLink, "connect", member.connect)
+    options = SourceOptions.parse({"group": GROUP, "endingOffsets": json.dumps({GROUP: {DID: 5}}),
+                                   "failOnDataLoss": fail_on_data_loss, **starting}, mode="batch")
+    with caplog.at_level(logging.WARNING, logger="zerocomm_spark.connector"):
+        parts = batch_reader.ZeroCommBatchReader(options, None).partitions()
+    assert [(p.publisher, p.first, p.end) for p in parts] == [("did:peer:2.carol", 1, 4)]
+    [record] = [r for r in caplog.records if r.name == "zerocomm_spark.connector" and r.levelno == logging.WARNING]
+    said = record.getMessage()
+    assert f"group {GROUP!r}, publisher {DID}: " in said and words in said
+    assert "with endingOffsets 5 (exclusive) the read returns none of its messages" in said
+    assert "first message" not in said
