@@ -24,6 +24,7 @@ from zerocomm_spark.agent.server import CallRegistry, Param, Request, non_empty,
 from zerocomm_spark.client import PROTOCOL_VERSION, ipc_to_table, table_to_ipc
 from zerocomm_spark.errors import (
     BadRequestError,
+    BadRowError,
     DataLossError,
     GroupError,
     JournalClosedError,
@@ -31,7 +32,7 @@ from zerocomm_spark.errors import (
     PeerTimeoutError,
     ZeroCommError,
 )
-from zerocomm_spark.group.datamessage import MAX_HEADER_LENGTH, MAX_HEADERS
+from zerocomm_spark.group.datamessage import MAX_HEADER_LENGTH, MAX_HEADERS, MAX_ID_LENGTH
 from zerocomm_spark.group.origin import ORIGIN_HEADER
 from zerocomm_spark.ipc_limits import DECODED_BYTES_FACTOR
 from zerocomm_spark.journal import JOURNAL_SCHEMA
@@ -45,7 +46,7 @@ __all__ = ["build_registry", "AgentCalls"]
 log = logging.getLogger(__name__)
 
 _PUBLISHED_MEMORY = 100_000  # message ids remembered for idempotent re-publishes
-_MAX_ID = 256
+_MAX_ID = MAX_ID_LENGTH  # the data plane's (and the Spark sink checks it up front)
 _SCAN_GATHER_ROWS = 4096  # records filtered together when scanning for one group's rows
 _TAIL_CHUNK_MAX = 65_536  # rows read at once at most when scanning back for the last rows
 _ANSWER_MARGIN_S = 0.25  # a wait that may run to the deadline stops this much short, so the answer arrives in time
@@ -522,7 +523,9 @@ class AgentCalls:
 
 
 def _publish_rows(table: pa.Table) -> tuple[list[bytes], list[str], list[dict[str, str] | None]]:
-    """Payloads, message ids (fresh ones where missing) and per-row headers, or a BadRequestError."""
+    """Payloads, message ids (fresh ones where missing) and per-row headers. A batch this call cannot take
+    is a BadRequestError; a row it cannot publish is a BadRowError (its data, not the call), row numbers
+    counting from 0 within the batch."""
     allowed = {"payload", "message_id", "headers"}
     extra = [c for c in table.column_names if c not in allowed]
     if extra:
@@ -536,7 +539,9 @@ def _publish_rows(table: pa.Table) -> tuple[list[bytes], list[str], list[dict[st
     if payload.type not in _PAYLOAD_TYPES:
         raise BadRequestError(f"publish: 'payload' must be binary or string, not {payload.type}")
     if payload.null_count:
-        raise BadRequestError(f"publish: 'payload' has {payload.null_count} null value(s)")
+        first = int(pc.index(pc.is_null(payload), True).as_py())
+        raise BadRowError(f"publish: the payload of row {first} is null ('payload' has {payload.null_count} null "
+                          "value(s))")
     if pa.types.is_string(payload.type) or pa.types.is_large_string(payload.type):
         payload = payload.cast(pa.large_binary() if pa.types.is_large_string(payload.type) else pa.binary())
     payloads: list[bytes] = payload.to_pylist()
@@ -553,9 +558,9 @@ def _publish_rows(table: pa.Table) -> tuple[list[bytes], list[str], list[dict[st
         if mid is None or mid == "":
             mid = uuid.uuid4().hex
         elif len(mid) > _MAX_ID:
-            raise BadRequestError(f"publish: message_id of row {i} is longer than {_MAX_ID} characters")
+            raise BadRowError(f"publish: message_id of row {i} is longer than {_MAX_ID} characters")
         if mid in seen:
-            raise BadRequestError(f"publish: message_id {mid[:64]!r} appears twice in the batch")
+            raise BadRowError(f"publish: message_id {mid[:64]!r} of row {i} appears twice in the batch")
         seen.add(mid)
         ids.append(mid)
     if "headers" in table.column_names:
@@ -579,12 +584,12 @@ def _signed(signer: Any, group: str, payloads: list[bytes], ids: list[str],
     out: list[dict[str, str] | None] = []
     for i, (mid, payload, head) in enumerate(zip(ids, payloads, headers)):
         if head is not None and ORIGIN_HEADER in head:
-            raise BadRequestError(f"publish: row {i} (message_id {mid[:64]!r}) already has a {ORIGIN_HEADER!r} "
-                                  "header; with sign the agent adds the origin proof itself",
-                                  hint=f"Drop the {ORIGIN_HEADER} header from the row, or publish it without sign")
+            raise BadRowError(f"publish: row {i} (message_id {mid[:64]!r}) already has a {ORIGIN_HEADER!r} "
+                              "header; with sign the agent adds the origin proof itself",
+                              hint=f"Drop the {ORIGIN_HEADER} header from the row, or publish it without sign")
         if head is not None and len(head) >= MAX_HEADERS:
-            raise BadRequestError(f"publish: headers of row {i} have {len(head)} entries; with sign (which adds "
-                                  f"{ORIGIN_HEADER!r}) at most {MAX_HEADERS - 1}")
+            raise BadRowError(f"publish: headers of row {i} have {len(head)} entries; with sign (which adds "
+                              f"{ORIGIN_HEADER!r}) at most {MAX_HEADERS - 1}")
         out.append(signer.headers(group, mid, payload, head))
     return out
 
@@ -594,15 +599,15 @@ def _check_headers(row: int, headers: dict[str, str] | None) -> None:
     if headers is None:
         return
     if len(headers) > MAX_HEADERS:
-        raise BadRequestError(f"publish: headers of row {row} have {len(headers)} entries; at most {MAX_HEADERS}")
+        raise BadRowError(f"publish: headers of row {row} have {len(headers)} entries; at most {MAX_HEADERS}")
     for key, value in headers.items():
         if value is None:
-            raise BadRequestError(f"publish: headers of row {row} have a null value (for {key[:64]!r})")
+            raise BadRowError(f"publish: headers of row {row} have a null value (for {key[:64]!r})")
         if not key:
-            raise BadRequestError(f"publish: headers of row {row} have an empty key")
+            raise BadRowError(f"publish: headers of row {row} have an empty key")
         if len(key) > MAX_HEADER_LENGTH or len(value) > MAX_HEADER_LENGTH:
-            raise BadRequestError(f"publish: headers of row {row}: a name or value is longer than "
-                                  f"{MAX_HEADER_LENGTH} characters")
+            raise BadRowError(f"publish: headers of row {row}: a name or value is longer than "
+                              f"{MAX_HEADER_LENGTH} characters")
 
 
 def build_registry(process: "AgentProcess") -> CallRegistry:

@@ -27,6 +27,7 @@ from zerocomm_spark.errors import (
     ApiError,
     ApiTimeoutError,
     BackpressureError,
+    BadRowError,
     ClientClosedError,
     GroupNotFoundError,
     IdentityNotFoundError,
@@ -404,7 +405,8 @@ class MemberLink:
     # --- publishing -------------------------------------------------------------------------------
 
     def publish(self, group: str, table: pa.Table, timeout: float, *, sign: bool = False) -> Any:
-        """Publish one batch; returns once the group acknowledged it, else PublishNotAcknowledgedError.
+        """Publish one batch; returns once the group acknowledged it, else PublishNotAcknowledgedError, or
+        BadRowError as the agent raised it when it refuses a row's data (a retry fails the same way).
         ``sign``: the agent adds each row's origin proof (signOrigin)."""
         try:
             return self._call("publish", group, table, timeout=timeout, retry_timeouts=False, sign=sign)
@@ -412,8 +414,8 @@ class MemberLink:
             raise PublishNotAcknowledgedError(
                 f"the group {group!r} did not acknowledge {table.num_rows} message(s) within {timeout:g}s "
                 f"({type(exc).__name__}: {str(exc).split('. ')[0]})") from None
-        except GroupNotFoundError:
-            raise
+        except (GroupNotFoundError, BadRowError):
+            raise  # BadRowError: the rows' data, which no rerun gets past (the sink names the rows)
         except ApiError as exc:
             raise PublishNotAcknowledgedError(
                 f"publishing {table.num_rows} message(s) to group {group!r} failed: {exc}") from None

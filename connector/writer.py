@@ -38,20 +38,18 @@ from pyspark.sql.datasource import (
 
 from zerocomm_spark.errors import (
     SINK_ROWS_BEFORE,
-    BadRequestError,
+    BadRowError,
     ConnectorOptionError,
     PublishNotAcknowledgedError,
-    RequestTooLargeError,
     SinkHeaderError,
     SinkNullPayloadError,
     SinkOriginClaimError,
     SinkPayloadTooLargeError,
     SinkRowError,
     StreamContextError,
-    UnknownCallError,
     ZeroCommError,
 )
-from zerocomm_spark.group.datamessage import MAX_HEADER_LENGTH, MAX_HEADERS
+from zerocomm_spark.group.datamessage import MAX_HEADER_LENGTH, MAX_HEADERS, MAX_ID_LENGTH
 from zerocomm_spark.group.origin import ORIGIN_HEADER
 
 from zerocomm_spark.connector.agent_link import MemberLink
@@ -222,6 +220,7 @@ def publish_partition(batches: Iterator[pa.RecordBatch], options: SinkOptions, c
             headers = chunk.column("headers") if columns.has_headers else None
             if columns.has_message_id:
                 given = chunk.column("message_id").combine_chunks()
+                _check_message_ids(given, row, partition)
                 # A null or empty id gets the derived one: an empty id would be replaced by a random
                 # one downstream, new at every retry (a row delivered twice).
                 missing = pc.fill_null(pc.or_kleene(pc.is_null(given), pc.equal(given, "")), True)
@@ -245,7 +244,7 @@ def publish_partition(batches: Iterator[pa.RecordBatch], options: SinkOptions, c
                 # agent refuses a batch naming an id twice), as a repeat in a later chunk is by the
                 # member - both counted as duplicates.
                 table, repeated = _first_of_each_id(table)
-            result = _publish(link, options, table, row, partition)
+            result = _publish(link, options, table, row, chunk.num_rows, repeated, partition)
             if len(result.message_ids) != table.num_rows:
                 raise PublishNotAcknowledgedError(
                     f"the agent acknowledged {len(result.message_ids)} of {table.num_rows} messages")
@@ -281,6 +280,23 @@ def _check_payload_sizes(payload: pa.ChunkedArray | pa.Array, limit: int | None,
         f"{limit} bytes (the agent on host {os.uname().nodename}); nothing from row {row} of the partition on "
         "was published",
         hint=SinkPayloadTooLargeError.hint.replace("LIMIT", str(limit)))
+
+
+def _check_message_ids(given: pa.Array, row: int, partition: int) -> None:
+    """Refuse a chunk holding a given message id longer than a group message's, naming its partition row:
+    the agent refused it by its row in the publish call (counted after repeated ids were dropped)."""
+    if len(given) == 0:
+        return
+    lengths = pc.utf8_length(given)
+    longest = pc.max(lengths).as_py()
+    if longest is None or longest <= MAX_ID_LENGTH:
+        return
+    at = int(pc.index(pc.greater(lengths, MAX_ID_LENGTH), True).as_py())
+    raise SinkRowError(
+        f"row {row + at} of partition {partition} has a {lengths[at].as_py()}-character message_id; a group message's "
+        f"id has at most {MAX_ID_LENGTH}; nothing from row {row} of the partition on was published",
+        hint="Shorten such ids (a hash keeps them unique: sha2(message_id, 256) is 64 characters), or leave them "
+             "null to get a derived one; " + SINK_ROWS_BEFORE)
 
 
 def _check_no_origin_claim(headers: pa.ChunkedArray, row: int, partition: int) -> None:
@@ -342,20 +358,26 @@ def _check_row_headers(head: list[tuple[str, str | None]], at: int, partition: i
                                 + SINK_ROWS_BEFORE)
 
 
-def _publish(link: MemberLink, options: SinkOptions, table: pa.Table, row: int, partition: int) -> object:
-    """One publish call. The agent refusing the rows themselves (BadRequestError, as the sink's own
-    checks should have) is a SinkRowError: PublishNotAcknowledgedError's advice to rerun and check the
-    members cannot help with it. MemberLink wraps every ApiError in PublishNotAcknowledgedError, so
-    the refusal is looked for in its context too."""
+def _publish(link: MemberLink, options: SinkOptions, table: pa.Table, row: int, rows: int, repeated: int,
+             partition: int) -> object:
+    """One publish call, of partition rows ``row`` to ``row + rows - 1`` less ``repeated`` rows whose
+    message id repeats an earlier one's. The agent refusing a row's data (BadRowError) is a SinkRowError:
+    PublishNotAcknowledgedError's advice to rerun and check the members cannot help with it. Any other
+    refusal (an agent of another version not taking an argument, a request too large) is not about the
+    rows: it stays what MemberLink makes of it."""
     try:
         return link.publish(options.group, table, options.publish_timeout_s, sign=options.sign_origin)
-    except (BadRequestError, PublishNotAcknowledgedError) as exc:
-        refused = exc if isinstance(exc, BadRequestError) else exc.__cause__ or exc.__context__
-        if not isinstance(refused, BadRequestError) or isinstance(refused, (RequestTooLargeError, UnknownCallError)):
-            raise  # not about the rows: a request past api.max_request_bytes, an agent of another version
-        raise SinkRowError(f"the agent on host {os.uname().nodename} refused rows {row}-{row + table.num_rows - 1} "
-                           f"of partition {partition} (nothing from row {row} on was published): {refused.message}",
-                           hint=f"Fix or leave out the rows it names; {SINK_ROWS_BEFORE}") from None
+    except BadRowError as exc:
+        # The agent counts rows from 0 within this call, which holds only the first row of each id.
+        if repeated:
+            counted = (f"the agent numbers the call's rows from 0 at partition row {row}, counting only the first "
+                       f"row of each message id ({repeated} row(s) repeating an earlier id were left out of the call)")
+        else:
+            counted = f"the agent numbers the call's rows from 0: its row i is partition row {row} + i"
+        raise SinkRowError(f"the agent on host {os.uname().nodename} refused a row of the publish call holding rows "
+                           f"{row}-{row + rows - 1} of partition {partition} (nothing from row {row} on was "
+                           f"published): {exc.message}; {counted}",
+                           hint=f"Fix or leave out that row; {SINK_ROWS_BEFORE}") from None
 
 
 def _first_of_each_id(table: pa.Table) -> tuple[pa.Table, int]:

@@ -857,12 +857,14 @@ class Client:
 
         Rows without a message id get a fresh one. Publishing again with the same ids is safe:
         members and journals drop duplicates, so retry a failed publish with the ids it returned
-        or that you chose.
+        or that you chose. A row the agent cannot publish (a null payload or header value, a header the
+        group cannot carry, a message id too long or given twice) refuses the batch with BadRowError (a
+        BadRequestError) naming the row, counted from 0 in this batch; nothing of it is published.
 
         ``sign=True`` has the agent add an origin proof to every row (header ``zc-origin``, scheme
         ``ed25519-member/1``, zerocomm_spark/group/origin.py), signed with its member key, so history
         can prove later who published each row; a row that already has a ``zc-origin`` header is
-        then refused (BadRequestError). An agent older than this option refuses the argument.
+        then refused (BadRowError). An agent older than this option refuses the argument.
         The result's ``signed`` counts the rows the group keeps with the proof: a duplicate keeps
         how it went out first, and one first published before the agent's last start counts in
         ``signed_unknown`` instead (the agent keeps the ids it published in memory only).

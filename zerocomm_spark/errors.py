@@ -490,6 +490,15 @@ class UnknownCallError(BadRequestError):
     hint = "Call one of the names the agent lists in the message (client and agent versions may differ)."
 
 
+class BadRowError(BadRequestError):
+    """The agent refuses a row of a publish call: its data, not the call (a null payload or header value,
+    a message id too long or given twice, a header the group cannot carry). Row numbers count from 0
+    within the call. A separate type so a caller (the Spark sink) can tell it from a call this agent
+    cannot take at all (an unknown argument from a client of another version)."""
+
+    hint = "Fix or leave out the row named (rows count from 0 within the publish call), then publish again"
+
+
 class RequestTooLargeError(BadRequestError):
     """A request is bigger than the agent's api.max_request_bytes."""
 
@@ -543,9 +552,12 @@ SINK_ROWS_BEFORE = ("the rows before it were published: a streaming query re-run
                     "(none is delivered twice), a df.write does so only with a message_id column")
 
 
-class SinkRowError(ConnectorOptionError):
+class SinkRowError(ZeroCommError, ValueError):
     """A row written to format("zerocomm") cannot be a group message as it is: a data error, which fails
-    the same way at every retry (unlike PublishNotAcknowledgedError, which a retry can get past)."""
+    the same way at every retry (unlike PublishNotAcknowledgedError, which a retry can get past).
+
+    Not a ConnectorOptionError (a ConfigurationError): the options are fine, a row is not, so it must
+    neither be caught as an option error nor map to the CLI's usage exit code."""
 
     hint = f"Fix or leave out the named row, then write again; {SINK_ROWS_BEFORE}"
 

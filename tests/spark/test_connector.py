@@ -728,9 +728,10 @@ def test_a_row_no_group_message_can_carry_is_a_data_error_naming_it_not_a_publis
 
 
 def test_the_agent_refusing_a_sinks_rows_is_a_data_error_not_a_publish_to_retry(members, group, monkeypatch):
-    """Rows the sink's own checks let through but the agent refuses (BadRequestError, wrapped by
+    """Rows the sink's own checks let through but the agent refuses (BadRowError; it was wrapped by
     MemberLink in PublishNotAcknowledgedError with its advice to rerun and check the members): a
-    SinkRowError with the agent's words. A real agent, its checks in the sink turned off."""
+    SinkRowError with the agent's words, saying where its row numbers count from. A real agent, its
+    checks in the sink turned off."""
     import pyarrow as pa
 
     from zerocomm_spark.connector import writer
@@ -745,7 +746,9 @@ def test_the_agent_refusing_a_sinks_rows_is_a_data_error_not_a_publish_to_retry(
     with pytest.raises(SinkRowError) as info:
         writer.publish_partition(iter(rows), options, SinkColumns(True, False, True), "q.0.0", 0)
     assert not isinstance(info.value, PublishNotAcknowledgedError)
-    assert "refused rows 0-1 of partition 0" in str(info.value) and "null value (for 'k')" in str(info.value)
+    assert "refused a row of the publish call holding rows 0-1 of partition 0" in str(info.value), str(info.value)
+    assert "headers of row 1 have a null value (for 'k')" in str(info.value)
+    assert "its row i is partition row 0 + i" in str(info.value)
     assert "members are up" not in str(info.value) and "zerocomm --help" not in str(info.value)
 
 

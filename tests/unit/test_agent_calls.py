@@ -5,8 +5,8 @@ from __future__ import annotations
 import pyarrow as pa
 import pytest
 
-from zerocomm_spark.agent.calls import _publish_rows
-from zerocomm_spark.errors import BadRequestError
+from zerocomm_spark.agent.calls import _publish_rows, _signed
+from zerocomm_spark.errors import BadRequestError, BadRowError
 
 _HEADERS = pa.map_(pa.string(), pa.string())
 
@@ -20,8 +20,46 @@ def test_headers_the_group_cannot_carry_are_a_bad_request(rows: list, match: str
     """The data plane refused them with a ConfigurationError whose hint points at the config file
     (and the CLI's exit code 2 for a bad setting): they are bad input to this call."""
     table = pa.table({"payload": pa.array([b"x"] * len(rows)), "headers": pa.array(rows, type=_HEADERS)})
-    with pytest.raises(BadRequestError, match=match):
+    with pytest.raises(BadRowError, match=match):  # a BadRequestError: the row's data, not the call
         _publish_rows(table)
+
+
+@pytest.mark.parametrize("columns, match", [
+    ({"payload": pa.array([b"x", None])}, r"the payload of row 1 is null"),
+    ({"payload": pa.array([b"x", b"y"]), "message_id": pa.array(["a", "b" * 257])}, r"message_id of row 1 is longer"),
+    ({"payload": pa.array([b"x", b"y"]), "message_id": pa.array(["a", "a"])}, r"'a' of row 1 appears twice"),
+    ({"payload": pa.array([b"x"]), "headers": pa.array([[(f"k{i}", "v") for i in range(65)]], _HEADERS)},
+     r"headers of row 0 have 65 entries"),
+    ({"payload": pa.array([b"x"]), "headers": pa.array([[("k", "v" * 4097)]], _HEADERS)}, r"headers of row 0: a name"),
+])
+def test_a_rows_data_the_call_cannot_publish_is_a_bad_row(columns: dict, match: str) -> None:
+    """Its own type, so a caller (the Spark sink) tells a row's data from a call this agent cannot take
+    (an unknown argument or column, from a client of another version), both BadRequestError before."""
+    with pytest.raises(BadRowError, match=match):
+        _publish_rows(pa.table(columns))
+
+
+@pytest.mark.parametrize("columns, match", [
+    ({"payload": pa.array([b"x"]), "value": pa.array([1])}, "unknown column"),
+    ({"message_id": pa.array(["a"])}, "no 'payload' column"),
+    ({"payload": pa.array([1])}, "'payload' must be binary or string"),
+    ({"payload": pa.array([b"x"]), "message_id": pa.array([1])}, "'message_id' must be string"),
+])
+def test_a_batch_the_call_cannot_take_is_a_bad_request_not_a_bad_row(columns: dict, match: str) -> None:
+    with pytest.raises(BadRequestError, match=match) as info:
+        _publish_rows(pa.table(columns))
+    assert not isinstance(info.value, BadRowError)
+
+
+def test_rows_sign_cannot_sign_are_bad_rows() -> None:
+    class Signer:
+        def headers(self, group, mid, payload, head):
+            return {**(head or {}), "zc-origin": "1:proof"}
+
+    with pytest.raises(BadRowError, match=r"row 1 \(message_id 'b'\) already has a 'zc-origin' header"):
+        _signed(Signer(), "g", [b"x", b"y"], ["a", "b"], [None, {"zc-origin": "1:x"}])
+    with pytest.raises(BadRowError, match="headers of row 0 have 64 entries; with sign"):
+        _signed(Signer(), "g", [b"x"], ["a"], [{f"k{i}": "v" for i in range(64)}])
 
 
 def test_good_headers_pass() -> None:

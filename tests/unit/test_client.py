@@ -66,6 +66,18 @@ def test_errors_travel_by_class_with_their_hint() -> None:
         raise_for_error({"type": "SystemExit", "message": "not ours"})  # only ZeroComm errors are raised by name
 
 
+def test_a_bad_row_travels_as_a_bad_row() -> None:
+    """The Spark sink turns only BadRowError (a row's data) into SinkRowError: it must arrive as such,
+    and still as a BadRequestError for callers that catch that."""
+    exc = errors.BadRowError("publish: headers of row 1 have a null value (for 'k')")
+    with pytest.raises(errors.BadRowError) as info:
+        raise_for_error(error_header("r1", exc)["error"])
+    assert isinstance(info.value, errors.BadRequestError) and str(info.value) == str(exc)
+    with pytest.raises(errors.BadRequestError) as plain:
+        raise_for_error(error_header("r2", errors.BadRequestError("publish: unknown argument(s) 'sign'"))["error"])
+    assert not isinstance(plain.value, errors.BadRowError)
+
+
 def test_client_pickles_without_its_socket(tmp_path: Path) -> None:
     client = Client(ipc_endpoint(tmp_path), socket_dir=tmp_path, timeout=3)
     client._socket()  # noqa: SLF001 - a live socket must not travel

@@ -12,13 +12,16 @@ from zerocomm_spark.connector.options import SinkOptions
 from zerocomm_spark.connector.schema import SinkColumns
 from zerocomm_spark.connector.writer import publish_partition
 from zerocomm_spark.errors import (
+    ApiTimeoutError,
     BadRequestError,
     ConnectorOptionError,
     PublishNotAcknowledgedError,
+    RequestTooLargeError,
     SinkHeaderError,
     SinkNullPayloadError,
     SinkOriginClaimError,
     SinkRowError,
+    UnknownCallError,
 )
 
 
@@ -271,25 +274,117 @@ def test_a_null_payload_is_a_data_error_naming_the_row(member):
     assert "payload IS NOT NULL" in info.value.hint and not member.delivered
 
 
-def test_the_agent_refusing_the_rows_is_a_data_error_not_a_publish_to_retry(monkeypatch):
-    """MemberLink wraps the agent's BadRequestError in PublishNotAcknowledgedError (from None): the
-    sink finds the refusal in its context and says it as a SinkRowError, with the agent's words."""
-    class Refusing(Member):
-        def publish(self, _group, table, _timeout, *, sign: bool = False):  # type: ignore[override]
-            try:
-                raise BadRequestError("publish: headers of row 0 have a null value (for 'k')")
-            except BadRequestError as exc:
-                raise PublishNotAcknowledgedError(f"publishing 1 message(s) to group 'g' failed: {exc}") from None
+class AgentClient:
+    """A stand-in for zerocomm_spark.client.Client under the real MemberLink: its publish answers as the
+    agent would, through the wire's error round trip (error_header, then raise_for_error by type name),
+    with the agent's own row checks (agent/calls.py _publish_rows) or a given error."""
 
-    class Timing(Member):
-        def publish(self, _group, table, _timeout, *, sign: bool = False):  # type: ignore[override]
-            raise PublishNotAcknowledgedError("the group 'g' did not acknowledge 1 message(s) within 1s")
+    agent: dict = {}
 
+    def __init__(self, error: Exception | None = None) -> None:
+        self.error = error
+        self.calls = 0
+
+    def publish(self, group, table, *, timeout, sign=False):
+        from zerocomm_spark.agent.calls import _publish_rows
+        from zerocomm_spark.client import error_header, raise_for_error
+
+        self.calls += 1
+        try:
+            if self.error is not None and self.calls > 1:  # the first call of the task goes through
+                raise self.error
+            _publish_rows(table)
+        except Exception as exc:  # noqa: BLE001 - what the agent's server does with any error
+            raise_for_error(error_header(self.calls, exc)["error"])
+        return SimpleNamespace(message_ids=table.column("message_id").to_pylist(), seqs=[None] * table.num_rows,
+                               duplicates=0)
+
+    def close(self) -> None:
+        pass
+
+
+def _through_member_link(monkeypatch, client: AgentClient) -> None:
+    monkeypatch.setattr(writer.MemberLink, "connect", lambda agent: writer.MemberLink(client, agent))
+
+
+def test_the_agent_refusing_a_rows_data_is_a_data_error_naming_where_its_row_numbers_count(monkeypatch):
+    """Through the real MemberLink (which wraps the agent's errors) and the wire's error round trip: the
+    agent refusing a row (BadRowError) is a SinkRowError saying that the agent's row numbers count
+    within the publish call that started at partition row R, after repeated ids were dropped."""
+    monkeypatch.setattr(writer, "_check_headers", lambda *args: None)  # let the agent's own check speak
+    columns = SinkColumns(payload_is_string=True, has_message_id=False, has_headers=True)
+    options = SinkOptions.parse({"group": "g", "publishBatchSize": "2"})
+    client = AgentClient()
+    _through_member_link(monkeypatch, client)
+    heads = [None, None, None, [("k", None)]]
+    with pytest.raises(SinkRowError) as info:
+        publish_partition(batches(["a", "b", "c", "d"], heads), options, columns, "q.0.3", 3)
+    said = str(info.value)
+    assert not isinstance(info.value, (PublishNotAcknowledgedError, ConnectorOptionError, BadRequestError))
+    assert "refused a row of the publish call holding rows 2-3 of partition 3" in said, said
+    assert "publish: headers of row 1 have a null value (for 'k')" in said
+    assert "the agent numbers the call's rows from 0: its row i is partition row 2 + i" in said
+    assert _RETRY_ADVICE not in said and "Fix or leave out that row" in info.value.hint
+    assert client.calls == 2
+
+    # given ids, one repeated: the agent's row 1 is partition row 3 ('c' went out only once)
+    given = SinkColumns(payload_is_string=True, has_message_id=True, has_headers=True)
+    rows = iter([pa.record_batch({"payload": pa.array(["a", "b", "c"]), "message_id": pa.array(["x", "x", "y"]),
+                                  "headers": pa.array([None, None, [("k", None)]], pa.map_(pa.string(),
+                                                                                          pa.string()))})])
+    _through_member_link(monkeypatch, AgentClient())
+    with pytest.raises(SinkRowError) as info:
+        publish_partition(rows, SinkOptions.parse({"group": "g"}), given, "q.0.3", 3)
+    said = str(info.value)
+    assert "holding rows 0-2 of partition 3" in said and "headers of row 1 have a null value" in said, said
+    assert ("numbers the call's rows from 0 at partition row 0, counting only the first row of each message id "
+            "(1 row(s) repeating an earlier id were left out of the call)") in said
+
+
+@pytest.mark.parametrize("error, words", [
+    (BadRequestError("publish: unknown argument(s) 'sign'"), "unknown argument(s) 'sign'"),  # an older agent
+    (RequestTooLargeError("the request is 70000000 bytes"), "70000000 bytes"),
+    (UnknownCallError("no call 'publish'"), "no call 'publish'"),
+    (ApiTimeoutError("no answer"), "did not acknowledge 1 message(s)"),
+])
+def test_the_agent_refusing_the_call_not_a_row_is_not_a_sink_row_error(monkeypatch, error, words):
+    """A version-skewed agent refusing an argument is a plain BadRequestError: the sink told the user to
+    fix rows 'A-B' that were fine. Only BadRowError is the rows'; anything else stays what MemberLink
+    makes of it (PublishNotAcknowledgedError, with the agent's words)."""
     columns = SinkColumns(payload_is_string=True, has_message_id=False, has_headers=False)
-    monkeypatch.setattr(writer.MemberLink, "connect", Refusing().connect)
-    with pytest.raises(SinkRowError, match="refused rows 0-0 of partition 3 .*null value \\(for 'k'\\)") as info:
-        publish_partition(batches(["a"]), SinkOptions.parse({"group": "g"}), columns, "q.0.3", 3)
-    assert not isinstance(info.value, PublishNotAcknowledgedError) and _RETRY_ADVICE not in str(info.value)
-    monkeypatch.setattr(writer.MemberLink, "connect", Timing().connect)
-    with pytest.raises(PublishNotAcknowledgedError, match="did not acknowledge"):  # a retry can help: as it was
-        publish_partition(batches(["a"]), SinkOptions.parse({"group": "g"}), columns, "q.0.3", 3)
+    _through_member_link(monkeypatch, AgentClient(error))
+    with pytest.raises(PublishNotAcknowledgedError) as info:
+        publish_partition(batches(["a", "b"]), SinkOptions.parse({"group": "g", "publishBatchSize": "1"}), columns,
+                          "q.0.3", 3)
+    assert not isinstance(info.value, SinkRowError) and words in str(info.value)
+    assert "refused" not in str(info.value) and "Fix or leave out" not in str(info.value)
+
+
+def test_a_given_message_id_longer_than_a_group_message_takes_is_refused_naming_its_partition_row(member):
+    """The agent refused it by its row in the publish call (counted after repeated ids were dropped), not
+    by its row in the partition."""
+    columns = SinkColumns(payload_is_string=True, has_message_id=True, has_headers=False)
+    ids = ["a", "a", "b", "c" * 256, "d" * 257, "e"]
+    rows = iter([pa.record_batch({"payload": pa.array(["p"] * 6), "message_id": pa.array(ids)})])
+    options = SinkOptions.parse({"group": "g", "publishBatchSize": "3"})
+    with pytest.raises(SinkRowError, match="row 4 of partition 2 has a 257-character message_id; a group message's "
+                                           "id has at most 256; nothing from row 3 of the partition on was "
+                                           "published") as info:
+        publish_partition(rows, options, columns, "q.0.2", 2)
+    assert "sha2(message_id, 256)" in info.value.hint and not isinstance(info.value, ConnectorOptionError)
+    assert sorted(member.delivered) == ["a", "b"]  # the chunk before it went out
+    ok = iter([pa.record_batch({"payload": pa.array(["p", "q"]), "message_id": pa.array(["é" * 256, None])})])
+    assert publish_partition(ok, options, columns, "q.0.2", 2).messages == 2  # characters, not bytes; null: derived
+
+
+def test_a_sink_row_error_is_a_data_error_not_an_option_error():
+    """It derived from ConnectorOptionError (a ConfigurationError): `except ConnectorOptionError` caught
+    it and the CLI's exit code said bad usage."""
+    from zerocomm_spark.agent.cli import EXIT_ERROR, exit_code_for
+    from zerocomm_spark.errors import ConfigurationError, SinkPayloadTooLargeError, ZeroCommError
+
+    for cls in (SinkRowError, SinkPayloadTooLargeError, SinkNullPayloadError, SinkHeaderError, SinkOriginClaimError):
+        exc = cls("row 3 of partition 0 has a null payload")
+        assert isinstance(exc, (ZeroCommError, ValueError)) and not isinstance(exc, ConfigurationError), cls
+        assert exit_code_for(exc) == EXIT_ERROR, cls
+        assert str(exc).startswith("row 3 of partition 0") and exc.hint, cls
