@@ -327,13 +327,21 @@ def _check_headers(headers: pa.ChunkedArray, row: int, partition: int, sign: boo
 
 
 def _headers_may_be_refused(chunk: pa.MapArray, most: int) -> bool:
-    """A vectorised look over every entry of the chunk's buffers (a superset of its rows' entries)."""
+    """A vectorised look over the chunk's rows' entries (a superset: entries under a null row count too).
+
+    A sliced MapArray's ``.keys``/``.items`` are the whole parent's, while its ``.offsets`` are absolute
+    positions in them: the children are sliced to the chunk's span, or every chunk scanned the whole
+    batch's entries, and one bad row sent every other chunk of the batch down the row-by-row path."""
     if len(chunk) == 0:
         return False
-    keys, values = pc.utf8_length(chunk.keys), pc.utf8_length(chunk.items)
-    return bool(chunk.items.null_count or pc.any(pc.equal(keys, 0)).as_py()
-                or (pc.max(keys).as_py() or 0) > MAX_HEADER_LENGTH or (pc.max(values).as_py() or 0) > MAX_HEADER_LENGTH
-                or int(np.max(np.diff(chunk.offsets.to_numpy(zero_copy_only=False)))) > most)
+    offsets = chunk.offsets
+    begin, end = offsets[0].as_py(), offsets[-1].as_py()
+    keys, items = chunk.keys.slice(begin, end - begin), chunk.items.slice(begin, end - begin)
+    key_lengths, value_lengths = pc.utf8_length(keys), pc.utf8_length(items)
+    return bool(items.null_count or pc.any(pc.equal(key_lengths, 0)).as_py()
+                or (pc.max(key_lengths).as_py() or 0) > MAX_HEADER_LENGTH
+                or (pc.max(value_lengths).as_py() or 0) > MAX_HEADER_LENGTH
+                or int(np.max(np.diff(offsets.to_numpy(zero_copy_only=False)))) > most)
 
 
 def _check_row_headers(head: list[tuple[str, str | None]], at: int, partition: int, most: int, row: int) -> None:

@@ -388,3 +388,31 @@ def test_a_sink_row_error_is_a_data_error_not_an_option_error():
         assert isinstance(exc, (ZeroCommError, ValueError)) and not isinstance(exc, ConfigurationError), cls
         assert exit_code_for(exc) == EXIT_ERROR, cls
         assert str(exc).startswith("row 3 of partition 0") and exc.hint, cls
+
+
+def test_a_chunks_header_check_looks_only_at_its_own_rows():
+    """A sliced MapArray's keys and items are the whole parent's: every chunk scanned the batch's entries,
+    and one bad row sent every other chunk of the batch down the row-by-row path."""
+    heads = pa.array([[("a", "1")], [("b", "2")], [("k", None)], [("", "x")], [("c", "3")]],
+                     pa.map_(pa.string(), pa.string()))
+    assert writer._headers_may_be_refused(heads.slice(0, 2), 64) is False  # valid; a later row is not
+    assert writer._headers_may_be_refused(heads.slice(4, 1), 64) is False  # valid; earlier rows are not
+    assert writer._headers_may_be_refused(heads.slice(2, 1), 64) is True
+    assert writer._headers_may_be_refused(heads.slice(1, 3), 64) is True
+    long = pa.array([[("k", "v")], [("k", "v" * 4097)]], pa.map_(pa.string(), pa.string()))
+    assert writer._headers_may_be_refused(long.slice(0, 1), 64) is False
+    assert writer._headers_may_be_refused(long.slice(1, 1), 64) is True
+
+
+def test_valid_chunks_before_a_bad_header_are_not_checked_row_by_row(member, monkeypatch):
+    walked: list[int] = []
+    real = writer._check_row_headers
+    monkeypatch.setattr(writer, "_check_row_headers", lambda head, at, *rest: (walked.append(at), real(head, at,
+                                                                                                       *rest)))
+    columns = SinkColumns(payload_is_string=True, has_message_id=False, has_headers=True)
+    options = SinkOptions.parse({"group": "g", "publishBatchSize": "2"})
+    with pytest.raises(SinkHeaderError, match="row 5 of partition 0 has a null value"):
+        publish_partition(batches(list("abcdef"), [[("k", "v")]] * 5 + [[("k", None)]]), options, columns, "q.0.0", 0)
+    assert walked == [4, 5] and len(member.delivered) == 4
+
+
