@@ -32,7 +32,9 @@ def read_key_file(path: str | os.PathLike[str]) -> HistoryKey:
         st = file.stat()
         data = file.read_bytes()
     except OSError as exc:
-        raise ConfigurationError(f"cannot read the history key file {file}: {exc.strerror}") from None
+        raise ConfigurationError(f"cannot read the history key file {file}: {exc.strerror}",
+                                 hint="Check the path given with --history-key-file (an owner-only file holding the "
+                                      "group's 32-byte history key, raw or as 64 hex digits)") from None
     if st.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
         raise InsecurePermissionsError(f"the history key file {file} can be read by other users",
                                        hint="chmod 600 it (the key opens every sealed payload of the group)")
@@ -42,7 +44,21 @@ def read_key_file(path: str | os.PathLike[str]) -> HistoryKey:
     try:
         return HistoryKey(bytes.fromhex(text.decode("ascii")))
     except (ValueError, UnicodeDecodeError):
-        raise ConfigurationError(f"the history key file {file} holds neither 32 bytes nor 64 hex digits") from None
+        raise ConfigurationError(f"the history key file {file} holds neither 32 bytes nor 64 hex digits",
+                                 hint="Give --history-key-file the file the group's history key was saved to") from None
+
+
+def _since_time(text: str) -> Any:
+    """--since-time as a replay start; a time that is not ISO 8601 names the flag (the library's error
+    pointed at conf/zerocomm.toml, which has no such setting)."""
+    from zerocomm_spark.pipelines.replay import Since
+
+    try:
+        return Since.timestamp(text)
+    except ConfigurationError as exc:
+        raise ConfigurationError(f"--since-time: {exc.message}",
+                                 hint="Give an ISO 8601 time, e.g. 2026-11-28T09:30:00+00:00 (UTC without a "
+                                      "zone), or --since-lamport N") from None
 
 
 def _java_chain(exc: BaseException) -> list[str]:
@@ -397,7 +413,7 @@ def replay(ctx: Any) -> int:
     a = ctx.args
     since = (Since.version(a.since_version) if a.since_version is not None
              else Since.lamport(a.since_lamport) if a.since_lamport is not None
-             else Since.timestamp(a.since_time) if a.since_time else None)
+             else _since_time(a.since_time) if a.since_time else None)
     as_of: int | str | None = None
     if a.as_of is not None:
         as_of = int(a.as_of) if a.as_of.isdigit() else a.as_of

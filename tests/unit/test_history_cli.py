@@ -400,3 +400,23 @@ def test_trigger_intervals_spark_refuses_are_refused(trigger):
     from zerocomm_spark.pipelines.commands import interval_seconds
 
     assert interval_seconds(trigger) is None
+
+
+@pytest.mark.parametrize("flags, words, hint", [
+    (["--since-time", "garbage"], "--since-time: 'garbage' is not an ISO 8601 time", "ISO 8601"),
+    (["--history-key-file", "/nonexistent/key"], "cannot read the history key file /nonexistent/key",
+     "--history-key-file"),
+])
+def test_replay_errors_of_its_own_flags_name_the_flag_not_a_setting(monkeypatch, capsys, tmp_path, flags, words,
+                                                                     hint):
+    """--since-time garbage and a missing --history-key-file said "Check the named setting against
+    conf/zerocomm.toml and the README": neither is a setting. Usage errors (exit 2) naming the flag."""
+    import json
+
+    from zerocomm_spark.agent.cli import main as zerocomm
+
+    _replay_finds_nothing(monkeypatch, tmp_path, held=["g"])
+    assert zerocomm(["--json", "history", "replay", "g", "--table", "/t", *flags]) == 2
+    error = json.loads(capsys.readouterr().out.splitlines()[-1])["error"]
+    assert words in error["message"] and hint in error["hint"], error
+    assert "conf/zerocomm.toml" not in error["hint"], error
