@@ -526,6 +526,18 @@ def test_a_command_to_an_agent_that_does_not_answer_says_so(tmp_path: Path) -> N
         m.stop()
 
 
+def _agent_process_of(m: Member) -> int | None:
+    """The pid of the agent process a detached start of ``m`` launched (it alone has --ready-fd), if any."""
+    for proc in Path("/proc").iterdir():
+        try:
+            argv = (proc / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"--ready-fd" in argv and str(m.config).encode() in argv:
+            return int(proc.name)
+    return None
+
+
 def test_an_interrupted_detached_start_leaves_no_agent_running(tmp_path: Path) -> None:
     """Ctrl-C during `agent start --detach` (or a --spawn) ended the command, and the agent it had
     started came up anyway a moment later, holding the identity."""
@@ -539,14 +551,7 @@ def test_an_interrupted_detached_start_leaves_no_agent_running(tmp_path: Path) -
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(slow), root, os.environ.get("PYTHONPATH")) if p))
 
     def agent_child() -> bool:
-        for proc in Path("/proc").iterdir():
-            try:
-                argv = (proc / "cmdline").read_bytes().split(b"\0")
-            except OSError:
-                continue
-            if b"--ready-fd" in argv and str(m.config).encode() in argv:
-                return True
-        return False
+        return _agent_process_of(m) is not None
 
     parent = subprocess.Popen([*ZEROCOMM, "--config", str(m.config), "--json", "agent", "start", "--detach"],
                               env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -649,14 +654,7 @@ def _parked_start(m: Member, tmp_path: Path) -> tuple[subprocess.Popen[str], Pat
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in paths if p))
 
     def agent_child() -> int | None:
-        for proc in Path("/proc").iterdir():
-            try:
-                argv = (proc / "cmdline").read_bytes().split(b"\0")
-            except OSError:
-                continue
-            if b"--ready-fd" in argv and str(m.config).encode() in argv:
-                return int(proc.name)
-        return None
+        return _agent_process_of(m)
 
     starter = subprocess.Popen([*ZEROCOMM, "--config", str(m.config), "--json", "agent", "start", "--detach"],
                                env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
