@@ -643,6 +643,14 @@ def test_a_line_too_large_for_one_message_is_named_and_the_lines_before_it_go_ou
         solo.stop()
 
 
+def _interrupted(send: subprocess.Popen[str]) -> tuple[str, str]:
+    """Ctrl-C to a running `send -`: its output, once it exited as an interrupted command does (130)."""
+    send.send_signal(signal.SIGINT)
+    out, err = send.communicate(timeout=30)
+    assert send.returncode == 130, out + err
+    return out, err
+
+
 def _pair_in_group(alice: Member, bob: Member) -> None:
     """Start both; alice creates group g and bob joins it through her; alice sees bob active."""
     start_all([alice, bob])
@@ -763,12 +771,10 @@ def test_a_send_from_stdin_interrupted_with_ctrl_c_says_how_to_send_the_rest(tmp
             wait_for(lambda: solo.run("history", "g", "--all").json_lines, 30, "the first chunk to be acknowledged")
             # Acknowledged and back to reading stdin: the one place a send waits that long for its input.
             wait_for(lambda: _blocked_reading_stdin(send.pid), 30, "the send to wait for more lines")
-            send.send_signal(signal.SIGINT)
-            out, err = send.communicate(timeout=30)
+            out, err = _interrupted(send)
         finally:
             if send.poll() is None:
                 send.kill()
-        assert send.returncode == 130, out + err
         assert "Traceback" not in err, err
         acked = len(solo.run("history", "g", "--all").json_lines)
         assert 0 < acked < 150
@@ -808,12 +814,10 @@ def test_a_send_from_stdin_interrupted_while_a_chunk_is_out_says_it_may_be_out(t
             send.stdin.write("\n".join(lines[150:]) + "\n")
             send.stdin.flush()
             wait_for(lambda: _waiting_for_the_agent(send.pid), 30, "the second chunk's publish to wait")
-            send.send_signal(signal.SIGINT)
-            out, err = send.communicate(timeout=30)
+            out, err = _interrupted(send)
         finally:
             if send.poll() is None:
                 send.kill()
-        assert send.returncode == 130, out + err
         first = int(err.split("the first ", 1)[1].split()[0])
         assert f"interrupted (Ctrl-C) (the first {first} line(s) of stdin were sent and acknowledged)" in err, err
         assert f"lines {first + 1}.." in err and "may be out" in err, err

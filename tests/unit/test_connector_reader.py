@@ -25,11 +25,8 @@ class Clock:
         self.now += seconds
 
 
-class Member:
-    """Holds seqs 1..received(now) of one publisher: it is catching up at ``rate`` messages a second."""
-
-    def __init__(self, clock: Clock, rate: float, total: int) -> None:
-        self.clock, self.rate, self.total = clock, rate, total
+class _FakeLink:
+    """Stands in for MemberLink: connect() gives itself, and it is its own context manager."""
 
     def connect(self, _agent):
         return self
@@ -39,6 +36,14 @@ class Member:
 
     def __exit__(self, *exc):
         pass
+
+
+class Member(_FakeLink):
+    """Holds seqs 1..received(now) of one publisher: it is catching up at ``rate`` messages a second."""
+
+    def __init__(self, clock: Clock, rate: float, total: int) -> None:
+        self.clock, self.rate, self.total = clock, rate, total
+
 
     def received(self) -> int:
         return min(self.total, int(self.clock.now * self.rate))
@@ -206,7 +211,7 @@ def test_a_query_with_nothing_to_read_keeps_telling_the_journal_it_is_alive(monk
     assert {end.consumer for end, _ in link.commits} == {"spark-q"}
 
 
-class PlanningMember:
+class PlanningMember(_FakeLink):
     """What the batch planner asks the driver's member: bob's seqs 9..12 are all it holds (retention took
     1..8); carol's 1..3 are all there."""
 
@@ -214,15 +219,6 @@ class PlanningMember:
 
     def __init__(self, sent_since: dict) -> None:
         self.sent_since = sent_since  # key -> what first_sent_at_or_after answers
-
-    def connect(self, _agent):
-        return self
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        pass
 
     def check_groups(self, groups):
         pass
