@@ -451,3 +451,32 @@ def test_a_did_doc_attachment_without_an_id_is_refused(alice: Side, bob: Side) -
         doc.sign(b_key)
         with pytest.raises(ProtocolError, match="no 'id'"):
             verify_did_doc(request.did, doc, signer=None, required=False)
+
+
+def test_a_problem_report_in_rfc_0023s_own_form_abandons_the_exchange(alice: Side, bob: Side) -> None:
+    """RFC 0023's example problem report has top-level 'problem-code' and 'explain', no RFC 0035
+    'description'; an agent written to it must still end our exchange at once, not by our deadline."""
+    _, received, b_record, request, b_key = _request(alice, bob)
+    a_record, _, a_key = _accept(alice, request, b_key, received.recipient_key)
+    literal = {
+        "@type": "https://didcomm.org/didexchange/1.0/problem_report",
+        "@id": "5678876542345",
+        "~thread": {"thid": request.id},
+        "~l10n": {"locale": "en"},
+        "problem-code": "request_not_accepted",
+        "explain": "Unsupported DID method for provided DID.",
+    }
+    unpacked = unpack(pack(literal, [b_key.verkey], sender=a_key), bob.keystore.find)
+    message = parse_message(unpacked.json())
+    assert isinstance(message, DIDXProblemReport)
+    assert (message.code, message.explanation) == ("request_not_accepted", "Unsupported DID method for provided DID.")
+    record, error = bob.didx.receive_problem_report(message, recipient_verkey=unpacked.recipient_verkey,
+                                                    sender_verkey=unpacked.sender_verkey)
+    assert record.state == "abandoned" and "request_not_accepted" in str(error)
+    # Ours carry both forms, so an agent reading either finds the code.
+    ours = alice.didx.create_problem_report(a_record, ProblemCode.REQUEST_NOT_ACCEPTED, "not today").to_dict()
+    assert ours["description"] == {"code": "request_not_accepted", "en": "not today"}
+    assert (ours["problem-code"], ours["explain"]) == ("request_not_accepted", "not today")
+    # Neither form: still a clear ProtocolError.
+    with pytest.raises(ProtocolError, match="description"):
+        parse_message({**{k: v for k, v in literal.items() if k != "problem-code"}, "@id": "x2"})

@@ -142,7 +142,10 @@ class DIDXProblemReport(AgentMessage):
     problem_items: list[dict[str, Any]] = field(default_factory=list)
 
     def body(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"description": {"code": self.code, "en": self.explanation}}
+        # RFC 0035's form (ACA-Py, Credo read it) and RFC 0023's own (its example's 'problem-code' and
+        # 'explain'), so an agent written to either text understands why the exchange ended.
+        out: dict[str, Any] = {"description": {"code": self.code, "en": self.explanation},
+                               "problem-code": self.code, "explain": self.explanation}
         if self.problem_items:
             out["problem_items"] = self.problem_items
         return out
@@ -150,16 +153,21 @@ class DIDXProblemReport(AgentMessage):
     @classmethod
     def parse_body(cls, data: Mapping[str, Any]) -> dict[str, Any]:
         description = data.get("description")
-        if not isinstance(description, Mapping):
-            raise ProtocolError("field 'description' must be a JSON object with a 'code'")
+        if description is None and "problem-code" in data:
+            # RFC 0023's problem report: top-level 'problem-code' and 'explain' instead of RFC 0035's
+            # 'description' object. Refusing it left the requester waiting for its deadline.
+            code = req_str(data, "problem-code", max_length=128)
+            explanation = opt_str(data, "explain", max_length=1024) or ""
+        elif isinstance(description, Mapping):
+            code = req_str(description, "code", max_length=128)
+            explanation = opt_str(description, "en", max_length=1024) or ""
+        else:
+            raise ProtocolError("field 'description' must be a JSON object with a 'code' "
+                                "(or RFC 0023's 'problem-code' given instead)")
         items = data.get("problem_items") or []
         if not isinstance(items, list) or not all(isinstance(i, Mapping) for i in items):
             raise ProtocolError("field 'problem_items' must be a list of JSON objects")
-        return {
-            "code": req_str(description, "code", max_length=128),
-            "explanation": opt_str(description, "en", max_length=1024) or "",
-            "problem_items": [dict(i) for i in items],
-        }
+        return {"code": code, "explanation": explanation, "problem_items": [dict(i) for i in items]}
 
     @classmethod
     def from_dict(cls, data: Any) -> "DIDXProblemReport":
