@@ -34,7 +34,7 @@ from zerocomm_spark.protocols.did_exchange.v1_0.messages import (
     DIDXResponse,
     ProblemCode,
 )
-from zerocomm_spark.protocols.message import AgentMessage, Attachment, b64url_decode, b64url_encode, parse_message
+from zerocomm_spark.protocols.message import AgentMessage, Attachment, Thread, b64url_decode, b64url_encode, parse_message
 from zerocomm_spark.protocols.out_of_band.v1_1.manager import OutOfBandManager
 
 
@@ -480,3 +480,36 @@ def test_a_problem_report_in_rfc_0023s_own_form_abandons_the_exchange(alice: Sid
     # Neither form: still a clear ProtocolError.
     with pytest.raises(ProtocolError, match="description"):
         parse_message({**{k: v for k, v in literal.items() if k != "problem-code"}, "@id": "x2"})
+
+
+def test_a_request_reusing_the_thread_id_of_another_exchange_is_refused(alice: Side, bob: Side,
+                                                                         tmp_path: Path) -> None:
+    """Thread ids are the exchange ids of group status sections, which every group member sees in
+    clear; a member that re-used one as its own request's @id made a second connection with the same
+    thread id, and status sections of the first pair were then checked against its key (dropped)."""
+    # bob accepted alice's invitation: bob holds a requester record on thread T.
+    _, received, b_record, request, b_key = _request(alice, bob)
+    a_record, response, a_key = _accept(alice, request, b_key, received.recipient_key)
+    message, unpacked = _transmit(response, b_key.verkey, a_key, bob.keystore)
+    bob.didx.receive_response(message, recipient_verkey=unpacked.recipient_verkey,  # type: ignore[arg-type]
+                              sender_verkey=unpacked.sender_verkey)
+    thread_id = b_record.thread_id
+    assert thread_id is not None
+    # mallory answers bob's own invitation with a request whose @id is T.
+    mallory = _side(tmp_path / "mallory", "mallory", 41005)
+    try:
+        bob_invitation, _ = bob.oob.create_invitation(multi_use=True)
+        to_bob = OutOfBandManager.parse_url(bob_invitation.to_url())
+        _, forged, m_key = mallory.didx.create_request(to_bob)
+        forged.id = thread_id
+        forged.thread = Thread(thid=thread_id, pthid=bob_invitation.id)
+        with pytest.raises(ProtocolError, match="thread id"):
+            _accept(bob, forged, m_key, to_bob.recipient_key)
+        assert [r.thread_id for r in bob.store.all()] == [thread_id]  # no second record on T
+        assert bob.oob.get(bob_invitation.id).used_by == []  # nor a use of the invitation
+        # An honest request (its own thread) still goes through.
+        _, honest, h_key = mallory.didx.create_request(to_bob)
+        record, _, _ = _accept(bob, honest, h_key, to_bob.recipient_key)
+        assert record.thread_id == honest.id and len(bob.store) == 2
+    finally:
+        mallory.keystore.close()

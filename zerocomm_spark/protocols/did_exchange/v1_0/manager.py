@@ -160,6 +160,12 @@ class DIDExchangeManager:
         with self._lock:
             if self._connections.by_thread_id(thread_id, role="responder") is not None:
                 raise ReplayError("this DID-exchange request (same thread id) was already processed")
+            if self._connections.by_thread_id(thread_id) is not None:
+                # The requester picks the thread id, and the ids of our other exchanges are no secret
+                # (group status sections are keyed by them, in clear): one connection per thread id,
+                # or a peer could make its relationship stand in for another one's.
+                raise ProtocolError("the thread id of this DID-exchange request is that of another exchange "
+                                    "of this agent; start the request on a thread of its own")
             if request.pthid != invitation.invitation_id:
                 raise ProtocolError("field '~thread.pthid' is not the @id of the invitation it was sent to")
             doc = verify_did_doc(request.did, request.did_doc_attach, signer=None, required=False)
