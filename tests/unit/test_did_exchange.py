@@ -513,3 +513,40 @@ def test_a_request_reusing_the_thread_id_of_another_exchange_is_refused(alice: S
         assert record.thread_id == honest.id and len(bob.store) == 2
     finally:
         mallory.keystore.close()
+
+
+def _mediated_did(key: KeyPair, endpoint: str) -> str:
+    """A did:peer:2 whose DIDComm service goes through a mediator (routingKeys)."""
+    from zerocomm_spark.did.peer import X25519_CODEC, _multikey, encode_peer_did_2
+    from zerocomm_spark.keys.keypair import verkey_to_x25519
+
+    return encode_peer_did_2(
+        [("V", did_key(key.verkey)[len("did:key:"):]), ("E", _multikey(X25519_CODEC, bytes(verkey_to_x25519(key.verkey))))],
+        [{"id": "#didcomm-0", "type": "did-communication", "recipientKeys": ["#key-1"],
+          "routingKeys": [did_key(KeyPair.generate().verkey)], "serviceEndpoint": endpoint}])
+
+
+def test_a_did_that_needs_a_mediator_is_refused_in_a_request_and_a_response(alice: Side, bob: Side) -> None:
+    """Our answers go straight to the peer's endpoint, never wrapped in a forward for a mediator:
+    a DID whose service names routingKeys could never be answered (and would use up the invitation)."""
+    # A request from a mediated DID: refused before the single-use invitation is used.
+    invitation, received, _, _, _ = _request(alice, bob)
+    key = KeyPair.generate()
+    did = _mediated_did(key, bob.endpoint)
+    request = DIDXRequest(label="carol", did=did, did_doc_attach=signed_did_doc(did, key))
+    request.thread = Thread(thid=request.id, pthid=invitation.id)
+    with pytest.raises(ProtocolError, match="mediator"):
+        _accept(alice, request, key, received.recipient_key)
+    assert alice.oob.get(invitation.id).used_by == [] and len(alice.store) == 0
+
+    # A response naming a mediated DID: refused, the exchange abandoned.
+    invitation, received, b_record, request, b_key = _request(alice, bob)
+    key = KeyPair.generate()
+    did = _mediated_did(key, alice.endpoint)
+    response = DIDXResponse(did=did, did_doc_attach=signed_did_doc(did, alice.keystore.get(received.recipient_key)),
+                            thread=Thread(thid=request.id, pthid=invitation.id))
+    message, unpacked = _transmit(response, b_key.verkey, key, bob.keystore)
+    with pytest.raises(ProtocolError, match="mediator"):
+        bob.didx.receive_response(message, recipient_verkey=unpacked.recipient_verkey,  # type: ignore[arg-type]
+                                  sender_verkey=unpacked.sender_verkey)
+    assert bob.store.get(b_record.connection_id).state == "abandoned"

@@ -289,3 +289,25 @@ def test_an_invitation_without_accept_is_written_back_without_one() -> None:
     data.pop("accept")
     parsed = Invitation.from_url(_url_for(data))
     assert parsed.accept == [] and "accept" not in parsed.to_dict()  # not "accept": [] (which would mean none)
+
+
+def _mediated_did(key: KeyPair, endpoint: str = ENDPOINT) -> str:
+    """A did:peer:2 whose DIDComm service goes through a mediator (routingKeys)."""
+    from zerocomm_spark.did.peer import X25519_CODEC, _multikey, encode_peer_did_2
+    from zerocomm_spark.keys.keypair import verkey_to_x25519
+
+    mediator = did_key(KeyPair.generate().verkey)
+    return encode_peer_did_2(
+        [("V", did_key(key.verkey)[len("did:key:"):]), ("E", _multikey(X25519_CODEC, bytes(verkey_to_x25519(key.verkey))))],
+        [{"id": "#didcomm-0", "type": "did-communication", "recipientKeys": ["#key-1"], "routingKeys": [mediator],
+          "serviceEndpoint": endpoint}])
+
+
+def test_a_service_did_that_needs_a_mediator_is_refused_like_an_inline_one() -> None:
+    """An envelope sent straight to a mediator's endpoint, not wrapped in a forward for it, is never
+    delivered: the request would wait for its deadline. Inline services with routingKeys were refused;
+    the same service given as a DID was taken."""
+    data = _invitation().to_dict()
+    data["services"] = [_mediated_did(KeyPair.generate())]
+    with pytest.raises(InvitationError, match="mediator"):
+        OutOfBandManager.parse_url(_url_for(data))

@@ -35,6 +35,10 @@ __all__ = ["DIDExchangeManager", "KEY_PURPOSE"]
 log = logging.getLogger(__name__)
 
 KEY_PURPOSE = "relationship"
+# Messages go straight to the peer's endpoint, never wrapped in a forward for a mediator (RFC 0094):
+# one sent to a mediated DID's endpoint would never be delivered.
+_MEDIATED = ("the %s's DID reaches it through a mediator (its DIDComm service names routingKeys), "
+             "which is not supported")
 
 
 def signed_did_doc(did: str, signer: KeyPair) -> Attachment:
@@ -125,6 +129,8 @@ class DIDExchangeManager:
                     raise ProtocolError("the response was not authcrypted by the key of its DID")
                 if doc.service_endpoint and not dialable(doc.service_endpoint):
                     raise ProtocolError("the responder's DID names no ZeroMQ endpoint (tcp://, ipc://) to send to")
+                if doc.routing_keys:
+                    raise ProtocolError(_MEDIATED % "responder")
             except (ProtocolError, SignatureError) as exc:
                 self.abandon(record, f"response rejected: {type(exc).__name__}")
                 raise
@@ -179,6 +185,8 @@ class DIDExchangeManager:
                 # Refused before the invitation is used: accepting would burn a single-use invitation
                 # on a response that can never be sent, and leave the requester waiting for it.
                 raise ProtocolError("the requester's DID names no ZeroMQ endpoint (tcp://, ipc://) to answer to")
+            if doc.routing_keys:  # refused before the invitation is used, as above
+                raise ProtocolError(_MEDIATED % "requester")
             self._oob.consume(invitation.invitation_id, thread_id)
 
             record = ConnectionRecord(role="responder", state="request-received", thread_id=thread_id,

@@ -174,13 +174,13 @@ class OutOfBandManager:
             try:
                 if isinstance(service, str):
                     doc = resolve(service)
-                    verkey, endpoint = doc.verkey, doc.service_endpoint
+                    verkey, endpoint, routing = doc.verkey, doc.service_endpoint, doc.routing_keys
                 else:
-                    if service.routing_keys:
-                        problems.append(f"services[{i}] needs a mediator (routingKeys), which is not supported")
-                        continue
                     verkey = verkey_from_did_key(service.recipient_keys[0])
-                    endpoint = service.service_endpoint
+                    endpoint, routing = service.service_endpoint, service.routing_keys
+                if routing:  # inline or in the DID's service alike: we send no forward for a mediator
+                    problems.append(f"services[{i}] needs a mediator (routingKeys), which is not supported")
+                    continue
             except DIDError as exc:
                 problems.append(f"services[{i}]: {exc.args[0] if exc.args else exc}")
                 continue
