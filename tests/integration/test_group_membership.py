@@ -21,6 +21,7 @@ from zerocomm_spark.group.proof import connection_proof
 from zerocomm_spark.group.view import ACTIVE, MemberEntry, member_did_for
 from zerocomm_spark.keys.keypair import KeyPair
 from zerocomm_spark.protocols.group.v1_0.messages import GroupProblemReport, Subscribe, ViewUpdate
+from zerocomm_spark.protocols.out_of_band.v1_1.messages import Invitation
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.slow]
 
@@ -562,3 +563,27 @@ def test_what_a_listener_failed_on_is_forgotten_once_its_publisher_left(tmp_path
     finally:
         bob.close()
         alice.close()
+
+
+def test_an_invitation_of_the_joiners_own_with_a_group_invitations_id_does_not_admit_it(
+        agents: tuple[Agent, Agent, Agent]) -> None:
+    """InvitationPolicy admits a joiner whose connection answered an invitation the acceptor issued
+    for the group. On a connection the acceptor made by accepting the *joiner's* invitation, the
+    invitation id is the joiner's choice: carol, never invited, copies the id of a group invitation
+    (bob's, seen in its URL and used up) into an invitation of her own that alice accepts."""
+    alice, bob, carol = agents
+    alice.groups.create("club", policy=InvitationPolicy())
+    url = alice.groups.invite("club")
+    bob.groups.join("club", via=bob.accept(url), policy=InvitationPolicy())
+    issued = Invitation.from_url(url).id
+    invitation, record = carol._oob.create_invitation()  # noqa: SLF001 - a hostile agent picks its own @id
+    carol.keystore.delete_record("invitation", record.invitation_id)
+    invitation.id = record.invitation_id = issued
+    carol._oob._save(record)  # noqa: SLF001
+    theirs = alice.accept(invitation.to_url())  # alice is the requester on this connection
+    assert alice._store.find(theirs.id).invitation_id == issued  # noqa: SLF001
+    mine = next(c for c in carol.connections() if c.their_did == theirs.my_did)
+    with pytest.raises(JoinRefusedError, match="invitation issued for group 'club'"):
+        carol.groups.join("club", via=mine, timeout=15)
+    assert carol.groups.groups() == []
+    assert {m.label for m in alice.groups.members("club")} == {"alice", "bob"}

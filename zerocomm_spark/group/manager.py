@@ -295,6 +295,12 @@ class _Group:
         return {"mode": self.record.mode, "ordered": self.record.ordered, "consistent_join": self.record.consistent_join}
 
 
+def _our_invitation(record: ConnectionRecord) -> str | None:
+    """The invitation of ours the connection answered, if any. Where we accepted theirs (we are the
+    requester), its invitation id is the peer's: whatever it chose, a copy of one of ours included."""
+    return record.invitation_id if record.role == "responder" else None
+
+
 def _problem(request: AgentMessage, code: str, explain: str) -> GroupProblemReport:
     return GroupProblemReport(code=code, explain=explain[:1000], thread=Thread(thid=request.id))
 
@@ -1301,10 +1307,11 @@ class GroupManager:
         if not proves_connection(request.proof, g.name, entry.did, record.their_did):
             return _problem(request, ProblemCode.INVALID, _NO_PROOF)
         with self._lock:
+            invitation_id = _our_invitation(record)
             admission = AdmissionRequest(group=g.name, stage="join", member_did=entry.did, label=entry.label,
                                          role=entry.role, connection_did=record.their_did,
-                                         invitation_id=record.invitation_id,
-                                         group_invitation=record.invitation_id in g.record.issued_invitations)
+                                         invitation_id=invitation_id,
+                                         group_invitation=invitation_id in g.record.issued_invitations)
             decision = g.policy.decide(admission)
         if not decision:
             log.info("group %r: refused the join of %s (%s)", g.name, entry.did, decision.reason)
@@ -1354,11 +1361,12 @@ class GroupManager:
         with self._lock:
             known = g.record.peers.get(entry.did) == record.connection_id
         if not known:
+            invitation_id = _our_invitation(record)
             with self._lock:  # our member invitation is in every view: it proves nothing
-                group_invitation = record.invitation_id is not None and record.invitation_id in g.record.issued_invitations
+                group_invitation = invitation_id is not None and invitation_id in g.record.issued_invitations
             admission = AdmissionRequest(group=g.name, stage="subscribe", member_did=entry.did, label=entry.label,
                                          role=entry.role, connection_did=record.their_did,
-                                         invitation_id=record.invitation_id, group_invitation=group_invitation,
+                                         invitation_id=invitation_id, group_invitation=group_invitation,
                                          vouched_by=self._vouched(g, request.ticket, entry.did))
             with self._lock:
                 decision = g.policy.decide(admission)
