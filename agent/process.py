@@ -104,7 +104,8 @@ class AgentProcess:
                 cfg.identity_dir, label=cfg.label, endpoint=cfg.get("peer", "endpoint"),
                 passphrase=cfg.passphrase(), advertise=cfg.get("peer", "advertise") or None,
                 max_frame_bytes=cfg.get("peer", "max_frame_bytes"), workers=cfg.get("peer", "workers"),
-                group_config=group_config(cfg), prepare_groups=self._attach_journal)
+                group_config=group_config(cfg), prepare_groups=self._attach_journal,
+                inbox=False)  # basic messages are served from messages(); no receive() would drain an inbox
         except AgentAlreadyRunningError:
             # It serves another socket directory (this one's lock is ours): the keystore lock names the holder.
             raise self._identity_taken(self._identity_holder()) from None

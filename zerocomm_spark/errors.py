@@ -253,6 +253,12 @@ class ProblemReportError(ProtocolError):
     hint = "See the report's code; usually ask the peer for a fresh invitation and try again."
 
 
+class InboxFullError(ProtocolError):
+    """The peer's agent holds as many basic messages not yet received as it keeps; this one was refused."""
+
+    hint = "Nothing was delivered; send it again once the peer's application has received (agent.receive()) some."
+
+
 class ReceiveTimeoutError(ZeroCommError, TimeoutError):
     """No message arrived within the deadline given to receive()."""
 

@@ -45,6 +45,7 @@ from zerocomm_spark.errors import (
     ConfigurationError,
     ConnectionNotFoundError,
     ConnectionNotReadyError,
+    InboxFullError,
     OwnInvitationError,
     PeerTimeoutError,
     ProtocolError,
@@ -96,6 +97,11 @@ SETTINGS_KIND = "agent"
 SETTINGS_ID = "settings"
 OUTBOX_TIMEOUT = 5.0  # replies sent from the outbox; bounds how long close() can wait for them
 MAX_HISTORY = 10_000
+MAX_HISTORY_CHARS = 64 * 1024 * 1024  # messages() keeps the newest within this many content characters too
+# Basic messages waiting for receive(): past either bound a new one is refused (InboxFullError, in the
+# sender's receipt), never dropped. A peer's messages are up to a frame (16 MiB) each.
+MAX_INBOX = 10_000
+MAX_INBOX_CHARS = 256 * 1024 * 1024
 MAX_SEEN = 50_000
 # Requests given up on (their deadline passed) whose answer may still come: remembered this long, this
 # many, so a late answer is dropped quietly instead of refused (the peer logged the refusal as a warning).
@@ -190,7 +196,7 @@ class Agent:
 
     def __init__(self, keystore: Keystore, transport: PeerTransport, label: str, path: Path,
                  endpoint: str | None = None, group_config: "GroupConfig | None" = None,
-                 prepare_groups: "Callable[[Agent, GroupManager], None] | None" = None) -> None:
+                 prepare_groups: "Callable[[Agent, GroupManager], None] | None" = None, inbox: bool = True) -> None:
         """Use :meth:`Agent.open`; this wires already opened parts together."""
         self._keystore = keystore
         self._transport = transport
@@ -208,7 +214,11 @@ class Agent:
         self._waiters: dict[tuple[str, str, str | None], Future[Any]] = {}
         self._given_up: OrderedDict[tuple[str, str, str | None], float] = OrderedDict()  # -> when (monotonic)
         self._inbox: queue.Queue[Any] = queue.Queue()
-        self._history: deque[ReceivedMessage] = deque(maxlen=MAX_HISTORY)
+        self._inbox_enabled = inbox
+        self._inbox_count = 0  # basic messages queued for receive(), and their content characters
+        self._inbox_chars = 0
+        self._history: deque[ReceivedMessage] = deque()
+        self._history_chars = 0
         self._seen = SeenMessages.open(keystore.directory, keystore, MAX_SEEN)  # replay protection
         self._outbox = ThreadPoolExecutor(max_workers=4, thread_name_prefix="zerocomm-outbox")
         self._protocol_types: dict[str, type[AgentMessage]] = {}  # @type -> class, of register_protocol()
@@ -238,7 +248,8 @@ class Agent:
              passphrase: str | bytes | None = None, advertise: str | None = None,
              max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES, workers: int = 4,
              group_config: "GroupConfig | None" = None,
-             prepare_groups: "Callable[[Agent, GroupManager], None] | None" = None) -> "Agent":
+             prepare_groups: "Callable[[Agent, GroupManager], None] | None" = None,
+             inbox: bool = True) -> "Agent":
         """Open (or create) the agent of an identity directory and start serving its endpoint.
 
         On a restart with a wildcard ``endpoint`` (the default) the port bound last time is bound
@@ -246,7 +257,9 @@ class Agent:
         dial when it differs from the bound one (binding ``tcp://0.0.0.0:*`` on a cluster node).
         ``group_config`` tunes ``agent.groups``; an identity with groups rejoins them here.
         ``prepare_groups(agent, manager)`` runs once, before the group manager starts (and so before
-        its first delivery): the place to register a durable ``on_messages`` consumer.
+        its first delivery): the place to register a durable ``on_messages`` consumer. ``inbox=False``
+        is for an owner that reads basic messages with :meth:`messages` only (the agent process): none
+        is then kept for :meth:`receive`, which would otherwise hold them until received.
         """
         directory = Path(path).expanduser().absolute()
         if label is not None and (not isinstance(label, str) or not label.strip()):
@@ -287,7 +300,7 @@ class Agent:
             wanted = {"label": the_label, "endpoint": transport.endpoint, "advertise": public}
             if settings != wanted:
                 keystore.put_record(SETTINGS_KIND, SETTINGS_ID, wanted)
-            agent = cls(keystore, transport, the_label, directory, public, group_config, prepare_groups)
+            agent = cls(keystore, transport, the_label, directory, public, group_config, prepare_groups, inbox)
             transport.register(ProtocolId.DIDCOMM, rpc=agent._on_rpc, direct=agent._on_direct)
         except BaseException:
             if transport is not None:
@@ -481,6 +494,9 @@ class Agent:
     def receive(self, timeout: float | None = 10.0) -> ReceivedMessage:
         """The next basic message not yet received; waits up to ``timeout`` seconds (None: forever)."""
         self._check_open()
+        if not self._inbox_enabled:
+            raise ConfigurationError("this agent keeps no inbox for receive() (opened with inbox=False)",
+                                     hint="Read its basic messages with agent.messages()")
         if timeout is not None:
             if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or not timeout >= 0:
                 raise ConfigurationError(f"timeout must be a number of seconds >= 0 or None, got {timeout!r}")
@@ -494,6 +510,9 @@ class Agent:
             self._inbox.put(_CLOSED)  # wake any other waiting reader too
             raise AgentClosedError("the agent was closed while waiting for a message")
         message: ReceivedMessage = item
+        with self._lock:
+            self._inbox_count -= 1
+            self._inbox_chars -= len(message.content)
         return message
 
     def discover(self, peer: str | Connection, query: str = "*", timeout: float = 10.0) -> list[ProtocolDescriptor]:
@@ -809,9 +828,20 @@ class Agent:
         received = ReceivedMessage(id=message.id, connection_id=record.connection_id, label=record.their_label,
                                    their_did=record.their_did, content=message.content,
                                    sent_time=message.sent_time)
+        size = len(received.content)
         with self._lock:
-            self._history.append(received)
-        self._inbox.put(received)
+            if self._inbox_enabled:
+                if self._inbox_count >= MAX_INBOX or (self._inbox_count and self._inbox_chars + size > MAX_INBOX_CHARS):
+                    raise InboxFullError(f"{self._inbox_count} basic messages wait to be received here; "
+                                         "this one was not taken")
+                self._inbox_count += 1
+                self._inbox_chars += size
+                self._inbox.put(received)
+            history = self._history
+            history.append(received)
+            self._history_chars += size
+            while len(history) > 1 and (len(history) > MAX_HISTORY or self._history_chars > MAX_HISTORY_CHARS):
+                self._history_chars -= len(history.popleft().content)
 
     def _on_ping(self, ping: Ping, context: _Inbound) -> None:
         record = self._connected(context)

@@ -664,3 +664,52 @@ def test_a_late_answer_is_dropped_quietly_and_only_from_the_peer_asked(tmp_path:
             b._deliver_to(b._resolve(b_to_a), answer(thids[0]), 5)  # noqa: SLF001
         with pytest.raises((ProtocolError, RemoteError)):  # and never for a thread we never started
             b._deliver_to(b._resolve(b_to_a), answer("not-ours"), 5)  # noqa: SLF001
+
+
+def test_unreceived_basic_messages_are_bounded_and_refused_not_dropped_beyond(
+        pair: tuple[Any, Any, Any, str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every basic message waited in the receive() queue until received, with no bound: a connected
+    peer sending large ones (16 MiB frames) grew the agent's memory without end. The queue is bounded
+    now (count and characters); past it a message is refused with a typed error the sender gets,
+    never dropped, and accepted again once the application received some."""
+    from zerocomm_spark import errors, member
+
+    a, b, conn, _ = pair
+    monkeypatch.setattr(member, "MAX_INBOX", 3, raising=False)
+    for i in range(3):
+        b.send(conn, f"m{i}", timeout=5)
+    with pytest.raises(errors.InboxFullError):
+        b.send(conn, "one too many", timeout=5)
+    assert [m.content for m in a.messages()] == ["m0", "m1", "m2"]  # the refused one is nowhere
+    assert a.receive(timeout=5).content == "m0"
+    b.send(conn, "m3", timeout=5)
+    assert [a.receive(timeout=5).content for _ in range(3)] == ["m1", "m2", "m3"]
+    # The same by size: one message alone is always taken, a second past the budget is refused.
+    monkeypatch.setattr(member, "MAX_INBOX_CHARS", 1000, raising=False)
+    b.send(conn, "x" * 1500, timeout=5)
+    with pytest.raises(errors.InboxFullError):
+        b.send(conn, "y", timeout=5)
+    assert a.receive(timeout=5).content == "x" * 1500
+    # messages() keeps recent ones within a size budget too (it was 10,000 of any size).
+    monkeypatch.setattr(member, "MAX_HISTORY_CHARS", 2000, raising=False)
+    for text in ("p" * 900, "q" * 900, "r" * 900):
+        b.send(conn, text, timeout=5)
+        a.receive(timeout=5)
+    assert [m.content[0] for m in a.messages()] == ["q", "r"]
+
+
+def test_an_agent_without_an_inbox_keeps_taking_basic_messages(tmp_path: Path,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """The agent process reads basic messages through messages() only and never calls receive(): it
+    opens its member with inbox=False, so nothing waits for a receive() that never comes."""
+    from zerocomm_spark import member
+    from zerocomm_spark.member import Agent
+
+    monkeypatch.setattr(member, "MAX_INBOX", 2, raising=False)
+    with Agent.open(tmp_path / "a", label="a", inbox=False) as a, Agent.open(tmp_path / "b", label="b") as b:
+        conn = b.accept(a.invite(), timeout=10)
+        for i in range(5):
+            b.send(conn, f"m{i}", timeout=5)
+        assert [m.content for m in a.messages()] == [f"m{i}" for i in range(5)]
+        with pytest.raises(ConfigurationError, match="inbox"):
+            a.receive(timeout=0)
