@@ -587,3 +587,46 @@ def test_an_invitation_of_the_joiners_own_with_a_group_invitations_id_does_not_a
         carol.groups.join("club", via=mine, timeout=15)
     assert carol.groups.groups() == []
     assert {m.label for m in alice.groups.members("club")} == {"alice", "bob"}
+
+
+def test_the_receive_buffer_and_history_of_a_group_are_bounded_in_bytes_too(tmp_path: Path) -> None:
+    """receive() and messages() buffered 100,000 and 10,000 delivered messages per group whatever their
+    size, and the agent process reads neither (its journal takes every message): a member publishing
+    large payloads, or plain heavy traffic, held gigabytes in a long-lived agent. Both are bounded in
+    payload bytes now, dropping the oldest (counted in inbox_dropped) as the count bound does."""
+    config = GroupConfig(digest_interval_s=0.3, inbox_max_bytes=10_000, history_max_bytes=5_000)
+    with Agent.open(tmp_path / "a", label="a", group_config=CONFIG) as alice, \
+            Agent.open(tmp_path / "b", label="b", group_config=config) as bob:
+        alice.groups.create("big")
+        bob.groups.join("big", via=bob.accept(alice.invite()), timeout=30)
+        alice.groups.publish("big", [bytes([65 + i]) * 2_000 for i in range(8)]).wait(10)
+        _eventually(lambda: len(bob.groups.messages("big")) == 2 and bob.groups.stats()["inbox_dropped"]["big"] == 3,
+                    what="the oldest dropped past the byte bounds")
+        assert [m.payload[:1] for m in bob.groups.messages("big")] == [b"G", b"H"]
+        assert [bob.groups.receive("big", 5).payload[:1] for _ in range(5)] == [b"D", b"E", b"F", b"G", b"H"]
+        # One message larger than the bound is still kept alone.
+        alice.groups.publish("big", [b"Z" * 20_000]).wait(10)
+        assert bob.groups.receive("big", 5).payload == b"Z" * 20_000
+        assert [len(m.payload) for m in bob.groups.messages("big")] == [20_000]
+
+
+def test_a_member_that_keeps_no_buffers_still_delivers_to_its_listeners(tmp_path: Path) -> None:
+    """history_max=0 and inbox_max=0 keep nothing for messages() and receive() (the agent process: its
+    journal listens), and count nothing as dropped."""
+    from zerocomm_spark.agent.config import load
+    from zerocomm_spark.agent.groups import group_config
+
+    agent_config = group_config(load(tmp_path / "none.toml", env={}, missing_ok=True))
+    assert (agent_config.history_max, agent_config.inbox_max) == (0, 0)
+    config = GroupConfig(digest_interval_s=0.3, history_max=0, inbox_max=0)
+    with Agent.open(tmp_path / "a", label="a", group_config=CONFIG) as alice, \
+            Agent.open(tmp_path / "b", label="b", group_config=config) as bob:
+        alice.groups.create("quiet")
+        seen: list[bytes] = []
+        bob.groups.on_message(lambda m: seen.append(m.payload))
+        bob.groups.join("quiet", via=bob.accept(alice.invite()), timeout=30)
+        alice.groups.publish("quiet", [b"one", b"two"]).wait(10)
+        _eventually(lambda: seen == [b"one", b"two"], what="delivery to the listener")
+        assert bob.groups.messages("quiet") == [] and bob.groups.stats()["inbox_dropped"]["quiet"] == 0
+        with pytest.raises(ReceiveTimeoutError):
+            bob.groups.receive("quiet", timeout=0.2)

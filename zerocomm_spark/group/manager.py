@@ -150,8 +150,11 @@ class GroupConfig:
     probe_timeout_s: float = 10.0
     push_timeout_s: float = 5.0  # direct pushes of a leave or role switch
     parallelism: int = 16  # concurrent DID exchanges and subscribes of one join
-    history_max: int = 10_000  # messages(group) keeps this many per group
-    inbox_max: int = 100_000  # receive() buffers this many per group; on_message never drops
+    history_max: int = 10_000  # messages(group) keeps this many per group (0: none)
+    inbox_max: int = 100_000  # receive() buffers this many per group (0: none); on_message never drops
+    # ... and at most this many payload bytes (the newest message always): drops the oldest as the counts do
+    history_max_bytes: int = 64 * 1024 * 1024
+    inbox_max_bytes: int = 256 * 1024 * 1024
     default_policy: Mapping[str, Any] = field(default_factory=lambda: OpenPolicy().to_dict())
     dataplane: DataPlaneConfig = field(default_factory=DataPlaneConfig)
 
@@ -161,10 +164,11 @@ class GroupConfig:
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
                 raise ConfigurationError(f"GroupConfig.{name} must be a positive number of seconds, got {value!r}")
-        for name in ("parallelism", "history_max", "inbox_max"):
+        for name in ("parallelism", "history_max", "inbox_max", "history_max_bytes", "inbox_max_bytes"):
             value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ConfigurationError(f"GroupConfig.{name} must be a positive integer, got {value!r}")
+            least = 0 if name in ("history_max", "inbox_max") else 1
+            if not isinstance(value, int) or isinstance(value, bool) or value < least:
+                raise ConfigurationError(f"GroupConfig.{name} must be an integer of at least {least}, got {value!r}")
         policy_from_dict(self.default_policy)
 
 
@@ -279,7 +283,9 @@ class _Group:
         self.phase = phase
         self.ready = threading.Event()
         self.history: deque[Delivered] = deque(maxlen=history_max)
+        self.history_bytes = 0  # payload bytes in history and inbox
         self.inbox: deque[tuple[int, Delivered]] = deque()
+        self.inbox_bytes = 0
         self.inbox_dropped = 0
         self.pair_after: dict[str, float] = {}  # repair: DID -> when to try connecting again
         # Members heard of only second-hand (repair): kept apart until a member we know vouches for them.
@@ -293,6 +299,13 @@ class _Group:
 
     def settings(self) -> dict[str, Any]:
         return {"mode": self.record.mode, "ordered": self.record.ordered, "consistent_join": self.record.consistent_join}
+
+
+def _take_next(g: _Group) -> Delivered:
+    """The oldest message of the group's receive() buffer, taken out of it (caller holds the lock)."""
+    message = g.inbox.popleft()[1]
+    g.inbox_bytes -= len(message.payload)
+    return message
 
 
 def _our_invitation(record: ConnectionRecord) -> str | None:
@@ -1622,11 +1635,22 @@ class GroupManager:
         """Into the history and the receive() buffer (caller holds the lock)."""
         if g is None:
             return
-        g.history.append(message)
+        size = len(message.payload)
+        history = g.history
+        if history.maxlen:
+            if len(history) == history.maxlen:
+                g.history_bytes -= len(history[0].payload)  # the append below drops it
+            history.append(message)
+            g.history_bytes += size
+            while len(history) > 1 and g.history_bytes > self.config.history_max_bytes:
+                g.history_bytes -= len(history.popleft().payload)
         self._arrivals += 1
+        if not self.config.inbox_max:
+            return  # nothing is kept for receive()
         g.inbox.append((self._arrivals, message))
-        if len(g.inbox) > self.config.inbox_max:
-            g.inbox.popleft()
+        g.inbox_bytes += size
+        while len(g.inbox) > self.config.inbox_max or (len(g.inbox) > 1 and g.inbox_bytes > self.config.inbox_max_bytes):
+            g.inbox_bytes -= len(g.inbox.popleft()[1].payload)
             g.inbox_dropped += 1
         self._inbox_cond.notify_all()
 
@@ -1676,12 +1700,11 @@ class GroupManager:
                     if g is None:
                         raise GroupNotFoundError(f"this member is in no group named {group!r}")
                     if g.inbox:
-                        return g.inbox.popleft()[1]
+                        return _take_next(g)
                 else:
                     heads = [g for g in self._groups.values() if g.inbox]
                     if heads:
-                        first = min(heads, key=lambda x: x.inbox[0][0])
-                        return first.inbox.popleft()[1]
+                        return _take_next(min(heads, key=lambda x: x.inbox[0][0]))
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
                     raise ReceiveTimeoutError(f"no group message within {timeout:g}s")
