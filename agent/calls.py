@@ -32,7 +32,8 @@ from zerocomm_spark.errors import (
     PeerTimeoutError,
     ZeroCommError,
 )
-from zerocomm_spark.group.datamessage import MAX_HEADER_LENGTH, MAX_HEADERS, MAX_ID_LENGTH
+from zerocomm_spark.group.datamessage import MAX_ID_LENGTH
+from zerocomm_spark.group.headers import header_problem, most_headers
 from zerocomm_spark.group.origin import ORIGIN_HEADER
 from zerocomm_spark.ipc_limits import DECODED_BYTES_FACTOR
 from zerocomm_spark.journal import JOURNAL_SCHEMA
@@ -583,31 +584,22 @@ def _signed(signer: Any, group: str, payloads: list[bytes], ids: list[str],
     (the agent signs what it publishes, never over someone else's claim)."""
     out: list[dict[str, str] | None] = []
     for i, (mid, payload, head) in enumerate(zip(ids, payloads, headers)):
-        if head is not None and ORIGIN_HEADER in head:
-            raise BadRowError(f"publish: row {i} (message_id {mid[:64]!r}) already has a {ORIGIN_HEADER!r} "
-                              "header; with sign the agent adds the origin proof itself",
-                              hint=f"Drop the {ORIGIN_HEADER} header from the row, or publish it without sign")
-        if head is not None and len(head) >= MAX_HEADERS:
-            raise BadRowError(f"publish: headers of row {i} have {len(head)} entries; with sign (which adds "
-                              f"{ORIGIN_HEADER!r}) at most {MAX_HEADERS - 1}")
+        problem = header_problem(head, sign="sign")  # only what signing adds can be wrong: the rows were checked
+        if problem is not None:
+            fix = (f"Drop the {ORIGIN_HEADER} header from the row, or publish it without sign"
+                   if problem.kind == "reserved"
+                   else f"Keep at most {most_headers('sign')} headers in the row, or publish it without sign")
+            raise BadRowError(f"publish: row {i} (message_id {mid[:64]!r}) has {problem.text}", hint=fix)
         out.append(signer.headers(group, mid, payload, head))
     return out
 
 
 def _check_headers(row: int, headers: dict[str, str] | None) -> None:
-    """What the data plane would refuse as a ConfigurationError (a hint about settings): bad input here."""
-    if headers is None:
-        return
-    if len(headers) > MAX_HEADERS:
-        raise BadRowError(f"publish: headers of row {row} have {len(headers)} entries; at most {MAX_HEADERS}")
-    for key, value in headers.items():
-        if value is None:
-            raise BadRowError(f"publish: headers of row {row} have a null value (for {key[:64]!r})")
-        if not key:
-            raise BadRowError(f"publish: headers of row {row} have an empty key")
-        if len(key) > MAX_HEADER_LENGTH or len(value) > MAX_HEADER_LENGTH:
-            raise BadRowError(f"publish: headers of row {row}: a name or value is longer than "
-                              f"{MAX_HEADER_LENGTH} characters")
+    """What the data plane would refuse as a ConfigurationError (a hint about settings) is bad input here:
+    the one rule and its words are the core's (group/headers.py), this names the row."""
+    problem = header_problem(headers)
+    if problem is not None:
+        raise BadRowError(f"publish: row {row} has {problem.text}")
 
 
 def build_registry(process: "AgentProcess") -> CallRegistry:

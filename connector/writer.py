@@ -49,7 +49,8 @@ from zerocomm_spark.errors import (
     StreamContextError,
     ZeroCommError,
 )
-from zerocomm_spark.group.datamessage import MAX_HEADER_LENGTH, MAX_HEADERS, MAX_ID_LENGTH
+from zerocomm_spark.group.datamessage import MAX_HEADER_LENGTH, MAX_ID_LENGTH
+from zerocomm_spark.group.headers import header_problem, most_headers
 from zerocomm_spark.group.origin import ORIGIN_HEADER
 
 from zerocomm_spark.connector.agent_link import MemberLink
@@ -234,8 +235,6 @@ def publish_partition(batches: Iterator[pa.RecordBatch], options: SinkOptions, c
             data = {"payload": payload, "message_id": ids}
             if columns.has_headers:
                 data["headers"] = chunk.column("headers").cast(_HEADERS)
-                if options.sign_origin:
-                    _check_no_origin_claim(data["headers"], row, partition)
                 _check_headers(data["headers"], row, partition, options.sign_origin)
             table = pa.table(data)
             repeated = 0
@@ -299,35 +298,28 @@ def _check_message_ids(given: pa.Array, row: int, partition: int) -> None:
              "null to get a derived one; " + SINK_ROWS_BEFORE)
 
 
-def _check_no_origin_claim(headers: pa.ChunkedArray, row: int, partition: int) -> None:
-    """With signOrigin the agent adds each row's origin proof; a row that brings its own zc-origin
-    header is refused (the agent never signs over someone else's claim): here, naming its row."""
-    if len(headers) == 0:
-        return
-    claimed = pc.is_valid(pc.map_lookup(headers, pa.scalar(ORIGIN_HEADER), "first"))
-    if not pc.any(claimed).as_py():
-        return
-    at = int(pc.index(claimed, True).as_py())
-    raise SinkOriginClaimError(
-        f"row {row + at} of partition {partition} has a {ORIGIN_HEADER!r} header, and signOrigin is true: the agent "
-        f"adds the origin proof itself; nothing from row {row} of the partition on was published")
-
-
 def _check_headers(headers: pa.ChunkedArray, row: int, partition: int, sign: bool) -> None:
     """Refuse a chunk holding a row whose headers the agent refuses (a null value, an empty key, too
-    many entries, a key or value too long), naming the row and the key: the agent's refusal came back
-    as PublishNotAcknowledgedError, advising a retry that fails the same way every time."""
-    most = MAX_HEADERS - 1 if sign else MAX_HEADERS  # signing adds zc-origin
+    many entries, a key or value too long; with signOrigin a zc-origin entry of its own), naming the
+    row and the key: the agent's refusal came back as PublishNotAcknowledgedError, advising a retry
+    that fails the same way every time. A vectorised look per chunk finds the chunks that may hold
+    such a row; for those the core's rule (group/headers.py, the agent's and the data plane's too)
+    decides row by row, and says what is wrong."""
+    most = most_headers(_SIGN if sign else None)
     at = row
     for chunk in headers.chunks:
-        if _headers_may_be_refused(chunk, most):  # only then row by row, to name the first such row
+        if _headers_may_be_refused(chunk, most, sign):  # only then row by row, to name the first such row
             for i, head in enumerate(chunk.to_pylist()):
-                _check_row_headers(head or [], at + i, partition, most, row)
+                _check_row_headers(head, at + i, partition, sign, row)
         at += len(chunk)
 
 
-def _headers_may_be_refused(chunk: pa.MapArray, most: int) -> bool:
-    """A vectorised look over the chunk's rows' entries (a superset: entries under a null row count too).
+_SIGN = "signOrigin"  # the option that asks the agent to sign, as the core's words name it
+
+
+def _headers_may_be_refused(chunk: pa.MapArray, most: int, sign: bool = False) -> bool:
+    """A vectorised look over the chunk's rows' entries (a superset: entries under a null row count too,
+    and a key repeated within a row counts twice where the agent keeps its last entry).
 
     A sliced MapArray's ``.keys``/``.items`` are the whole parent's, while its ``.offsets`` are absolute
     positions in them: the children are sliced to the chunk's span, or every chunk scanned the whole
@@ -341,29 +333,31 @@ def _headers_may_be_refused(chunk: pa.MapArray, most: int) -> bool:
     return bool(items.null_count or pc.any(pc.equal(key_lengths, 0)).as_py()
                 or (pc.max(key_lengths).as_py() or 0) > MAX_HEADER_LENGTH
                 or (pc.max(value_lengths).as_py() or 0) > MAX_HEADER_LENGTH
-                or int(np.max(np.diff(offsets.to_numpy(zero_copy_only=False)))) > most)
+                or int(np.max(np.diff(offsets.to_numpy(zero_copy_only=False)))) > most
+                or (sign and pc.any(pc.equal(keys, ORIGIN_HEADER)).as_py()))
 
 
-def _check_row_headers(head: list[tuple[str, str | None]], at: int, partition: int, most: int, row: int) -> None:
-    where = f"row {at} of partition {partition}"
-    then = f"nothing from row {row} of the partition on was published"
-    if len(head) > most:
-        raise SinkHeaderError(
-            f"{where} has {len(head)} headers; a group message carries at most {most}"
-            f"{' with signOrigin (which adds zc-origin)' if most < MAX_HEADERS else ''}; {then}",
-            hint=f"Keep at most {most} entries in such rows' headers; " + SINK_ROWS_BEFORE)
-    for key, value in head:
-        if value is None:
-            raise SinkHeaderError(f"{where} has a null value for header {key[:64]!r}; {then}")
-        if not key:
-            raise SinkHeaderError(f"{where} has a header with an empty key; {then}",
-                                  hint="Drop the entries with an empty key (map_filter(headers, (k, v) -> k != '')); "
-                                       + SINK_ROWS_BEFORE)
-        if len(key) > MAX_HEADER_LENGTH or len(value) > MAX_HEADER_LENGTH:
-            raise SinkHeaderError(
-                f"{where} has header {key[:64]!r} whose key or value is longer than {MAX_HEADER_LENGTH} characters; "
-                f"{then}", hint="Shorten or drop such entries, or move the data into the payload; "
-                                + SINK_ROWS_BEFORE)
+def _check_row_headers(head: list[tuple[str, str | None]] | None, at: int, partition: int, sign: bool,
+                       row: int) -> None:
+    """The core's decision and words on one row's headers (as the agent takes them: a map, its last
+    entry for a repeated key), with where the row is, what was published and a fix in Spark SQL."""
+    problem = header_problem(dict(head) if head else None, sign=_SIGN if sign else None)
+    if problem is None:
+        return
+    message = (f"row {at} of partition {partition} has {problem.text}; nothing from row {row} of the partition "
+               "on was published")
+    if problem.kind == "reserved":
+        raise SinkOriginClaimError(message)
+    if problem.kind == "too-many":
+        raise SinkHeaderError(message, hint=f"Keep at most {most_headers(_SIGN if sign else None)} entries in such "
+                                            "rows' headers; " + SINK_ROWS_BEFORE)
+    if problem.kind == "empty-key":
+        raise SinkHeaderError(message, hint="Drop the entries with an empty key (map_filter(headers, (k, v) -> "
+                                            "k != '')); " + SINK_ROWS_BEFORE)
+    if problem.kind == "too-long":
+        raise SinkHeaderError(message, hint="Shorten or drop such entries, or move the data into the payload; "
+                                            + SINK_ROWS_BEFORE)
+    raise SinkHeaderError(message)  # a null value (the class's hint); a map<string,string> holds nothing else
 
 
 def _publish(link: MemberLink, options: SinkOptions, table: pa.Table, row: int, rows: int, repeated: int,

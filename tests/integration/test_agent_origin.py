@@ -89,7 +89,8 @@ def test_a_row_that_already_claims_an_origin_is_refused_and_nothing_is_sent(pair
     alice, bob = pair
     claim = "1:" + base64.b64encode(bytes(64)).decode()
     with _client(alice) as client:
-        with pytest.raises(BadRequestError, match=r"row 1 \(message_id 'c2'\) already has a 'zc-origin' header"):
+        with pytest.raises(BadRequestError,
+                           match=r"row 1 \(message_id 'c2'\) has a 'zc-origin' header, and sign is true"):
             client.publish("g", [b"a", b"b"], message_ids=["c1", "c2"], headers=[None, {ORIGIN_HEADER: claim}],
                            sign=True)
         # Without sign the agent passes a row's own header on, as before (history then checks it).

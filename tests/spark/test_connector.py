@@ -747,7 +747,7 @@ def test_the_agent_refusing_a_sinks_rows_is_a_data_error_not_a_publish_to_retry(
         writer.publish_partition(iter(rows), options, SinkColumns(True, False, True), "q.0.0", 0)
     assert not isinstance(info.value, PublishNotAcknowledgedError)
     assert "refused a row of the publish call holding rows 0-1 of partition 0" in str(info.value), str(info.value)
-    assert "headers of row 1 have a null value (for 'k')" in str(info.value)
+    assert "publish: row 1 has a null value for header 'k'" in str(info.value)
     assert "its row i is partition row 0 + i" in str(info.value)
     assert "members are up" not in str(info.value) and "zerocomm --help" not in str(info.value)
 

@@ -322,7 +322,7 @@ def test_the_agent_refusing_a_rows_data_is_a_data_error_naming_where_its_row_num
     said = str(info.value)
     assert not isinstance(info.value, (PublishNotAcknowledgedError, ConnectorOptionError, BadRequestError))
     assert "refused a row of the publish call holding rows 2-3 of partition 3" in said, said
-    assert "publish: headers of row 1 have a null value (for 'k')" in said
+    assert "publish: row 1 has a null value for header 'k'" in said
     assert "the agent numbers the call's rows from 0: its row i is partition row 2 + i" in said
     assert _RETRY_ADVICE not in said and "Fix or leave out that row" in info.value.hint
     assert client.calls == 2
@@ -336,7 +336,7 @@ def test_the_agent_refusing_a_rows_data_is_a_data_error_naming_where_its_row_num
     with pytest.raises(SinkRowError) as info:
         publish_partition(rows, SinkOptions.parse({"group": "g"}), given, "q.0.3", 3)
     said = str(info.value)
-    assert "holding rows 0-2 of partition 3" in said and "headers of row 1 have a null value" in said, said
+    assert "holding rows 0-2 of partition 3" in said and "publish: row 1 has a null value for header 'k'" in said, said
     assert ("numbers the call's rows from 0 at partition row 0, counting only the first row of each message id "
             "(1 row(s) repeating an earlier id were left out of the call)") in said
 

@@ -92,6 +92,7 @@ from zerocomm_spark.errors import (
 from zerocomm_spark.group import datamessage as dm
 from zerocomm_spark.group import topics
 from zerocomm_spark.group.dedup import TTLCache
+from zerocomm_spark.group.headers import check_headers
 from zerocomm_spark.group.lamport import MAX_JUMP, LamportClock
 from zerocomm_spark.group.outbox import Outbox, PublishReceipt
 from zerocomm_spark.group.sequencing import PublisherStream
@@ -867,11 +868,11 @@ class DataPlane:
         payloads = [p if type(p) is bytes else self._as_bytes(p) for p in payloads]
         each: list[dict[str, str] | None] | None = None  # per-message headers
         if headers is None or isinstance(headers, Mapping):
-            hdrs = self._check_headers(headers)
+            hdrs = check_headers(headers)  # the one rule (group/headers.py): the agent's and the sink's too
         else:
             if isinstance(headers, (str, bytes)):
                 raise ConfigurationError("headers are a mapping, or a sequence of one mapping (or None) per payload")
-            each = [self._check_headers(h) for h in headers]
+            each = [check_headers(h) for h in headers]
             if len(each) != len(payloads):
                 raise ConfigurationError(f"{len(each)} header mappings for {len(payloads)} payloads")
             hdrs = None
@@ -925,21 +926,6 @@ class DataPlane:
         if isinstance(p, (bytearray, memoryview)):
             return bytes(p)
         raise TypeError(f"payloads are bytes, got {type(p).__name__}")
-
-    @staticmethod
-    def _check_headers(headers: Mapping[str, str] | None) -> dict[str, str] | None:
-        if headers is None:
-            return None
-        if not isinstance(headers, Mapping) or len(headers) > dm.MAX_HEADERS:
-            raise ConfigurationError(f"headers must be a mapping of at most {dm.MAX_HEADERS} entries")
-        out = {}
-        for k, v in headers.items():
-            if not isinstance(k, str) or not isinstance(v, str) or not k:
-                raise ConfigurationError("headers map non-empty strings to strings")
-            if len(k) > dm.MAX_HEADER_LENGTH or len(v) > dm.MAX_HEADER_LENGTH:
-                raise ConfigurationError(f"a header name or value is at most {dm.MAX_HEADER_LENGTH} characters")
-            out[k] = v
-        return out or None
 
     def publish_state(self, group: str, blob: bytes, *, timeout: float = 10.0) -> None:
         """Publish an opaque state blob on the group's state topic; others get ``on_state(group, blob)``.
