@@ -968,14 +968,61 @@ def _name_the_large_line(exc: errors.FrameTooLargeError, lines: list[str], first
     _bad_line(exc, number)
 
 
-def _say_interrupted(a: argparse.Namespace, prefix: str, *, acked: int, in_flight: int) -> None:
-    """On stderr, for a `send -` stopped by Ctrl-C: how far it got and the options that send the rest
-    exactly once, as a send that failed part way says them (a long send is often interrupted)."""
+def _say_interrupted(ctx: Ctx, prefix: str, *, message_ids: list[str], seqs: list[int], in_flight: int) -> None:
+    """For a `send -` stopped by Ctrl-C: how far it got and the options that send the rest exactly
+    once, as a send that failed part way says them (a long send is often interrupted). On stderr; with
+    --json also as a JSON document on stdout (the error shape, exit code 130, and the same facts)."""
+    a = ctx.args
+    acked = len(message_ids)
     said = errors.ZeroCommError("interrupted (Ctrl-C)")
     _say_how_to_send_the_rest(said, a, prefix, acked=acked, in_flight=in_flight)
     hint = said.hint or ("No line of stdin was sent: the same command sends them all" if not a.skip else
                          f"No line of stdin was sent by this run: the same command (--skip {a.skip}) sends the rest")
-    sys.stderr.write(f"zerocomm: {printable(said.message, keep=chr(10))}\n"
+    done = a.skip + acked
+    resume = ["--id-prefix", prefix] + (["--skip", str(done)] if done else [])
+    _say_interrupted_send(ctx, said.message, hint, {
+        "group": a.group, "id_prefix": prefix, "message_ids": message_ids, "seqs": seqs,
+        # lines of stdin acknowledged (by earlier runs, --skip, and this one): what a resume skips
+        "acknowledged_lines": done, "acknowledged_by_this_run": acked,
+        # lines sent but not acknowledged when interrupted: they may be out (the outcome is unknown)
+        "in_flight_lines": [done + 1, done + in_flight] if in_flight else None,
+        "resume_options": resume})
+
+
+def _say_single_interrupted(ctx: Ctx, message_id: str, *, called: bool, seq: int | None) -> None:
+    """For a `send GROUP TEXT` stopped by Ctrl-C: its message id, whether it went out (unknown once the
+    publish call was made and not answered), and how to send it exactly once: with --id, whose id a
+    member drops if it has it already. On stderr; with --json also a JSON document on stdout."""
+    a = ctx.args
+    again = (f"run the same command{'' if a.message_id else f' with --id {shlex.quote(message_id)}'}: a member "
+             "drops an id it already has, so nothing arrives twice")
+    if seq is not None:
+        outcome = "acknowledged"
+        message = (f"interrupted (Ctrl-C) after message id {message_id} was sent to {a.group!r} (seq {seq}) and every "
+                   "member acknowledged it")
+        hint = "Nothing to send again; to be sure, " + again
+    elif called:
+        outcome = "unknown"
+        message = (f"interrupted (Ctrl-C) while sending message id {message_id} to {a.group!r}: its outcome is "
+                   "unknown (some or every member may have it, or none)")
+        hint = f"To send it exactly once, {again}"
+    else:
+        outcome = "not sent"
+        message = f"interrupted (Ctrl-C) before message id {message_id} was sent to {a.group!r}: nothing was sent"
+        hint = f"To send it, {again}"
+    _say_interrupted_send(ctx, message, hint, {
+        "group": a.group, "message_id": message_id, "outcome": outcome, "seq": seq,
+        "resume_options": ["--id", message_id]})
+
+
+def _say_interrupted_send(ctx: Ctx, message: str, hint: str, facts: dict[str, Any]) -> None:
+    """What an interrupted send says: on stderr always (a person at the terminal), and under --json as
+    an error document on stdout with ``facts`` (a script gets something to parse: what went out, how to
+    resume). The command then exits 130, as any interrupted command."""
+    if ctx.json:
+        emit_json({"ok": False, "error": {"type": "KeyboardInterrupt", "message": message, "hint": hint},
+                   "exit_code": EXIT_INTERRUPTED, **facts})
+    sys.stderr.write(f"zerocomm: {printable(message, keep=chr(10))}\n"
                      f"  what to do: {printable(hint, keep=chr(10))}\n")
     sys.stderr.flush()
 
@@ -1055,11 +1102,13 @@ def cmd_send(ctx: Ctx) -> int:
                 exc.args = (f"{text}. {exc.hint}",)
             raise
         except KeyboardInterrupt:
-            if prefix is None:
-                raise
             interrupted = True
-    if interrupted and prefix is not None:  # said once the progress line is cleared
-        _say_interrupted(a, prefix, acked=len(message_ids), in_flight=in_flight if calling else 0)
+    if interrupted:  # said once the progress line is cleared
+        if prefix is not None:
+            _say_interrupted(ctx, prefix, message_ids=message_ids, seqs=seqs, in_flight=in_flight if calling else 0)
+        else:
+            _say_single_interrupted(ctx, single_id, called=calling and in_flight > 0,
+                                    seq=seqs[0] if message_ids and seqs else None)
         raise KeyboardInterrupt  # exit 130, as any command interrupted
     if not message_ids and a.skip:
         raise errors.ConfigurationError(f"stdin had no lines after the first {a.skip} (--skip {a.skip}); nothing "

@@ -834,3 +834,101 @@ def test_a_send_from_stdin_interrupted_while_a_chunk_is_out_says_it_may_be_out(t
     finally:
         alice.stop()
         bob.stop()
+
+
+def test_a_send_from_stdin_interrupted_with_ctrl_c_under_json_prints_a_document_saying_how_to_resume(
+        tmp_path: Path) -> None:
+    """`send -` with --json stopped by Ctrl-C printed nothing on stdout (the resume hint went to stderr
+    only): a script using --json had nothing to parse. It prints the error document (exit_code 130)
+    with what was acknowledged and the options that send the rest exactly once; stderr still says it."""
+    if not _syscalls_seen():
+        pytest.skip("needs /proc/PID/syscall (x86_64 or aarch64 Linux) to see the sender wait for stdin")
+    lines = [f"line {i:04d} " + "x" * 30 for i in range(1, 301)]
+    solo = Member(tmp_path, "solo", "api.max_request_bytes=20000")  # chunks of ~100 lines
+    try:
+        start_all([solo])
+        solo.ok("group", "create", "g")
+        send = subprocess.Popen([*ZEROCOMM, "--config", str(solo.config), "--json", "send", "g", "-"],
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            assert send.stdin is not None
+            send.stdin.write("\n".join(lines[:150]) + "\n")  # one chunk goes out, the next waits for lines
+            send.stdin.flush()
+            wait_for(lambda: solo.run("history", "g", "--all").json_lines, 30, "the first chunk to be acknowledged")
+            wait_for(lambda: _blocked_reading_stdin(send.pid), 30, "the send to wait for more lines")
+            out, err = _interrupted(send)
+        finally:
+            if send.poll() is None:
+                send.kill()
+        assert "Traceback" not in err, err
+        rows = solo.run("history", "g", "--all").json_lines
+        acked = len(rows)
+        assert 0 < acked < 150
+        said = json.loads(out)  # one document, nothing else on stdout
+        assert said["ok"] is False and said["exit_code"] == 130 and said["group"] == "g", said
+        assert said["error"]["type"] == "KeyboardInterrupt", said
+        assert said["error"]["message"] == (f"interrupted (Ctrl-C) (the first {acked} line(s) of stdin were sent and "
+                                            "acknowledged)"), said
+        assert said["acknowledged_lines"] == said["acknowledged_by_this_run"] == acked, said
+        assert said["message_ids"] == [r["message_id"] for r in rows] and len(said["seqs"]) == acked, said
+        assert said["in_flight_lines"] is None, said  # it waited for stdin: nothing was out
+        prefix = said["id_prefix"]
+        assert said["resume_options"] == ["--id-prefix", prefix, "--skip", str(acked)], said
+        assert f"--id-prefix {prefix} --skip {acked}" in said["error"]["hint"], said
+        assert said["error"]["message"] in err and f"--id-prefix {prefix} --skip {acked}" in err, err  # as before
+        rest = solo.ok("send", "g", "-", *said["resume_options"], input="\n".join(lines) + "\n", timeout=120)
+        assert len(rest["message_ids"]) == 300 - acked and rest["duplicates"] == 0
+        assert [r["payload"] for r in solo.run("history", "g", "--all", timeout=60).json_lines] == lines
+    finally:
+        solo.stop()
+
+
+def test_a_single_send_interrupted_with_ctrl_c_names_its_message_id_and_how_to_send_it_exactly_once(
+        tmp_path: Path) -> None:
+    """Ctrl-C while `send GROUP TEXT` waited for a member's acknowledgement exited 130 saying nothing:
+    not whether the message went out, nor its id, so the user could not tell whether sending it again
+    would deliver it twice. It says on stderr (and with --json in a document on stdout) the message id,
+    that its outcome is unknown, and the --id that sends it exactly once; that command does."""
+    if not _syscalls_seen():
+        pytest.skip("needs /proc/PID/syscall (x86_64 or aarch64 Linux) to see where the sender waits")
+    alice = Member(tmp_path, "alice")
+    bob = Member(tmp_path, "bob")
+
+    def interrupted_send(*flags: str) -> tuple[str, str]:
+        send = subprocess.Popen([*ZEROCOMM, "--config", str(alice.config), "--timeout", "60", *flags, "send", "g",
+                                 "hello"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            # Waiting for the agent's answer (bob cannot acknowledge), past the quick connect's waits.
+            wait_for(lambda: _waiting_for_the_agent(send.pid), 30, "the publish to wait")
+            time.sleep(1.0)
+            wait_for(lambda: _waiting_for_the_agent(send.pid), 30, "the publish to wait")
+            return _interrupted(send)
+        finally:
+            if send.poll() is None:
+                send.kill()
+
+    try:
+        _pair_in_group(alice, bob)
+        bob.stop()  # the message cannot be acknowledged: the send waits (up to --timeout 60)
+        out, err = interrupted_send()
+        assert "Traceback" not in err and not out, out + err
+        mid = err.split("while sending message id ", 1)[1].split()[0]
+        assert f"interrupted (Ctrl-C) while sending message id {mid} to 'g': its outcome is unknown" in err, err
+        assert f"run the same command with --id {mid}: a member drops an id it already has" in err, err
+        out, err = interrupted_send("--json")
+        said = json.loads(out)
+        assert said["ok"] is False and said["exit_code"] == 130 and said["outcome"] == "unknown", said
+        other = said["message_id"]
+        assert other != mid and said["resume_options"] == ["--id", other] and said["error"]["message"] in err, said
+        bob.start()
+        for each in (mid, other):
+            assert alice.ok("send", "g", "hello", "--id", each, timeout=60)["message_ids"] == [each]
+        for m in (alice, bob):
+            rows = wait_for(lambda m=m: (lambda r: r if len(r) >= 2 else None)(
+                m.run("history", "g", "--all").json_lines), 30, f"{m.name}'s journal to hold both messages")
+            time.sleep(1.0)
+            rows = m.run("history", "g", "--all").json_lines
+            assert sorted(r["message_id"] for r in rows) == sorted([mid, other]), m.name  # each once
+    finally:
+        alice.stop()
+        bob.stop()
