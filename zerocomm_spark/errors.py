@@ -613,8 +613,8 @@ class StreamDataLossError(DataLossError):
 class IncompleteReadError(ZeroCommError, TimeoutError):
     """The member on an executor's host did not have the messages a partition covers within readTimeoutMs."""
 
-    hint = ("That host's member is behind or not in the group: check `zerocomm members GROUP` there, or raise "
-            "readTimeoutMs")
+    hint = ("That host's member is behind or not in the group: check `zerocomm group list` and "
+            "`zerocomm group members GROUP` there, or raise readTimeoutMs")
 
 
 class PublishNotAcknowledgedError(GroupError):
