@@ -24,7 +24,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from pyspark.sql.datasource import InputPartition
 
-from zerocomm_spark.errors import IncompleteReadError, StreamDataLossError
+from zerocomm_spark.errors import GroupNotFoundError, IncompleteReadError, StreamDataLossError
 
 from zerocomm_spark.connector.agent_link import MemberLink
 from zerocomm_spark.connector.options import AgentOptions
@@ -90,6 +90,7 @@ def read_partition(partition: ZeroCommInputPartition) -> Iterator[pa.RecordBatch
     deadline = time.monotonic() + partition.read_timeout_s
     key = (partition.group, partition.publisher)
     pause = 0.02
+    member_checked = False
     with MemberLink.connect(partition.agent) as link:
         while expected <= last:
             progressed = False
@@ -128,6 +129,9 @@ def read_partition(partition: ZeroCommInputPartition) -> Iterator[pa.RecordBatch
                     continue
                 # It says it holds `expected`, yet the read returned nothing (a race with retention, or
                 # a bug): wait like for a member catching up, so this ends at the timeout, not a spin.
+            if not member_checked:  # before the first wait: a member outside the group never gets them
+                member_checked = True
+                _check_member_of(link, partition, expected, last)
             if time.monotonic() >= deadline:
                 raise IncompleteReadError(
                     f"the member on host {os.uname().nodename} has messages of publisher "
@@ -135,6 +139,23 @@ def read_partition(partition: ZeroCommInputPartition) -> Iterator[pa.RecordBatch
                     f"{journaled}; this partition needs {expected}..{last} (waited {partition.read_timeout_s:g}s)")
             time.sleep(pause)
             pause = min(pause * 2, 0.5)
+
+
+def _check_member_of(link: MemberLink, partition: ZeroCommInputPartition, first: int, last: int) -> None:
+    """Fail at once when this host's member is not in the partition's group (not even joining it): the
+    driver planned the read against its own member, and waiting readTimeoutMs here (at every retry of
+    the task) for messages this member can never receive ended in an error that could only guess why."""
+    mine = link.group_names()
+    if partition.group in mine:
+        return
+    raise GroupNotFoundError(
+        f"the member {link.label or ''} on host {os.uname().nodename} is not in group {partition.group!r} (its "
+        f"groups: {', '.join(sorted(mine)) or 'none'}), so it can never hold messages {first}..{last} of publisher "
+        f"{partition.label or partition.publisher} that this read needs; the driver's member, which planned the "
+        "read, is in the group",
+        hint="Each executor reads through the member on its own host: join that member to the group there "
+             "(`zerocomm group join GROUP --via PEER`), or point that host's ZEROCOMM_CONFIG (or the agent option) "
+             "at a member of the group")
 
 
 def _report_holes(link: MemberLink, partition: ZeroCommInputPartition, table: pa.Table) -> None:

@@ -395,6 +395,39 @@ def test_publishers_named_in_offsets_but_unknown_to_the_member(members):
         reader.partitions()
 
 
+def test_an_executors_member_not_in_the_group_fails_the_read_at_once_saying_so(members):
+    """Partitions planned on the driver's member (alice, in the group) and read through an executor
+    host's member that is not in it (carol; a host whose ZEROCOMM_CONFIG names another member): the
+    task waited the whole readTimeoutMs, at each of Spark's retries, and then said the member was
+    "behind or not in the group". It can never hold those messages: the read fails at once, naming the
+    host's member, the group and what to do."""
+    from dataclasses import replace
+
+    from zerocomm_spark.connector.batch_reader import ZeroCommBatchReader
+    from zerocomm_spark.connector.options import SourceOptions
+    from zerocomm_spark.connector.schema import source_schema
+    from zerocomm_spark.errors import GroupNotFoundError
+
+    alice, bob, carol = members["alice"], members["bob"], members["carol"]
+    name = f"pair{uuid.uuid4().hex[:8]}"
+    form_group([alice, bob], name)
+    publish(bob, name, ["one", "two", "three"])
+    wait_for(lambda: (name, bob.did(name)) in _ranges_of(alice, name), 30, "alice to journal bob's messages")
+    reader = ZeroCommBatchReader(SourceOptions.parse({"group": name, "agent": str(alice.config),
+                                                      "readTimeoutMs": "60000"}, mode="batch"), source_schema())
+    (planned,) = reader.partitions()
+    on_carol = replace(planned, agent=replace(planned.agent, where=str(carol.config)))
+    started = time.monotonic()
+    with pytest.raises(GroupNotFoundError) as info:
+        list(reader.read(on_carol))
+    assert time.monotonic() - started < 15  # not readTimeoutMs
+    text = str(info.value)
+    assert "carol" in text and repr(name) in text and os.uname().nodename in text, text
+    assert "zerocomm group join" in text and "ZEROCOMM_CONFIG" in text, text
+    # a member of the group reads the same partition
+    assert sum(batch.num_rows for batch in reader.read(planned)) == 3
+
+
 def _ranges_of(member: LocalMember, group: str) -> set[tuple[str, str]]:
     return {(p["group"], p["publisher_did"]) for p in member.client().latest(group)["publishers"]}
 

@@ -66,6 +66,9 @@ class Member(_FakeLink):
     def superseded(self, group, publisher, first, last):
         return []
 
+    def group_names(self):
+        return {GROUP}  # a member of the group, only behind
+
 
 @pytest.fixture
 def clock(monkeypatch):
