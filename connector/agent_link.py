@@ -137,10 +137,19 @@ class MemberLink:
         value = (getattr(self._client, "agent", None) or {}).get("max_message_bytes")
         return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
 
-    def check_groups(self, groups: Iterable[str]) -> None:
-        """Fail early and clearly when this member is not in a group the query names."""
+    def check_groups(self, groups: Iterable[str], *, running: bool = False) -> None:
+        """Fail early and clearly when this member is not in a group the query names; ``running``: a query
+        that read the group(s) until now (the member left, or was removed, since)."""
         mine = self.group_names()
         missing = [g for g in groups if g not in mine]
+        if missing and running:
+            raise GroupNotFoundError(
+                f"the member {self.label or ''} on host {os.uname().nodename} is no longer in group(s) "
+                f"{', '.join(repr(g) for g in missing)} (its groups: {', '.join(sorted(mine)) or 'none'}): it left "
+                "or was removed while the query read them, so their new messages can never reach it",
+                hint="Join the group again on this member (`zerocomm group join GROUP --via PEER`) and restart the "
+                     "query from its checkpoint, or drop the group from the group option (its positions stay in "
+                     "the checkpoint)")
         if missing:
             listed = ", ".join(sorted(mine)) or "none"
             raise GroupNotFoundError(

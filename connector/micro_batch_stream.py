@@ -44,6 +44,8 @@ __all__ = ["ZeroCommMicroBatchStream", "plan_partitions"]
 log = logging.getLogger("zerocomm_spark.connector")
 #: A query with nothing to read tells the member's journal it is alive this often (see _keep_alive).
 KEEP_ALIVE_S = 60.0
+#: How often the planner checks that the driver's member is still in the query's groups (see latestOffset).
+MEMBERSHIP_CHECK_S = 5.0
 
 
 def plan_partitions(options: SourceOptions, start: ZeroCommOffset, end: ZeroCommOffset,
@@ -72,6 +74,7 @@ class ZeroCommMicroBatchStream(DataSourceStreamReader, SupportsTriggerAvailableN
         self._initial: dict | None = None  # initialOffset's answer, given again on every later call
         self._registered = False  # this run told the member's journal where the query starts
         self._alive_at = time.monotonic()  # when the query last told the member's journal it is alive
+        self._groups_checked_at = time.monotonic()  # when the member was last seen in every group (connect checks)
 
     # Pickled into the read UDF for executors: only the options travel.
     def __getstate__(self) -> dict[str, object]:
@@ -133,6 +136,7 @@ class ZeroCommMicroBatchStream(DataSourceStreamReader, SupportsTriggerAvailableN
         """The end of the next batch: newest positions, capped by the read limit and availableNow."""
         begin = ZeroCommOffset.from_dict(start)
         self._register(begin)
+        self._check_still_member()
         ranges = self._ranges(known_first=dict(begin.items()))
         self._latest = ZeroCommOffset({key: span.next for key, span in ranges.items()})
         newest: dict[PublisherKey, int] = {}
@@ -202,6 +206,17 @@ class ZeroCommMicroBatchStream(DataSourceStreamReader, SupportsTriggerAvailableN
         except ZeroCommError as exc:  # as for commits: the query runs; retention may go ahead of it
             log.warning("zerocomm source: could not register the query with the agent's journal (%s); retention "
                         "does not wait for it until its first commit", describe(exc))
+
+    def _check_still_member(self) -> None:
+        """Every ``MEMBERSHIP_CHECK_S``: a member that left a group (or was removed) since the query
+        started never receives its new messages, and its journal still answers for what it holds, so
+        the query stayed active reading nothing new, with no lag reported, while a query started then
+        failed at once (GroupNotFoundError). It now fails the same way, saying the member left."""
+        now = time.monotonic()
+        if now - self._groups_checked_at < MEMBERSHIP_CHECK_S:
+            return
+        self._member().check_groups(self.options.groups, running=True)
+        self._groups_checked_at = now
 
     def _keep_alive(self, begin: ZeroCommOffset) -> None:
         """With nothing new to read Spark runs no batch, so nothing is committed: every

@@ -490,6 +490,26 @@ def test_a_batch_read_starting_after_its_end_is_refused_when_named_and_empty_whe
     assert read(startingOffsets=json.dumps({group: {did: 5}}), endingOffsets=json.dumps({group: {did: 10}})).count() == 5
 
 
+def test_a_stream_whose_member_leaves_the_group_fails_saying_so_instead_of_stalling(spark, members, group):
+    """The driver's member left a group a running query reads (`zerocomm group leave`, or removed): the
+    query stayed active, reported no lag and never read the group's new messages, without a word, while
+    starting the same query failed at once with GroupNotFoundError. It now fails the same way."""
+    alice, bob = members["alice"], members["bob"]
+    publish(bob, group, [f"before-{i}" for i in range(10)])
+    query = (source(spark, group, alice, startingOffsets="earliest")
+             .writeStream.format("memory").queryName(f"left_{group}")
+             .trigger(processingTime="200 milliseconds").start())
+    try:
+        wait_for(lambda: rows_in(query) >= 10, 120, "the first messages")
+        alice.client().leave(group)
+        publish(bob, group, [f"after-{i}" for i in range(10)])  # alice never gets these
+        wait_for(lambda: not query.isActive, 60, "the query to fail")
+    finally:
+        query.stop()
+    text = str(query.exception())
+    assert "GroupNotFoundError" in text and repr(group) in text and "no longer" in text, text[:3000]
+
+
 def test_max_messages_per_trigger_bounds_every_micro_batch(spark, members, group, tmp_path):
     alice, bob, carol = members["alice"], members["bob"], members["carol"]
     publish(bob, group, [f"b{i}" for i in range(350)])
