@@ -38,6 +38,7 @@ from pyspark.sql.datasource import (
 
 from zerocomm_spark.errors import (
     SINK_ROWS_BEFORE,
+    AgentNotRunningError,
     BadRowError,
     ConnectorOptionError,
     PublishNotAcknowledgedError,
@@ -443,6 +444,20 @@ class ZeroCommStreamWriter(DataSourceStreamArrowWriter):
                     "same ids, so none is delivered twice", batchId, done)
 
 
+#: What to do after a df.write whose rows bring no message_id failed with its messages perhaps sent: the
+#: generic advice ("rerun: the same ids, nothing delivered twice") holds for a task Spark retries within
+#: the save() and for streams, but a save() run again makes a new write id, so every row goes out again.
+BATCH_RERUN_HINT = (
+    "Some of this write's messages may already be delivered (to some members or all, as the group acknowledges "
+    "them later): df.write run again publishes every row under new message ids, so those are delivered twice. "
+    "Check that the group's members are up (or raise publishTimeoutMs) and, to make a rerun safe, give the "
+    "DataFrame a message_id column (a key of each row: members drop ids they have seen), or write with "
+    "writeStream and a checkpoint (a re-run batch publishes the same ids)")
+
+
+_PROMISE_A_SAFE_RERUN = (PublishNotAcknowledgedError, AgentNotRunningError)
+
+
 class ZeroCommBatchWriter(DataSourceArrowWriter):
     """df.write sink. One write id per save(), made on the driver and shipped to every task, so a
     retried task republishes the ids of the attempt it replaces."""
@@ -458,7 +473,17 @@ class ZeroCommBatchWriter(DataSourceArrowWriter):
         context = TaskContext.get()
         partition = context.partitionId() if context else 0
         prefix = message_id_prefix(self.write_id, None, partition)
-        return publish_partition(iterator, self.options, self.columns, prefix, partition)
+        try:
+            return publish_partition(iterator, self.options, self.columns, prefix, partition)
+        except _PROMISE_A_SAFE_RERUN as exc:
+            if self.columns.has_message_id:  # the rows' own ids: a rerun publishes the same ones
+                raise
+            # Their hints promise a rerun delivers nothing twice (PublishNotAcknowledgedError's always, an
+            # agent gone mid-publish's too): true of Spark's retries of this task (same write id), not of
+            # the save() the user runs again (a new one). Starting the agent is still the first step.
+            if isinstance(exc, PublishNotAcknowledgedError):
+                raise PublishNotAcknowledgedError(exc.message, hint=BATCH_RERUN_HINT) from None
+            raise AgentNotRunningError(exc.message, hint=f"{exc.hint.rstrip('.')}. {BATCH_RERUN_HINT}") from None
 
     def commit(self, messages: list[WriterCommitMessage | None]) -> None:
         total, dups = _check_commit(messages, "the write")
@@ -467,4 +492,7 @@ class ZeroCommBatchWriter(DataSourceArrowWriter):
 
     def abort(self, messages: list[WriterCommitMessage | None]) -> None:
         done = sum(m.messages for m in messages if isinstance(m, ZeroCommCommitMessage))
-        log.warning("zerocomm sink: write aborted after %d acknowledged message(s)", done)
+        log.warning("zerocomm sink: write aborted after %d acknowledged message(s)%s", done,
+                    "" if self.columns.has_message_id else
+                    "; running it again publishes every row under new message ids (give the DataFrame a "
+                    "message_id column to make a rerun safe)")

@@ -720,6 +720,37 @@ def test_a_sink_batch_the_group_does_not_acknowledge_fails_clearly_and_commits_n
         assert len(ids) == len(set(ids)) == 50, member.label
 
 
+def test_a_df_write_the_group_does_not_acknowledge_does_not_promise_a_rerun_is_safe(spark, members, group):
+    """df.write without a message_id column while carol cannot acknowledge: save() failed with
+    PublishNotAcknowledgedError saying "Nothing is lost and nothing will be delivered twice: rerun the
+    query". Its messages were sent all the same (alice has them; carol gets them once she is back), and a
+    save() run again makes a new write id: following the advice delivered every row twice. The error
+    now says so, and how to make a rerun safe; with a message_id column the rerun is safe and says so."""
+    bob, carol = members["bob"], members["carol"]
+
+    def save(frame):
+        (frame.write.format("zerocomm").option("group", group).option("agent", str(bob.config))
+         .option("publishTimeoutMs", "3000").mode("append").save())
+
+    carol_pid = carol.pid()
+    assert carol_pid is not None
+    os.kill(carol_pid, signal.SIGSTOP)  # carol cannot acknowledge anything
+    try:
+        with pytest.raises(Exception) as derived:
+            save(spark.range(0, 20, 1, 1).selectExpr("CAST(id AS STRING) AS payload"))
+        with pytest.raises(Exception) as given:
+            save(spark.range(20, 40, 1, 1).selectExpr("CAST(id AS STRING) AS payload",
+                                                      "concat('row-', CAST(id AS STRING)) AS message_id"))
+    finally:
+        os.kill(carol_pid, signal.SIGCONT)
+    text = str(derived.value)
+    assert "PublishNotAcknowledgedError" in text and "did not acknowledge 20 message" in text, text[:3000]
+    assert "nothing will be delivered twice" not in text, text[:3000]
+    assert "delivered twice" in text and "message_id column" in text, text[:3000]
+    text = str(given.value)  # the rows' own ids: the usual advice holds
+    assert "PublishNotAcknowledgedError" in text and "nothing will be delivered twice" in text, text[:3000]
+
+
 def test_a_row_bigger_than_a_group_message_is_refused_naming_it_and_the_limit(spark, members, group):
     """A payload past what one group message carries (4 MiB), well within api.max_request_bytes: the
     agent refused the publish call with FrameTooLargeError "exceeds max_message_bytes=4194304. ... raise
