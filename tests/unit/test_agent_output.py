@@ -450,7 +450,10 @@ def test_a_send_from_stdin_interrupted_during_a_chunk_says_it_may_be_out_and_how
     code = cli.main(["--identity-dir", str(tmp_path / "id"), "--json", "send", "g", "-", "--id-prefix", "p1",
                      "--skip", "1"])
     said = capsys.readouterr()
-    assert code == 130 and fake.calls == 2 and said.out == "", said
+    assert code == 130 and fake.calls == 2, said
+    document = json.loads(said.out)  # --json: the same facts for a script, on stdout
+    assert (document["ok"], document["exit_code"], document["acknowledged_lines"], document["in_flight_lines"],
+            document["resume_options"]) == (False, 130, 3, [4, 5], ["--id-prefix", "p1", "--skip", "3"]), document
     assert "interrupted (Ctrl-C) (the first 3 line(s) of stdin were sent and acknowledged, 2 by this run)" in said.err
     assert "lines 4..5 may be out (the outcome is unknown)" in said.err, said.err
     assert "--id-prefix p1 --skip 3 (in place of yours)" in said.err, said.err
