@@ -93,6 +93,7 @@ _MAX_BACKLOG = 10_000  # queued inbound jobs; beyond it the ROUTER is not read (
 _MAX_BACKLOG_BYTES = 256 * 1024 * 1024
 _RECV_BATCH = 256  # messages read per socket per loop turn, so no socket starves the others
 _MAX_POLL_MS = 250
+_DEADLINE_SLACK = 1024  # deadline entries of answered calls kept at most beyond twice the live ones
 _START_TIMEOUT = 10.0
 
 
@@ -120,6 +121,7 @@ class _Pending:
     deadline: float
     what: str  # for error messages only, never the payload
     sent_at: float | None = None
+    token: int = 0  # its entry in the deadline heap (which holds no reference to it, nor to its future)
 
 
 @dataclass(slots=True)
@@ -211,7 +213,10 @@ class PeerTransport:
         self._handlers: dict[int, _Handlers] = {}
         self._outbox: list[tuple[int, int, _Outbound]] = []
         self._pending: dict[tuple[str, int, int], _Pending] = {}
-        self._deadlines: list[tuple[float, int, tuple[str, int, int], _Pending]] = []
+        # (deadline, token, key): no _Pending in it, so an answered call's future (and its response
+        # payload) is not kept until the deadline passes; entries of resolved calls are skipped on pop
+        # and swept out once they outnumber the live ones (_track).
+        self._deadlines: list[tuple[float, int, tuple[str, int, int]]] = []
         self._seq = itertools.count()
         self._next_rid = secrets.randbelow(MAX_U32 + 1)
         self._wake_pending = False
@@ -510,8 +515,16 @@ class PeerTransport:
         return rid
 
     def _track(self, key: tuple[str, int, int], pending: _Pending) -> None:
+        pending.token = next(self._seq)
         self._pending[key] = pending
-        heapq.heappush(self._deadlines, (pending.deadline, next(self._seq), key, pending))
+        if len(self._deadlines) > 2 * len(self._pending) + _DEADLINE_SLACK:  # mostly answered calls
+            self._deadlines = [e for e in self._deadlines if self._live(e)]
+            heapq.heapify(self._deadlines)
+        heapq.heappush(self._deadlines, (pending.deadline, pending.token, key))
+
+    def _live(self, entry: tuple[float, int, tuple[str, int, int]]) -> bool:
+        pending = self._pending.get(entry[2])
+        return pending is not None and pending.token == entry[1]
 
     def _enqueue_locked(self, priority: int, item: _Outbound) -> None:
         heapq.heappush(self._outbox, (-priority, next(self._seq), item))
@@ -723,10 +736,9 @@ class PeerTransport:
         expired: list[_Pending] = []
         with self._lock:
             while self._deadlines and self._deadlines[0][0] <= now:
-                _, _, key, pending = heapq.heappop(self._deadlines)
-                if self._pending.get(key) is pending:
-                    del self._pending[key]
-                    expired.append(pending)
+                entry = heapq.heappop(self._deadlines)
+                if self._live(entry):
+                    expired.append(self._pending.pop(entry[2]))
         for p in expired:
             if not p.future.done():
                 self._stats.add(timeouts=1)  # counted first, so a woken caller already sees it
