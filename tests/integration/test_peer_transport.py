@@ -15,6 +15,7 @@ from zerocomm_spark.errors import (
     ConfigurationError,
     FrameTooLargeError,
     PeerTimeoutError,
+    PeerUnreachableError,
     RemoteError,
     RemoteFrameTooLargeError,
     RemoteHandlerError,
@@ -962,3 +963,54 @@ def test_an_answered_request_is_not_held_until_its_deadline(monkeypatch: pytest.
             tracemalloc.stop()
         assert held < 2 * 1024 * 1024, f"{held} bytes still held after 200 answered requests"
         assert len(cli._deadlines) <= 2 * cli.stats()["pending"] + 8 + 1
+
+
+def test_requests_that_timed_out_on_a_dead_peer_are_not_run_when_it_comes_back() -> None:
+    """ZeroMQ kept every frame for an unreachable peer queued on its DEALER (up to 10,000, each up to
+    max_frame_bytes: 100 timed-out 1 MiB requests held 100 MB) and delivered them all once a peer
+    listened there again, so requests whose callers had been told PeerTimeoutError still ran."""
+    endpoint = _free_port_endpoint()
+    ran: list[bytes] = []
+    with PeerTransport() as caller:
+        for i in range(3):
+            with pytest.raises(PeerTimeoutError):
+                caller.request(endpoint, ECHO, b"stale%d" % i, timeout=0.3)
+        with PeerTransport(bind=endpoint) as back:
+            back.register(ECHO, rpc=lambda payload, peer: (ran.append(payload), b"ok")[1])
+            assert caller.request(endpoint, ECHO, b"fresh", timeout=10) == b"ok"
+            time.sleep(0.3)  # room for anything else still queued to arrive
+    assert ran == [b"fresh"]
+
+
+def test_a_peer_that_answers_nothing_cuts_off_the_calls_waiting_on_it(client: PeerTransport) -> None:
+    """A call expired with nothing heard from the peer since it was sent: the other calls written to
+    that peer fail at once (their answers can no longer come) instead of at their own deadlines."""
+    with _fake_peer() as (router, endpoint):
+        short = client.request_async(endpoint, ECHO, b"short", timeout=0.5)
+        long = client.request_async(endpoint, ECHO, b"long", timeout=30)
+        _next_request(router)
+        _next_request(router)  # both were written and read; the peer never answers
+        with pytest.raises(PeerTimeoutError):
+            short.result(timeout=5)
+        start = time.monotonic()
+        with pytest.raises(PeerUnreachableError, match="answered nothing"):
+            long.result(timeout=5)
+        assert time.monotonic() - start < 2
+
+
+def test_a_peer_that_answers_some_calls_keeps_its_connection(client: PeerTransport) -> None:
+    """A call that expires while the peer answers others is only a slow call: nothing else is cut off."""
+    with _fake_peer() as (router, endpoint):
+        short = client.request_async(endpoint, ECHO, b"short", timeout=0.5)
+        slow = client.request_async(endpoint, ECHO, b"slow", timeout=30)
+        _next_request(router)  # short's: never answered
+        who, slow_id = _next_request(router)
+        quick = client.request_async(endpoint, ECHO, b"quick", timeout=30)
+        who, rid = _next_request(router)
+        router.send_multipart([who, encode(RpcResponse(rid, 0, b"quick-answer"))])
+        assert quick.result(timeout=5) == b"quick-answer"
+        with pytest.raises(PeerTimeoutError):
+            short.result(timeout=5)
+        time.sleep(0.3)  # the expiry has been handled
+        router.send_multipart([who, encode(RpcResponse(slow_id, 0, b"slow-answer"))])
+        assert slow.result(timeout=5) == b"slow-answer"
