@@ -1014,3 +1014,35 @@ def test_a_peer_that_answers_some_calls_keeps_its_connection(client: PeerTranspo
         time.sleep(0.3)  # the expiry has been handled
         router.send_multipart([who, encode(RpcResponse(slow_id, 0, b"slow-answer"))])
         assert slow.result(timeout=5) == b"slow-answer"
+
+
+def test_a_peer_flooding_requests_does_not_push_another_peers_behind_all_of_its_own() -> None:
+    """One queue ordered by (sender-chosen) priority let one peer's flood keep every other peer's
+    request behind all of its own, up to 10,000 of them: past their callers' deadlines. Senders take
+    turns now; each sender's own jobs still go by priority."""
+    release, blocked = threading.Event(), threading.Event()
+    order: list[bytes] = []
+
+    def rpc(payload: bytes, peer: PeerInfo) -> bytes:
+        if payload == b"block":
+            blocked.set()
+            release.wait(10)
+        else:
+            order.append(payload)
+        return b"ok"
+
+    with PeerTransport(workers=1) as srv, PeerTransport() as flooder, PeerTransport() as other:
+        srv.register(ECHO, rpc=rpc)
+        first = flooder.request_async(srv.endpoint, ECHO, b"block", timeout=30)
+        assert blocked.wait(5)
+        flood = [flooder.request_async(srv.endpoint, ECHO, b"flood%d" % i, priority=255, timeout=30)
+                 for i in range(50)]
+        _wait_until(lambda: srv.stats()["inbox"] == 50)
+        mine = other.request_async(srv.endpoint, ECHO, b"other", priority=0, timeout=30)
+        _wait_until(lambda: srv.stats()["inbox"] == 51)
+        release.set()
+        assert mine.result(timeout=10) == b"ok"
+        for fut in [first, *flood]:
+            assert fut.result(timeout=10) == b"ok"
+    assert order.index(b"other") <= 1, f"the other peer's request was handled {order.index(b'other') + 1}th"
+    assert [p for p in order if p != b"other"] == [b"flood%d" % i for i in range(50)]

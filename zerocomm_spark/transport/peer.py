@@ -9,7 +9,8 @@ Why this shape:
 * Nothing is lock-step: requests are correlated by a u32 request id, so many may be in flight
   to one peer and answers may come back in any order.
 * The IO thread never runs application code. It decodes, answers what it can (Ping, refusals) and
-  queues the rest for a worker pool ordered by priority, so a slow handler never stalls the listener.
+  queues the rest for a worker pool (senders take turns, each one's jobs by priority), so a slow
+  handler never stalls the listener and no sender's flood holds up the others.
 * Every wait has a deadline: requests and pings expire in the IO loop itself, sockets close with a
   bounded LINGER and close() joins threads with a timeout.
 * close() drains before it stops: what was read before it is handled and answered while its deadline
@@ -19,6 +20,7 @@ Why this shape:
 
 from __future__ import annotations
 
+import collections
 import heapq
 import itertools
 import logging
@@ -174,6 +176,73 @@ class _Stats:
 _RPC, _PING = 0, 1  # kinds in pending keys
 
 
+_InboxItem = tuple[int, int, "_Job | None"]  # (-priority, seq, job); None is a worker's stop sentinel
+
+
+class _FairInbox:
+    """Inbound jobs for the workers: senders (ZeroMQ routing ids) take turns, and each sender's jobs
+    go by priority. One queue ordered by priority alone let a single peer flooding requests (and
+    priority is the sender's choice) keep every other peer's behind all of its own, up to _MAX_BACKLOG
+    of them: well past their callers' deadlines. Stop sentinels come after every job.
+
+    The get/put/qsize interface of the queue.PriorityQueue it replaces.
+    """
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition(threading.Lock())
+        self._by_peer: dict[bytes, list[_InboxItem]] = {}
+        self._turns: collections.deque[bytes] = collections.deque()  # senders with jobs, next first
+        self._sentinels: list[_InboxItem] = []
+        self._jobs = 0
+
+    def put(self, item: _InboxItem) -> None:
+        with self._cond:
+            job = item[2]
+            if job is None:
+                heapq.heappush(self._sentinels, item)
+            else:
+                heap = self._by_peer.get(job.peer.identity)
+                if heap is None:
+                    heap = self._by_peer[job.peer.identity] = []
+                    self._turns.append(job.peer.identity)
+                heapq.heappush(heap, item)
+                self._jobs += 1
+            self._cond.notify()
+
+    def _take(self) -> _InboxItem:
+        if self._turns:
+            sender = self._turns.popleft()
+            heap = self._by_peer[sender]
+            item = heapq.heappop(heap)
+            if heap:
+                self._turns.append(sender)  # its next job waits for every other sender's turn
+            else:
+                del self._by_peer[sender]
+            self._jobs -= 1
+            return item
+        if self._sentinels:
+            return heapq.heappop(self._sentinels)
+        raise queue.Empty
+
+    def get(self, timeout: float) -> _InboxItem:
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while not self._turns and not self._sentinels:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise queue.Empty
+                self._cond.wait(left)
+            return self._take()
+
+    def get_nowait(self) -> _InboxItem:
+        with self._cond:
+            return self._take()
+
+    def qsize(self) -> int:
+        with self._cond:
+            return self._jobs + len(self._sentinels)
+
+
 class PeerTransport:
     """One member's network endpoint: serves registered protocols and calls other members.
 
@@ -229,7 +298,7 @@ class PeerTransport:
         self._close_deadline = 0.0
         self._close_done = threading.Event()  # set when close() has finished (threads joined, context ended)
 
-        self._inbox: queue.PriorityQueue[tuple[int, int, _Job | None]] = queue.PriorityQueue()
+        self._inbox = _FairInbox()
         self._inbox_bytes = 0  # payload bytes of the jobs in _inbox (under _lock)
         self._stats = _Stats()
         self._ctx: zmq.Context[zmq.Socket[bytes]] | None = None
