@@ -1046,3 +1046,23 @@ def test_a_peer_flooding_requests_does_not_push_another_peers_behind_all_of_its_
             assert fut.result(timeout=10) == b"ok"
     assert order.index(b"other") <= 1, f"the other peer's request was handled {order.index(b'other') + 1}th"
     assert [p for p in order if p != b"other"] == [b"flood%d" % i for i in range(50)]
+
+
+def test_the_socket_to_a_peer_that_went_away_is_closed_once_idle(client: PeerTransport,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """A peer that went away (here: restarted on a new port five times) kept its outbound socket, a
+    descriptor and a reconnect attempt every few seconds, until 768 others pushed it out."""
+    import os
+
+    monkeypatch.setattr(peer_module, "_IDLE_S", 0.5, raising=False)
+
+    def fds() -> int:
+        return len(os.listdir("/proc/self/fd"))
+
+    before = fds()
+    for _ in range(5):
+        with PeerTransport() as gone:
+            gone.register(ECHO, rpc=_echo)
+            assert client.request(gone.endpoint, ECHO, b"x", timeout=5) == b"echo:x"
+    _wait_until(lambda: client.stats()["dealers_evicted"] >= 5)
+    _wait_until(lambda: fds() <= before)

@@ -89,6 +89,11 @@ _LINGER_MS = 1000  # bounded so close() never hangs on an unreachable peer
 _HWM = 10_000
 _MAX_DEALERS = 768  # outbound sockets kept at once (one per remote endpoint); the oldest idle one closes
 _EVICT_LINGER_MS = 500
+#: An outbound socket with no call waiting and no frame either way for this long is closed (opened
+#: again on the next frame): a peer that went away (restarted on another port, left) otherwise kept
+#: a socket, a file descriptor and a reconnect attempt every few seconds until _MAX_DEALERS others
+#: pushed it out, and ~800 such descriptors are most of a default 1024 limit.
+_IDLE_S = 120.0
 _MAX_BACKLOG = 10_000  # queued inbound jobs; beyond it the ROUTER is not read (TCP back-pressure)
 #: Payload bytes of queued inbound jobs beyond which the ROUTER is not read either: counted in jobs
 #: alone, large frames from anyone (the socket is unauthenticated) could queue 10,000 x 16 MiB.
@@ -164,7 +169,7 @@ class _Stats:
     handler_errors: int = 0
     timeouts: int = 0
     dropped_out: int = 0
-    dealers_evicted: int = 0  # outbound sockets closed to stay under _MAX_DEALERS
+    dealers_evicted: int = 0  # outbound sockets closed to stay under _MAX_DEALERS or idle for _IDLE_S
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def add(self, **delta: int) -> None:
@@ -311,6 +316,8 @@ class PeerTransport:
         self._endpoint: str | None = None
         # Per endpoint with a DEALER: when a frame was last read from it (or it was made). IO thread only.
         self._heard: dict[str, float] = {}
+        self._used: dict[str, float] = {}  # per endpoint with a DEALER: its last frame either way
+        self._next_sweep = 0.0
 
     # --- lifecycle --------------------------------------------------------------------------
 
@@ -672,6 +679,7 @@ class PeerTransport:
                     self._read_dealer(sock, by_socket[sock])
                 self._flush(router, dealers, by_socket, poller)
                 self._expire(dealers, by_socket, poller)
+                self._close_idle(dealers, by_socket, poller)
             # Orderly stop: push out what was queued before close(), then let LINGER deliver it.
             self._flush(router, dealers, by_socket, poller, final=True)
         except Exception:  # noqa: BLE001 - a dead IO thread must not leave callers hanging
@@ -725,6 +733,7 @@ class PeerTransport:
         sock = dealers.pop(endpoint, None)
         if sock is not None:
             dealers[endpoint] = sock  # most recently used last: eviction takes the oldest
+            self._used[endpoint] = time.monotonic()
             return sock
         assert self._ctx is not None
         sock = self._ctx.socket(zmq.DEALER)
@@ -744,7 +753,7 @@ class PeerTransport:
             self._evict_dealer(dealers, by_socket, poller)
         dealers[endpoint] = sock
         by_socket[sock] = endpoint
-        self._heard[endpoint] = time.monotonic()
+        self._heard[endpoint] = self._used[endpoint] = time.monotonic()
         poller.register(sock, zmq.POLLIN)
         return sock
 
@@ -757,13 +766,31 @@ class PeerTransport:
             busy = {key[0] for key in self._pending}
         for endpoint in dealers:
             if endpoint not in busy:
-                sock = dealers.pop(endpoint)
-                by_socket.pop(sock, None)
-                self._heard.pop(endpoint, None)
-                poller.unregister(sock)
-                sock.close(linger=_EVICT_LINGER_MS)  # what it still queues (acks, answers) may yet go out
+                self._drop_dealer(endpoint, dealers, by_socket, poller, _EVICT_LINGER_MS)
                 self._stats.add(dealers_evicted=1)
                 return
+
+    def _drop_dealer(self, endpoint: str, dealers: dict[str, zmq.Socket[bytes]],
+                     by_socket: dict[zmq.Socket[bytes], str], poller: zmq.Poller, linger: int) -> None:
+        sock = dealers.pop(endpoint)
+        by_socket.pop(sock, None)
+        self._heard.pop(endpoint, None)
+        self._used.pop(endpoint, None)
+        poller.unregister(sock)
+        sock.close(linger=linger)  # with linger, what it still queues (acks, answers) may yet go out
+
+    def _close_idle(self, dealers: dict[str, zmq.Socket[bytes]], by_socket: dict[zmq.Socket[bytes], str],
+                    poller: zmq.Poller) -> None:
+        """At most once a second: close the outbound sockets idle for _IDLE_S with no call waiting."""
+        now = time.monotonic()
+        if now < self._next_sweep:
+            return
+        self._next_sweep = now + min(1.0, _IDLE_S / 2)
+        with self._lock:
+            busy = {key[0] for key in self._pending}
+        for endpoint in [e for e, used in self._used.items() if now - used >= _IDLE_S and e not in busy]:
+            self._drop_dealer(endpoint, dealers, by_socket, poller, _EVICT_LINGER_MS)
+            self._stats.add(dealers_evicted=1)
 
     def _flush(
         self,
@@ -831,11 +858,7 @@ class PeerTransport:
         deliver them when it comes back, running requests whose callers were told they timed out. The
         other calls written on that socket can get no answer now and fail at once; the next frame to
         the endpoint opens a new connection."""
-        sock = dealers.pop(endpoint)
-        by_socket.pop(sock, None)
-        self._heard.pop(endpoint, None)
-        poller.unregister(sock)
-        sock.close(linger=0)
+        self._drop_dealer(endpoint, dealers, by_socket, poller, 0)
         with self._lock:
             cut = [(k, p) for k, p in self._pending.items() if k[0] == endpoint and p.sent_at is not None]
         log.info("no answer from %.200s within a call's deadline: dropped its connection and %d other call(s) "
@@ -1024,7 +1047,7 @@ class PeerTransport:
                 parts, count, size = self._recv_message(sock, 0)
             except zmq.Again:
                 return
-            self._heard[endpoint] = time.monotonic()
+            self._heard[endpoint] = self._used[endpoint] = time.monotonic()
             if self._over_bound(count, size, endpoint):
                 continue
             try:
