@@ -1066,3 +1066,18 @@ def test_the_socket_to_a_peer_that_went_away_is_closed_once_idle(client: PeerTra
             assert client.request(gone.endpoint, ECHO, b"x", timeout=5) == b"echo:x"
     _wait_until(lambda: client.stats()["dealers_evicted"] >= 5)
     _wait_until(lambda: fds() <= before)
+
+
+def test_a_flood_of_bad_frames_does_not_write_a_log_line_each(server: PeerTransport, raw: zmq.Socket[bytes],
+                                                               caplog: pytest.LogCaptureFixture) -> None:
+    """What a peer sends decides what the listener logs: one warning per bad frame let any peer write
+    the log as fast as it sends. Every frame is still refused and counted."""
+    caplog.set_level("WARNING", logger="zerocomm_spark.transport.peer")
+    for _ in range(2000):
+        raw.send(b"\xff\x00garbage")
+    for _ in range(2000):
+        assert _recv(raw) == encode(Error(ErrorCode.PARSING_ERROR, b"\xff\x00"))
+    assert server.stats()["malformed_in"] == 2000
+    lines = [r for r in caplog.records if r.name == "zerocomm_spark.transport.peer"]
+    assert 1 <= len(lines) <= 50, f"{len(lines)} log lines for 2000 bad frames"
+    assert server.request(server.endpoint, ECHO, b"still", timeout=5) == b"echo:still"

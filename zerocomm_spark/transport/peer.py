@@ -184,6 +184,36 @@ _RPC, _PING = 0, 1  # kinds in pending keys
 _InboxItem = tuple[int, int, "_Job | None"]  # (-priority, seq, job); None is a worker's stop sentinel
 
 
+class _Throttle:
+    """Per-frame warnings are what a hostile peer controls: one line per bad frame let it write the
+    log as fast as it sends (20,000 garbage frames: 20,000 lines). Each kind of line is written at
+    most ``burst`` times a ``window``; then how many were left out (the counters in stats() count all)."""
+
+    def __init__(self, burst: int = 20, window: float = 10.0) -> None:
+        self._burst, self._window = burst, window
+        self._lock = threading.Lock()
+        self._state: dict[str, tuple[float, int, int]] = {}  # kind -> (window start, written, left out)
+
+    def __call__(self, fmt: str, *args: object) -> None:
+        now = time.monotonic()
+        with self._lock:
+            start, written, left_out = self._state.get(fmt, (now, 0, 0))
+            if now - start >= self._window:
+                if left_out:
+                    log.warning("%d more warning(s) like the next one were not logged in the last %.0fs",
+                                left_out, now - start)
+                start, written, left_out = now, 0, 0
+            if written < self._burst:
+                written += 1
+                allowed = True
+            else:
+                left_out += 1
+                allowed = False
+            self._state[fmt] = (start, written, left_out)
+        if allowed:
+            log.warning(fmt, *args)
+
+
 class _FairInbox:
     """Inbound jobs for the workers: senders (ZeroMQ routing ids) take turns, and each sender's jobs
     go by priority. One queue ordered by priority alone let a single peer flooding requests (and
@@ -304,6 +334,7 @@ class PeerTransport:
         self._close_done = threading.Event()  # set when close() has finished (threads joined, context ended)
 
         self._inbox = _FairInbox()
+        self._warn = _Throttle()
         self._inbox_bytes = 0  # payload bytes of the jobs in _inbox (under _lock)
         self._stats = _Stats()
         self._ctx: zmq.Context[zmq.Socket[bytes]] | None = None
@@ -819,7 +850,7 @@ class PeerTransport:
                 self._stats.add(dropped_out=1)
                 target = item.endpoint or _fmt_id(item.identity or b"")
                 reason = exc.strerror if isinstance(exc, zmq.ZMQError) else type(exc).__name__
-                log.warning("dropped a %d-byte frame to %.200r: %s", len(item.frame), target, reason)
+                self._warn("dropped a %d-byte frame to %.200r: %s", len(item.frame), target, reason)
                 if item.pending is not None and item.key is not None:
                     error = PeerUnreachableError(f"cannot send to {target[:200]}: {reason}")
                     self._resolve(item.key, item.pending, error)
@@ -902,7 +933,7 @@ class PeerTransport:
     ) -> None:
         """Answer a frame we cannot serve, unless it is too short to name or is itself an Error."""
         self._stats.add(malformed_in=1)
-        log.warning("refused a %d-byte frame from %s: %s", len(frame), _fmt_id(identity), reason)
+        self._warn("refused a %d-byte frame from %s: %s", len(frame), _fmt_id(identity), reason)
         if len(frame) < 2 or frame[0] == MessageType.ERROR:  # never answer an Error: no ping-pong loops
             return
         reply = encode(Error(code, bytes(frame[:2]), rid))
@@ -950,7 +981,7 @@ class PeerTransport:
         if size <= self._hard_cap:
             return False
         self._stats.add(frames_in=1, bytes_in=size, malformed_in=1)
-        log.warning("dropped a %d-part message of %d bytes from %s: over the %d-byte bound for a whole message "
+        self._warn("dropped a %d-part message of %d bytes from %s: over the %d-byte bound for a whole message "
                     "(ZMQ_MAXMSGSIZE only bounds each part; max_frame_bytes=%d)", count, size, source,
                     self._hard_cap, self._max_frame)
         return True
@@ -1000,7 +1031,7 @@ class PeerTransport:
             return
         if isinstance(msg, Error):
             self._stats.add(errors_in=1)
-            log.warning(
+            self._warn(
                 "peer %s sent %s about a frame starting %s", _fmt_id(identity), msg.code.name, msg.head.hex()
             )
             return
@@ -1060,7 +1091,7 @@ class PeerTransport:
         self._stats.add(frames_in=1, bytes_in=size)
         if count != 1 or size > self._max_frame:
             self._stats.add(malformed_in=1)
-            log.warning("ignored a reply from %s: %d ZeroMQ frames, %d bytes", endpoint, count, size)
+            self._warn("ignored a reply from %s: %d ZeroMQ frames, %d bytes", endpoint, count, size)
             return
         try:
             msg = decode(parts[0].buffer)
@@ -1069,7 +1100,7 @@ class PeerTransport:
             refused = refused_request(parts[0].buffer)
             if refused is not None and self._refused_with_unknown_code(endpoint, *refused):
                 return
-            log.warning("ignored an unparsable %d-byte reply from %s: %s", size, endpoint, _reason(exc))
+            self._warn("ignored an unparsable %d-byte reply from %s: %s", size, endpoint, _reason(exc))
             return
         now = time.monotonic()
         if isinstance(msg, RpcResponse):
@@ -1086,7 +1117,7 @@ class PeerTransport:
                 pending = self._pending.get(key)
             if pending is None:
                 self._stats.add(malformed_in=1)
-                log.warning("Pong from %s carries a nonce no ping is waiting for", endpoint)
+                self._warn("Pong from %s carries a nonce no ping is waiting for", endpoint)
                 return
             self._resolve(key, pending, None, now - (pending.sent_at or now))
         elif isinstance(msg, Error):
@@ -1095,12 +1126,12 @@ class PeerTransport:
                 key = (endpoint, _RPC, msg.request_id) if msg.request_id is not None else None
                 pending = self._pending.get(key) if key is not None else None
             if key is None or pending is None:
-                log.warning("peer %s refused a frame starting %s: %s", endpoint, msg.head.hex(), msg.code.name)
+                self._warn("peer %s refused a frame starting %s: %s", endpoint, msg.head.hex(), msg.code.name)
                 return
             self._resolve(key, pending, _remote_error(msg.code, pending.what))
         else:
             self._stats.add(malformed_in=1)
-            log.warning("ignored an unexpected %s from %s on an outbound socket", msg.TYPE.name, endpoint)
+            self._warn("ignored an unexpected %s from %s on an outbound socket", msg.TYPE.name, endpoint)
 
     def _refused_with_unknown_code(self, endpoint: str, code: int, request_id: int) -> bool:
         """An Error frame naming one of our requests with a code this version does not know (a newer
@@ -1112,7 +1143,7 @@ class PeerTransport:
         if pending is None:
             return False
         self._stats.add(errors_in=1)
-        log.warning("peer %s refused a request with unknown error code %d", endpoint, code)
+        self._warn("peer %s refused a request with unknown error code %d", endpoint, code)
         self._resolve(key, pending, RemoteError(f"the peer refused {pending.what} with error code {code}, "
                                                 "which this version does not know"))
         return True
