@@ -1572,3 +1572,28 @@ def test_waiting_for_a_receipt_without_a_deadline_is_refused(make) -> None:  # t
     assert isinstance(outcome[0], ConfigurationError) and "finite" in str(outcome[0])
     with pytest.raises(PeerTimeoutError, match=bob.did):
         receipt.wait(0.2)  # a finite wait still names the member that did not ack
+
+
+def test_members_that_went_away_do_not_make_a_live_member_look_dead(make) -> None:  # type: ignore[no-untyped-def]
+    """Keepalive pings ran on four threads, each blocking until its Pong or its timeout: with a dozen
+    members gone, a live member's ping waited in line behind theirs past dead_after, and a quiet but
+    live member was marked inactive."""
+    import socket as socket_module
+
+    def dead_endpoint() -> str:
+        with socket_module.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return f"tcp://127.0.0.1:{s.getsockname()[1]}"
+
+    quick = DataPlaneConfig(window=50, retention_max=1000, keepalive_ms=100, dead_after_ms=1000,
+                            ack_interval_ms=20, resend_after_ms=60_000, nack_after_ms=30)
+    alice, bob = make("alice", quick), make("bob", quick)
+    form_group([alice, bob], mode="shared")
+    template = remote(bob, alice, "g")
+    for i in range(16):  # members alice admitted that are gone: nothing answers at their endpoints
+        alice.dp.add_member("g", replace(template, did=f"did:example:gone{i}", peer_endpoint=dead_endpoint(),
+                                         publish_endpoint=dead_endpoint()))
+    deadline = time.monotonic() + 4
+    while time.monotonic() < deadline:
+        assert alice.dp.stats()["peers_alive"][bob.did] is not False, "bob answers pings but was marked inactive"
+        time.sleep(0.05)

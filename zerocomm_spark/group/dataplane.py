@@ -60,7 +60,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
+from concurrent.futures import CancelledError, Future
 from concurrent.futures import TimeoutError as FutureTimeoutError
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Literal, Protocol
@@ -541,7 +541,9 @@ class DataPlane:
         self._alive: dict[str, bool] = {}
         self._ping_sent: dict[str, float] = {}
         self._pinging: set[str] = set()
-        self._pinger: ThreadPoolExecutor | None = None
+        # (did, answered) of finished keepalive pings, appended by the transport's IO thread (a done
+        # callback, which must not take our locks), handled by the maintenance thread.
+        self._pongs: deque[tuple[str, bool]] = deque()
         self._probes: dict[str, tuple[str, str, threading.Event]] = {}
         self._forged_logged: dict[tuple[str, str], tuple[float, int]] = {}  # (group, did) -> (last log, since)
         self._unbacked_logged: dict[tuple[str, str], tuple[float, int]] = {}  # the same, for announcements
@@ -574,7 +576,6 @@ class DataPlane:
         wake.setsockopt(zmq.LINGER, 0)
         wake.connect(self._wake_addr)
         self._wake_tx = wake
-        self._pinger = ThreadPoolExecutor(max_workers=4, thread_name_prefix="zerocomm-group-ping")
         for target, name in ((self._sender_main, "zerocomm-group-send"), (self._receiver_main, "zerocomm-group-recv"),
                              (self._maintenance_main, "zerocomm-group-maint")):
             t = threading.Thread(target=target, name=name, daemon=True)
@@ -623,8 +624,6 @@ class DataPlane:
         self._wake()
         if self._io_thread is not None:
             self._io_thread.join(max(deadline - time.monotonic(), 0.1))
-        if self._pinger is not None:
-            self._pinger.shutdown(wait=False, cancel_futures=True)
         closed = DataPlaneClosedError("the data plane was closed before the messages were acked")
         for g in groups:
             g.outbox.close(closed)
@@ -2291,29 +2290,31 @@ class DataPlane:
         now = time.monotonic()
         with self._lock:
             targets = {did: m.info.peer_endpoint for g in self._groups.values() for did, m in g.members.items()}
+        while self._pongs:
+            did, answered = self._pongs.popleft()
+            if answered:
+                self._heard(did)
+            self._pinging.discard(did)
+        # Pings are not waited for here: four threads blocking on them (the earlier design) put a live
+        # member's ping in line behind those of members that went away, each waiting out its timeout,
+        # and with a dozen gone it answered only after dead_after: a live member marked inactive.
+        timeout = min(cfg.dead_after_ms / 2000, 5.0)
         for did, endpoint in targets.items():
             if did not in self._pinging and now - self._ping_sent.get(did, float("-inf")) >= cfg.keepalive_ms / 1000:
                 self._ping_sent[did] = now
                 self._pinging.add(did)
-                assert self._pinger is not None
                 try:
-                    self._pinger.submit(self._ping, did, endpoint)
-                except RuntimeError:  # shutting down
+                    pinged = self._transport.ping_async(endpoint, timeout=timeout)
+                except ZeroCommError:  # the transport is closing
                     self._pinging.discard(did)
+                    continue
+                pinged.add_done_callback(
+                    lambda f, did=did: self._pongs.append((did, not f.cancelled() and f.exception() is None)))
         dead_after = cfg.dead_after_ms / 1000
         for did in targets:
             heard = self._last_heard.get(did)
             if heard is not None and self._alive.get(did, True) and now - heard >= dead_after:
                 self._set_alive(did, False)
-
-    def _ping(self, did: str, endpoint: str) -> None:
-        try:
-            self._transport.ping(endpoint, timeout=min(self.config.dead_after_ms / 2000, 5.0))
-            self._heard(did)
-        except ZeroCommError:
-            pass
-        finally:
-            self._pinging.discard(did)
 
     def _heartbeat_stalled(self) -> None:
         after = self.config.resend_after_ms / 1000

@@ -559,6 +559,11 @@ class PeerTransport:
 
     def ping(self, endpoint: str, timeout: float = 5.0) -> float:
         """Round-trip time in seconds, measured from the moment the Ping left this process."""
+        return _wait(self.ping_async(endpoint, timeout), timeout, f"ping to {endpoint}")
+
+    def ping_async(self, endpoint: str, timeout: float = 5.0) -> Future[float]:
+        """ping() without waiting: the future resolves to the round-trip time or fails at the deadline
+        (many pings at once need no thread each)."""
         _check_endpoint(endpoint)
         check_timeout(timeout)
         future: Future[float] = Future()
@@ -573,7 +578,7 @@ class PeerTransport:
             frame = encode(Ping(nonce))
             item = _Outbound(frame, endpoint=endpoint, pending=pending, key=key)
             self._enqueue_locked(_CONTROL_PRIORITY, item)
-        return _wait(future, timeout, f"ping to {endpoint}")
+        return future
 
     def stats(self) -> dict[str, int]:
         """Counters for metrics: frames and bytes each way, refusals, timeouts, current backlog."""
