@@ -376,6 +376,21 @@ def _bounded(call: Callable[[], Any], timeout: float | None, what: str) -> Any:
     return box["value"]
 
 
+def _route(chunk: Sequence[str], good_ids: set[str], offers: Mapping[str, list[int]], tried: Mapping[str, set[int]],
+           given_up: Mapping[int, str], retry: list[list[str]], state: dict[str, int], report: RestoreReport) -> None:
+    """Each key of ``chunk`` not in ``good_ids`` to the next provider that announced it and was neither
+    tried for it nor given up on; a key no such provider is left for is missing."""
+    for mid in chunk:
+        if mid in good_ids:
+            continue
+        nxt = next((j for j in offers.get(mid, []) if j not in tried[mid] and j not in given_up), None)
+        if nxt is None:
+            state[mid] = _FAILED
+            report.missing.append(mid)
+        else:
+            retry[nxt].append(mid)
+
+
 def _failure(exc: BaseException) -> str:
     """What went wrong, for the report and the log: the type, and an OSError's reason; never other
     exceptions' text, which can quote the value that failed (a payload, say)."""
@@ -547,7 +562,8 @@ def restore(group: str, providers: Sequence[HistoryProvider], *, have: Have | No
     ``require_origin=False`` accepts rows without (or with a bad) origin proof: only for history
     from a trusted provider written before publishers signed. ``provider_timeout`` (seconds) bounds
     each announce and request call: a provider that has not answered by then is given up on like one
-    that failed (its keys go to the next provider that announced them). The default, 10 minutes, is
+    that failed (its keys go to the next provider that announced them), and is asked nothing more: its
+    other keys go there too, so a hung provider costs one deadline. The default, 10 minutes, is
     far beyond a Delta scan of a large table but still a deadline; None waits as long as it takes.
     """
     import pyarrow as pa
@@ -640,6 +656,9 @@ def restore(group: str, providers: Sequence[HistoryProvider], *, have: Have | No
     # 3. payloads for what was requested; a failed key goes to the next provider that offered it.
     accepted: list[pa.Table] = []
     tried: dict[str, set[int]] = {}
+    # Providers that did not answer a request in time: their call may still be running on its thread, so
+    # they are asked nothing more (another chunk would wait out the deadline again, and pile up calls).
+    given_up: dict[int, str] = {}
     round_plan = plan
     first_round = True
     while any(round_plan):
@@ -652,6 +671,10 @@ def restore(group: str, providers: Sequence[HistoryProvider], *, have: Have | No
                 chunk = wanted[lo:lo + request_chunk]
                 for mid in chunk:
                     tried.setdefault(mid, set()).add(index)
+                if index in given_up:  # not asked: straight to the next provider that announced them
+                    report.rejected.extend(Rejection(provider.name, mid, given_up[index]) for mid in chunk)
+                    _route(chunk, set(), offers, tried, given_up, retry, state, report)
+                    continue
                 report.requested[provider.name] = report.requested.get(provider.name, 0) + len(chunk)
                 if not first_round:
                     report.refetched += len(chunk)
@@ -665,6 +688,9 @@ def restore(group: str, providers: Sequence[HistoryProvider], *, have: Have | No
                     raise
                 except Exception as exc:  # its keys go to the next provider that announced them
                     reason = f"provider failed ({_failure(exc)})"
+                    if isinstance(exc, ApiTimeoutError):
+                        given_up[index] = (f"not requested: the provider did not answer an earlier request within "
+                                           f"{provider_timeout}s")
                     good, rejections = history_arrow_schema().empty_table(), [
                         Rejection(provider.name, mid, reason) for mid in chunk]
                 else:
@@ -676,15 +702,7 @@ def restore(group: str, providers: Sequence[HistoryProvider], *, have: Have | No
                 for mid in good_ids:
                     state[mid] = _DONE
                 accepted.append(good)
-                for mid in chunk:
-                    if mid in good_ids:
-                        continue
-                    nxt = next((j for j in offers.get(mid, []) if j not in tried[mid]), None)
-                    if nxt is None:
-                        state[mid] = _FAILED
-                        report.missing.append(mid)
-                    else:
-                        retry[nxt].append(mid)
+                _route(chunk, good_ids, offers, tried, given_up, retry, state, report)
         round_plan = retry
         first_round = False
 

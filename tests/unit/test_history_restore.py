@@ -432,3 +432,42 @@ def test_a_row_whose_id_is_not_utf8_is_rejected_as_such(alice):
     assert sorted(report.delivered_ids) == ["u-0", "u-1", "u-2"] and report.missing == []
     assert [(r.provider, r.message_id, r.reason) for r in report.rejected] == [
         ("garbler", None, "malformed row (text that is not UTF-8)")]
+
+
+def test_a_provider_that_timed_out_is_asked_nothing_more(alice, bob):
+    """A provider that missed the deadline on one request was asked again for every other chunk (and in
+    later rounds), each call waiting out provider_timeout again while the earlier ones still ran: a
+    restore of k chunks from a hung provider took k deadlines, not one."""
+    import threading
+    import time
+
+    rows = make_rows(alice, 4, label="h")
+    release = threading.Event()
+    calls: list[int] = []
+
+    class Hung(ArrowProvider):
+        def request(self, group, message_ids):
+            calls.append(len(message_ids))
+            release.wait(30)
+            return super().request(group, message_ids)
+
+    class Forger(ArrowProvider):  # serves h-0 forged: its key goes back to the next provider, not to Hung
+        def request(self, group, message_ids):
+            out = super().request(group, message_ids).to_pylist()
+            for r in out:
+                r["payload"] = b"forged"
+            return pa.Table.from_pylist(out, schema=self.rows.schema)
+
+    try:
+        began = time.monotonic()
+        report = restore("g", [Forger(table(rows[:1]), "forger"), Hung(table(rows), "hung"),
+                               ArrowProvider(table(rows), "honest")],
+                         provider_timeout=0.5, request_chunk=1)
+        assert time.monotonic() - began < 2.5
+        assert len(calls) == 1                                # one deadline waited out, not one per chunk
+        assert sorted(report.delivered_ids) == ["h-0", "h-1", "h-2", "h-3"] and report.missing == []
+        assert report.requested["hung"] == 1 and report.requested["honest"] == 4
+        hung = [r for r in report.rejected if r.provider == "hung"]
+        assert len(hung) == 4 and all("0.5" in r.reason for r in hung)
+    finally:
+        release.set()
