@@ -605,3 +605,66 @@ def test_a_since_version_replay_before_the_change_data_feed_is_a_configuration_e
             replay(spark, str(table), "g", since=Since.version(start), as_of=3)
     assert [r[0] for r in replay(spark, str(table), "g", since=Since.version(2)).select("message_id").collect()] \
         == ["b"]
+
+
+def test_a_restore_delivered_while_the_ingest_appends_to_the_same_partition_is_not_lost(spark, tmp_path,
+                                                                                         monkeypatch):
+    """A member back from a crash restarts its ingest and restores its gap into the same table: the
+    sink reads the partitions it appends to (to append only rows the table lacks), so an ingest
+    commit into one of them meanwhile made Delta refuse the sink's commit, and restore() ended in
+    Delta's ConcurrentAppendException after the whole exchange, nothing delivered. The sink reads
+    again and appends what the table still lacks."""
+    from pyspark.sql.types import BooleanType
+
+    from zerocomm_spark.pipelines import history
+    from zerocomm_spark.pipelines.restore import ArrowProvider, DeltaSink, restore
+
+    table = tmp_path / "t"
+    ingest = HistoryWriter(str(table), str(checkpoint(tmp_path)))
+    ingest(source_rows(spark, ["a"]), 0)
+    reading, committed = str(tmp_path / "sink-is-writing"), str(tmp_path / "ingest-committed")
+
+    def gate(message_id):  # in a Python worker, within the sink's Delta transaction (its first attempt)
+        import os
+        import time
+
+        if message_id == "r2" and not os.path.exists(committed):
+            open(reading, "w").close()
+            deadline = time.monotonic() + 120
+            while not os.path.exists(committed) and time.monotonic() < deadline:
+                time.sleep(0.05)
+        return True
+
+    held_back = F.udf(gate, BooleanType())
+    real_write = history._write
+
+    def write(df, table_path, options, **kwargs):
+        if str(options.get("userMetadata", "")).startswith("zerocomm-restore-"):
+            df = df.where(held_back(F.col("message_id")))
+        real_write(df, table_path, options, **kwargs)
+
+    monkeypatch.setattr(history, "_write", write)
+    outcome: list = []
+
+    def run_restore() -> None:
+        try:
+            outcome.append(restore("g", [ArrowProvider(_restored_rows(spark, ["r1", "r2"]), "p")],
+                                   require_origin=False, deliver=DeltaSink(spark, str(table))))
+        except BaseException as exc:  # noqa: BLE001 - looked at below
+            outcome.append(exc)
+
+    thread = threading.Thread(target=run_restore, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 120
+    while not os.path.exists(reading) and time.monotonic() < deadline and thread.is_alive():
+        time.sleep(0.1)
+    assert os.path.exists(reading), f"the sink never reached its append: {outcome}"
+    try:
+        ingest(source_rows(spark, ["b"]), 1)  # the same (group, date) partition
+    finally:
+        open(committed, "w").close()
+    thread.join(180)
+    assert not thread.is_alive()
+    assert len(outcome) == 1 and not isinstance(outcome[0], BaseException), outcome
+    assert outcome[0].delivered == 2
+    assert sorted(table_ids(spark, table)) == ["a", "b", "r1", "r2"]
