@@ -425,6 +425,8 @@ def replay(ctx: Any) -> int:
             df = df.limit(a.limit)
         rows = _readable_rows(df.toArrow())
         held = groups_in(spark, a.table) if not rows else None
+        if key is not None:
+            _check_key_fits(spark, a, key, rows)
     if held == []:
         # A table with no rows yet (made by an ingest that has had no messages): nothing to replay is
         # not a failure, and no group name can be checked against it. Exit 0, saying so; with --json
@@ -461,6 +463,27 @@ def replay(ctx: Any) -> int:
         columns.append(("origin", "ORIGIN"))
     print(render_table(shaped, columns + [("message", "MESSAGE")], empty="(no messages)"), flush=True)
     return 0
+
+
+def _check_key_fits(spark: Any, a: Any, key: HistoryKey, rows: list[dict[str, Any]]) -> None:
+    """A --history-key-file whose key sealed none of the group's rows, while rows sealed with another
+    key are being replayed, is the wrong key: said before anything is printed (every row was listed as
+    "(sealed)", exit 0). A group whose key changed keeps rows of the old key: those stay sealed."""
+    from pyspark.sql import functions as F
+
+    others = sorted({r["payload_key_id"] for r in rows if r["payload_key_id"] not in (None, key.key_id)})
+    if not others:
+        return
+    ours = (spark.read.format("delta").load(a.table)
+            .where((F.col("group") == a.group) & (F.col("payload_key_id") == key.key_id)).limit(1).count())
+    if ours:
+        return
+    sealed = sum(1 for r in rows if r["payload_key_id"] is not None)
+    raise ConfigurationError(
+        f"the history key in {a.history_key_file} (id {key.key_id}) sealed none of group {a.group!r}'s rows in "
+        f"{a.table}; the {sealed} sealed row(s) to replay are sealed with {', '.join(others)}",
+        hint="Give --history-key-file the group's history key (the one its ingest was given), or leave it out "
+             "to list sealed rows as (sealed)")
 
 
 def _holds_group(spark: Any, table: str, group: str) -> bool:

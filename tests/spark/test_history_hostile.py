@@ -229,3 +229,52 @@ def test_the_history_commands_on_a_table_with_no_rows_yet_succeed_and_say_so(spa
     assert "'g'" in json.loads(capsys.readouterr().out.splitlines()[-1])["error"]["hint"]
     assert zerocomm(["history", "replay", "g", "--table", empty, "--as-of", "0"]) == 0  # g now, none then
     assert "(no messages)" in capsys.readouterr().out
+
+
+def test_the_replay_command_given_another_groups_history_key_says_so_and_prints_nothing(spark, tmp_path, monkeypatch,
+                                                                                      capsys):
+    """`zerocomm history replay --history-key-file` with a key that sealed none of the group's rows (the
+    wrong file, another group's key) listed every message as "(sealed)" (--json: payload null) and
+    exited 0, as if the key were right: a script reading the output took it for the history."""
+    import os
+
+    import zerocomm_spark.pipelines.commands as commands
+    from zerocomm_spark.agent.cli import main as zerocomm
+    from zerocomm_spark.pipelines.history_key import HistoryKey
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.delenv("ZEROCOMM_CONFIG", raising=False)
+    monkeypatch.setattr(commands, "_spark", lambda: spark)
+    right, wrong = HistoryKey.generate(), HistoryKey.generate()
+    files = {}
+    for name, key in (("right", right), ("wrong", wrong)):
+        files[name] = tmp_path / f"{name}.key"
+        files[name].write_text(key.secret.hex())
+        os.chmod(files[name], 0o600)
+    ck = tmp_path / "ck"
+    ck.mkdir()
+    (ck / "metadata").write_text(json.dumps({"id": str(uuid.uuid4())}) + "\n")
+    schema = source_schema(include_headers=True)
+    rows = [{f.name: {"group": "g", "message_id": mid, "publisher_did": "did:key:zAlice", "seq": i + 1,
+                      "lamport_ts": i + 1, "sent_at": SENT, "received_at": SENT, "headers": {},
+                      "payload": f"secret {mid}".encode()}.get(f.name) for f in schema.fields}
+            for i, mid in enumerate(["a", "b"])]
+    table = str(tmp_path / "sealed")
+    HistoryWriter(table, str(ck), history_key=right)(spark.createDataFrame(rows, schema), 0)
+    capsys.readouterr()
+    for argv, more in (([], []), (["--json"], []), (["--json"], ["--verify"])):
+        assert zerocomm([*argv, "history", "replay", "g", "--table", table,
+                         "--history-key-file", str(files["wrong"]), *more]) == 2, argv
+        out, err = capsys.readouterr()
+        if argv:  # the error document alone: no message line before it
+            assert len(out.splitlines()) == 1, out
+            said = json.loads(out)["error"]["message"]
+        else:
+            assert out == "", out
+            said = err
+        assert "sealed none of" in said and right.key_id in said and wrong.key_id in said, said
+    assert zerocomm(["--json", "history", "replay", "g", "--table", table, "--history-key-file",
+                     str(files["right"])]) == 0
+    assert [json.loads(x)["payload"] for x in capsys.readouterr().out.splitlines()] == ["secret a", "secret b"]
+    assert zerocomm(["--json", "history", "replay", "g", "--table", table]) == 0  # no key: listed as sealed
+    assert [json.loads(x)["sealed"] for x in capsys.readouterr().out.splitlines()] == [True, True]
