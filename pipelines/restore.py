@@ -561,7 +561,7 @@ def restore(group: str, providers: Sequence[HistoryProvider], *, have: Have | No
     payloads, as one Arrow table (nothing is delivered before every row was verified).
     ``require_origin=False`` accepts rows without (or with a bad) origin proof: only for history
     from a trusted provider written before publishers signed. ``provider_timeout`` (seconds) bounds
-    each announce and request call: a provider that has not answered by then is given up on like one
+    each announce, request and ignore call: a provider that has not answered by then is given up on like one
     that failed (its keys go to the next provider that announced them), and is asked nothing more: its
     other keys go there too, so a hung provider costs one deadline. The default, 10 minutes, is
     far beyond a Delta scan of a large table but still a deadline; None waits as long as it takes.
@@ -593,6 +593,9 @@ def restore(group: str, providers: Sequence[HistoryProvider], *, have: Have | No
     held_at: set[str] = set()  # ids some provider announced at a position the member holds
     offers: dict[str, list[int]] = {}  # id -> providers that announced it, in order
     plan: list[list[str]] = [[] for _ in providers]
+    # Providers that did not answer a call in time: it may still be running on its thread, so they are
+    # asked nothing more (another call would wait out the deadline again, and pile up calls).
+    given_up: dict[int, str] = {}
 
     # 1-2. announce, then request or ignore, key by key, in announcement order.
     for index, provider in enumerate(providers):
@@ -642,12 +645,16 @@ def restore(group: str, providers: Sequence[HistoryProvider], *, have: Have | No
         report.ignored[provider.name] = len(ignore)
         if ignore:
             try:
-                provider.ignore(group, ignore)
+                _bounded(partial(provider.ignore, group, ignore), provider_timeout,
+                         f"{provider.name}'s ignore of {len(ignore)} key(s)")
             except ConfigurationError:
                 raise
             except Exception as exc:  # flow control only: nothing the restore does depends on it
                 log.warning("history provider %s failed to take %d ignore(s): %s", provider.name, len(ignore),
                             _failure(exc))
+                if isinstance(exc, ApiTimeoutError):  # still busy with it: asked nothing more (below)
+                    given_up[index] = (f"not requested: the provider did not take its ignores within "
+                                       f"{provider_timeout}s")
     for mid in held_at:
         if mid not in state:  # every provider announced it at a position the member holds
             state[mid] = _DONE
@@ -656,9 +663,6 @@ def restore(group: str, providers: Sequence[HistoryProvider], *, have: Have | No
     # 3. payloads for what was requested; a failed key goes to the next provider that offered it.
     accepted: list[pa.Table] = []
     tried: dict[str, set[int]] = {}
-    # Providers that did not answer a request in time: their call may still be running on its thread, so
-    # they are asked nothing more (another chunk would wait out the deadline again, and pile up calls).
-    given_up: dict[int, str] = {}
     round_plan = plan
     first_round = True
     while any(round_plan):

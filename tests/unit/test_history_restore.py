@@ -471,3 +471,32 @@ def test_a_provider_that_timed_out_is_asked_nothing_more(alice, bob):
         assert len(hung) == 4 and all("0.5" in r.reason for r in hung)
     finally:
         release.set()
+
+
+def test_a_provider_that_never_takes_its_ignores_does_not_hold_the_restore(alice):
+    """ignore() was called with no deadline (announce and request had provider_timeout): a provider that
+    answered its announce and then hung on the ignore held the restore forever."""
+    import threading
+    import time
+
+    rows = make_rows(alice, 3, label="i")
+    release = threading.Event()
+
+    class Deaf(ArrowProvider):
+        def ignore(self, group, message_ids):
+            release.wait(30)
+
+        def request(self, group, message_ids):
+            raise AssertionError("asked after it hung")
+
+    try:
+        began = time.monotonic()
+        # Deaf announced i-1 and i-2 first, so they are requested from it; i-0 the member has (ignored).
+        have = Have(message_ids=frozenset({"i-0"}))
+        report = restore("g", [Deaf(table(rows), "deaf"), ArrowProvider(table(rows), "honest")], have=have,
+                         provider_timeout=0.5)
+        assert time.monotonic() - began < 5
+        assert sorted(report.delivered_ids) == ["i-1", "i-2"] and report.missing == []
+        assert report.requested == {"honest": 2}
+    finally:
+        release.set()
