@@ -540,6 +540,10 @@ def compact(spark: SparkSession, table_path: str, *, group: str | None = None, s
     return {k: metrics[k] for k in keep if k in metrics}
 
 
+#: A century: any retention beyond it keeps every file, and Delta counts it in milliseconds (a long).
+_MAX_RETENTION_HOURS = 876_000
+
+
 def vacuum(spark: SparkSession, table_path: str, *, retention_hours: float | None = None,
            dry_run: bool = False) -> int:
     """VACUUM: delete data files no version within the retention needs; returns how many (would) go.
@@ -550,8 +554,12 @@ def vacuum(spark: SparkSession, table_path: str, *, retention_hours: float | Non
     """
     require_history_table(spark, str(table_path))
     if retention_hours is not None and (isinstance(retention_hours, bool)
-                                        or not isinstance(retention_hours, (int, float)) or not retention_hours >= 0):
-        raise ConfigurationError(f"retention_hours is a number of hours >= 0, not {retention_hours!r}")
+                                        or not isinstance(retention_hours, (int, float))
+                                        or not 0 <= retention_hours <= _MAX_RETENTION_HOURS):
+        # inf (or a number past a long of milliseconds) reached VACUUM's SQL as a syntax error
+        raise ConfigurationError(f"retention_hours is a number of hours from 0 to {_MAX_RETENTION_HOURS}, "
+                                 f"not {retention_hours!r}",
+                                 hint="Leave it out to keep the table's own retention (7 days)")
     table = str(table_path).replace("`", "``")
     retain = "" if retention_hours is None else f" RETAIN {float(retention_hours)} HOURS"
     check = "spark.databricks.delta.retentionDurationCheck.enabled"

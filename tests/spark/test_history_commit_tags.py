@@ -668,3 +668,17 @@ def test_a_restore_delivered_while_the_ingest_appends_to_the_same_partition_is_n
     assert len(outcome) == 1 and not isinstance(outcome[0], BaseException), outcome
     assert outcome[0].delivered == 2
     assert sorted(table_ids(spark, table)) == ["a", "b", "r1", "r2"]
+
+
+def test_vacuum_with_an_endless_retention_is_a_configuration_error(spark, tmp_path):
+    """retention_hours=inf (--retain-hours inf) passed the check (only nan and negatives were refused)
+    and reached Spark as 'RETAIN inf HOURS': a PARSE_SYNTAX_ERROR from VACUUM's SQL, not a usage error."""
+    from zerocomm_spark.errors import ConfigurationError
+    from zerocomm_spark.pipelines.history import vacuum
+
+    table = tmp_path / "t"
+    HistoryWriter(str(table), str(checkpoint(tmp_path)))(source_rows(spark, ["a"]), 0)
+    for hours in (float("inf"), 1e400, 10**400):
+        with pytest.raises(ConfigurationError, match="retention_hours"):
+            vacuum(spark, str(table), retention_hours=hours)
+    assert vacuum(spark, str(table), retention_hours=24 * 365, dry_run=True) == 0
