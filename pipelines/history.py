@@ -44,7 +44,7 @@ from datetime import date
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from zerocomm_spark.errors import ConfigurationError
+from zerocomm_spark.errors import ConfigurationError, ZeroCommError
 from zerocomm_spark.pipelines.commit_tags import catch_up_tag, commit_tag, last_tagged_batch
 from zerocomm_spark.pipelines.origin import ORIGIN_HEADER, SCHEME
 from zerocomm_spark.pipelines.schema import HISTORY_COLUMNS, PARTITION_COLUMNS, TABLE_PROPERTIES, history_schema
@@ -57,8 +57,8 @@ if TYPE_CHECKING:
 
     from zerocomm_spark.pipelines.history_key import HistoryKey
 
-__all__ = ["IngestBatch", "HistoryWriter", "append_history", "append_new_rows", "compact", "ensure_table", "ingest",
-           "require_history_table", "table_exists", "to_history", "vacuum"]
+__all__ = ["IngestBatch", "HistoryWriter", "append_history", "append_new_rows", "append_new_rows_retrying", "compact",
+           "ensure_table", "ingest", "require_history_table", "table_exists", "to_history", "vacuum"]
 
 log = logging.getLogger("zerocomm_spark.pipelines.history")
 
@@ -272,14 +272,15 @@ def _append_history(df: DataFrame, table_path: str, *, app_id: str, version: int
         log.warning("the history table %s holds batch %d of %s, and batch %d is being written: the checkpoint is "
                     "behind the table; appending only rows the table lacks until it catches up", table_path,
                     found.batch, app_id, version)
-        append_new_rows(df, str(table_path), {"userMetadata": catch_up_tag(app_id, found.batch)}, record_empty=True)
+        append_new_rows_retrying(df, str(table_path), {"userMetadata": catch_up_tag(app_id, found.batch)},
+                                 record_empty=True)
         return True, found.batch
     if found.batch is not None and found.batch == version:
         return False, None
     if found.complete:
         _write(df, str(table_path), options)
     else:
-        append_new_rows(df, str(table_path), options)
+        append_new_rows_retrying(df, str(table_path), options)
     return True, None
 
 
@@ -309,6 +310,39 @@ def append_new_rows(df: DataFrame, table_path: str, options: Mapping[str, str], 
                table_path, options, record_empty=record_empty)
     finally:
         rows.unpersist()
+
+
+#: How many times an append of only the rows a table lacks is tried when concurrent commits into the
+#: partitions it read make Delta refuse it (nothing was written then).
+CONFLICT_ATTEMPTS = 8
+
+
+def _concurrent_commit_errors() -> tuple[type[BaseException], ...]:
+    """Delta's refusals of a commit that read what a concurrent commit changed (nothing was written)."""
+    from delta.exceptions import ConcurrentAppendException, ConcurrentDeleteReadException
+
+    return ConcurrentAppendException, ConcurrentDeleteReadException
+
+
+def append_new_rows_retrying(df: DataFrame, table_path: str, options: Mapping[str, str], *,
+                             record_empty: bool = False) -> None:
+    """:func:`append_new_rows`, read again when a commit into the partitions it read (an ingest, a
+    restore's sink, compact) made Delta refuse it: up to CONFLICT_ATTEMPTS times, backing off, then a
+    ZeroCommError. Never writes a row twice: each attempt appends only what the table lacks then."""
+    for attempt in range(CONFLICT_ATTEMPTS):
+        try:
+            append_new_rows(df, table_path, options, record_empty=record_empty)
+            return
+        except _concurrent_commit_errors() as exc:
+            if attempt + 1 == CONFLICT_ATTEMPTS:
+                raise ZeroCommError(
+                    f"appending to the history table at {table_path} conflicted with other commits into the "
+                    f"same partitions {CONFLICT_ATTEMPTS} times ({type(exc).__name__}); nothing was written",
+                    hint="Run it again (only rows the table lacks are appended), or while no other job writes "
+                         "the same group's days") from None
+            log.info("appending to %s conflicted with a concurrent commit (%s); reading the table again",
+                     table_path, type(exc).__name__)
+            time.sleep(min(0.2 * 2 ** attempt, 5.0))
 
 
 def _our_commit(spark: SparkSession, table_path: str, tag: str) -> tuple[int | None, int]:
@@ -403,7 +437,7 @@ class HistoryWriter:
         rows = to_history(df, history_key=self.history_key)
         if batch_id <= self._behind_until:  # catching up with a table ahead of the checkpoint
             tag = catch_up_tag(app_id, self._behind_until)
-            append_new_rows(rows, self.table_path, {"userMetadata": tag}, record_empty=True)
+            append_new_rows_retrying(rows, self.table_path, {"userMetadata": tag}, record_empty=True)
             committed = True
         else:
             # How far back the lookup must go: no commit of this batch, or of any later one, is older

@@ -41,7 +41,7 @@ from datetime import datetime
 from functools import partial
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
-from zerocomm_spark.errors import ApiTimeoutError, ConfigurationError, TamperedEnvelopeError, ZeroCommError
+from zerocomm_spark.errors import ApiTimeoutError, ConfigurationError, TamperedEnvelopeError
 from zerocomm_spark.pipelines.origin import text_column, verify_rows
 from zerocomm_spark.pipelines.schema import HISTORY_COLUMNS, KEY_COLUMNS, history_arrow_schema
 
@@ -758,7 +758,7 @@ class DeltaSink:
         from zerocomm_spark.pipelines.commit_tags import commit_tag
         from pyspark.sql import functions as F
 
-        from zerocomm_spark.pipelines.history import append_new_rows, ensure_table
+        from zerocomm_spark.pipelines.history import append_new_rows_retrying, ensure_table
         from zerocomm_spark.pipelines.schema import history_schema
 
         ensure_table(self.spark, self.table_path)
@@ -781,34 +781,7 @@ class DeltaSink:
                                    rows.schema.field("payload_key_id"),
                                    pa.array([self.history_key.key_id] * rows.num_rows, pa.string()))
         df = self.spark.createDataFrame(rows.select(list(HISTORY_COLUMNS)), schema=history_schema())
-        options = {"userMetadata": commit_tag(self.app_id, self._version)}
         # The append reads the partitions it writes to (only rows the table lacks): a commit into one of
-        # them meanwhile (the member's ingest, another sink, compact) makes Delta refuse ours, which then
-        # wrote nothing. Read again and append what the table still lacks, a bounded number of times.
-        for attempt in range(_SINK_ATTEMPTS):
-            try:
-                append_new_rows(df, self.table_path, options)
-                break
-            except _concurrent_commit_errors() as exc:
-                if attempt + 1 == _SINK_ATTEMPTS:
-                    raise ZeroCommError(
-                        f"delivering {rows.num_rows} restored row(s) into the history table at {self.table_path} "
-                        f"conflicted with other commits into its partitions {_SINK_ATTEMPTS} times "
-                        f"({type(exc).__name__}); none of them was written",
-                        hint="Call the sink again with the same rows (it appends only rows the table lacks), or "
-                             "restore while no other job writes the same group's days") from None
-                log.info("restore delivery into %s conflicted with a concurrent commit (%s); reading the table "
-                         "again", self.table_path, type(exc).__name__)
-                time.sleep(min(0.2 * 2 ** attempt, 5.0))
+        # them meanwhile (the member's ingest, compact) makes Delta refuse it; it then reads again.
+        append_new_rows_retrying(df, self.table_path, {"userMetadata": commit_tag(self.app_id, self._version)})
         self._version += 1
-
-
-#: How many times a delivery is tried when concurrent commits into its partitions make Delta refuse it.
-_SINK_ATTEMPTS = 8
-
-
-def _concurrent_commit_errors() -> tuple[type[BaseException], ...]:
-    """Delta's refusals of a commit that read what a concurrent commit changed (nothing was written)."""
-    from delta.exceptions import ConcurrentAppendException, ConcurrentDeleteReadException
-
-    return ConcurrentAppendException, ConcurrentDeleteReadException

@@ -682,3 +682,63 @@ def test_vacuum_with_an_endless_retention_is_a_configuration_error(spark, tmp_pa
         with pytest.raises(ConfigurationError, match="retention_hours"):
             vacuum(spark, str(table), retention_hours=hours)
     assert vacuum(spark, str(table), retention_hours=24 * 365, dry_run=True) == 0
+
+
+def test_an_ingest_catching_up_while_another_writer_commits_to_the_same_partition_does_not_fail(spark, tmp_path,
+                                                                                              monkeypatch):
+    """An ingest whose checkpoint is behind the table appends only rows the table lacks, reading the
+    partitions it writes to: a commit into one of them meanwhile (a restore's sink, compact) made Delta
+    refuse the batch and the streaming query failed with ConcurrentAppendException. It reads again."""
+    from pyspark.sql.types import BooleanType
+
+    from zerocomm_spark.pipelines import history
+
+    table, ck = tmp_path / "t", checkpoint(tmp_path)
+    first = HistoryWriter(str(table), str(ck))
+    first(source_rows(spark, ["a"]), 0)
+    first(source_rows(spark, ["b"]), 1)
+    reading, committed = str(tmp_path / "catching-up"), str(tmp_path / "other-committed")
+
+    def gate(message_id):  # in a Python worker, within the catch-up's Delta transaction (its first attempt)
+        import os
+        import time
+
+        if message_id == "n" and not os.path.exists(committed):
+            open(reading, "w").close()
+            deadline = time.monotonic() + 120
+            while not os.path.exists(committed) and time.monotonic() < deadline:
+                time.sleep(0.05)
+        return True
+
+    held_back = F.udf(gate, BooleanType())
+    real_write = history._write
+
+    def write(df, table_path, options, **kwargs):
+        if str(options.get("userMetadata", "")).endswith(":behind"):
+            df = df.where(held_back(F.col("message_id")))
+        real_write(df, table_path, options, **kwargs)
+
+    monkeypatch.setattr(history, "_write", write)
+    failed: list[BaseException] = []
+    again = HistoryWriter(str(table), str(ck))  # the checkpoint put back: batch 0 again, re-planned
+
+    def catch_up() -> None:
+        try:
+            again(source_rows(spark, ["a", "n"]), 0)
+        except BaseException as exc:  # noqa: BLE001 - looked at below
+            failed.append(exc)
+
+    thread = threading.Thread(target=catch_up, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 120
+    while not os.path.exists(reading) and time.monotonic() < deadline and thread.is_alive():
+        time.sleep(0.1)
+    assert os.path.exists(reading), f"the catch-up never reached its append: {failed}"
+    try:
+        HistoryWriter(str(table), str(checkpoint(tmp_path)))(source_rows(spark, ["x"]), 0)  # same partition
+    finally:
+        open(committed, "w").close()
+    thread.join(180)
+    assert not thread.is_alive()
+    assert failed == []
+    assert sorted(table_ids(spark, table)) == ["a", "b", "n", "x"]
