@@ -44,7 +44,7 @@ from datetime import date
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from zerocomm_spark.errors import ConfigurationError, ZeroCommError
+from zerocomm_spark.errors import ConfigurationError, HistoryWriteConflictError
 from zerocomm_spark.pipelines.commit_tags import catch_up_tag, commit_tag, last_tagged_batch
 from zerocomm_spark.pipelines.origin import ORIGIN_HEADER, SCHEME
 from zerocomm_spark.pipelines.schema import HISTORY_COLUMNS, PARTITION_COLUMNS, TABLE_PROPERTIES, history_schema
@@ -328,18 +328,16 @@ def append_new_rows_retrying(df: DataFrame, table_path: str, options: Mapping[st
                              record_empty: bool = False) -> None:
     """:func:`append_new_rows`, read again when a commit into the partitions it read (an ingest, a
     restore's sink, compact) made Delta refuse it: up to CONFLICT_ATTEMPTS times, backing off, then a
-    ZeroCommError. Never writes a row twice: each attempt appends only what the table lacks then."""
+    HistoryWriteConflictError. Never writes a row twice: each attempt appends only what the table lacks then."""
     for attempt in range(CONFLICT_ATTEMPTS):
         try:
             append_new_rows(df, table_path, options, record_empty=record_empty)
             return
         except _concurrent_commit_errors() as exc:
             if attempt + 1 == CONFLICT_ATTEMPTS:
-                raise ZeroCommError(
+                raise HistoryWriteConflictError(
                     f"appending to the history table at {table_path} conflicted with other commits into the "
-                    f"same partitions {CONFLICT_ATTEMPTS} times ({type(exc).__name__}); nothing was written",
-                    hint="Run it again (only rows the table lacks are appended), or while no other job writes "
-                         "the same group's days") from None
+                    f"same partitions {CONFLICT_ATTEMPTS} times ({type(exc).__name__}); nothing was written") from None
             log.info("appending to %s conflicted with a concurrent commit (%s); reading the table again",
                      table_path, type(exc).__name__)
             time.sleep(min(0.2 * 2 ** attempt, 5.0))

@@ -622,3 +622,13 @@ class PublishNotAcknowledgedError(GroupError):
 
     hint = ("Nothing is lost and nothing will be delivered twice: rerun the query (or let Spark retry); it "
             "publishes the same message ids again. Check that the group's members are up, or raise publishTimeoutMs")
+
+
+# --- history in Delta (zerocomm_spark.pipelines) -------------------------------------------------
+
+
+class HistoryWriteConflictError(ZeroCommError):
+    """Appending only the rows a history table lacks kept conflicting with other commits into the
+    same partitions (an ingest, a restore, compact): nothing was written."""
+
+    hint = "Run it again (only rows the table lacks are appended), or while no other job writes the same group's days"
