@@ -965,6 +965,10 @@ def test_an_answered_request_is_not_held_until_its_deadline(monkeypatch: pytest.
         assert len(cli._deadlines) <= 2 * cli.stats()["pending"] + 8 + 1
 
 
+@pytest.mark.xfail(strict=True, reason=(
+    "c062ecf's reset of a silent peer's connection was reverted: a silent live peer (a slow handler) and a "
+    "down one cannot be told apart without the connection's state, and resetting cut calls the live peer "
+    "had received and ran (test_a_short_call_expiring_does_not_cut_a_slow_live_peers_other_calls)"))
 def test_requests_that_timed_out_on_a_dead_peer_are_not_run_when_it_comes_back() -> None:
     """ZeroMQ kept every frame for an unreachable peer queued on its DEALER (up to 10,000, each up to
     max_frame_bytes: 100 timed-out 1 MiB requests held 100 MB) and delivered them all once a peer
@@ -982,6 +986,10 @@ def test_requests_that_timed_out_on_a_dead_peer_are_not_run_when_it_comes_back()
     assert ran == [b"fresh"]
 
 
+@pytest.mark.xfail(strict=True, reason=(
+    "c062ecf's reset of a silent peer's connection was reverted: a silent live peer (a slow handler) and a "
+    "down one cannot be told apart without the connection's state, and resetting cut calls the live peer "
+    "had received and ran (test_a_short_call_expiring_does_not_cut_a_slow_live_peers_other_calls)"))
 def test_a_peer_that_answers_nothing_cuts_off_the_calls_waiting_on_it(client: PeerTransport) -> None:
     """A call expired with nothing heard from the peer since it was sent: the other calls written to
     that peer fail at once (their answers can no longer come) instead of at their own deadlines."""
@@ -1014,6 +1022,65 @@ def test_a_peer_that_answers_some_calls_keeps_its_connection(client: PeerTranspo
         time.sleep(0.3)  # the expiry has been handled
         router.send_multipart([who, encode(RpcResponse(slow_id, 0, b"slow-answer"))])
         assert slow.result(timeout=5) == b"slow-answer"
+
+
+def test_a_short_call_expiring_does_not_cut_a_slow_live_peers_other_calls() -> None:
+    """A live peer whose handler is slow says nothing until it answers. A short call to it expiring
+    cut off (PeerUnreachableError, advising a resend) a long call the peer had received and was
+    running, and the peer could not deliver its answers: a resend ran the request twice."""
+    runs: list[bytes] = []
+    lock = threading.Lock()
+
+    def slow(payload: bytes, peer: PeerInfo) -> bytes:
+        with lock:
+            runs.append(payload)
+        time.sleep(1.0)
+        return b"done:" + payload
+
+    with PeerTransport(workers=4) as srv, PeerTransport() as cli:
+        srv.register(ECHO, rpc=slow)
+        long = cli.request_async(srv.endpoint, ECHO, b"long", timeout=30)
+        short = cli.request_async(srv.endpoint, ECHO, b"short", timeout=0.3)
+        with pytest.raises(PeerTimeoutError):
+            short.result(timeout=5)
+        assert long.result(timeout=10) == b"done:long"
+        _wait_until(lambda: srv.stats()["frames_out"] >= 2)  # the late answer to short went out too
+        assert srv.stats()["dropped_out"] == 0
+        assert cli.ping(srv.endpoint, timeout=5) < 1.0
+    assert sorted(runs) == [b"long", b"short"]  # each ran once
+
+
+def test_an_answer_that_arrived_while_the_io_thread_was_busy_is_not_thrown_away() -> None:
+    """The IO thread reads answers only from the sockets its last poll flagged, then expires calls. An
+    answer that came after the poll (the thread was busy in a done callback) was unread when another
+    call to that peer expired, and taking the peer for silent then threw it away with the socket."""
+    release = threading.Event()
+
+    def p_rpc(payload: bytes, peer: PeerInfo) -> bytes:
+        if payload == b"short":
+            release.wait(5)  # never answered in time
+        else:
+            time.sleep(0.3)
+        return b"P:" + payload
+
+    def q_rpc(payload: bytes, peer: PeerInfo) -> bytes:
+        time.sleep(0.2)
+        return b"Q:" + payload
+
+    with PeerTransport(workers=4) as p, PeerTransport() as q, PeerTransport() as cli:
+        p.register(ECHO, rpc=p_rpc)
+        q.register(ECHO, rpc=q_rpc)
+        try:
+            short = cli.request_async(p.endpoint, ECHO, b"short", timeout=0.5)
+            long = cli.request_async(p.endpoint, ECHO, b"long", timeout=30)
+            x = cli.request_async(q.endpoint, ECHO, b"x", timeout=10)
+            x.add_done_callback(lambda f: time.sleep(0.4))  # on cli's IO thread, from ~0.2 s to ~0.6 s
+            assert x.result(timeout=5) == b"Q:x"
+            with pytest.raises(PeerTimeoutError):
+                short.result(timeout=5)
+            assert long.result(timeout=5) == b"P:long"  # answered at ~0.3 s, read after the callback
+        finally:
+            release.set()
 
 
 def test_a_peer_flooding_requests_does_not_push_another_peers_behind_all_of_its_own() -> None:

@@ -345,8 +345,6 @@ class PeerTransport:
         self._ready = threading.Event()
         self._start_error: BaseException | None = None
         self._endpoint: str | None = None
-        # Per endpoint with a DEALER: when a frame was last read from it (or it was made). IO thread only.
-        self._heard: dict[str, float] = {}
         self._used: dict[str, float] = {}  # per endpoint with a DEALER: its last frame either way
         self._next_sweep = 0.0
 
@@ -714,7 +712,7 @@ class PeerTransport:
                 for sock in [s for s in events if s in by_socket]:
                     self._read_dealer(sock, by_socket[sock])
                 self._flush(router, dealers, by_socket, poller)
-                self._expire(dealers, by_socket, poller)
+                self._expire()
                 self._close_idle(dealers, by_socket, poller)
             # Orderly stop: push out what was queued before close(), then let LINGER deliver it.
             self._flush(router, dealers, by_socket, poller, final=True)
@@ -789,7 +787,7 @@ class PeerTransport:
             self._evict_dealer(dealers, by_socket, poller)
         dealers[endpoint] = sock
         by_socket[sock] = endpoint
-        self._heard[endpoint] = self._used[endpoint] = time.monotonic()
+        self._used[endpoint] = time.monotonic()
         poller.register(sock, zmq.POLLIN)
         return sock
 
@@ -810,7 +808,6 @@ class PeerTransport:
                      by_socket: dict[zmq.Socket[bytes], str], poller: zmq.Poller, linger: int) -> None:
         sock = dealers.pop(endpoint)
         by_socket.pop(sock, None)
-        self._heard.pop(endpoint, None)
         self._used.pop(endpoint, None)
         poller.unregister(sock)
         sock.close(linger=linger)  # with linger, what it still queues (acks, answers) may yet go out
@@ -867,8 +864,7 @@ class PeerTransport:
             else:
                 self._stats.add(frames_out=1, bytes_out=len(item.frame))
 
-    def _expire(self, dealers: dict[str, zmq.Socket[bytes]], by_socket: dict[zmq.Socket[bytes], str],
-                poller: zmq.Poller) -> None:
+    def _expire(self) -> None:
         now = time.monotonic()
         expired: list[_Pending] = []
         with self._lock:
@@ -876,33 +872,10 @@ class PeerTransport:
                 entry = heapq.heappop(self._deadlines)
                 if self._live(entry):
                     expired.append(self._pending.pop(entry[2]))
-        silent: set[str] = set()
         for p in expired:
             if not p.future.done():
                 self._stats.add(timeouts=1)  # counted first, so a woken caller already sees it
                 _fail(p.future, PeerTimeoutError(f"no answer to {p.what} before the deadline"))
-            if p.sent_at is not None and p.endpoint in dealers and self._heard.get(p.endpoint, now) < p.sent_at:
-                silent.add(p.endpoint)
-        for endpoint in silent:
-            self._reset_dealer(endpoint, dealers, by_socket, poller)
-
-    def _reset_dealer(self, endpoint: str, dealers: dict[str, zmq.Socket[bytes]],
-                      by_socket: dict[zmq.Socket[bytes], str], poller: zmq.Poller) -> None:
-        """A call to ``endpoint`` expired with nothing at all heard from it since it was written: the
-        peer is down (or wedged). Its DEALER is closed with what it still queues: ZeroMQ would keep
-        those frames (up to _HWM, each up to max_frame_bytes) for as long as the peer is away and
-        deliver them when it comes back, running requests whose callers were told they timed out. The
-        other calls written on that socket can get no answer now and fail at once; the next frame to
-        the endpoint opens a new connection."""
-        self._drop_dealer(endpoint, dealers, by_socket, poller, 0)
-        with self._lock:
-            cut = [(k, p) for k, p in self._pending.items() if k[0] == endpoint and p.sent_at is not None]
-        log.info("no answer from %.200s within a call's deadline: dropped its connection and %d other call(s) "
-                 "waiting on it", endpoint, len(cut))
-        for key, pending in cut:
-            self._resolve(key, pending, PeerUnreachableError(
-                f"{pending.what} was cut off: {endpoint[:200]} answered nothing for a whole call's deadline, "
-                "so its connection was dropped; send it again once the peer answers a ping"))
 
     def _resolve(
         self, key: tuple[str, int, int], pending: _Pending, outcome: BaseException | None, value: Any = None
@@ -1083,7 +1056,7 @@ class PeerTransport:
                 parts, count, size = self._recv_message(sock, 0)
             except zmq.Again:
                 return
-            self._heard[endpoint] = self._used[endpoint] = time.monotonic()
+            self._used[endpoint] = time.monotonic()
             if self._over_bound(count, size, endpoint):
                 continue
             try:
