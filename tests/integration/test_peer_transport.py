@@ -1148,3 +1148,24 @@ def test_a_flood_of_bad_frames_does_not_write_a_log_line_each(server: PeerTransp
     lines = [r for r in caplog.records if r.name == "zerocomm_spark.transport.peer"]
     assert 1 <= len(lines) <= 50, f"{len(lines)} log lines for 2000 bad frames"
     assert server.request(server.endpoint, ECHO, b"still", timeout=5) == b"echo:still"
+
+
+def test_the_count_of_a_last_burst_of_warnings_is_logged_once_its_window_ends(
+        server: PeerTransport, raw: zmq.Socket[bytes], caplog: pytest.LogCaptureFixture,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """How many warnings of a kind were left out was written only with the next warning of that kind,
+    so the count of the last burst never was: the IO loop now writes it once the window is over."""
+    monkeypatch.setattr(server, "_warn", peer_module._Throttle(burst=3, window=0.5))
+    caplog.set_level("WARNING", logger="zerocomm_spark.transport.peer")
+    for _ in range(10):
+        raw.send(b"\xff\x00garbage")
+    for _ in range(10):
+        assert _recv(raw) == encode(Error(ErrorCode.PARSING_ERROR, b"\xff\x00"))
+
+    def summaries() -> list[str]:
+        return [r.getMessage() for r in caplog.records if "more warning(s) like" in r.getMessage()]
+
+    _wait_until(lambda: summaries(), timeout=5)  # no further bad frame: the loop's own flush wrote it
+    assert len(summaries()) == 1 and summaries()[0].startswith("7 more warning(s) like 'refused a")
+    refused = [r for r in caplog.records if r.getMessage().startswith("refused a")]
+    assert len(refused) == 3

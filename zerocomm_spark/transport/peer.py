@@ -187,12 +187,14 @@ _InboxItem = tuple[int, int, "_Job | None"]  # (-priority, seq, job); None is a 
 class _Throttle:
     """Per-frame warnings are what a hostile peer controls: one line per bad frame let it write the
     log as fast as it sends (20,000 garbage frames: 20,000 lines). Each kind of line is written at
-    most ``burst`` times a ``window``; then how many were left out (the counters in stats() count all)."""
+    most ``burst`` times a ``window``; then how many were left out (the counters in stats() count all),
+    written with the next line of that kind or, when none comes, by flush() once the window is over."""
 
     def __init__(self, burst: int = 20, window: float = 10.0) -> None:
         self._burst, self._window = burst, window
         self._lock = threading.Lock()
         self._state: dict[str, tuple[float, int, int]] = {}  # kind -> (window start, written, left out)
+        self._next_flush = 0.0
 
     def __call__(self, fmt: str, *args: object) -> None:
         now = time.monotonic()
@@ -212,6 +214,24 @@ class _Throttle:
             self._state[fmt] = (start, written, left_out)
         if allowed:
             log.warning(fmt, *args)
+
+    def flush(self, *, final: bool = False) -> None:
+        """Write how many lines of each kind were left out in windows that are over (in all of them if
+        ``final``): the count of a last burst was written only when a later line of its kind came, so
+        never for the last one. Cheap enough for every IO loop turn: it looks at most once a second."""
+        now = time.monotonic()
+        left: list[tuple[int, str, float]] = []
+        with self._lock:
+            if not final and now < self._next_flush:
+                return
+            self._next_flush = now + 1.0
+            for fmt, (start, _, left_out) in list(self._state.items()):
+                if final or now - start >= self._window:
+                    del self._state[fmt]  # the next line of this kind opens a new window
+                    if left_out:
+                        left.append((left_out, fmt, now - start))
+        for left_out, fmt, elapsed in left:
+            log.warning("%d more warning(s) like %r were not logged in the last %.0fs", left_out, fmt, elapsed)
 
 
 class _FairInbox:
@@ -714,8 +734,10 @@ class PeerTransport:
                 self._flush(router, dealers, by_socket, poller)
                 self._expire()
                 self._close_idle(dealers, by_socket, poller)
+                self._warn.flush()
             # Orderly stop: push out what was queued before close(), then let LINGER deliver it.
             self._flush(router, dealers, by_socket, poller, final=True)
+            self._warn.flush(final=True)
         except Exception:  # noqa: BLE001 - a dead IO thread must not leave callers hanging
             log.exception("peer transport IO thread failed; closing the transport")
             self._fail_all(TransportError("the transport's IO thread failed"))
