@@ -438,6 +438,39 @@ def test_lost_key_check_file_does_not_let_a_wrong_key_in(jdir: Path, key: bytes)
         Journal.open(jdir, key=nacl.utils.random(32))
 
 
+@pytest.mark.parametrize("damage", ["flip", "truncate"])
+def test_damaged_key_check_file_is_not_reported_as_a_wrong_key(jdir: Path, key: bytes, damage: str) -> None:
+    # A rotten or cut journal.meta made the right key fail as "the key given does not open the
+    # journal" (JournalKeyError): the operator was told to look for another key that does not exist.
+    journal_with(jdir, key, 3)
+    meta = jdir / META_FILE
+    blob = bytearray(meta.read_bytes())
+    if damage == "flip":
+        blob[-3] ^= 0x10
+    else:
+        del blob[-7:]
+    meta.write_bytes(bytes(blob))
+    with pytest.raises(JournalKeyError):  # a wrong key is still refused, and nothing is rewritten
+        Journal.open(jdir, key=nacl.utils.random(32))
+    assert meta.read_bytes() == bytes(blob)
+    with Journal.open(jdir, key=key) as j:  # the right key opens the records: the check is remade
+        assert j.read(0).num_rows == 15
+    with pytest.raises(JournalKeyError):
+        Journal.open(jdir, key=nacl.utils.random(32))
+    with Journal.open(jdir, key=key) as j:
+        assert j.read(0).num_rows == 15
+
+
+def test_damaged_key_check_file_of_an_empty_journal_says_it_may_be_damaged(jdir: Path, key: bytes) -> None:
+    Journal.open(jdir, key=key).close()  # no record to try the key on
+    meta = jdir / META_FILE
+    blob = bytearray(meta.read_bytes())
+    blob[-3] ^= 0x10
+    meta.write_bytes(bytes(blob))
+    with pytest.raises(JournalKeyError, match=r"or its key check \S+ is damaged"):
+        Journal.open(jdir, key=key)
+
+
 def test_scan_indexes_records_from_headers(jdir: Path, key: bytes) -> None:
     journal_with(jdir, key, 7)
     (only,) = segments(jdir)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import logging
 import os
 import struct
 import zlib
@@ -28,6 +29,8 @@ try:  # Linux's sync_file_range(2), through libc: Python's os module does not ha
 except (ImportError, OSError, AttributeError):  # pragma: no cover - not Linux (or no glibc symbol)
     _sync_file_range = None
 _SYNC_FILE_RANGE_WRITE = 2
+
+log = logging.getLogger(__name__)
 
 LOCK_FILE = "journal.lock"
 META_FILE = "journal.meta"
@@ -134,8 +137,19 @@ def check_key(directory: Path, key: bytes, *, fsync: bool, probe: Callable[[], b
         return
     if not blob.startswith(_META_MAGIC):
         raise JournalError(f"{path} is damaged or not a zerocomm journal")
-    if crypto.open_sealed(blob[len(_META_MAGIC):], _META_MAGIC, key) != _META_TEXT:
-        raise JournalKeyError(f"the key given does not open the journal in {directory}")
+    if crypto.open_sealed(blob[len(_META_MAGIC):], _META_MAGIC, key) == _META_TEXT:
+        return
+    # A wrong key, or a check file rotten or cut short: the seal cannot tell which. The records can:
+    # a key that opens one is the journal's, so the check is what is damaged, and it is remade.
+    opens = probe()
+    if opens is True:
+        log.warning("journal: the key check %s was damaged; the key opens the records, so it is written again", path)
+        write_atomic(path, _META_MAGIC + crypto.seal(_META_TEXT, _META_MAGIC, key), fsync=fsync)
+        return
+    if opens is None:  # no intact record to try the key on
+        raise JournalKeyError(f"the key given does not open the journal in {directory}, or its key check {path} "
+                              "is damaged (the journal has no record to try the key on)")
+    raise JournalKeyError(f"the key given does not open the journal in {directory}")
 
 
 def read_commit(directory: Path) -> int:
