@@ -551,7 +551,8 @@ def test_torn_tail_is_dropped_and_the_log_repaired(home: Path, tail: str) -> Non
         assert [k.verkey for k in ks.keys()] == [*kept, added.verkey]
 
 
-@pytest.mark.parametrize("how", ["flip-first", "flip-middle", "swap", "drop-middle", "header-id", "magic", "foreign", "missing"])
+@pytest.mark.parametrize("how", ["flip-first", "flip-middle", "swap", "drop-middle", "header-id", "magic", "foreign", "missing",
+                                 "length-first-huge", "length-middle-past-end", "length-middle-short"])
 def test_tampered_log_is_refused(home: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, how: str) -> None:
     with Keystore.open(home) as ks:
         monkeypatch.setattr(keystore_module, "_COMPACT_MIN_BYTES", 0)
@@ -573,6 +574,11 @@ def test_tampered_log_is_refused(home: Path, tmp_path: Path, monkeypatch: pytest
         del data[o1 : o1 + l1]
     elif how == "header-id":
         data[7] ^= 1
+    elif how.startswith("length-"):
+        # A rotten length prefix breaks the framing of every record after it: the open took the rest
+        # of the log for a torn tail and cut it off, losing acknowledged keys and records for good.
+        at = {"length-first-huge": o0, "length-middle-past-end": o1 + 1, "length-middle-short": o1 + 3}[how]
+        data[at] ^= {"length-first-huge": 0x40, "length-middle-past-end": 0x40, "length-middle-short": 0x04}[how]
     elif how == "magic":
         data[0:4] = b"XXXX"
     elif how == "foreign":  # another keystore's log, even with the same key file
@@ -591,6 +597,8 @@ def test_tampered_log_is_refused(home: Path, tmp_path: Path, monkeypatch: pytest
         with pytest.raises(KeystoreLockedError) as refused:
             Keystore.open(home)
         assert "c1" not in str(refused.value) and "connection" not in str(refused.value)
+    if how != "missing":  # refused, not repaired: nothing cut from the log
+        assert (home / LOG_FILE).read_bytes() == bytes(data)
 
 
 def test_missing_log_of_a_new_keystore_is_refused(home: Path) -> None:

@@ -184,6 +184,21 @@ def _write_atomic(path: Path, data: bytes) -> None:
     _fsync_dir(path.parent)
 
 
+def _frames_to_end(data: bytes, start: int) -> list[int]:
+    """Positions at or after ``start``, in order, from which length-prefixed log records follow one
+    another exactly to the end of ``data``."""
+    n = len(data)
+    overhead = _RECORD_LENGTH.size + _RECORD_NONCE_BYTES
+    reaches = bytearray(n + 1)
+    reaches[n] = 1
+    for p in range(n - overhead - _RECORD_TAG_BYTES, start - 1, -1):
+        (length,) = _RECORD_LENGTH.unpack_from(data, p)
+        end = p + overhead + length
+        if _RECORD_TAG_BYTES <= length <= _RECORD_MAX_BYTES and end <= n and reaches[end]:
+            reaches[p] = 1
+    return [p for p in range(max(start, 0), n) if reaches[p]]
+
+
 def _check_private(path: Path, *, what: str, tighten: bool = False) -> None:
     """Refuse a file others can use, since it would let them read or swap our secrets.
 
@@ -596,6 +611,7 @@ class Keystore:
         nearby sequence number, means records were altered, dropped or reordered.
         """
         frames = []
+        damaged_at = offset
         while offset + _RECORD_LENGTH.size <= len(data) and len(frames) < 64:
             (length,) = _RECORD_LENGTH.unpack_from(data, offset)
             if not _RECORD_TAG_BYTES <= length <= _RECORD_MAX_BYTES:
@@ -605,6 +621,14 @@ class Keystore:
         for candidate in range(seq, seq + len(frames) + 64):
             if any(self._open_change(data, frame, candidate) is not None for frame in frames):
                 return True
+        # A rotten length prefix breaks the framing from ``offset`` on, so the walk above misses the
+        # records after it. Honest records after the damage still frame the rest of the log exactly to
+        # its end: try the positions from which a chain of frames reaches it (a crash's tail has none
+        # that authenticates).
+        for frame in _frames_to_end(data, damaged_at + 1)[:64]:
+            for candidate in range(seq + 1, seq + 66):
+                if self._open_change(data, frame, candidate) is not None:
+                    return True
         return False
 
     def _open_log(self, log_id: bytes, previous: bytes | None) -> None:
