@@ -610,6 +610,34 @@ def test_missing_log_of_a_new_keystore_is_refused(home: Path) -> None:
         Keystore.open(home)
 
 
+@pytest.mark.parametrize("passphrase", [None, PASSPHRASE])
+def test_missing_snapshot_beside_a_log_with_changes_is_refused(home: Path, passphrase: str | None) -> None:
+    """A lost keystore.sealed made the open create a new, empty keystore over the directory: its
+    empty log replaced keystore.log and every key pair, secret and record there was gone for good."""
+    with Keystore.open(home, passphrase) as ks:
+        ks.put_secret("journal-key", b"k" * 32)
+        ks.create_key("connection")
+    log_before = (home / LOG_FILE).read_bytes()
+    (home / SEALED_FILE).unlink()
+    for _ in range(2):  # a refused open releases the directory
+        with pytest.raises(KeystoreLockedError, match="missing"):
+            Keystore.open(home, passphrase)
+    assert (home / LOG_FILE).read_bytes() == log_before
+    assert not (home / SEALED_FILE).exists()
+
+
+def test_crash_while_creating_a_keystore_leaves_one_that_can_be_created_again(home: Path) -> None:
+    """The empty log goes first, the snapshot after: a crash between leaves a log with no change,
+    and the next open creates the keystore."""
+    with Keystore.open(home) as ks:
+        pass
+    (home / SEALED_FILE).unlink()
+    with Keystore.open(home) as ks:
+        ks.put_secret("s", b"v")
+    with Keystore.open(home) as ks:
+        assert ks.get_secret("s") == b"v"
+
+
 def write_single_file_keystore(home: Path, state: dict[str, Any], passphrase: bytes | None) -> None:
     """A keystore as the single-file format wrote it: keystore.sealed with a version 1 state, no log."""
     import nacl.pwhash.argon2id as argon2id

@@ -373,6 +373,7 @@ class Keystore:
                     else:
                         store._open_log(*log_ids)
                 else:
+                    cls._refuse_orphan_log(directory, sealed)
                     store = cls(directory, cls._new_sealing(directory, secret), _empty_state(), lock_fd)
                     store._compact(previous=None)
                     log.info("created a keystore in %s (%s)", directory,
@@ -385,6 +386,23 @@ class Keystore:
                 os.close(store._log_fd)
             os.close(lock_fd)
             raise
+
+    @staticmethod
+    def _refuse_orphan_log(directory: Path, sealed: Path) -> None:
+        """No snapshot: a new keystore, unless a log holds changes. A new keystore puts its empty log in
+        place before the snapshot, so a crash between leaves a log with no change; one with changes
+        belongs to a snapshot that was lost, and creating a keystore would replace it (and with it
+        every key pair, secret and record it holds) by a new empty log."""
+        path = directory / LOG_FILE
+        try:
+            st = path.lstat()
+        except FileNotFoundError:
+            return
+        if not stat.S_ISREG(st.st_mode) or st.st_size > _LOG_HEADER_BYTES:
+            raise KeystoreLockedError(
+                f"the keystore snapshot {sealed} is missing, but the log {path} holds changes of a keystore",
+                hint=f"Put back {sealed.name} from a backup of this identity directory; to start a new identity "
+                     "instead, move the directory's keystore files away first")
 
     @staticmethod
     def _passphrase_bytes(passphrase: str | bytes | None) -> bytes | None:
