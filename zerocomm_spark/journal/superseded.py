@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import bisect
 import json
+import logging
 from pathlib import Path
 
 from zerocomm_spark.journal import crypto
@@ -20,6 +21,8 @@ from zerocomm_spark.journal.files import write_atomic
 from zerocomm_spark.journal.index import Key
 
 __all__ = ["SUPERSEDED_FILE", "Superseded"]
+
+log = logging.getLogger(__name__)
 
 SUPERSEDED_FILE = "superseded.idx"
 _MAGIC = b"ZCSS1\n"
@@ -40,8 +43,10 @@ class Superseded:
         except FileNotFoundError:
             return
         plain = crypto.open_sealed(blob[len(_MAGIC):], _MAGIC, key) if blob.startswith(_MAGIC) else None
-        if plain is None:
-            return  # damaged (a power loss mid-rename): readers may report holes it explained as lost
+        if plain is None:  # damaged (a power loss mid-rename, rot): what it held cannot be read back
+            log.error("journal: %s is damaged and was not read; readers may report the seqs it recorded as "
+                      "superseded (rows republished by another publisher) as lost", self._path)
+            return
         for group, publisher, ranges in json.loads(plain):
             self._ranges[(group, publisher)] = [[int(a), int(b)] for a, b in ranges]
 
