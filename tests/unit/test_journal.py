@@ -373,6 +373,16 @@ def test_read_by_seq_reads_only_that_publishers_range(jdir: Path, key: bytes) ->
         assert j.read_by_seq(GROUP, ALICE, 5, 4).num_rows == 0
 
 
+def test_read_by_seq_takes_bounds_past_int64(jdir: Path, key: bytes) -> None:
+    """A seq range ending past 2**63-1 (the API takes any JSON integer: `read` with last_seq=2**64)
+    reached pyarrow's compare as a Python int no int64 holds: a TypeError, the call's "the agent failed"."""
+    with Journal.open(jdir, key=key) as j:
+        j.append(rows(1, 3, ALICE))
+        assert seqs(j.read_by_seq(GROUP, ALICE, 2, 2**64)) == [2, 3]
+        assert seqs(j.read_by_seq(GROUP, ALICE, -2**70, 2**200)) == [1, 2, 3]
+        assert j.read_by_seq(GROUP, ALICE, 2**64, 2**65).num_rows == 0
+
+
 def test_offset_for_timestamp(jdir: Path, key: bytes) -> None:
     with Journal.open(jdir, key=key, segment_bytes=2048) as j:
         for a in range(20):

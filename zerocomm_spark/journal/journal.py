@@ -40,6 +40,7 @@ from zerocomm_spark.paths import make_dirs
 log = logging.getLogger(__name__)
 
 _POLICIES = ("always", "interval", "never")
+_INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -454,6 +455,11 @@ class Journal:
         by retention are simply absent. ``max_rows`` / ``max_bytes`` (payload bytes, at least one row
         comes back) stop the read early: only the first rows are decrypted and held, whatever the range.
         """
+        # Seqs are int64: a bound past that range (any JSON integer reaches here through the API's
+        # `read`) is the range's end, not a number pyarrow's compare refuses with a TypeError.
+        seq_from, seq_to = max(seq_from, _INT64_MIN), min(seq_to, _INT64_MAX)
+        if seq_from > seq_to:
+            return pa.Table.from_batches([], schema=JOURNAL_SCHEMA)
         out: list[pa.RecordBatch] = []
         rows_left = max_rows
         bytes_left = max_bytes
