@@ -95,6 +95,16 @@ _POSITIVE = {("peer", "max_frame_bytes"), ("peer", "workers"), ("api", "max_requ
              ("agent", "stop_timeout"), ("groups", "publish_timeout")}
 # Past this, sizes and counts overflow what ZeroMQ and the journal take (int64, some multiplied).
 _MAX_INT = 2**53
+# Settings that are waits: past these, threading's waits overflow (OverflowError: the agent's close
+# skipped its API server and its journal, the journal's background thread died) and none is useful.
+_DAY = 86_400
+_AT_MOST: dict[tuple[str, str], tuple[float, str]] = {
+    ("agent", "heartbeat_interval"): (_DAY, "seconds (a day)"),
+    ("agent", "start_timeout"): (_DAY, "seconds (a day)"),
+    ("agent", "stop_timeout"): (_DAY, "seconds (a day)"),
+    ("groups", "publish_timeout"): (_DAY, "seconds (a day, the longest API call)"),
+    ("journal", "fsync_interval_ms"): (_DAY * 1000, "ms (a day)"),
+}
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d|w)?\s*$")
 _UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, "w": 604800.0, None: 1.0}
 
@@ -252,6 +262,10 @@ def _coerce(section: str, key: str, value: Any, origin: str) -> Any:
         raise ConfigurationError(f"{name} (from {origin}) must be a finite number, not {value!r}")
     if isinstance(value, int) and not isinstance(value, bool) and value > _MAX_INT:
         raise ConfigurationError(f"{name} (from {origin}) must be at most {_MAX_INT}, not {value!r}")
+    most = _AT_MOST.get((section, key))
+    if most is not None and value > most[0]:
+        raise ConfigurationError(f"{name} (from {origin}) must be at most {most[0]:g} {most[1]}, not {value!r}",
+                                 hint=f"Give {name} a shorter wait; every wait has a deadline")
     if (section, key) in _POSITIVE and not value > 0:
         raise ConfigurationError(f"{name} (from {origin}) must be positive, not {value!r}")
     if (section, key) in (("journal", "retention_age"), ("journal", "consumer_expiry")):

@@ -167,6 +167,26 @@ def test_values_no_agent_can_use_are_refused_when_loaded(flag: str, match: str) 
         cfgmod.load(None, env={}, flags=[flag])
 
 
+@pytest.mark.parametrize("flag", ["agent.stop_timeout=1e300", "agent.start_timeout=1e12", "groups.publish_timeout=1e300",
+                                  "agent.heartbeat_interval=1e300", "journal.fsync_interval_ms=9007199254740992"])
+def test_waits_too_long_for_threading_are_refused_when_loaded(flag: str, tmp_path: Path) -> None:
+    """Finite but huge waits passed: stop_timeout=1e300 made the agent's close fail with OverflowError
+    ('timestamp out of range for platform time_t') for its API server and its ingest, and
+    fsync_interval_ms=2**53 killed the journal's background thread (no fsync, no retention)."""
+    name, _, value = flag.partition("=")
+    with pytest.raises(ConfigurationError, match=rf"{name} \(from flag {name}\) must be at most"):
+        cfgmod.load(None, env={}, flags=[flag])
+    section, key = name.split(".")
+    var = f"ZEROCOMM_{section.upper()}_{key.upper()}"
+    with pytest.raises(ConfigurationError, match=rf"{name} \(from env {var}\) must be at most"):
+        cfgmod.load(None, env={var: value})
+    path = tmp_path / "z.toml"
+    path.write_text(f"[{section}]\n{key} = {value}\n")
+    with pytest.raises(ConfigurationError, match=rf"{name} \(from file\) must be at most"):
+        cfgmod.load(path, env={})
+    cfgmod.load(None, env={}, flags=[f"{name}={'86400000' if key.endswith('_ms') else '86400'}"])  # a day is fine
+
+
 @pytest.mark.parametrize("name", ["peer.endpoint", "peer.advertise", "groups.publish_endpoint"])
 def test_a_relative_ipc_endpoint_is_refused_with_its_absolute_form(name: str, tmp_path: Path) -> None:
     """ZeroMQ resolved ipc://run/peer.sock from the current directory: a detached agent's is /, and

@@ -373,6 +373,14 @@ def test_read_by_seq_reads_only_that_publishers_range(jdir: Path, key: bytes) ->
         assert j.read_by_seq(GROUP, ALICE, 5, 4).num_rows == 0
 
 
+def test_an_fsync_interval_its_wait_cannot_take_is_refused(jdir: Path, key: bytes) -> None:
+    """fsync_interval_ms=2**53 opened, and the background thread died at its first wait (OverflowError):
+    no interval fsync and no retention for the journal's whole life."""
+    with pytest.raises(ConfigurationError, match="fsync_interval_ms must be at most"):
+        Journal.open(jdir, key=key, fsync_interval_ms=2**53)
+    Journal.open(jdir, key=key, fsync_interval_ms=86_400_000).close()
+
+
 def test_read_by_seq_takes_bounds_past_int64(jdir: Path, key: bytes) -> None:
     """A seq range ending past 2**63-1 (the API takes any JSON integer: `read` with last_seq=2**64)
     reached pyarrow's compare as a Python int no int64 holds: a TypeError, the call's "the agent failed"."""

@@ -41,6 +41,7 @@ log = logging.getLogger(__name__)
 
 _POLICIES = ("always", "interval", "never")
 _INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1
+_MAX_FSYNC_INTERVAL_MS = 86_400_000
 
 
 @dataclass(frozen=True, slots=True)
@@ -149,6 +150,9 @@ class Journal:
                                  ("dedup_window", dedup_window, 0)):
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ConfigurationError(f"{name} must be an int >= {low}, not {value!r}")
+        if fsync_interval_ms > _MAX_FSYNC_INTERVAL_MS:  # its background wait overflowed: no fsync, no retention
+            raise ConfigurationError(f"fsync_interval_ms must be at most {_MAX_FSYNC_INTERVAL_MS} (a day), "
+                                     f"not {fsync_interval_ms!r}")
         for name, limit, low in (("retention_bytes", retention_bytes, 0), ("retention_ms", retention_ms, 0),
                                  ("consumer_expiry_ms", consumer_expiry_ms, 1)):  # expiry 0: everyone, at once
             if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < low):
