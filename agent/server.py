@@ -9,6 +9,8 @@ Why this shape:
   group acknowledged). Workers hand replies back through a queue and an inproc wake-up socket.
   Beyond ``workers + max_pending`` calls in progress, new ones are refused as busy, not queued
   without bound.
+* A client that does not read its replies has at most a few (``_REPLY_HWM``) kept for it; further
+  ones are dropped, so its unread answers cannot fill the agent's memory.
 * Two size limits: ``max_request_bytes`` (a clear RequestTooLargeError reply) and ZeroMQ's
   MAXMSGSIZE at several times that, past which a frame is dropped unread instead of being buffered.
   A call that reads an Arrow bulk frame bounds what its compressed batches may decompress to (4x
@@ -68,6 +70,7 @@ DEFAULT_CALL_TIMEOUT = 30.0
 _HARD_LIMIT_FACTOR = 4
 _PROGRESS_INTERVAL = 0.1
 _ID_LIMIT = 128
+_REPLY_HWM = 16  # replies the agent keeps queued for one client connection that does not read
 _ZAP_DOMAIN = "zerocomm-api"
 
 _TYPE_NAMES = {str: "a string", int: "an integer", float: "a number", bool: "true or false",
@@ -424,7 +427,11 @@ class ApiServer:
     def _tune(sock: zmq.Socket[bytes], hard_limit: int) -> None:
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, hard_limit)
-        sock.setsockopt(zmq.SNDHWM, 10_000)
+        # Replies queued for one client, each up to a read's page (api.max_read_bytes): a client that
+        # sends calls and does not read the answers must not make the agent hold thousands of them.
+        # A Client reads everything into its own queue (RCVHWM 0) and makes one call at a time, so it
+        # never has more than a call's progress and its answer waiting here; a ROUTER drops the rest.
+        sock.setsockopt(zmq.SNDHWM, _REPLY_HWM)
         sock.setsockopt(zmq.RCVHWM, 10_000)
 
     def close(self, timeout: float = 5.0) -> None:

@@ -429,3 +429,36 @@ def test_a_malformed_allowed_client_key_is_refused_at_start(tmp_path: Path) -> N
         assert "zerocomm keygen" in info.value.hint
         assert bad[:8] in str(info.value) and (len(bad) <= 8 or bad not in str(info.value))  # a key is not echoed
         assert not (tmp_path / "run" / "api.sock").exists()  # nothing left half-started
+
+
+def test_a_client_that_does_not_read_its_replies_cannot_make_the_agent_hold_them(tmp_path: Path) -> None:
+    """A client that sent calls faster than it read the replies had up to 10,000 of them (SNDHWM) held
+    by the agent for it, each as large as a read's page (api.max_read_bytes): a real agent grew by
+    1.2 GB for 300 unread reads of 4 MB. The agent now keeps only a few replies queued for a client;
+    one that does not read loses the rest, not the agent its memory."""
+    server = ApiServer(_registry(threading.Event()), tmp_path / "run", max_request_bytes=LIMIT, workers=2,
+                       max_pending=4096).start()
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    try:
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.RCVHWM, 1)  # it reads nothing: its side takes one reply, the kernel a few
+        sock.setsockopt(zmq.RCVBUF, 4096)
+        sock.connect(server.ipc_endpoint)
+        count = 1500
+        for i in range(count):  # each reply is 64 KB: 96 MB in all
+            sock.send_multipart([json.dumps({"id": i, "call": "echo", "args": {"text": "x" * 1024,
+                                                                                 "times": 64}}).encode()])
+        deadline = time.monotonic() + 60
+        while server.stats["calls"] < count and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert server.stats["calls"] == count
+        time.sleep(0.5)  # the last replies flushed to the socket
+        received = 0
+        while sock.poll(1000, zmq.POLLIN):
+            sock.recv_multipart()
+            received += 1
+        assert 0 < received <= 100, received
+        assert Client.connect(server.socket_dir, timeout=5).call("echo", text="still") == {"echo": "still"}
+    finally:
+        sock.close(linger=0)
+        server.close()
