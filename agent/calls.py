@@ -570,9 +570,15 @@ def _publish_rows(table: pa.Table) -> tuple[list[bytes], list[str], list[dict[st
                 or (pa.types.is_map(column.type) and pa.types.is_string(column.type.key_type)
                     and pa.types.is_string(column.type.item_type))):
             raise BadRequestError(f"publish: 'headers' must be map<string, string>, not {column.type}")
-        headers = [None if h is None else (dict(h) or None) for h in column.to_pylist()]
-        for i, h in enumerate(headers):
-            _check_headers(i, h)
+        headers = []
+        for i, pairs in enumerate(column.to_pylist()):
+            head = None if pairs is None else dict(pairs)
+            if head is not None and len(head) != len(pairs):  # an Arrow map may repeat a key; dict() kept the last
+                key = next(k for k in head if sum(1 for k2, _ in pairs if k2 == k) > 1)
+                raise BadRowError(f"publish: row {i} has the header {key[:64]!r} "
+                                  f"{sum(1 for k2, _ in pairs if k2 == key)} times; a message's header keys are unique")
+            headers.append(head or None)
+            _check_headers(i, headers[-1])
     else:
         headers = [None] * table.num_rows
     return payloads, ids, headers

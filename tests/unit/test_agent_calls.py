@@ -32,6 +32,10 @@ def test_headers_the_group_cannot_carry_are_a_bad_request(rows: list, match: str
      r"publish: row 0 has 65 headers; a group message carries at most 64"),
     ({"payload": pa.array([b"x"]), "headers": pa.array([[("k", "v" * 4097)]], _HEADERS)},
      "publish: row 0 has header 'k' whose key or value is longer than 4096"),
+    # An Arrow map may repeat a key: dict() kept the last value and published the row without the others.
+    ({"payload": pa.array([b"x", b"y"]), "headers": pa.array([[("k", "v")], [("k", "a"), ("j", "c"), ("k", "b")]],
+                                                             _HEADERS)},
+     "publish: row 1 has the header 'k' 2 times; a message's header keys are unique"),
 ])
 def test_a_rows_data_the_call_cannot_publish_is_a_bad_row(columns: dict, match: str) -> None:
     """Its own type, so a caller (the Spark sink) tells a row's data from a call this agent cannot take
