@@ -636,7 +636,8 @@ def build_registry(process: "AgentProcess") -> CallRegistry:
     r.add("latest", calls.latest, {"group": text})
     r.add("read", calls.read, {"group": text, "start": offset, "end": offset, "publisher": text,
                                "first_seq": offset, "last_seq": offset, "max_rows": Param(int, check=positive),
-                               "wait": Param(float, check=non_negative), "last": Param(int, check=positive)})
+                               "wait": Param(float, check=non_negative), "last": Param(int, check=positive)},
+          parks=lambda args: bool(args.get("wait")))
     r.add("superseded", calls.superseded, {"group": group, "publisher": required_text,
                                            "first_seq": Param(int, required=True, check=non_negative),
                                            "last_seq": Param(int, required=True, check=non_negative)})

@@ -177,6 +177,9 @@ class Call:
     params: Mapping[str, Param]
     bulk: str = "none"  # none | optional | required
     doc: str = ""
+    # Whether a call with these arguments may park (a long poll): it runs on workers of its own, so
+    # parked calls never hold the workers every other call needs.
+    parks: Callable[[Mapping[str, Any]], bool] | None = None
 
 
 class CallRegistry:
@@ -186,8 +189,8 @@ class CallRegistry:
         self._calls: dict[str, Call] = {}
 
     def add(self, name: str, handler: Handler, params: Mapping[str, Param] | None = None, *,
-            bulk: str = "none", doc: str = "") -> None:
-        self._calls[name] = Call(name, handler, dict(params or {}), bulk, doc)
+            bulk: str = "none", doc: str = "", parks: Callable[[Mapping[str, Any]], bool] | None = None) -> None:
+        self._calls[name] = Call(name, handler, dict(params or {}), bulk, doc, parks)
 
     def get(self, name: str) -> Call | None:
         return self._calls.get(name)
@@ -326,7 +329,12 @@ class ApiServer:
         self._wake_lock = threading.Lock()
         self._wake_tx: zmq.Socket[bytes] | None = None
         self._wake_addr = f"inproc://zerocomm-api-wake-{uuid.uuid4().hex}"
+        self._workers = workers
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="zerocomm-api")
+        # Long polls (a read with wait) park for up to their wait: on the same workers, as many of them
+        # as there are workers (16 `zerocomm tail`-style followers) left every other call - status,
+        # publish, commit - queued behind them until a poll ended. They have workers of their own.
+        self._park_pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="zerocomm-api-poll")
         self._in_flight = 0
         self._count_lock = threading.Lock()
         self._stop = threading.Event()
@@ -396,6 +404,7 @@ class ApiServer:
         self._routers.clear()
         self._wake_tx = None
         self._pool.shutdown(wait=False)
+        self._park_pool.shutdown(wait=False)
         self._ctx.destroy(linger=0)
 
     def _start_tcp(self, hard_limit: int) -> None:
@@ -457,6 +466,7 @@ class ApiServer:
         if self._thread is not None:
             self._thread.join(max(0.5, deadline - time.monotonic()))  # its last act: flush the replies
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self._park_pool.shutdown(wait=False, cancel_futures=True)
         with self._wake_lock:
             if self._wake_tx is not None:
                 self._wake_tx.close(linger=0)
@@ -584,7 +594,7 @@ class ApiServer:
             return
         with self._count_lock:
             stopping = self._draining
-            if stopping or self._in_flight >= self._pool._max_workers + self.max_pending:  # noqa: SLF001
+            if stopping or self._in_flight >= self._workers + self.max_pending:
                 busy = True
             else:
                 busy = False
@@ -600,8 +610,9 @@ class ApiServer:
         request = Request(id=str(request_id), call=call.name, args=args, bulk=bulk, timeout=timeout, client=where)
         if want_progress:
             request._progress = self._progress_sender(where, identity, request_id)
+        pool = self._park_pool if call.parks is not None and call.parks(args) else self._pool
         try:
-            self._pool.submit(self._run, where, identity, request_id, call, request)
+            pool.submit(self._run, where, identity, request_id, call, request)
         except RuntimeError:  # shutting down
             with self._count_lock:
                 self._in_flight -= 1

@@ -462,3 +462,38 @@ def test_a_client_that_does_not_read_its_replies_cannot_make_the_agent_hold_them
     finally:
         sock.close(linger=0)
         server.close()
+
+
+def test_long_polls_do_not_hold_the_workers_other_calls_need(tmp_path: Path) -> None:
+    """As many long polls as workers (a read with wait: 16 `zerocomm tail`-style followers of a quiet
+    group on a real agent) parked every worker: status, publish and commit queued behind them and
+    timed out until a poll ended. Calls that park run on workers of their own."""
+    gate = threading.Event()
+    r = CallRegistry()
+
+    def poll(req: Request, wait: float | None) -> dict[str, Any]:
+        gate.wait(wait or 0)
+        return {"rows": 0}
+
+    r.add("read", poll, {"wait": Param(float)}, parks=lambda args: bool(args.get("wait")))
+    r.add("status", lambda req: {"label": "test", "max_request_bytes": LIMIT})
+    server = ApiServer(r, tmp_path / "run", max_request_bytes=LIMIT, workers=2, max_pending=8).start()
+    pollers = [Client.connect(server.socket_dir, timeout=5) for _ in range(4)]
+    threads = [threading.Thread(target=c.call, args=("read",), kwargs={"wait": 20.0, "timeout": 30}) for c in pollers]
+    try:
+        for t in threads:
+            t.start()
+        time.sleep(0.5)  # every poll parked
+        client = Client.connect(server.socket_dir, timeout=5)
+        started = time.monotonic()
+        assert client.call("status", timeout=3)["label"] == "test"
+        assert time.monotonic() - started < 2
+        assert client.call("read", timeout=3) == {"rows": 0}  # a read that does not wait is not parked either
+        client.close()
+    finally:
+        gate.set()
+        for t in threads:
+            t.join(10)
+        for c in pollers:
+            c.close()
+        server.close()
