@@ -33,7 +33,7 @@ from zerocomm_spark.errors import (
     ZeroCommError,
 )
 from zerocomm_spark.group.datamessage import MAX_ID_LENGTH
-from zerocomm_spark.group.headers import header_problem, most_headers
+from zerocomm_spark.group.headers import header_problem, most_headers, repeated_key
 from zerocomm_spark.group.origin import ORIGIN_HEADER
 from zerocomm_spark.ipc_limits import DECODED_BYTES_FACTOR
 from zerocomm_spark.journal import JOURNAL_SCHEMA
@@ -572,11 +572,10 @@ def _publish_rows(table: pa.Table) -> tuple[list[bytes], list[str], list[dict[st
             raise BadRequestError(f"publish: 'headers' must be map<string, string>, not {column.type}")
         headers = []
         for i, pairs in enumerate(column.to_pylist()):
+            repeated = repeated_key(pairs)  # an Arrow map may repeat a key; dict() would keep the last
+            if repeated is not None:
+                raise BadRowError(f"publish: row {i} has {repeated.text}")
             head = None if pairs is None else dict(pairs)
-            if head is not None and len(head) != len(pairs):  # an Arrow map may repeat a key; dict() kept the last
-                key = next(k for k in head if sum(1 for k2, _ in pairs if k2 == k) > 1)
-                raise BadRowError(f"publish: row {i} has the header {key[:64]!r} "
-                                  f"{sum(1 for k2, _ in pairs if k2 == key)} times; a message's header keys are unique")
             headers.append(head or None)
             _check_headers(i, headers[-1])
     else:

@@ -51,7 +51,7 @@ from zerocomm_spark.errors import (
     ZeroCommError,
 )
 from zerocomm_spark.group.datamessage import MAX_HEADER_LENGTH, MAX_ID_LENGTH
-from zerocomm_spark.group.headers import header_problem, most_headers
+from zerocomm_spark.group.headers import header_problem, most_headers, repeated_key
 from zerocomm_spark.group.origin import ORIGIN_HEADER
 
 from zerocomm_spark.connector.agent_link import MemberLink
@@ -319,8 +319,9 @@ _SIGN = "signOrigin"  # the option that asks the agent to sign, as the core's wo
 
 
 def _headers_may_be_refused(chunk: pa.MapArray, most: int, sign: bool = False) -> bool:
-    """A vectorised look over the chunk's rows' entries (a superset: entries under a null row count too,
-    and a key repeated within a row counts twice where the agent keeps its last entry).
+    """A vectorised look over the chunk's rows' entries (a superset: entries under a null row count too).
+    A key repeated within a row is not looked for: Spark's maps cannot hold one (its default
+    ``spark.sql.mapKeyDedupPolicy`` refuses them), and the agent refuses one, naming its row.
 
     A sliced MapArray's ``.keys``/``.items`` are the whole parent's, while its ``.offsets`` are absolute
     positions in them: the children are sliced to the chunk's span, or every chunk scanned the whole
@@ -340,9 +341,9 @@ def _headers_may_be_refused(chunk: pa.MapArray, most: int, sign: bool = False) -
 
 def _check_row_headers(head: list[tuple[str, str | None]] | None, at: int, partition: int, sign: bool,
                        row: int) -> None:
-    """The core's decision and words on one row's headers (as the agent takes them: a map, its last
-    entry for a repeated key), with where the row is, what was published and a fix in Spark SQL."""
-    problem = header_problem(dict(head) if head else None, sign=_SIGN if sign else None)
+    """The core's decision and words on one row's headers (as the agent takes them), with where the row
+    is, what was published and a fix in Spark SQL."""
+    problem = repeated_key(head) or header_problem(dict(head) if head else None, sign=_SIGN if sign else None)
     if problem is None:
         return
     message = (f"row {at} of partition {partition} has {problem.text}; nothing from row {row} of the partition "

@@ -19,7 +19,7 @@ from zerocomm_spark.errors import (
     SinkOriginClaimError,
     SinkSchemaError,
 )
-from zerocomm_spark.group.headers import check_headers, header_problem
+from zerocomm_spark.group.headers import check_headers, header_problem, repeated_key
 
 _HEADERS = pa.map_(pa.string(), pa.string())
 _GOOD = {"trace": "1"}
@@ -116,14 +116,20 @@ def test_the_data_plane_the_agent_and_the_sink_take_good_headers_alike(name, hea
         _signed(type("S", (), {"headers": lambda self, g, m, p, h: h})(), "g", [b"x"], ["a"], [headers])
 
 
-def test_a_key_repeated_in_an_arrow_map_counts_once_for_the_sink_as_for_the_agent() -> None:
-    """An Arrow map may repeat a key; the agent keeps its last entry (a dict): the sink decides alike."""
-    repeated = [("k", None), ("k", "v")]
-    table = pa.table({"payload": pa.array([b"x"]), "headers": pa.array([repeated], _HEADERS)})
-    assert _publish_rows(table)[2] == [{"k": "v"}]
-    writer._check_headers(pa.chunked_array([pa.array([repeated], _HEADERS)]), 0, 0, False)
-    with pytest.raises(SinkHeaderError, match="row 0 of partition 0 has a null value for header 'k'"):
-        writer._check_headers(pa.chunked_array([pa.array([list(reversed(repeated))], _HEADERS)]), 0, 0, False)
+def test_a_key_repeated_in_an_arrow_map_is_refused_by_the_agent_and_the_sink_alike() -> None:
+    """An Arrow map may repeat a key (Spark's own maps refuse that by default); keeping its last value
+    would drop the others without a word: the agent refuses the row, and so does the sink where it looks
+    at the row, in the core's words (repeated_key)."""
+    words = "the header 'k' 2 times"
+    for repeated in ([("k", None), ("k", "v")], [("k", "v"), ("k", None)]):
+        table = pa.table({"payload": pa.array([b"x"]), "headers": pa.array([repeated], _HEADERS)})
+        with pytest.raises(BadRowError, match=f"publish: row 0 has {words}"):
+            _publish_rows(table)
+        with pytest.raises(SinkHeaderError, match=f"row 0 of partition 0 has {words}"):
+            writer._check_headers(pa.chunked_array([pa.array([repeated], _HEADERS)]), 0, 0, False)
+    problem = repeated_key([("a", "1"), ("k", "x"), ("k", "y"), ("k", "z")])
+    assert problem is not None and problem.kind == "repeated-key" and "the header 'k' 3 times" in problem.text
+    assert repeated_key([("a", "1"), ("k", "x")]) is None and repeated_key(None) is None
 
 
 def test_non_string_headers_are_refused_everywhere() -> None:

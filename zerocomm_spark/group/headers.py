@@ -22,7 +22,7 @@ from zerocomm_spark.errors import ConfigurationError
 from zerocomm_spark.group.datamessage import MAX_HEADER_LENGTH, MAX_HEADERS
 from zerocomm_spark.group.origin import ORIGIN_HEADER
 
-__all__ = ["HeaderProblem", "check_headers", "header_problem", "most_headers"]
+__all__ = ["HeaderProblem", "check_headers", "header_problem", "most_headers", "repeated_key"]
 
 _SHOWN = 64  # characters of a key quoted in a problem's text
 
@@ -32,7 +32,7 @@ class HeaderProblem:
     """Why a header map cannot be a group message's.
 
     ``kind``: one of ``not-a-map``, ``too-many``, ``not-a-string``, ``null-value``, ``empty-key``,
-    ``too-long``, ``reserved`` (for a caller that picks a fix to suggest by it). ``text``: the problem
+    ``too-long``, ``reserved``, ``repeated-key`` (for a caller that picks a fix to suggest by it). ``text``: the problem
     in words that follow "has" ("row 3 of partition 5 has " + text). ``key``: the entry's key, if one."""
 
     kind: str
@@ -82,6 +82,22 @@ def header_problem(headers: object, *, sign: str | None = None) -> HeaderProblem
         if sign and key == ORIGIN_HEADER:
             return HeaderProblem("reserved", f"a {ORIGIN_HEADER!r} header, and {sign} is true: the agent adds the "
                                              "origin proof itself", key)
+    return None
+
+
+def repeated_key(pairs: list[tuple[str, object]] | None) -> HeaderProblem | None:
+    """A key given twice among a row's header entries (an Arrow map may hold that; a mapping cannot):
+    taking the last value would drop the others without a word, so it is a problem of its own."""
+    if not pairs:
+        return None
+    seen: set[object] = set()
+    for key, _ in pairs:
+        if key in seen:
+            times = sum(1 for k, _ in pairs if k == key)
+            shown = key[:_SHOWN] if isinstance(key, str) else key
+            return HeaderProblem("repeated-key", f"the header {shown!r} {times} times (a message's header keys are "
+                                                 "unique)", key if isinstance(key, str) else None)
+        seen.add(key)
     return None
 
 
