@@ -750,6 +750,26 @@ def _syscalls_seen() -> bool:
     return Path(f"/proc/{os.getpid()}/syscall").exists() and platform.machine() in _READ
 
 
+def _interrupted_waiting_for_stdin(solo: Member, first: list[str]) -> tuple[str, str]:
+    """Start ``solo``'s one group 'g', run `--json send g -` with lines ``first`` on its stdin (one
+    chunk goes out, the next waits for lines), and Ctrl-C it once that chunk is acknowledged and it
+    is back to reading stdin (the one place a send waits that long for its input): (stdout, stderr)."""
+    start_all([solo])
+    solo.ok("group", "create", "g")
+    send = subprocess.Popen([*ZEROCOMM, "--config", str(solo.config), "--json", "send", "g", "-"],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert send.stdin is not None
+        send.stdin.write("\n".join(first) + "\n")
+        send.stdin.flush()
+        wait_for(lambda: solo.run("history", "g", "--all").json_lines, 30, "the first chunk to be acknowledged")
+        wait_for(lambda: _blocked_reading_stdin(send.pid), 30, "the send to wait for more lines")
+        return _interrupted(send)
+    finally:
+        if send.poll() is None:
+            send.kill()
+
+
 def test_a_send_from_stdin_interrupted_with_ctrl_c_says_how_to_send_the_rest(tmp_path: Path) -> None:
     """`send -` stopped with Ctrl-C exited 130 saying nothing, though a long send is most often stopped
     that way: without the prefix, the same input sent again gave the acknowledged lines new ids and
@@ -760,21 +780,7 @@ def test_a_send_from_stdin_interrupted_with_ctrl_c_says_how_to_send_the_rest(tmp
     lines = [f"line {i:04d} " + "x" * 30 for i in range(1, 301)]
     solo = Member(tmp_path, "solo", "api.max_request_bytes=20000")  # chunks of ~100 lines
     try:
-        start_all([solo])
-        solo.ok("group", "create", "g")
-        send = subprocess.Popen([*ZEROCOMM, "--config", str(solo.config), "--json", "send", "g", "-"],
-                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        try:
-            assert send.stdin is not None
-            send.stdin.write("\n".join(lines[:150]) + "\n")  # one chunk goes out, the next waits for lines
-            send.stdin.flush()
-            wait_for(lambda: solo.run("history", "g", "--all").json_lines, 30, "the first chunk to be acknowledged")
-            # Acknowledged and back to reading stdin: the one place a send waits that long for its input.
-            wait_for(lambda: _blocked_reading_stdin(send.pid), 30, "the send to wait for more lines")
-            out, err = _interrupted(send)
-        finally:
-            if send.poll() is None:
-                send.kill()
+        out, err = _interrupted_waiting_for_stdin(solo, lines[:150])
         assert "Traceback" not in err, err
         acked = len(solo.run("history", "g", "--all").json_lines)
         assert 0 < acked < 150
@@ -846,20 +852,7 @@ def test_a_send_from_stdin_interrupted_with_ctrl_c_under_json_prints_a_document_
     lines = [f"line {i:04d} " + "x" * 30 for i in range(1, 301)]
     solo = Member(tmp_path, "solo", "api.max_request_bytes=20000")  # chunks of ~100 lines
     try:
-        start_all([solo])
-        solo.ok("group", "create", "g")
-        send = subprocess.Popen([*ZEROCOMM, "--config", str(solo.config), "--json", "send", "g", "-"],
-                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        try:
-            assert send.stdin is not None
-            send.stdin.write("\n".join(lines[:150]) + "\n")  # one chunk goes out, the next waits for lines
-            send.stdin.flush()
-            wait_for(lambda: solo.run("history", "g", "--all").json_lines, 30, "the first chunk to be acknowledged")
-            wait_for(lambda: _blocked_reading_stdin(send.pid), 30, "the send to wait for more lines")
-            out, err = _interrupted(send)
-        finally:
-            if send.poll() is None:
-                send.kill()
+        out, err = _interrupted_waiting_for_stdin(solo, lines[:150])
         assert "Traceback" not in err, err
         rows = solo.run("history", "g", "--all").json_lines
         acked = len(rows)

@@ -343,24 +343,21 @@ def test_a_catch_up_that_appended_nothing_still_tells_a_restart_the_checkpoint_i
     assert sorted(ids) == ["p", "q", "r", "s"], ids
 
 
-def test_two_writers_appending_the_same_missing_rows_at_once_cannot_both_commit(spark, tmp_path, monkeypatch):
-    """append_new_rows reads the table inside its Delta transaction: the one committing second
-    conflicts (it read partitions the other wrote) instead of appending the same rows again."""
-    from delta.exceptions import ConcurrentAppendException
+def _hold_append(monkeypatch, tmp_path, message_id: str, tagged) -> tuple[str, str]:
+    """Hold the first attempt of the history append whose userMetadata ``tagged`` accepts inside its
+    Delta transaction (a UDF in a Python worker, at row ``message_id``) until a file says another
+    commit landed: returns (the file it makes when held there, the file that releases it)."""
     from pyspark.sql.types import BooleanType
 
     from zerocomm_spark.pipelines import history
 
-    table = tmp_path / "t"
-    ensure_table(spark, str(table))
-    HistoryWriter(str(table), str(checkpoint(tmp_path)))(source_rows(spark, ["a"]), 0)
-    reading, committed = str(tmp_path / "first-is-writing"), str(tmp_path / "second-committed")
+    reading, committed = str(tmp_path / "append-is-held"), str(tmp_path / "other-committed")
 
-    def gate(message_id):  # runs in a Python worker, within the first writer's Delta transaction
+    def gate(mid):
         import os
         import time
 
-        if message_id == "n":
+        if mid == message_id and not os.path.exists(committed):
             open(reading, "w").close()
             deadline = time.monotonic() + 120
             while not os.path.exists(committed) and time.monotonic() < deadline:
@@ -371,11 +368,43 @@ def test_two_writers_appending_the_same_missing_rows_at_once_cannot_both_commit(
     real_write = history._write
 
     def write(df, table_path, options, **kwargs):
-        if options.get("userMetadata") == "first:0":
+        if tagged(str(options.get("userMetadata", ""))):
             df = df.where(held_back(F.col("message_id")))
         real_write(df, table_path, options, **kwargs)
 
     monkeypatch.setattr(history, "_write", write)
+    return reading, committed
+
+
+def _commit_while_held(held: tuple[str, str], run, other_commit, what) -> None:
+    """Run ``run`` (which makes the held append) in a thread; once it is held, make ``other_commit``
+    into the same partition, release it and wait for ``run`` to end."""
+    reading, committed = held
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 120
+    while not os.path.exists(reading) and time.monotonic() < deadline and thread.is_alive():
+        time.sleep(0.1)
+    assert os.path.exists(reading), what()
+    try:
+        other_commit()
+    finally:
+        open(committed, "w").close()
+    thread.join(180)
+    assert not thread.is_alive()
+
+
+def test_two_writers_appending_the_same_missing_rows_at_once_cannot_both_commit(spark, tmp_path, monkeypatch):
+    """append_new_rows reads the table inside its Delta transaction: the one committing second
+    conflicts (it read partitions the other wrote) instead of appending the same rows again."""
+    from delta.exceptions import ConcurrentAppendException
+
+    from zerocomm_spark.pipelines import history
+
+    table = tmp_path / "t"
+    ensure_table(spark, str(table))
+    HistoryWriter(str(table), str(checkpoint(tmp_path)))(source_rows(spark, ["a"]), 0)
+    held = _hold_append(monkeypatch, tmp_path, "n", lambda tag: tag == "first:0")
     failed: list[BaseException] = []
 
     def first() -> None:
@@ -385,19 +414,9 @@ def test_two_writers_appending_the_same_missing_rows_at_once_cannot_both_commit(
         except BaseException as exc:  # noqa: BLE001 - looked at below
             failed.append(exc)
 
-    thread = threading.Thread(target=first, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 120
-    while not os.path.exists(reading) and time.monotonic() < deadline and thread.is_alive():
-        time.sleep(0.1)
-    assert os.path.exists(reading), "the first writer never reached its append"
-    try:
-        history.append_new_rows(history.to_history(source_rows(spark, ["a", "n"])), str(table),
-                                {"userMetadata": "second:0"})
-    finally:
-        open(committed, "w").close()
-    thread.join(180)
-    assert not thread.is_alive()
+    _commit_while_held(held, first, lambda: history.append_new_rows(
+        history.to_history(source_rows(spark, ["a", "n"])), str(table), {"userMetadata": "second:0"}),
+        lambda: "the first writer never reached its append")
     assert len(failed) == 1 and isinstance(failed[0], ConcurrentAppendException), failed
     assert sorted(table_ids(spark, table)) == ["a", "n"]
 
@@ -614,36 +633,12 @@ def test_a_restore_delivered_while_the_ingest_appends_to_the_same_partition_is_n
     commit into one of them meanwhile made Delta refuse the sink's commit, and restore() ended in
     Delta's ConcurrentAppendException after the whole exchange, nothing delivered. The sink reads
     again and appends what the table still lacks."""
-    from pyspark.sql.types import BooleanType
-
-    from zerocomm_spark.pipelines import history
     from zerocomm_spark.pipelines.restore import ArrowProvider, DeltaSink, restore
 
     table = tmp_path / "t"
     ingest = HistoryWriter(str(table), str(checkpoint(tmp_path)))
     ingest(source_rows(spark, ["a"]), 0)
-    reading, committed = str(tmp_path / "sink-is-writing"), str(tmp_path / "ingest-committed")
-
-    def gate(message_id):  # in a Python worker, within the sink's Delta transaction (its first attempt)
-        import os
-        import time
-
-        if message_id == "r2" and not os.path.exists(committed):
-            open(reading, "w").close()
-            deadline = time.monotonic() + 120
-            while not os.path.exists(committed) and time.monotonic() < deadline:
-                time.sleep(0.05)
-        return True
-
-    held_back = F.udf(gate, BooleanType())
-    real_write = history._write
-
-    def write(df, table_path, options, **kwargs):
-        if str(options.get("userMetadata", "")).startswith("zerocomm-restore-"):
-            df = df.where(held_back(F.col("message_id")))
-        real_write(df, table_path, options, **kwargs)
-
-    monkeypatch.setattr(history, "_write", write)
+    held = _hold_append(monkeypatch, tmp_path, "r2", lambda tag: tag.startswith("zerocomm-restore-"))
     outcome: list = []
 
     def run_restore() -> None:
@@ -653,18 +648,8 @@ def test_a_restore_delivered_while_the_ingest_appends_to_the_same_partition_is_n
         except BaseException as exc:  # noqa: BLE001 - looked at below
             outcome.append(exc)
 
-    thread = threading.Thread(target=run_restore, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 120
-    while not os.path.exists(reading) and time.monotonic() < deadline and thread.is_alive():
-        time.sleep(0.1)
-    assert os.path.exists(reading), f"the sink never reached its append: {outcome}"
-    try:
-        ingest(source_rows(spark, ["b"]), 1)  # the same (group, date) partition
-    finally:
-        open(committed, "w").close()
-    thread.join(180)
-    assert not thread.is_alive()
+    _commit_while_held(held, run_restore, lambda: ingest(source_rows(spark, ["b"]), 1),  # the same partition
+                       lambda: f"the sink never reached its append: {outcome}")
     assert len(outcome) == 1 and not isinstance(outcome[0], BaseException), outcome
     assert outcome[0].delivered == 2
     assert sorted(table_ids(spark, table)) == ["a", "b", "r1", "r2"]
@@ -689,36 +674,11 @@ def test_an_ingest_catching_up_while_another_writer_commits_to_the_same_partitio
     """An ingest whose checkpoint is behind the table appends only rows the table lacks, reading the
     partitions it writes to: a commit into one of them meanwhile (a restore's sink, compact) made Delta
     refuse the batch and the streaming query failed with ConcurrentAppendException. It reads again."""
-    from pyspark.sql.types import BooleanType
-
-    from zerocomm_spark.pipelines import history
-
     table, ck = tmp_path / "t", checkpoint(tmp_path)
     first = HistoryWriter(str(table), str(ck))
     first(source_rows(spark, ["a"]), 0)
     first(source_rows(spark, ["b"]), 1)
-    reading, committed = str(tmp_path / "catching-up"), str(tmp_path / "other-committed")
-
-    def gate(message_id):  # in a Python worker, within the catch-up's Delta transaction (its first attempt)
-        import os
-        import time
-
-        if message_id == "n" and not os.path.exists(committed):
-            open(reading, "w").close()
-            deadline = time.monotonic() + 120
-            while not os.path.exists(committed) and time.monotonic() < deadline:
-                time.sleep(0.05)
-        return True
-
-    held_back = F.udf(gate, BooleanType())
-    real_write = history._write
-
-    def write(df, table_path, options, **kwargs):
-        if str(options.get("userMetadata", "")).endswith(":behind"):
-            df = df.where(held_back(F.col("message_id")))
-        real_write(df, table_path, options, **kwargs)
-
-    monkeypatch.setattr(history, "_write", write)
+    held = _hold_append(monkeypatch, tmp_path, "n", lambda tag: tag.endswith(":behind"))
     failed: list[BaseException] = []
     again = HistoryWriter(str(table), str(ck))  # the checkpoint put back: batch 0 again, re-planned
 
@@ -728,17 +688,8 @@ def test_an_ingest_catching_up_while_another_writer_commits_to_the_same_partitio
         except BaseException as exc:  # noqa: BLE001 - looked at below
             failed.append(exc)
 
-    thread = threading.Thread(target=catch_up, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 120
-    while not os.path.exists(reading) and time.monotonic() < deadline and thread.is_alive():
-        time.sleep(0.1)
-    assert os.path.exists(reading), f"the catch-up never reached its append: {failed}"
-    try:
-        HistoryWriter(str(table), str(checkpoint(tmp_path)))(source_rows(spark, ["x"]), 0)  # same partition
-    finally:
-        open(committed, "w").close()
-    thread.join(180)
-    assert not thread.is_alive()
+    _commit_while_held(held, catch_up,
+                       lambda: HistoryWriter(str(table), str(checkpoint(tmp_path)))(source_rows(spark, ["x"]), 0),
+                       lambda: f"the catch-up never reached its append: {failed}")  # the same partition
     assert failed == []
     assert sorted(table_ids(spark, table)) == ["a", "b", "n", "x"]
