@@ -774,7 +774,9 @@ def test_a_send_from_stdin_interrupted_with_ctrl_c_says_how_to_send_the_rest(tmp
     """`send -` stopped with Ctrl-C exited 130 saying nothing, though a long send is most often stopped
     that way: without the prefix, the same input sent again gave the acknowledged lines new ids and
     delivered them twice. It now says on stderr how many lines were acknowledged and the --id-prefix
-    and --skip that send the rest exactly once, and those options do."""
+    and --skip that send the rest exactly once, and those options do. With --json it printed nothing on
+    stdout, so a script had nothing to parse: it prints the error document (exit_code 130) with what
+    was acknowledged and the options that send the rest."""
     if not _syscalls_seen():
         pytest.skip("needs /proc/PID/syscall (x86_64 or aarch64 Linux) to see the sender wait for stdin")
     lines = [f"line {i:04d} " + "x" * 30 for i in range(1, 301)]
@@ -782,12 +784,25 @@ def test_a_send_from_stdin_interrupted_with_ctrl_c_says_how_to_send_the_rest(tmp
     try:
         out, err = _interrupted_waiting_for_stdin(solo, lines[:150])
         assert "Traceback" not in err, err
-        acked = len(solo.run("history", "g", "--all").json_lines)
+        acked_rows = solo.run("history", "g", "--all").json_lines
+        acked = len(acked_rows)
         assert 0 < acked < 150
         assert f"interrupted (Ctrl-C) (the first {acked} line(s) of stdin were sent and acknowledged)" in err, err
         assert "may be out" not in err, err  # nothing was in flight: it waited for stdin
         prefix = err.split("--id-prefix ", 1)[1].split()[0]
         assert f"--id-prefix {prefix} --skip {acked}" in err, err
+        said = json.loads(out)  # one document, nothing else on stdout
+        assert said["ok"] is False and said["exit_code"] == 130 and said["group"] == "g", said
+        assert said["error"]["type"] == "KeyboardInterrupt", said
+        assert said["error"]["message"] == (f"interrupted (Ctrl-C) (the first {acked} line(s) of stdin were sent and "
+                                            "acknowledged)"), said
+        assert said["acknowledged_lines"] == said["acknowledged_by_this_run"] == acked, said
+        assert said["message_ids"] == [r["message_id"] for r in acked_rows] and len(said["seqs"]) == acked, said
+        assert said["in_flight_lines"] is None, said  # it waited for stdin: nothing was out
+        assert said["id_prefix"] == prefix, said
+        assert said["resume_options"] == ["--id-prefix", prefix, "--skip", str(acked)], said
+        assert f"--id-prefix {prefix} --skip {acked}" in said["error"]["hint"], said
+        assert said["error"]["message"] in err, err  # stderr says it as before
         rest = solo.ok("send", "g", "-", "--id-prefix", prefix, "--skip", str(acked), input="\n".join(lines) + "\n",
                        timeout=120)
         assert len(rest["message_ids"]) == 300 - acked and rest["duplicates"] == 0
@@ -840,40 +855,6 @@ def test_a_send_from_stdin_interrupted_while_a_chunk_is_out_says_it_may_be_out(t
     finally:
         alice.stop()
         bob.stop()
-
-
-def test_a_send_from_stdin_interrupted_with_ctrl_c_under_json_prints_a_document_saying_how_to_resume(
-        tmp_path: Path) -> None:
-    """`send -` with --json stopped by Ctrl-C printed nothing on stdout (the resume hint went to stderr
-    only): a script using --json had nothing to parse. It prints the error document (exit_code 130)
-    with what was acknowledged and the options that send the rest exactly once; stderr still says it."""
-    if not _syscalls_seen():
-        pytest.skip("needs /proc/PID/syscall (x86_64 or aarch64 Linux) to see the sender wait for stdin")
-    lines = [f"line {i:04d} " + "x" * 30 for i in range(1, 301)]
-    solo = Member(tmp_path, "solo", "api.max_request_bytes=20000")  # chunks of ~100 lines
-    try:
-        out, err = _interrupted_waiting_for_stdin(solo, lines[:150])
-        assert "Traceback" not in err, err
-        rows = solo.run("history", "g", "--all").json_lines
-        acked = len(rows)
-        assert 0 < acked < 150
-        said = json.loads(out)  # one document, nothing else on stdout
-        assert said["ok"] is False and said["exit_code"] == 130 and said["group"] == "g", said
-        assert said["error"]["type"] == "KeyboardInterrupt", said
-        assert said["error"]["message"] == (f"interrupted (Ctrl-C) (the first {acked} line(s) of stdin were sent and "
-                                            "acknowledged)"), said
-        assert said["acknowledged_lines"] == said["acknowledged_by_this_run"] == acked, said
-        assert said["message_ids"] == [r["message_id"] for r in rows] and len(said["seqs"]) == acked, said
-        assert said["in_flight_lines"] is None, said  # it waited for stdin: nothing was out
-        prefix = said["id_prefix"]
-        assert said["resume_options"] == ["--id-prefix", prefix, "--skip", str(acked)], said
-        assert f"--id-prefix {prefix} --skip {acked}" in said["error"]["hint"], said
-        assert said["error"]["message"] in err and f"--id-prefix {prefix} --skip {acked}" in err, err  # as before
-        rest = solo.ok("send", "g", "-", *said["resume_options"], input="\n".join(lines) + "\n", timeout=120)
-        assert len(rest["message_ids"]) == 300 - acked and rest["duplicates"] == 0
-        assert [r["payload"] for r in solo.run("history", "g", "--all", timeout=60).json_lines] == lines
-    finally:
-        solo.stop()
 
 
 def test_a_single_send_interrupted_with_ctrl_c_names_its_message_id_and_how_to_send_it_exactly_once(
