@@ -202,18 +202,20 @@ def _flag_text(value: Any) -> str:
     return str(value)
 
 
-def _unknown(kind: str, name: str, known: Sequence[str]) -> ConfigurationError:
+def _unknown(kind: str, name: str, known: Sequence[str], where: str = "") -> ConfigurationError:
     close = get_close_matches(name, list(known), n=1)
     suggestion = f" (did you mean {close[0]!r}?)" if close else ""
-    return ConfigurationError(f"unknown {kind} {name!r}{suggestion}",
+    return ConfigurationError(f"unknown {kind} {name!r}{where}{suggestion}",
                               hint=f"Known {kind}s: {', '.join(known)}; see conf/zerocomm.toml")
 
 
-def _coerce(section: str, key: str, value: Any, origin: str) -> Any:
-    """``value`` as the type of the default, parsing strings from env and flags."""
+def _coerce(section: str, key: str, value: Any, origin: str, *, typed: bool = False) -> Any:
+    """``value`` as the type of the default, parsing strings from env and flags (``typed``: a TOML
+    value, whose type is its own). ``origin`` names where it came from, the file's path included:
+    an agent started by a service manager may read a file its user did not know it read."""
     default = DEFAULTS[section][key]
     name = f"{section}.{key}"
-    text = isinstance(value, str) and origin != "file"
+    text = isinstance(value, str) and not typed
     try:
         if isinstance(default, bool):
             if text:
@@ -335,13 +337,13 @@ def load(config: str | os.PathLike[str] | None = None, *, env: Mapping[str, str]
             raise ConfigurationError(f"the configuration file {path} is not valid TOML: {exc}") from None
         for section, keys in data.items():
             if section not in DEFAULTS:
-                raise _unknown("section", section, list(DEFAULTS))
+                raise _unknown("section", section, list(DEFAULTS), where=f" in {path}")
             if not isinstance(keys, dict):
                 raise ConfigurationError(f"[{section}] in {path} must be a table of settings")
             for key, value in keys.items():
                 if key not in DEFAULTS[section]:
-                    raise _unknown(f"{section} setting", key, list(DEFAULTS[section]))
-                value = _coerce(section, key, value, "file")
+                    raise _unknown(f"{section} setting", key, list(DEFAULTS[section]), where=f" in {path}")
+                value = _coerce(section, key, value, f"file {path}", typed=True)
                 if (section, key) in _PATH_SETTINGS and value and not os.path.isabs(os.path.expanduser(value)):
                     value = str(path.parent.absolute() / value)  # the file's own directory, not wherever it is run from
                 values[section][key] = value

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import tomllib
 from pathlib import Path
 
@@ -182,7 +183,7 @@ def test_waits_too_long_for_threading_are_refused_when_loaded(flag: str, tmp_pat
         cfgmod.load(None, env={var: value})
     path = tmp_path / "z.toml"
     path.write_text(f"[{section}]\n{key} = {value}\n")
-    with pytest.raises(ConfigurationError, match=rf"{name} \(from file\) must be at most"):
+    with pytest.raises(ConfigurationError, match=rf"{name} \(from file {re.escape(str(path))}\) must be at most"):
         cfgmod.load(path, env={})
     cfgmod.load(None, env={}, flags=[f"{name}={'86400000' if key.endswith('_ms') else '86400'}"])  # a day is fine
 
@@ -257,3 +258,19 @@ def test_a_zero_consumer_expiry_written_with_a_unit_still_means_never(zero: str)
     assert cfgmod.load(None, env={"ZEROCOMM_JOURNAL_CONSUMER_EXPIRY": zero}).consumer_expiry_ms is None
     with pytest.raises(ConfigurationError, match="at least 5 minutes"):  # a short one is still refused
         cfgmod.load(None, env={}, flags=["journal.consumer_expiry=1ms"])
+
+
+def test_errors_in_a_file_name_the_file(tmp_path: Path) -> None:
+    """A bad setting in a file said only "(from file)": an agent started by a service manager, or one
+    that found ~/.config/zerocomm/zerocomm.toml by itself, left its user guessing which file to edit."""
+    path = tmp_path / "site.toml"
+    path.write_text("[journal]\nfsync = \"sometimes\"\n")
+    with pytest.raises(ConfigurationError, match=rf"journal.fsync \(from file {re.escape(str(path))}\) must be one of"):
+        cfgmod.load(path, env={})
+    path.write_text("[journal]\nfsink = \"always\"\n")
+    with pytest.raises(ConfigurationError, match=rf"unknown journal setting 'fsink' in {re.escape(str(path))} "
+                                                 r"\(did you mean 'fsync'\?\)"):
+        cfgmod.load(path, env={})
+    path.write_text("[jurnal]\nfsync = \"always\"\n")
+    with pytest.raises(ConfigurationError, match=rf"unknown section 'jurnal' in {re.escape(str(path))}"):
+        cfgmod.load(path, env={})
