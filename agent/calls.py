@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from zerocomm_spark.agent.fdlimit import fd_usage
 from zerocomm_spark.agent.server import CallRegistry, Param, Request, non_empty, non_negative, positive
 from zerocomm_spark.client import PROTOCOL_VERSION, ipc_to_table, table_to_ipc
 from zerocomm_spark.errors import (
@@ -155,7 +156,7 @@ class AgentCalls:
         out = self.process.health("stopping" if self.process.stopping else "running")
         out.update(protocol=PROTOCOL_VERSION, max_request_bytes=self.process.config.get("api", "max_request_bytes"),
                    max_read_rows=self.process.config.get("api", "max_read_rows"),
-                   uptime_s=round(time.time() - self.process.started_at, 3))
+                   uptime_s=round(time.time() - self.process.started_at, 3), fds=fd_usage())
         if self.process.groups is not None:
             try:  # the largest payload a publish takes: a client can refuse a bigger row itself, naming it
                 out["max_message_bytes"] = self.process.groups.dataplane.max_payload_bytes

@@ -658,6 +658,9 @@ def cmd_agent_status(ctx: Ctx) -> int:
                  ("journal", f"offsets {journal.get('earliest_offset')}..{journal.get('next_offset')}, "
                              f"committed {journal.get('committed_offset')}" if journal else None),
                  ("heartbeat", f"{status.get('heartbeat_age_s', 0):.1f}s ago"), ("log", status.get("log_file"))]
+        fds = status.get("fds") or {}
+        if fds.get("open") is not None:
+            pairs.insert(-2, ("descriptors", f"{fds['open']} open of {fds.get('limit') or 'unlimited'}"))
         if status.get("problem"):
             pairs.append(("problem", status["problem"]))
         return render_pairs((k, v) for k, v in pairs if v is not None)

@@ -344,6 +344,9 @@ def run_foreground(config: Config, *, ready_fd: int | None = None, run_lock_fd: 
 
     agent_logging.configure(config.get("log", "level"), config.get("log", "format"), config.log_file)
     _no_core_dumps()
+    from zerocomm_spark.agent.fdlimit import raise_fd_limit
+
+    raise_fd_limit()  # before any socket: connections from the network must not exhaust 1024 descriptors
     import logging
 
     log = logging.getLogger("zerocomm_spark.agent")
