@@ -49,6 +49,7 @@ from zerocomm_spark.client import (
     error_header,
     ipc_endpoint,
 )
+from zerocomm_spark.deadlines import LISTENER_HANDSHAKE_MS
 from zerocomm_spark.errors import (
     AgentBusyError,
     AgentNotRunningError,
@@ -423,6 +424,7 @@ class ApiServer:
         tcp.curve_server = True
         tcp.curve_secretkey = self._curve_secret
         tcp.zap_domain = _ZAP_DOMAIN.encode()
+        tcp.setsockopt(zmq.HANDSHAKE_IVL, LISTENER_HANDSHAKE_MS)  # idle strangers hold no descriptor long
         try:
             tcp.bind(self.tcp_endpoint_config)
         except zmq.ZMQError as exc:

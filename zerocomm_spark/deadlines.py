@@ -10,10 +10,17 @@ import threading
 
 from zerocomm_spark.errors import InvalidTimeoutError
 
-__all__ = ["MAX_TIMEOUT", "check_timeout"]
+__all__ = ["LISTENER_HANDSHAKE_MS", "MAX_TIMEOUT", "check_timeout"]
 
 #: The longest timeout any call takes (about 146 years on 64-bit builds): far beyond any real wait.
 MAX_TIMEOUT = threading.TIMEOUT_MAX / 2
+
+#: How long a connection to a listening socket (peer ROUTER, group XPUB, API TCP) may take to finish
+#: its ZMTP/CURVE handshake before ZeroMQ drops it (ZMQ_HANDSHAKE_IVL; libzmq's default is 30 s). Anyone
+#: on the network can connect and send nothing: each such connection holds a descriptor for this long,
+#: and a process out of descriptors is aborted by libzmq when a local client connects (ipc_listener.cpp
+#: asserts on EMFILE). A real peer finishes in a few round trips, milliseconds even across regions.
+LISTENER_HANDSHAKE_MS = 5000
 
 
 def check_timeout(timeout: object, what: str = "timeout", *, only_check: bool = False) -> float:

@@ -20,6 +20,7 @@ import pytest
 
 from test_cli_support import ZEROCOMM, Member, wait_for, zerocomm
 from zerocomm_spark.client import Client
+from zerocomm_spark.deadlines import LISTENER_HANDSHAKE_MS
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.slow, pytest.mark.skipif(
     not hasattr(resource, "prlimit") or not os.path.isdir("/proc/self/fd"), reason="needs Linux's prlimit and /proc")]
@@ -85,6 +86,46 @@ def _tcp_status(health: dict[str, Any], keys: dict[str, Any]) -> dict[str, Any]:
     with Client.connect(endpoints["api_tcp"], timeout=10, server_key=endpoints["api_public_key"],
                         public_key=keys["public_key"], secret_key=keys["secret_key"]) as client:
         return client.status()
+
+
+@pytest.mark.parametrize("target", ["peer", "group", "api_tcp"])
+def test_a_flood_beyond_the_descriptor_limit_is_shed_and_the_agent_keeps_serving(tmp_path: Path, target: str) -> None:
+    m, health, keys = _flooded_member(tmp_path)
+    try:
+        pid = m.pid()
+        assert pid is not None
+        with Client.connect(health["endpoints"]["api"], timeout=10) as client:
+            before = client.status()["fds"]
+        limit = before["open"] + HEADROOM
+        resource.prlimit(pid, resource.RLIMIT_NOFILE, (limit, limit))
+        conns = _flood(health["endpoints"][target], HEADROOM + EXTRA)
+        closed: set[int] = set()
+        try:
+            assert len(conns) > HEADROOM, f"only {len(conns)} connections got in"
+            if _open_fds(pid) is not None:  # the flood really took every descriptor the agent may have
+                wait_for(lambda: (_open_fds(pid) or 0) >= limit - 1, 10, "the flood to exhaust the agent's descriptors")
+            # The agent drops every connection that does not finish its handshake in time, though the
+            # flooder holds on to them (libzmq's default, 30 s, is longer than this wait).
+            handshake_s = LISTENER_HANDSHAKE_MS / 1000
+            wait_for(lambda: _dropped(conns, closed) == len(conns), 4 * handshake_s,
+                     f"the agent to drop the {len(conns)} idle connections to its {target} endpoint")
+            assert _alive(pid)
+            # Served while the flooder still holds its connections: locally (the IPC listener that aborted
+            # the agent at EMFILE) and over TCP.
+            with Client.connect(health["endpoints"]["api"], timeout=10) as client:
+                during = client.status()["fds"]
+            assert during["limit"] == limit and during["open"] < limit - HEADROOM // 2
+            assert _tcp_status(health, keys)["label"] == "flooded"
+        finally:
+            for conn in conns:
+                conn.close()
+        status = m.ok("agent", "status")
+        assert status["responding"] and status["pid"] == pid and status["fds"]["limit"] == limit
+        human = m.run("agent", "status", json_out=False)
+        assert human.code == 0 and f"of {limit}" in human.stdout, human.stdout
+        assert "ipc_listener" not in m.log() and _alive(pid)
+    finally:
+        m.stop()
 
 
 def test_the_agent_raises_its_soft_descriptor_limit_to_the_hard_one(tmp_path: Path) -> None:

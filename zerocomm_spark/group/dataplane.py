@@ -70,7 +70,7 @@ from zmq.auth.thread import ThreadAuthenticator
 from zmq.utils.monitor import parse_monitor_message
 
 from zerocomm_spark import envelope
-from zerocomm_spark.deadlines import check_timeout
+from zerocomm_spark.deadlines import LISTENER_HANDSHAKE_MS, check_timeout
 from zerocomm_spark.errors import (
     BackpressureError,
     ConfigurationError,
@@ -1166,6 +1166,7 @@ class DataPlane:
         xpub.curve_publickey = self._curve_public
         xpub.setsockopt(zmq.HEARTBEAT_IVL, 5000)
         xpub.setsockopt(zmq.HEARTBEAT_TIMEOUT, 15000)
+        xpub.setsockopt(zmq.HANDSHAKE_IVL, LISTENER_HANDSHAKE_MS)  # idle strangers hold no descriptor long
         return xpub
 
     def _open_sub(self, sub: _Sub) -> None:

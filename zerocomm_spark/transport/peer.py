@@ -40,7 +40,7 @@ from typing import Any
 
 import zmq
 
-from zerocomm_spark.deadlines import MAX_TIMEOUT, check_timeout
+from zerocomm_spark.deadlines import LISTENER_HANDSHAKE_MS, MAX_TIMEOUT, check_timeout
 from zerocomm_spark.errors import (
     ConfigurationError,
     FrameError,
@@ -698,6 +698,7 @@ class PeerTransport:
             self._tune(router)
             router.setsockopt(zmq.ROUTER_MANDATORY, 1)  # unroutable replies raise instead of vanishing
             router.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a restarted peer with the same identity takes over
+            router.setsockopt(zmq.HANDSHAKE_IVL, LISTENER_HANDSHAKE_MS)  # idle strangers hold no descriptor long
             router.bind(self._bind)
             self._endpoint = router.getsockopt_string(zmq.LAST_ENDPOINT)
             wake_rx = ctx.socket(zmq.PAIR)
