@@ -16,11 +16,14 @@ import resource
 from typing import Any
 
 from zerocomm_spark.agent.logging import event
+from zerocomm_spark.deadlines import LISTENER_HANDSHAKE_MS
 
 __all__ = ["fd_usage", "raise_fd_limit"]
 
 log = logging.getLogger(__name__)
 
+#: Below this many descriptors the agent warns at start (systemd gives services 524288, some hosts 1024 or 4096).
+LOW_LIMIT = 16384
 # macOS refuses a soft limit above OPEN_MAX (10240) even when the hard limit is "unlimited".
 _DARWIN_OPEN_MAX = 10240
 
@@ -40,6 +43,13 @@ def raise_fd_limit() -> tuple[int, int]:
                   soft=soft, hard=hard, reason=str(exc)[:200])
         soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     event(log, logging.INFO, "open file limit", soft=soft, hard=hard, raised_from=before if soft != before else None)
+    if soft != resource.RLIM_INFINITY and soft < LOW_LIMIT:
+        # Idle connections are dropped after LISTENER_HANDSHAKE_MS: this many of them opened within that
+        # time still exhaust the agent, a few thousand is easy for any host that reaches the peer endpoint.
+        event(log, logging.WARNING, "the open file limit is low: a flood of that many connections within the "
+              "handshake allowance exhausts the agent; raise the hard limit (LimitNOFILE= in a systemd unit, "
+              "`ulimit -Hn` in the shell that starts it)", limit=soft, recommended=LOW_LIMIT,
+              handshake_allowance_ms=LISTENER_HANDSHAKE_MS)
     return soft, hard
 
 
