@@ -965,14 +965,11 @@ def test_an_answered_request_is_not_held_until_its_deadline(monkeypatch: pytest.
         assert len(cli._deadlines) <= 2 * cli.stats()["pending"] + 8 + 1
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "c062ecf's reset of a silent peer's connection was reverted: a silent live peer (a slow handler) and a "
-    "down one cannot be told apart without the connection's state, and resetting cut calls the live peer "
-    "had received and ran (test_a_short_call_expiring_does_not_cut_a_slow_live_peers_other_calls)"))
 def test_requests_that_timed_out_on_a_dead_peer_are_not_run_when_it_comes_back() -> None:
     """ZeroMQ kept every frame for an unreachable peer queued on its DEALER (up to 10,000, each up to
     max_frame_bytes: 100 timed-out 1 MiB requests held 100 MB) and delivered them all once a peer
-    listened there again, so requests whose callers had been told PeerTimeoutError still ran."""
+    listened there again, so requests whose callers had been told PeerTimeoutError still ran. A call
+    expiring with its peer silent now sets that socket aside, closed with what it queued."""
     endpoint = _free_port_endpoint()
     ran: list[bytes] = []
     with PeerTransport() as caller:
@@ -1004,6 +1001,53 @@ def test_a_peer_that_answers_nothing_cuts_off_the_calls_waiting_on_it(client: Pe
         with pytest.raises(PeerUnreachableError, match="answered nothing"):
             long.result(timeout=5)
         assert time.monotonic() - start < 2
+
+
+def test_a_ping_to_a_down_peer_fails_at_its_deadline_and_leaves_nothing_queued(client: PeerTransport) -> None:
+    """Keepalive pings (the data plane's) and one-way frames to a member that is down stayed queued
+    on its socket and were all delivered when a peer listened there again, however old."""
+    endpoint = _free_port_endpoint()
+    client.send(endpoint, ECHO, b"stale one-way")
+    start = time.monotonic()
+    with pytest.raises(PeerTimeoutError):
+        client.ping(endpoint, timeout=0.3)
+    assert time.monotonic() - start < 1.5
+    time.sleep(0.2)  # the IO thread sets the socket aside in the turn that expired the ping
+    ctx = zmq.Context()
+    router = ctx.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    try:
+        router.bind(endpoint)
+        fresh = client.ping_async(endpoint, timeout=5)
+        got: list[tuple[bytes, bytes]] = []
+        while router.poll(500):  # everything that arrives within 0.5 s of the last frame
+            identity, frame = router.recv_multipart()
+            got.append((identity, frame))
+        assert [type(decode(frame)) for _, frame in got] == [Ping]  # the fresh ping, nothing older
+        identity, frame = got[0]
+        router.send_multipart([identity, encode(Pong(decode(frame).nonce))])  # type: ignore[union-attr]
+        assert fresh.result(timeout=5) < 5
+    finally:
+        router.close(linger=0)
+        ctx.term()
+    assert client.stats()["dealers_reset"] == 1
+
+
+def test_a_socket_set_aside_for_a_slow_live_peer_is_closed_once_its_calls_end(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A silent expiry sets the socket aside (a down peer would get its frames later); when the peer
+    was only slow, the calls written on it still get their answers there, and then it is closed."""
+    monkeypatch.setattr(peer_module, "_RETIRED_GRACE_S", 0.3)
+    with PeerTransport(workers=4) as srv, PeerTransport() as cli:
+        srv.register(ECHO, rpc=lambda payload, peer: (time.sleep(0.6), b"done:" + payload)[1])
+        long = cli.request_async(srv.endpoint, ECHO, b"long", timeout=10)
+        with pytest.raises(PeerTimeoutError):
+            cli.request(srv.endpoint, ECHO, b"short", timeout=0.2)
+        assert cli.stats()["dealers_reset"] == 1
+        assert cli.request(srv.endpoint, ECHO, b"next", timeout=5) == b"done:next"  # on a new socket
+        assert long.result(timeout=5) == b"done:long"  # on the old one
+        _wait_until(lambda: not cli._retired)
+        assert srv.stats()["dropped_out"] == 0  # the late answer to short was taken too
 
 
 def test_a_peer_that_answers_some_calls_keeps_its_connection(client: PeerTransport) -> None:

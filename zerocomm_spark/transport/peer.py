@@ -13,6 +13,11 @@ Why this shape:
   handler never stalls the listener and no sender's flood holds up the others.
 * Every wait has a deadline: requests and pings expire in the IO loop itself, sockets close with a
   bounded LINGER and close() joins threads with a timeout.
+* A call that expires with nothing heard from its peer since it was written sets that peer's socket
+  aside (new frames go on a new one): a down peer would otherwise be handed, when it came back, every
+  frame ZeroMQ queued for it meanwhile, timed-out requests included. The old socket stays only to
+  read the answers of the calls written on it (a slow live peer is silent too), then closes with
+  what it queues.
 * close() drains before it stops: what was read before it is handled and answered while its deadline
   allows (what is left then is refused, so no caller waits for its own deadline), and what arrives
   during it is refused, not handled.
@@ -94,6 +99,13 @@ _EVICT_LINGER_MS = 500
 #: a socket, a file descriptor and a reconnect attempt every few seconds until _MAX_DEALERS others
 #: pushed it out, and ~800 such descriptors are most of a default 1024 limit.
 _IDLE_S = 120.0
+#: Set-aside outbound sockets kept open at once (each only until the calls written on it end); past
+#: it a silent peer's socket is kept in use, as before (its queued frames may still run if it returns).
+_MAX_RETIRED = 64
+_RETIRED_CHECK_S = 0.1  # how often set-aside sockets are checked for calls still written on them
+#: A set-aside socket whose peer spoke after all (a live, slow peer) stays open this long after the last
+#: frame read on it, so late answers to its expired calls are not refused by the peer's ROUTER.
+_RETIRED_GRACE_S = 5.0
 _MAX_BACKLOG = 10_000  # queued inbound jobs; beyond it the ROUTER is not read (TCP back-pressure)
 #: Payload bytes of queued inbound jobs beyond which the ROUTER is not read either: counted in jobs
 #: alone, large frames from anyone (the socket is unauthenticated) could queue 10,000 x 16 MiB.
@@ -128,6 +140,7 @@ class _Pending:
     deadline: float
     what: str  # for error messages only, never the payload
     sent_at: float | None = None
+    conn: int = 0  # the outbound socket it was written on (_conn), 0 until written
     token: int = 0  # its entry in the deadline heap (which holds no reference to it, nor to its future)
 
 
@@ -170,6 +183,7 @@ class _Stats:
     timeouts: int = 0
     dropped_out: int = 0
     dealers_evicted: int = 0  # outbound sockets closed to stay under _MAX_DEALERS or idle for _IDLE_S
+    dealers_reset: int = 0  # outbound sockets set aside when a call expired with the peer silent (_retire_silent)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def add(self, **delta: int) -> None:
@@ -367,6 +381,13 @@ class PeerTransport:
         self._endpoint: str | None = None
         self._used: dict[str, float] = {}  # per endpoint with a DEALER: its last frame either way
         self._next_sweep = 0.0
+        # IO thread only. Each outbound socket's number (what _Pending.conn names), when a frame was
+        # last read on it, and the set-aside ones (endpoint, when set aside): see _retire_silent.
+        self._conn_ids = itertools.count(1)
+        self._conn: dict[zmq.Socket[bytes], int] = {}
+        self._heard: dict[int, float] = {}
+        self._retired: dict[zmq.Socket[bytes], tuple[str, float]] = {}
+        self._next_retired_check = 0.0
 
     # --- lifecycle --------------------------------------------------------------------------
 
@@ -614,6 +635,7 @@ class PeerTransport:
                 "timeouts": s.timeouts,
                 "dropped_out": s.dropped_out,
                 "dealers_evicted": s.dealers_evicted,
+                "dealers_reset": s.dealers_reset,
             }
         with self._lock:
             out["pending"] = len(self._pending)
@@ -733,7 +755,8 @@ class PeerTransport:
                 for sock in [s for s in events if s in by_socket]:
                     self._read_dealer(sock, by_socket[sock])
                 self._flush(router, dealers, by_socket, poller)
-                self._expire()
+                self._retire_silent(self._expire(), dealers, by_socket, poller)
+                self._close_retired(by_socket, poller)
                 self._close_idle(dealers, by_socket, poller)
                 self._warn.flush()
             # Orderly stop: push out what was queued before close(), then let LINGER deliver it.
@@ -746,7 +769,7 @@ class PeerTransport:
             with self._lock:
                 self._outbox_closed = True
             linger = int(max(0.0, min(_LINGER_MS / 1000, self._close_deadline - time.monotonic())) * 1000)
-            for sock in [*dealers.values(), router]:
+            for sock in [*dealers.values(), *self._retired, router]:
                 sock.close(linger=linger)
             wake_rx.close(linger=0)
 
@@ -810,6 +833,7 @@ class PeerTransport:
             self._evict_dealer(dealers, by_socket, poller)
         dealers[endpoint] = sock
         by_socket[sock] = endpoint
+        self._conn[sock] = next(self._conn_ids)
         self._used[endpoint] = time.monotonic()
         poller.register(sock, zmq.POLLIN)
         return sock
@@ -832,6 +856,7 @@ class PeerTransport:
         sock = dealers.pop(endpoint)
         by_socket.pop(sock, None)
         self._used.pop(endpoint, None)
+        self._heard.pop(self._conn.pop(sock, 0), None)
         poller.unregister(sock)
         sock.close(linger=linger)  # with linger, what it still queues (acks, answers) may yet go out
 
@@ -882,12 +907,15 @@ class PeerTransport:
                 continue
             if item.pending is not None:
                 item.pending.sent_at = time.monotonic()
+                if item.identity is None:
+                    item.pending.conn = self._conn[sock]
             if item.frame[0] == MessageType.ERROR:
                 self._stats.add(frames_out=1, bytes_out=len(item.frame), errors_out=1)
             else:
                 self._stats.add(frames_out=1, bytes_out=len(item.frame))
 
-    def _expire(self) -> None:
+    def _expire(self) -> list[_Pending]:
+        """Fail the calls whose deadline passed; returns them (for _retire_silent)."""
         now = time.monotonic()
         expired: list[_Pending] = []
         with self._lock:
@@ -899,6 +927,65 @@ class PeerTransport:
             if not p.future.done():
                 self._stats.add(timeouts=1)  # counted first, so a woken caller already sees it
                 _fail(p.future, PeerTimeoutError(f"no answer to {p.what} before the deadline"))
+        return expired
+
+    def _retire_silent(self, expired: list[_Pending], dealers: dict[str, zmq.Socket[bytes]],
+                       by_socket: dict[zmq.Socket[bytes], str], poller: zmq.Poller) -> None:
+        """A call expired and nothing was read from its peer since it was written: the peer may be
+        down, and then ZeroMQ keeps every frame written to it (up to _HWM, each up to max_frame_bytes)
+        and delivers them all when a peer listens there again: requests whose callers were told
+        PeerTimeoutError would still run. So its socket is set aside: later frames go on a new one,
+        and the old one is kept only to read answers to the calls written on it (a live peer whose
+        handler is slow is silent too: its calls must not be cut, c062ecf/503881b), then closed with
+        what it still queues (_close_retired).
+
+        Not ZMQ_IMMEDIATE, which would queue nothing for a down peer: with it libzmq discards the
+        frames a socket received but the IO thread had not yet read when the connection drops, so a
+        peer's last answers before it closed were lost (about 1 in 10 on loopback even with the IO
+        thread idle; see f508682 for the same loss in the client)."""
+        for p in expired:
+            sock = dealers.get(p.endpoint)
+            if sock is None or p.sent_at is None or self._conn.get(sock) != p.conn:
+                continue  # never written, or on a socket already set aside or closed
+            self._read_dealer(sock, p.endpoint)  # an answer that came after the poll is the peer speaking
+            if self._heard.get(p.conn, float("-inf")) >= p.sent_at or dealers.get(p.endpoint) is not sock:
+                continue  # a slow call, not a silent peer
+            if len(self._retired) >= _MAX_RETIRED:
+                self._warn("kept the socket to silent peer %.200r: %d others are set aside already",
+                           p.endpoint, len(self._retired))
+                continue
+            dealers.pop(p.endpoint)
+            self._used.pop(p.endpoint, None)
+            self._retired[sock] = (p.endpoint, time.monotonic())
+            self._next_retired_check = 0.0  # closed this turn if no other call was written on it
+            self._stats.add(dealers_reset=1)
+            log.debug("%s expired with %s silent: its socket is set aside", p.what, p.endpoint)
+
+    def _close_retired(self, by_socket: dict[zmq.Socket[bytes], str], poller: zmq.Poller) -> None:
+        """Close the set-aside sockets with no call written on them still waiting. What one still
+        queues is dropped (LINGER 0) unless its peer spoke after it was set aside: then it is live, it
+        is closed only once quiet for _RETIRED_GRACE_S, and one-way frames behind the calls may still
+        go out within _EVICT_LINGER_MS."""
+        now = time.monotonic()
+        if not self._retired or now < self._next_retired_check:
+            return
+        self._next_retired_check = now + _RETIRED_CHECK_S
+        with self._lock:
+            waiting = {p.conn for p in self._pending.values()}
+        for sock, (_, since) in list(self._retired.items()):
+            conn = self._conn[sock]
+            if conn in waiting:
+                continue
+            heard = self._heard.get(conn, float("-inf"))
+            live = heard >= since
+            if live and now - heard < _RETIRED_GRACE_S:
+                continue
+            del self._retired[sock]
+            by_socket.pop(sock, None)
+            self._conn.pop(sock, None)
+            self._heard.pop(conn, None)
+            poller.unregister(sock)
+            sock.close(linger=_EVICT_LINGER_MS if live else 0)
 
     def _resolve(
         self, key: tuple[str, int, int], pending: _Pending, outcome: BaseException | None, value: Any = None
@@ -1079,7 +1166,10 @@ class PeerTransport:
                 parts, count, size = self._recv_message(sock, 0)
             except zmq.Again:
                 return
-            self._used[endpoint] = time.monotonic()
+            now = time.monotonic()
+            self._heard[self._conn.get(sock, 0)] = now
+            if endpoint in self._used:  # not for a set-aside socket whose endpoint has no other
+                self._used[endpoint] = now
             if self._over_bound(count, size, endpoint):
                 continue
             try:
