@@ -1050,6 +1050,27 @@ def test_a_socket_set_aside_for_a_slow_live_peer_is_closed_once_its_calls_end(
         assert srv.stats()["dropped_out"] == 0  # the late answer to short was taken too
 
 
+def test_the_last_answers_of_a_peer_that_closes_reach_a_caller_whose_io_thread_was_busy() -> None:
+    """Why the outbound sockets do not set ZMQ_IMMEDIATE (which would queue nothing for a down peer):
+    with it libzmq drops what a socket received but had not read yet when the connection drops, so an
+    answer that came while the IO thread was busy (in a done callback) was lost when its peer closed
+    right after sending it: the caller waited out its deadline."""
+    with PeerTransport() as q, PeerTransport() as cli:
+        srv = PeerTransport().start()
+        try:
+            srv.register(ECHO, rpc=lambda payload, peer: (time.sleep(0.3), b"S:" + payload)[1])
+            q.register(ECHO, rpc=lambda payload, peer: (time.sleep(0.1), b"Q:" + payload)[1])
+            assert cli.request(srv.endpoint, ECHO, b"warm-up", timeout=5) == b"S:warm-up"
+            x = cli.request_async(q.endpoint, ECHO, b"x", timeout=10)
+            x.add_done_callback(lambda f: time.sleep(1.0))  # cli's IO thread busy from ~0.1 s to ~1.1 s
+            last = cli.request_async(srv.endpoint, ECHO, b"last", timeout=10)
+            _wait_until(lambda: srv.stats()["frames_out"] >= 2)  # its answer left at ~0.3 s
+            srv.close()  # before cli read it
+            assert last.result(timeout=5) == b"S:last"
+        finally:
+            srv.close()
+
+
 def test_a_peer_that_answers_some_calls_keeps_its_connection(client: PeerTransport) -> None:
     """A call that expires while the peer answers others is only a slow call: nothing else is cut off."""
     with _fake_peer() as (router, endpoint):
