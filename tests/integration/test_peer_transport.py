@@ -984,9 +984,11 @@ def test_requests_that_timed_out_on_a_dead_peer_are_not_run_when_it_comes_back()
 
 
 @pytest.mark.xfail(strict=True, reason=(
-    "c062ecf's reset of a silent peer's connection was reverted: a silent live peer (a slow handler) and a "
-    "down one cannot be told apart without the connection's state, and resetting cut calls the live peer "
-    "had received and ran (test_a_short_call_expiring_does_not_cut_a_slow_live_peers_other_calls)"))
+    "not a goal any more: a silent live peer (a slow handler) and a down one cannot be told apart at an "
+    "expiry, and cutting the other calls cut ones the live peer was running (c062ecf, reverted in 503881b; "
+    "test_a_short_call_expiring_does_not_cut_a_slow_live_peers_other_calls). A silent expiry now only sets "
+    "the socket aside: new frames go on a new one, the calls written on the old one still wait for their "
+    "answers or deadlines (test_a_socket_set_aside_for_a_slow_live_peer_is_closed_once_its_calls_end)"))
 def test_a_peer_that_answers_nothing_cuts_off_the_calls_waiting_on_it(client: PeerTransport) -> None:
     """A call expired with nothing heard from the peer since it was sent: the other calls written to
     that peer fail at once (their answers can no longer come) instead of at their own deadlines."""
