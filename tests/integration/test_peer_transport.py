@@ -1005,9 +1005,15 @@ def test_a_peer_that_answers_nothing_cuts_off_the_calls_waiting_on_it(client: Pe
         assert time.monotonic() - start < 2
 
 
-def test_a_ping_to_a_down_peer_fails_at_its_deadline_and_leaves_nothing_queued(client: PeerTransport) -> None:
+def test_a_ping_to_a_down_peer_fails_at_its_deadline_and_leaves_nothing_queued() -> None:
     """Keepalive pings (the data plane's) and one-way frames to a member that is down stayed queued
-    on its socket and were all delivered when a peer listened there again, however old."""
+    on its socket and were all delivered when a peer listened there again, however old. (A random
+    routing id per connection, as members use: with a configured one nothing is set aside.)"""
+    with PeerTransport() as client:
+        _ping_a_down_peer(client)
+
+
+def _ping_a_down_peer(client: PeerTransport) -> None:
     endpoint = _free_port_endpoint()
     client.send(endpoint, ECHO, b"stale one-way")
     start = time.monotonic()
@@ -1072,6 +1078,36 @@ def test_the_last_answers_of_a_peer_that_closes_reach_a_caller_whose_io_thread_w
             assert last.result(timeout=5) == b"S:last"
         finally:
             srv.close()
+
+
+def test_with_a_configured_identity_a_silent_expiry_does_not_cut_off_the_frames_that_follow(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Setting a socket aside opens a second one to the same peer; with a configured identity both
+    carry the same routing id, and the peer's ROUTER (ROUTER_HANDOVER) gives it to whichever connects
+    last. The set-aside one, whose reconnect back-off had grown while the peer was down, connected
+    after the new one and took the id: the new socket was cut off (every one-way lost, requests timed
+    out) for 15-20 s, well after the set-aside one was closed. With an identity nothing is set aside."""
+    monkeypatch.setattr(peer_module, "_RETIRED_GRACE_S", 0.3)
+    endpoint = _free_port_endpoint()
+    got: list[bytes] = []
+    with PeerTransport(identity=b"member-A") as cli:
+        on_first = cli.request_async(endpoint, ECHO, b"on-first", timeout=3.5)
+        with pytest.raises(PeerTimeoutError):
+            cli.request(endpoint, ECHO, b"stale", timeout=0.3)
+        time.sleep(1.7)  # the first socket's reconnect back-off grows meanwhile (100 ms doubling)
+        cli.send(endpoint, ECHO, b"first-after")  # a second socket, if the first was set aside
+        time.sleep(0.05)
+        with PeerTransport(bind=endpoint) as srv:
+            srv.register(ECHO, rpc=_echo, direct=lambda payload, peer: got.append(payload))
+            assert on_first.result(timeout=5) == b"echo:on-first"
+            _wait_until(lambda: not cli._retired)
+            time.sleep(0.3)  # the set-aside socket (if any) is gone for good
+            sent = [b"oneway%02d" % i for i in range(10)]
+            for payload in sent:
+                cli.send(endpoint, ECHO, payload)
+            assert cli.request(endpoint, ECHO, b"after", timeout=3) == b"echo:after"
+            _wait_until(lambda: all(p in got for p in sent), timeout=3)
+        assert cli.stats()["dealers_reset"] == 0
 
 
 def test_a_peer_that_answers_some_calls_keeps_its_connection(client: PeerTransport) -> None:

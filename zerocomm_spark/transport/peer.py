@@ -14,8 +14,9 @@ Why this shape:
 * Every wait has a deadline: requests and pings expire in the IO loop itself, sockets close with a
   bounded LINGER and close() joins threads with a timeout.
 * A call that expires with nothing heard from its peer since it was written sets that peer's socket
-  aside (new frames go on a new one): a down peer would otherwise be handed, when it came back, every
-  frame ZeroMQ queued for it meanwhile, timed-out requests included. The old socket stays only to
+  aside (new frames go on a new one; not with a configured identity, see _retire_silent): a down peer
+  would otherwise be handed, when it came back, every frame ZeroMQ queued for it meanwhile, timed-out
+  requests included. The old socket stays only to
   read the answers of the calls written on it (a slow live peer is silent too), then closes with
   what it queues.
 * close() drains before it stops: what was read before it is handled and answered while its deadline
@@ -319,6 +320,8 @@ class PeerTransport:
     member. ``identity`` is this transport's routing id at other members; when omitted each outbound
     connection gets its own random one, so no peer learns an id it could present to another peer
     (whose ROUTER would hand it our replies). Two live transports must not share a configured one.
+    With a configured one, a call expiring on a silent peer does not set its socket aside (see
+    _retire_silent): requests that timed out on a down peer may still run when it comes back.
     One DEALER is kept per remote endpoint, at most _MAX_DEALERS (the least recently used idle one
     is closed to make room).
     """
@@ -942,7 +945,16 @@ class PeerTransport:
         Not ZMQ_IMMEDIATE, which would queue nothing for a down peer: with it libzmq discards the
         frames a socket received but the IO thread had not yet read when the connection drops, so a
         peer's last answers before it closed were lost (about 1 in 10 on loopback even with the IO
-        thread idle; see f508682 for the same loss in the client)."""
+        thread idle; see f508682 for the same loss in the client).
+
+        Not with a configured ``identity``: the set-aside socket and its replacement would share a
+        routing id, and the peer's ROUTER (ROUTER_HANDOVER) gives it to whichever connects last. The
+        set-aside one, its reconnect back-off grown while the peer was down, connects after the new one
+        and takes the id: the new socket is cut off (its one-ways lost, its requests unanswered) for
+        15-20 s, long after the old one closed. Such a transport keeps its socket, as before 93d3064
+        (what it queued for a down peer is delivered when that peer returns)."""
+        if self._identity is not None:
+            return
         for p in expired:
             sock = dealers.get(p.endpoint)
             if sock is None or p.sent_at is None or self._conn.get(sock) != p.conn:
