@@ -183,6 +183,7 @@ class _Stats:
     handler_errors: int = 0
     timeouts: int = 0
     dropped_out: int = 0
+    answers_undeliverable: int = 0  # answers whose caller's socket was gone (its call ended): not in dropped_out
     dealers_evicted: int = 0  # outbound sockets closed to stay under _MAX_DEALERS or idle for _IDLE_S
     dealers_reset: int = 0  # outbound sockets set aside when a call expired with the peer silent (_retire_silent)
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -194,6 +195,8 @@ class _Stats:
 
 
 _RPC, _PING = 0, 1  # kinds in pending keys
+#: What the ROUTER sends: answers to a caller's frame (an unroutable one means that caller is gone).
+_ANSWERS = frozenset({MessageType.RPC_RESPONSE, MessageType.PONG, MessageType.ERROR})
 
 
 _InboxItem = tuple[int, int, "_Job | None"]  # (-priority, seq, job); None is a worker's stop sentinel
@@ -637,6 +640,7 @@ class PeerTransport:
                 "handler_errors": s.handler_errors,
                 "timeouts": s.timeouts,
                 "dropped_out": s.dropped_out,
+                "answers_undeliverable": s.answers_undeliverable,
                 "dealers_evicted": s.dealers_evicted,
                 "dealers_reset": s.dealers_reset,
             }
@@ -900,6 +904,14 @@ class PeerTransport:
                     sock = self._connect(item.endpoint, dealers, by_socket, poller)
                     sock.send(item.frame, zmq.NOBLOCK)
             except Exception as exc:  # noqa: BLE001 - one bad item is dropped, the IO thread goes on
+                if (item.identity is not None and isinstance(exc, zmq.ZMQError) and exc.errno == zmq.EHOSTUNREACH
+                        and item.frame[0] in _ANSWERS):
+                    # The caller's socket is gone: its call ended (timed out, or its socket was set
+                    # aside and closed, or it closed). Normal for a slow handler, not a fault here.
+                    self._stats.add(answers_undeliverable=1)
+                    log.debug("an answer (%d bytes) to %s was not delivered: its caller's socket is gone",
+                              len(item.frame), _fmt_id(item.identity))
+                    continue
                 self._stats.add(dropped_out=1)
                 target = item.endpoint or _fmt_id(item.identity or b"")
                 reason = exc.strerror if isinstance(exc, zmq.ZMQError) else type(exc).__name__
