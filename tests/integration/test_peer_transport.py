@@ -1021,8 +1021,8 @@ def _ping_a_down_peer(client: PeerTransport) -> None:
     with pytest.raises(PeerTimeoutError):
         client.ping(endpoint, timeout=0.3)
     assert time.monotonic() - start < 1.5
-    _wait_until(lambda: client.stats().get("dealers_reset", 1) == 1)  # set aside in the turn that expired it
-    time.sleep(0.1)  # and closed: ZeroMQ ends a closed socket's connection attempts on its own thread
+    _wait_until(lambda: client.stats()["dealers_reset"] == 1)  # set aside in the turn that expired it
+    _wait_until(lambda: client.stats()["frames_maybe_dropped"] == 2)  # and closed (the one-way and the ping)
     ctx = zmq.Context()
     router = ctx.socket(zmq.ROUTER)
     router.setsockopt(zmq.LINGER, 0)
@@ -1041,6 +1041,44 @@ def _ping_a_down_peer(client: PeerTransport) -> None:
         router.close(linger=0)
         ctx.term()
     assert client.stats()["dealers_reset"] == 1
+
+
+def test_one_ways_a_set_aside_socket_may_drop_are_counted_and_warned(caplog: pytest.LogCaptureFixture) -> None:
+    """A set-aside socket closes with LINGER 0, so one-way frames it still queued are lost: for a down
+    peer that is the point, but the peer may be live and too busy to answer (its ROUTER unread under
+    back-pressure), and nothing counted or said they were gone. Requests have their PeerTimeoutError;
+    one-ways had nothing."""
+    caplog.set_level("WARNING", logger="zerocomm_spark.transport.peer")
+    endpoint = _free_port_endpoint()
+    with PeerTransport() as cli:
+        for i in range(3):
+            cli.send(endpoint, ECHO, b"one-way %d" % i)
+        with pytest.raises(PeerTimeoutError):
+            cli.request(endpoint, ECHO, b"q", timeout=0.3)
+        _wait_until(lambda: cli.stats().get("frames_maybe_dropped") == 4)
+        assert cli.stats()["oneways_maybe_dropped"] == 3
+    assert [r.getMessage() for r in caplog.records if "may not have been delivered" in r.getMessage()] == [
+        f"closed the socket set aside for silent peer {endpoint!r}: 3 one-way frame(s) written on it since "
+        "it last answered may not have been delivered"]
+
+
+def test_frames_a_peer_answered_after_are_not_counted_as_maybe_dropped() -> None:
+    """Only what was written after the last frame read on a set-aside socket counts: the peer got
+    the rest (it answered a later frame)."""
+    with PeerTransport(workers=2) as srv, PeerTransport() as cli:
+        release = threading.Event()
+        srv.register(ECHO, rpc=lambda payload, peer: (release.wait(5) if payload == b"stuck" else None,
+                                                      b"ok:" + payload)[1],
+                     direct=lambda payload, peer: None)
+        cli.send(srv.endpoint, ECHO, b"one-way")
+        assert cli.request(srv.endpoint, ECHO, b"answered", timeout=5) == b"ok:answered"
+        try:
+            with pytest.raises(PeerTimeoutError):
+                cli.request(srv.endpoint, ECHO, b"stuck", timeout=0.3)
+            _wait_until(lambda: cli.stats()["frames_maybe_dropped"] == 1)  # the stuck request only
+            assert cli.stats()["oneways_maybe_dropped"] == 0
+        finally:
+            release.set()
 
 
 def test_a_socket_set_aside_for_a_slow_live_peer_is_closed_once_its_calls_end(

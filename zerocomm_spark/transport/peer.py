@@ -17,8 +17,9 @@ Why this shape:
   aside (new frames go on a new one; not with a configured identity, see _retire_silent): a down peer
   would otherwise be handed, when it came back, every frame ZeroMQ queued for it meanwhile, timed-out
   requests included. The old socket stays only to
-  read the answers of the calls written on it (a slow live peer is silent too), then closes with
-  what it queues.
+  read the answers of the calls written on it (a slow live peer is silent too), then closes, dropping
+  what it still queues: one-way frames too, which a live but overloaded peer then never gets
+  (stats() counts what may have been dropped, see _close_retired).
 * close() drains before it stops: what was read before it is handled and answered while its deadline
   allows (what is left then is refused, so no caller waits for its own deadline), and what arrives
   during it is refused, not handled.
@@ -186,6 +187,8 @@ class _Stats:
     answers_undeliverable: int = 0  # answers whose caller's socket was gone (its call ended): not in dropped_out
     dealers_evicted: int = 0  # outbound sockets closed to stay under _MAX_DEALERS or idle for _IDLE_S
     dealers_reset: int = 0  # outbound sockets set aside when a call expired with the peer silent (_retire_silent)
+    frames_maybe_dropped: int = 0  # written on set-aside sockets closed at LINGER 0 after their last read
+    oneways_maybe_dropped: int = 0  # the DirectSend frames among them (_close_retired)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def add(self, **delta: int) -> None:
@@ -392,6 +395,9 @@ class PeerTransport:
         self._conn_ids = itertools.count(1)
         self._conn: dict[zmq.Socket[bytes], int] = {}
         self._heard: dict[int, float] = {}
+        # Per outbound socket: frames written on it since the last frame read on it, and how many of
+        # them were one-way (what a LINGER-0 close of a set-aside socket may drop: _close_retired).
+        self._unread_out: dict[int, list[int]] = {}
         self._retired: dict[zmq.Socket[bytes], tuple[str, float]] = {}
         self._next_retired_check = 0.0
 
@@ -643,6 +649,8 @@ class PeerTransport:
                 "answers_undeliverable": s.answers_undeliverable,
                 "dealers_evicted": s.dealers_evicted,
                 "dealers_reset": s.dealers_reset,
+                "frames_maybe_dropped": s.frames_maybe_dropped,
+                "oneways_maybe_dropped": s.oneways_maybe_dropped,
             }
         with self._lock:
             out["pending"] = len(self._pending)
@@ -863,7 +871,9 @@ class PeerTransport:
         sock = dealers.pop(endpoint)
         by_socket.pop(sock, None)
         self._used.pop(endpoint, None)
-        self._heard.pop(self._conn.pop(sock, 0), None)
+        conn = self._conn.pop(sock, 0)
+        self._heard.pop(conn, None)
+        self._unread_out.pop(conn, None)
         poller.unregister(sock)
         sock.close(linger=linger)  # with linger, what it still queues (acks, answers) may yet go out
 
@@ -920,6 +930,11 @@ class PeerTransport:
                     error = PeerUnreachableError(f"cannot send to {target[:200]}: {reason}")
                     self._resolve(item.key, item.pending, error)
                 continue
+            if item.identity is None:
+                written = self._unread_out.setdefault(self._conn[sock], [0, 0])
+                written[0] += 1
+                if item.frame[0] == MessageType.DIRECT_SEND:
+                    written[1] += 1
             if item.pending is not None:
                 item.pending.sent_at = time.monotonic()
                 if item.identity is None:
@@ -989,14 +1004,21 @@ class PeerTransport:
         """Close the set-aside sockets with no call written on them still waiting. What one still
         queues is dropped (LINGER 0) unless its peer spoke after it was set aside: then it is live, it
         is closed only once quiet for _RETIRED_GRACE_S, and one-way frames behind the calls may still
-        go out within _EVICT_LINGER_MS."""
+        go out within _EVICT_LINGER_MS.
+
+        One-way frames on a socket closed with LINGER 0 may be lost: those to a down peer (the point),
+        but also those to a live peer too busy to answer the expired call (its ROUTER not read under
+        back-pressure). How many ZeroMQ still held is not known; the frames written on it after the
+        last frame read on it (an estimate: at most that many unless an earlier frame was still queued)
+        are counted in stats() (frames_maybe_dropped, oneways_maybe_dropped) and warned about when
+        one-ways are among them."""
         now = time.monotonic()
         if not self._retired or now < self._next_retired_check:
             return
         self._next_retired_check = now + _RETIRED_CHECK_S
         with self._lock:
             waiting = {p.conn for p in self._pending.values()}
-        for sock, (_, since) in list(self._retired.items()):
+        for sock, (endpoint, since) in list(self._retired.items()):
             conn = self._conn[sock]
             if conn in waiting:
                 continue
@@ -1008,8 +1030,14 @@ class PeerTransport:
             by_socket.pop(sock, None)
             self._conn.pop(sock, None)
             self._heard.pop(conn, None)
+            frames, oneways = self._unread_out.pop(conn, (0, 0))
             poller.unregister(sock)
             sock.close(linger=_EVICT_LINGER_MS if live else 0)
+            if not live and frames:
+                self._stats.add(frames_maybe_dropped=frames, oneways_maybe_dropped=oneways)
+                if oneways:
+                    self._warn("closed the socket set aside for silent peer %.200r: %d one-way frame(s) written "
+                               "on it since it last answered may not have been delivered", endpoint, oneways)
 
     def _resolve(
         self, key: tuple[str, int, int], pending: _Pending, outcome: BaseException | None, value: Any = None
@@ -1191,7 +1219,9 @@ class PeerTransport:
             except zmq.Again:
                 return
             now = time.monotonic()
-            self._heard[self._conn.get(sock, 0)] = now
+            conn = self._conn.get(sock, 0)
+            self._heard[conn] = now
+            self._unread_out.pop(conn, None)
             if endpoint in self._used:  # not for a set-aside socket whose endpoint has no other
                 self._used[endpoint] = now
             if self._over_bound(count, size, endpoint):
