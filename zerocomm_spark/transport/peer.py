@@ -16,10 +16,12 @@ Why this shape:
 * A call that expires with nothing heard from its peer since it was written sets that peer's socket
   aside (new frames go on a new one; not with a configured identity, see _retire_silent): a down peer
   would otherwise be handed, when it came back, every frame ZeroMQ queued for it meanwhile, timed-out
-  requests included. The old socket stays only to
-  read the answers of the calls written on it (a slow live peer is silent too), then closes, dropping
-  what it still queues: one-way frames too, which a live but overloaded peer then never gets
-  (stats() counts what may have been dropped, see _close_retired).
+  requests included. The old socket stays only to read the answers of the calls written on it (a
+  slow live peer is silent too), then closes, dropping what it still queues: one-way frames too,
+  which a live but overloaded peer then never gets (stats() counts what may have been dropped, see
+  _close_retired). This keeps a timed-out request from running later only when no other call was
+  waiting on that socket: while one is, the socket stays open and reconnecting, and a peer back by
+  then still gets all it queued.
 * close() drains before it stops: what was read before it is handled and answered while its deadline
   allows (what is left then is refused, so no caller waits for its own deadline), and what arrives
   during it is refused, not handled.
@@ -101,8 +103,9 @@ _EVICT_LINGER_MS = 500
 #: a socket, a file descriptor and a reconnect attempt every few seconds until _MAX_DEALERS others
 #: pushed it out, and ~800 such descriptors are most of a default 1024 limit.
 _IDLE_S = 120.0
-#: Set-aside outbound sockets kept open at once (each only until the calls written on it end); past
-#: it a silent peer's socket is kept in use, as before (its queued frames may still run if it returns).
+#: Set-aside outbound sockets kept open at once (each only until the calls written on it end, and
+#: all it queues is delivered if its peer returns before then); past it a silent peer's socket is kept
+#: in use, as before (its queued frames may still run if it returns).
 _MAX_RETIRED = 64
 _RETIRED_CHECK_S = 0.1  # how often set-aside sockets are checked for calls still written on them
 #: A set-aside socket whose peer spoke after all (a live, slow peer) stays open this long after the last
@@ -968,6 +971,12 @@ class PeerTransport:
         and the old one is kept only to read answers to the calls written on it (a live peer whose
         handler is slow is silent too: its calls must not be cut, c062ecf/503881b), then closed with
         what it still queues (_close_retired).
+
+        That holds for one call at a time. While another call written on the set-aside socket still
+        waits, the socket stays open and keeps reconnecting: a peer that returns in that window gets
+        every frame queued there, the timed-out requests included (a strict-xfail test pins it).
+        Closing it at once would need proof its frames were never delivered, so that its calls could
+        fail as not sent; the IO thread does not know whether the socket ever had a connection.
 
         Not ZMQ_IMMEDIATE, which would queue nothing for a down peer: with it libzmq discards the
         frames a socket received but the IO thread had not yet read when the connection drops, so a
