@@ -689,6 +689,27 @@ def test_a_write_failure_stops_the_journal_and_a_reopen_recovers(jdir: Path, key
                               payload=b"")]).appended == 1
 
 
+def test_a_journal_whose_directory_was_removed_refuses_appends_instead_of_writing_them_nowhere(
+        jdir: Path, key: bytes, caplog) -> None:
+    # Before, appends to the unlinked active segment succeeded: acknowledged, then gone at the next open.
+    import shutil
+
+    from zerocomm_spark.errors import JournalClosedError, JournalError
+
+    with Journal.open(jdir, key=key) as j:
+        assert j.append(rows(1, 5)).appended == 5
+        shutil.rmtree(jdir)
+        with caplog.at_level("ERROR", logger="zerocomm_spark.journal.writer"):
+            with pytest.raises(JournalError, match="was removed while the journal was open") as raised:
+                j.append(rows(6, 10))
+        assert "restart the agent" in str(raised.value)
+        assert "was removed while the journal was open" in caplog.text  # the log says why, not just the type
+        with pytest.raises(JournalClosedError):  # stopped, as after any write failure
+            j.append(rows(11, 12))
+    with Journal.open(jdir, key=key) as j:  # a new, empty journal: nothing claims rows 6-10 were kept
+        assert j.latest().next_offset == 0
+
+
 def test_reads_decrypt_runs_of_consecutive_records_per_task_and_keep_holes_apart() -> None:
     from zerocomm_spark.journal import reader
     from zerocomm_spark.journal.codec import RecordHeader

@@ -372,8 +372,10 @@ class Writer:
                 return
 
     def _fail(self, exc: BaseException, group: list[_Request]) -> None:
-        # OS errors say what to fix (disk full...); other exceptions only by type: their text could quote data.
-        detail = f"{exc.strerror or exc}" if isinstance(exc, OSError) else type(exc).__name__
+        # OS errors say what to fix (disk full...), and the journal's own errors are its words; other
+        # exceptions only by type: their text could quote data.
+        detail = (f"{exc.strerror or exc}" if isinstance(exc, OSError)
+                  else exc.message if isinstance(exc, JournalError) else type(exc).__name__)
         log.error("journal %s: writing failed, the journal stops: %s", self._journal.directory, detail)
         error = exc if isinstance(exc, JournalError) else JournalError(f"writing the journal failed: {detail}")
         with self._cond:
@@ -481,6 +483,7 @@ class Writer:
             buffers.append(frame.body)
         position = self._active.size
         _writev_all(self._fd, buffers)
+        self._check_linked()
         self._written += 1
         written = sum(frame.length for frame, _ in todo)
         self.counters["writes"] += 1
@@ -503,6 +506,19 @@ class Writer:
             if self._unstarted >= WRITEBACK_BYTES:
                 self._unstarted = 0
                 self._syncer_kick.set()
+
+    def _check_linked(self) -> None:
+        """Raise JournalError if the active segment was unlinked (its directory removed, or the file
+        deleted, under a running journal): what is written to it now is in no file a reopen finds, so
+        acknowledging it would lose it at the next restart. Checked after the write, before anyone is
+        told it is journaled; one fstat per write."""
+        if os.fstat(self._fd).st_nlink == 0:
+            raise JournalError(
+                f"the journal's active segment {self._active.path} was removed while the journal was open "
+                f"(was {self._journal.directory} deleted?); what it held is gone and nothing more is written",
+                hint="Find what deletes files there (a tmp cleaner, a cleanup script) and keep it away from the "
+                     "journal directory, then restart the agent: it opens a new journal there and publishers re-send "
+                     "what it did not acknowledge")
 
     def _roll(self) -> None:
         """Close the active segment (saving its side index) and start the next one."""
