@@ -38,7 +38,7 @@ from typing import Any
 from zerocomm_spark.agent.config import _PATH_SETTINGS, Config
 from zerocomm_spark.agent.logging import open_log_file
 from zerocomm_spark.agent.ingest import EXIT_JOURNAL_FAILED
-from zerocomm_spark.agent.runfiles import RunLock, clear_left_by, held_by, pid_alive, read_health
+from zerocomm_spark.agent.runfiles import RunLock, clear_left_by, held_by, pid_alive, read_health, serving_pid
 from zerocomm_spark.client import Client, error_header, raise_for_error
 from zerocomm_spark.errors import (
     AgentAlreadyRunningError,
@@ -404,6 +404,11 @@ def stop_agent(config: Config, timeout: float | None = None, *, force: bool = Fa
     if pid <= 0:
         raise AgentNotRunningError(f"an agent holds {config.socket_dir} but its pid file is unreadable",
                                    hint="Find it with `fuser` on the pid file and stop it by hand")
+    serving = serving_pid(config.socket_dir)
+    if serving is not None and serving != pid and held_by(config.socket_dir) is not None:
+        # The pid file's text was changed in place (the lock, and so held_by, still trusts it): the
+        # kernel's word on who serves the agent's socket decides, so no stranger is signalled.
+        pid = serving
     started = time.monotonic()
     try:
         os.kill(pid, signal.SIGTERM)

@@ -32,6 +32,7 @@ from zerocomm_spark.agent.logging import event
 from zerocomm_spark.agent.metrics import Metrics
 from zerocomm_spark.agent.runfiles import RunLock, read_health, read_pid
 from zerocomm_spark.agent.server import ApiServer, prepare_socket_dir
+from zerocomm_spark.client import PID_FILE
 from zerocomm_spark.errors import AgentAlreadyRunningError, ConfigurationError
 from zerocomm_spark.journal import Journal, journal_key
 from zerocomm_spark.member import Agent
@@ -200,6 +201,12 @@ class AgentProcess:
                 self.run_files_lost = True
                 self.stop(f"its {lost} in {self.config.socket_dir} was removed or replaced")
                 break
+            try:
+                if self._lock is not None and self._lock.keep_named():
+                    event(log, logging.WARNING, "the pid file no longer named this agent (changed in place); "
+                          "it names it again", pid_file=str(self.config.socket_dir / PID_FILE))
+            except OSError as exc:
+                log.warning("cannot check the pid file: %s", exc.strerror)
             try:
                 self.write_health("running")
             except OSError as exc:

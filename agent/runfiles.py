@@ -13,12 +13,14 @@ import errno
 import fcntl
 import json
 import os
+import socket
 import stat
+import struct
 import time
 from pathlib import Path
 from typing import Any
 
-from zerocomm_spark.client import HEALTH_FILE, PID_FILE
+from zerocomm_spark.client import HEALTH_FILE, PID_FILE, SOCKET_NAME
 from zerocomm_spark.errors import (
     AgentAlreadyRunningError,
     AgentStartError,
@@ -27,7 +29,7 @@ from zerocomm_spark.errors import (
 )
 
 __all__ = ["RunLock", "clear_left_by", "identity_in_use", "read_health", "read_pid", "held_by", "pid_alive",
-           "still_at", "write_json_atomic"]
+           "serving_pid", "still_at", "write_json_atomic"]
 
 
 def write_json_atomic(path: Path, data: dict[str, Any]) -> None:
@@ -102,6 +104,28 @@ def held_by(run_dir: Path) -> int | None:
         return None
     finally:
         os.close(fd)
+
+
+def serving_pid(run_dir: Path, timeout: float = 2.0) -> int | None:
+    """The pid of the process listening on the run directory's API socket, as the kernel says it
+    (SO_PEERCRED: the process that listened), or None when nothing listens there or it cannot be told.
+
+    A second opinion on the pid file, whose text anyone with write access to it could have changed in
+    place (the lock stays held, so held_by still trusts it): ``agent stop`` signals the agent that
+    serves, not whatever pid the text names. The connect is closed at once; nothing is sent.
+    """
+    if not hasattr(socket, "SO_PEERCRED"):  # pragma: no cover - not Linux
+        return None
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.settimeout(timeout)
+        probe.connect(str(run_dir / SOCKET_NAME))
+        pid, _, _ = struct.unpack("3i", probe.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
+    except OSError:
+        return None
+    finally:
+        probe.close()
+    return pid if pid > 0 else None
 
 
 def _process_uid(pid: int) -> int | None:
@@ -357,6 +381,18 @@ class RunLock:
             return True
         here = os.fstat(self._fd)
         return still_at(self.run_dir / PID_FILE, (here.st_dev, here.st_ino))
+
+    def keep_named(self) -> bool:
+        """Name this process in the pid file again if its text was changed in place (the file and the
+        lock are still ours, so nothing else repairs it, and `agent stop` and clients read that text).
+        Returns whether it had to. An agent handed its lock names itself on adopt, so its text is ours."""
+        if self._fd is None:
+            return False
+        mine = f"{os.getpid()}\n".encode("ascii")
+        if os.pread(self._fd, 64, 0) == mine:
+            return False
+        _name_pid(self._fd, os.getpid())
+        return True
 
     def write_health(self, health: dict[str, Any]) -> None:
         health = dict(health, heartbeat_at=time.time())

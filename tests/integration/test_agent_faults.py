@@ -1,11 +1,14 @@
-"""Resource faults under a real, running agent: its journal directory removed, and what publishers,
-`agent status` and a restart make of it. The promise under test: nothing acknowledged is lost, and
+"""Resource faults under a real, running agent: its journal directory removed, its pid file changed in
+place, and what publishers, `agent stop`/`status` and a restart make of them. The promise under test: nothing acknowledged is lost, and
 nothing is duplicated after the restart (publishers re-send what was not acknowledged, by message id).
 """
 
 from __future__ import annotations
 
+import os
 import shutil
+import signal
+import subprocess
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
@@ -93,3 +96,47 @@ def test_a_receiver_whose_journal_directory_was_removed_acknowledges_nothing_mor
 
     ids = wait_for(holds_them, 30, "bob's new journal to hold the re-sent batches")
     assert [mid for mid, count in ids.items() if count > 1] == []  # nothing twice
+
+
+def _write_in_place(path: Path, text: str) -> None:
+    """Change a file's text keeping its inode (an editor's save-in-place, `echo N > file`)."""
+    with open(path, "r+") as f:
+        f.truncate(0)
+        f.write(text)
+
+
+def test_agent_stop_never_signals_a_stranger_named_by_a_pid_file_changed_in_place(tmp_path: Path) -> None:
+    """The pid file is locked by the agent, so `agent stop` trusted its text: changed in place to the pid of
+    another live process, stop SIGTERMed that process, then said the agent "did not stop" and advised
+    --force (a SIGKILL of the stranger). Now stop signals the process the kernel says serves the API socket."""
+    m = Member(tmp_path, "solo", "agent.heartbeat_interval=60")  # no heartbeat repairs the file meanwhile
+    m.init()
+    pid = m.start()["pid"]
+    stranger = subprocess.Popen(["sleep", "120"])
+    try:
+        _write_in_place(m.run_dir / "agent.pid", f"{stranger.pid}\n")
+        stopped = m.run("agent", "stop", "--timeout", "15", timeout=40)
+        assert stopped.code == 0, stopped
+        assert stopped.json["pid"] == pid
+        assert stranger.poll() is None, "agent stop signalled a process that is not the agent"
+        m.wait_gone(pid)
+    finally:
+        stranger.kill()
+        stranger.wait(10)
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def test_the_agent_names_itself_again_in_a_pid_file_changed_in_place(tmp_path: Path) -> None:
+    m = Member(tmp_path, "solo", "agent.heartbeat_interval=0.2")
+    m.init()
+    pid = m.start()["pid"]
+    try:
+        _write_in_place(m.run_dir / "agent.pid", "garbage\n")
+        wait_for(lambda: m.pid() == pid, 10, "the agent to name itself in its pid file again")
+        assert "no longer named this agent" in m.log()
+        assert m.ok("agent", "status")["pid"] == pid
+    finally:
+        m.stop()
