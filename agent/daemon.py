@@ -442,9 +442,17 @@ def agent_status(config: Config, timeout: float = 5.0) -> dict[str, Any]:
     health = read_health(config.socket_dir)
     if pid is None:
         detail = ""
-        if health and isinstance(health.get("pid"), int):
+        if health and isinstance(health.get("pid"), int) and health.get("state") == "failed" and health.get("problem"):
+            # It said why it stopped (a journal that could not take a message): fix that before a restart.
+            at = health.get("failed_at")
+            ago = f" {time.time() - float(at):.0f}s ago" if isinstance(at, (int, float)) else ""
+            detail = (f"; the agent (pid {health['pid']}) stopped{ago} because {health['problem'].rstrip('.')}. "
+                      f"Fix that first (free space, permissions), or it stops again; its log {log_file_of(config)} "
+                      "says more")
+        elif health and isinstance(health.get("pid"), int):
             detail = (f"; a health file from pid {health['pid']} remains (last heartbeat "
-                      f"{time.time() - float(health.get('heartbeat_at', 0)):.0f}s ago): it crashed or was killed")
+                      f"{time.time() - float(health.get('heartbeat_at', 0)):.0f}s ago): it crashed or was killed "
+                      f"(the end of its log {log_file_of(config)} may say why)")
         raise AgentNotRunningError(f"no agent is running for {config.identity_dir}{detail}",
                                    hint="Start it with `zerocomm agent start --detach`")
     out: dict[str, Any] = dict(health or {})

@@ -28,7 +28,7 @@ from zerocomm_spark.agent.metrics import Metrics
 from zerocomm_spark.errors import InvalidJournalRowError, JournalClosedError, JournalTimeoutError
 from zerocomm_spark.journal import Journal
 
-__all__ = ["JournalIngest", "EXIT_JOURNAL_FAILED"]
+__all__ = ["JournalIngest", "EXIT_JOURNAL_FAILED", "abort_on_journal_failure"]
 
 log = logging.getLogger(__name__)
 
@@ -89,7 +89,7 @@ class JournalIngest:
                  on_fatal: Callable[[BaseException], None] | None = None) -> None:
         self.journal = journal
         self.metrics = metrics
-        self._on_fatal = on_fatal or _abort
+        self._on_fatal = on_fatal or abort_on_journal_failure
         self._cond = threading.Condition()
         self._closing = False
         self._waits_ended = False
@@ -361,7 +361,7 @@ def _acked(receipt: Any) -> bool:
     return True
 
 
-def _abort(exc: BaseException) -> None:
+def abort_on_journal_failure(exc: BaseException) -> None:
     # Logged as the class and message only (never the rows), then a hard exit: see the module doc.
     log.critical("the journal failed (%s: %s); stopping the agent without acknowledging the message",
                  type(exc).__name__, str(exc)[:300])

@@ -27,13 +27,13 @@ import pyarrow as pa
 import zmq
 
 from zerocomm_spark.agent.config import Config
-from zerocomm_spark.agent.ingest import JournalIngest
+from zerocomm_spark.agent.ingest import JournalIngest, abort_on_journal_failure
 from zerocomm_spark.agent.logging import event
 from zerocomm_spark.agent.metrics import Metrics
-from zerocomm_spark.agent.runfiles import RunLock, read_health, read_pid
+from zerocomm_spark.agent.runfiles import RunLock, read_health, read_pid, write_json_atomic
 from zerocomm_spark.agent.server import ApiServer, prepare_socket_dir
-from zerocomm_spark.client import PID_FILE
-from zerocomm_spark.errors import AgentAlreadyRunningError, ConfigurationError
+from zerocomm_spark.client import HEALTH_FILE, PID_FILE
+from zerocomm_spark.errors import AgentAlreadyRunningError, ConfigurationError, ZeroCommError
 from zerocomm_spark.journal import Journal, journal_key
 from zerocomm_spark.member import Agent
 
@@ -148,10 +148,30 @@ class AgentProcess:
                 segment_bytes=cfg.get("journal", "segment_bytes"), retention_bytes=retention_bytes,
                 retention_ms=cfg.retention_ms, dedup_window=cfg.get("journal", "dedup_window"),
                 consumer_expiry_ms=cfg.consumer_expiry_ms)
-            self.ingest = JournalIngest(self.journal, self.metrics)
+            self.ingest = JournalIngest(self.journal, self.metrics, on_fatal=self._journal_failed)
         assert self.ingest is not None
         manager.on_messages(self.ingest.on_messages)  # one journal record per delivery batch, before the acks
         manager.on_superseded(self.ingest.on_superseded)  # seqs re-used for delivered ids, before the acks
+
+    def _journal_failed(self, exc: BaseException) -> None:
+        """The journal cannot take a delivery: say why in the health file, then exit at once (see ingest).
+
+        `agent status` reads it once the process is gone: "its journal failed: File too large" tells the
+        user what to fix before a restart, where "it crashed or was killed" sent them into a restart loop
+        on a full disk. The file is updated from what is on disk, not from health(): this runs on the
+        receiving thread, which may hold what the group calls in health() would wait for. The reason is
+        the journal's own words (an OS error's text, or the type): never rows."""
+        try:
+            if self._lock is not None:
+                reason = (exc.message if isinstance(exc, ZeroCommError) else str(exc) if isinstance(exc, OSError)
+                          else type(exc).__name__)  # without the library's "reopen the journal" hint
+                health = dict(read_health(self.config.socket_dir) or {}, pid=os.getpid(), state="failed",
+                              failed_at=time.time(),
+                              problem=f"its journal in {self.config.journal_dir} failed: {reason}"[:600])
+                write_json_atomic(self.config.socket_dir / HEALTH_FILE, health)
+        except Exception:  # noqa: BLE001 - a full disk may refuse this too: the log still says it
+            pass
+        abort_on_journal_failure(exc)
 
     def _open_api(self) -> None:
         from zerocomm_spark.agent.calls import build_registry

@@ -1,11 +1,12 @@
-"""Resource faults under a real, running agent: its journal directory removed, its pid file changed in
-place, and what publishers, `agent stop`/`status` and a restart make of them. The promise under test: nothing acknowledged is lost, and
+"""Resource faults under a real, running agent: a full disk under its journal, its journal directory
+removed, its pid file changed in place, and what publishers, `agent stop`/`status` and a restart make of them. The promise under test: nothing acknowledged is lost, and
 nothing is duplicated after the restart (publishers re-send what was not acknowledged, by message id).
 """
 
 from __future__ import annotations
 
 import os
+import resource
 import shutil
 import signal
 import subprocess
@@ -15,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from test_cli_support import Member, start_all, wait_for
+from test_cli_support import ZEROCOMM, Member, start_all, wait_for
 from zerocomm_spark.client import Client
 from zerocomm_spark.errors import ZeroCommError
 
@@ -140,3 +141,59 @@ def test_the_agent_names_itself_again_in_a_pid_file_changed_in_place(tmp_path: P
         assert m.ok("agent", "status")["pid"] == pid
     finally:
         m.stop()
+
+
+def test_a_full_disk_stops_the_receiver_unacknowledged_status_says_why_and_a_restart_loses_nothing(
+        tmp_path: Path) -> None:
+    """A disk that fills while a group publishes to bob (RLIMIT_FSIZE: the journal's writes get EFBIG).
+    Bob must not acknowledge what it could not journal: it exits (75), the publisher's publish fails,
+    and once there is room a restart plus the publisher's re-send of what failed gets every message
+    exactly once. Before, `agent status` then said bob "crashed or was killed", with "start it" as the
+    advice: restarted on the full disk, it failed again; now it says the journal failed and why."""
+    alice, bob = Member(tmp_path, "alice"), Member(tmp_path, "bob")
+
+    def small_files() -> None:  # in the starter, inherited by the agent it launches
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (150_000, resource.RLIM_INFINITY))
+
+    try:
+        start_all([alice])
+        bob.init()
+        started = subprocess.run([*ZEROCOMM, "--config", str(bob.config), "--json", "agent", "start", "--detach"],
+                                 capture_output=True, text=True, timeout=60, preexec_fn=small_files)
+        assert started.returncode == 0, started
+        alice.ok("group", "create", "g")
+        bob.ok("connect", alice.ok("invite")["url"])
+        bob.ok("group", "join", "g", "--via", "alice")
+        pid = bob.pid()
+        assert pid is not None
+        padding = b"." * 2000
+        acked: list[int] = []
+        with Client.connect(alice.config, timeout=20) as client:
+            for n in range(40):  # 40 KB a batch: the journal's segment reaches 150 kB in a few
+                payloads, ids = _batch(n)
+                try:
+                    client.publish("g", [p + padding for p in payloads], message_ids=ids, timeout=5)
+                    acked.append(n)
+                except ZeroCommError:
+                    break
+        assert 0 < len(acked) < 40, acked
+        bob.wait_gone(pid, timeout=20)
+        status = bob.run("agent", "status", json_out=False)
+        assert status.code == 3, status
+        assert "journal failed" in status.stderr and "File too large" in status.stderr, status.stderr
+        assert "crashed or was killed" not in status.stderr
+        assert "payload b0" not in bob.log()
+
+        bob.start()  # room again: this agent has no file size limit
+        unacked = [n for n in range(40) if n not in acked]
+        with Client.connect(alice.config, timeout=20) as client:
+            for n in unacked:
+                payloads, ids = _batch(n)
+                client.publish("g", [p + padding for p in payloads], message_ids=ids, timeout=40)
+        ids = _journal_ids(bob)
+        assert [mid for mid, count in ids.items() if count > 1] == []  # nothing twice
+        assert set(ids) == {mid for n in range(40) for mid in _batch(n)[1]}  # nothing acknowledged lost
+    finally:
+        for m in (alice, bob):
+            m.stop()
