@@ -7,10 +7,12 @@ its local API (zerocomm_spark.client), so the CLI, a notebook and a Spark task s
 from __future__ import annotations
 
 import argparse
+import codecs
 import contextlib
 import hashlib
 import io
 import os
+import select
 import shlex
 import sys
 import time
@@ -812,6 +814,56 @@ def cmd_group_role(ctx: Ctx) -> int:
 #: request (api.max_request_bytes), and memory holds one chunk, not the file.
 _SEND_CHUNK_LINES = 10_000
 _SEND_CHUNK_BYTES = 1 << 20
+#: ...and sooner when stdin is slow (a producer writing now and then: a log, a sensor): lines read go
+#: out once no more came for _SEND_PAUSE_S, or _SEND_MAX_WAIT_S after the first of them, so a line is
+#: not held until thousands more come or stdin ends (and an `agent stop` meanwhile then lost track of it).
+_SEND_PAUSE_S = 0.2
+_SEND_MAX_WAIT_S = 1.0
+_IDLE = object()  # from _stdin_lines: the lines read so far should go out now
+
+
+def _stdin_lines(pause: float = _SEND_PAUSE_S, max_wait: float = _SEND_MAX_WAIT_S) -> Iterator[Any]:
+    """The lines of stdin as ``for line in sys.stdin`` gives them (decoded as it would, with
+    surrogateescape, ending at ``\n`` only), and ``_IDLE`` once lines were given and stdin has had no
+    complete line for ``pause`` seconds, or ``max_wait`` seconds passed since the first of them.
+
+    Read from the descriptor with select(2), not through sys.stdin, whose read-ahead hides whether more
+    is ready. A stdin that is no file (replaced in-process) is iterated as it is, without ``_IDLE``."""
+    stream = sys.stdin
+    try:
+        fd = stream.fileno()
+    except (AttributeError, OSError, ValueError):  # io.UnsupportedOperation: a StringIO
+        yield from stream
+        return
+    decoder = codecs.getincrementaldecoder(getattr(stream, "encoding", None) or "utf-8")(errors="surrogateescape")
+    partial: list[str] = []  # the line being read, in pieces (a long line is not re-scanned per read)
+    first_at: float | None = None  # when the first line given since the last _IDLE was given
+    while True:
+        if first_at is not None:  # lines given: wait for more only as long as they may wait
+            timeout = max(0.0, min(pause, first_at + max_wait - time.monotonic()))
+            if timeout == 0.0 or not select.select([fd], [], [], timeout)[0]:
+                first_at = None
+                yield _IDLE
+                continue
+        # Nothing waiting to go out: a plain blocking read, as long as stdin takes (Ctrl-C ends it).
+        data = os.read(fd, 1 << 16)
+        text = decoder.decode(data, final=not data)
+        pieces = text.split("\n")
+        for i, piece in enumerate(pieces[:-1]):
+            line = ("".join(partial) + piece if i == 0 and partial else piece) + "\n"
+            if i == 0:
+                partial = []
+            if first_at is None:
+                first_at = time.monotonic()
+            yield line
+        if len(pieces) > 1:
+            partial = [pieces[-1]] if pieces[-1] else []
+        elif pieces[0]:
+            partial.append(pieces[0])
+        if not data:
+            if partial:
+                yield "".join(partial)
+            return
 
 
 def line_id(prefix: str, group: str, number: int, text: str) -> str:
@@ -864,7 +916,14 @@ def _stdin_chunks(request_bytes: Callable[[], int], group: str, prefix: str, ski
     # UTF-8 is then told by its number below, as a ZeroCommError (it says how many lines went out).
     if hasattr(sys.stdin, "reconfigure"):
         sys.stdin.reconfigure(errors="surrogateescape")
-    for number, line in enumerate(sys.stdin, 1):
+    number = 0
+    for line in _stdin_lines():
+        if line is _IDLE:  # stdin paused: what was read goes out now, not when more comes
+            if chunk:
+                yield chunk, ids
+                chunk, ids, size = [], [], 0
+            continue
+        number += 1
         if number <= skip:
             continue
         if limit is None:

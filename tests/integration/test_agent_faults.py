@@ -197,3 +197,33 @@ def test_a_full_disk_stops_the_receiver_unacknowledged_status_says_why_and_a_res
     finally:
         for m in (alice, bob):
             m.stop()
+
+
+def test_send_from_a_slow_stdin_publishes_each_line_soon_and_stops_clearly_with_the_agent(tmp_path: Path) -> None:
+    """`producer | zerocomm send g -` with a producer that writes now and then (a log, a sensor): lines
+    were held until 10,000 of them or 1 MiB had come, or stdin ended, so nothing was published for as
+    long as the producer ran, and an `agent stop` meanwhile ended the send with every line "may be out".
+    Now a line that waits past a short pause goes out; a stop then leaves the lines already acknowledged
+    out, and the error names the --skip that sends the rest."""
+    m = Member(tmp_path, "solo")
+    m.init()
+    m.start()
+    send: subprocess.Popen[str] | None = None
+    try:
+        m.ok("group", "create", "g")
+        send = subprocess.Popen([*ZEROCOMM, "--config", str(m.config), "--json", "send", "g", "-",
+                                 "--id-prefix", "slow"],
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        assert send.stdin is not None
+        send.stdin.write("first\nsecond\n")
+        send.stdin.flush()
+        wait_for(lambda: sum(_journal_ids(m).values()) == 2, 20, "the two lines written to be published")
+        m.ok("agent", "stop")
+        out, err = send.communicate("third\n", timeout=60)
+        assert send.returncode != 0
+        assert "--skip 2" in out, (out, err)  # the two published lines are acknowledged; the rest from line 3
+    finally:
+        if send is not None and send.poll() is None:
+            send.kill()
+            send.communicate(timeout=10)
+        m.stop()

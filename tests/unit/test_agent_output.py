@@ -503,3 +503,34 @@ def test_send_from_stdin_strips_a_crlf_line_ending_before_the_line_is_sent_or_ha
     monkeypatch.setattr("sys.stdin", io.StringIO("e1\r\ne2\r\ne3\r"))
     chunks = list(_stdin_chunks(lambda: 1 << 20, "g", "p", 1))
     assert chunks == [(["e2", "e3\r"], [line_id("p", "g", 2, "e2"), line_id("p", "g", 3, "e3\r")])]
+
+
+def test_send_from_a_paused_stdin_sends_the_lines_read_before_more_come(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """A real pipe that stays open: its first lines form a chunk once stdin pauses, not at 10,000 lines
+    or EOF; lines and their numbers are what `for line in sys.stdin` gives, a line cut across writes
+    included (--skip counts lines, never pauses)."""
+    import os
+    import threading
+
+    from zerocomm_spark.agent.cli import _stdin_chunks, line_id
+
+    read_fd, write_fd = os.pipe()
+    stdin = open(read_fd, encoding="utf-8", closefd=True)  # noqa: SIM115 - closed below
+    monkeypatch.setattr("sys.stdin", stdin)
+    chunks = _stdin_chunks(lambda: 1 << 20, "g", "p", 1)
+    os.write(write_fd, "skipped\nfirst\nsec".encode())
+    got: list = []
+    reader = threading.Thread(target=lambda: got.append(next(chunks)), daemon=True)
+    reader.start()
+    reader.join(10)
+    try:
+        assert got == [(["first"], [line_id("p", "g", 2, "first")])]  # out while stdin is still open
+        os.write(write_fd, "ond\r\nthird".encode())
+        os.close(write_fd)
+        write_fd = -1
+        assert list(chunks) == [(["second", "third"], [line_id("p", "g", 3, "second"), line_id("p", "g", 4, "third")])]
+    finally:
+        if write_fd >= 0:  # failed: end stdin, so a reader still blocked in it returns
+            os.close(write_fd)
+        reader.join(10)
+        stdin.close()
