@@ -382,7 +382,7 @@ def run_foreground(config: Config, *, ready_fd: int | None = None, run_lock_fd: 
             process.close()
         # Stopped because its run directory was removed: not a requested stop, so a service manager
         # (Restart=on-failure) starts it again, as after a journal failure.
-        return EXIT_JOURNAL_FAILED if process.run_files_lost else 0
+        return EXIT_JOURNAL_FAILED if process.run_files_lost or process.journal_lost else 0
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)

@@ -58,6 +58,7 @@ class AgentProcess:
         self.groups: Any = None
         self.server: ApiServer | None = None
         self.run_files_lost = False  # stopped because its run directory went away (exit EX_TEMPFAIL)
+        self.journal_lost = False  # stopped because its journal's files went away (exit EX_TEMPFAIL)
         self._lock: RunLock | None = None
         self._stop = threading.Event()
         self._closed = False
@@ -220,6 +221,15 @@ class AgentProcess:
                       "it can be started again", socket_dir=str(self.config.socket_dir), missing=lost)
                 self.run_files_lost = True
                 self.stop(f"its {lost} in {self.config.socket_dir} was removed or replaced")
+                break
+            if self.journal is not None and not self.journal.files_present():
+                # A quiet group gives no append to fail: without this the agent ran on, reading files that
+                # are gone, and `agent status` said all was well until the next message stopped it.
+                event(log, logging.ERROR, "the journal's files were removed under the running agent; stopping so "
+                      "that it can be started again with a new journal (publishers re-send what it did not "
+                      "acknowledge)", journal_dir=str(self.config.journal_dir))
+                self.journal_lost = True
+                self.stop(f"its journal in {self.config.journal_dir} was removed")
                 break
             try:
                 if self._lock is not None and self._lock.keep_named():

@@ -5,6 +5,7 @@ nothing is duplicated after the restart (publishers re-send what was not acknowl
 
 from __future__ import annotations
 
+import json
 import os
 import resource
 import shutil
@@ -97,6 +98,31 @@ def test_a_receiver_whose_journal_directory_was_removed_acknowledges_nothing_mor
 
     ids = wait_for(holds_them, 30, "bob's new journal to hold the re-sent batches")
     assert [mid for mid, count in ids.items() if count > 1] == []  # nothing twice
+
+
+def test_an_idle_agent_whose_journal_directory_was_removed_stops_so_it_can_be_started_again(tmp_path: Path) -> None:
+    """With no message coming (a quiet group) no append fails: the agent ran on over a journal that was
+    gone, serving reads of deleted files, and `agent status` said all was well. It stops (exit 75, as
+    after any journal failure: a service manager restarts it), and starts again with a new journal."""
+    fg = Member(tmp_path, "quiet", "agent.heartbeat_interval=0.2")
+    fg.init()
+    proc = subprocess.Popen([*ZEROCOMM, "--config", str(fg.config), "--json", "agent", "start"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        assert json.loads(proc.stdout.readline())["pid"] == proc.pid
+        fg.ok("group", "create", "g")
+        shutil.rmtree(fg.identity / "journal")
+        assert proc.wait(15) == 75
+        _, err = proc.communicate(timeout=5)
+        assert "journal's files were removed" in err
+        restarted = fg.start()
+        assert restarted["pid"] != proc.pid and fg.ok("agent", "status")["journal"]["next_offset"] == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate(timeout=10)
+        fg.stop()
 
 
 def _write_in_place(path: Path, text: str) -> None:

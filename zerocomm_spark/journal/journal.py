@@ -262,6 +262,13 @@ class Journal:
                 files.release_lock(self._lock_fd)
                 self._lock_fd = -1
 
+    def files_present(self) -> bool:
+        """False once the active segment was removed under this open journal (its directory deleted):
+        the next append fails then (nothing more is acknowledged), and a reopen starts a new journal
+        there. For an owner to notice while no append comes. True once closed."""
+        writer = self._writer
+        return self._closed or writer is None or writer.active_file_linked()
+
     @property
     def closed(self) -> bool:
         return self._closed

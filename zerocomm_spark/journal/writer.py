@@ -520,6 +520,12 @@ class Writer:
                      "journal directory, then restart the agent: it opens a new journal there and publishers re-send "
                      "what it did not acknowledge")
 
+    def active_file_linked(self) -> bool:
+        """Whether the active segment is still a file of the journal directory (see _check_linked), for
+        an owner that checks now and then while no append comes; True once closed."""
+        with self._sync_lock:  # the roll and the close replace or close the descriptor under it
+            return self._fd < 0 or os.fstat(self._fd).st_nlink > 0
+
     def _roll(self) -> None:
         """Close the active segment (saving its side index) and start the next one."""
         j = self._journal
