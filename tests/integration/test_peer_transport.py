@@ -1073,10 +1073,13 @@ def test_one_ways_a_set_aside_socket_may_drop_are_counted_and_warned(caplog: pyt
     """A set-aside socket closes with LINGER 0, so one-way frames it still queued are lost: for a down
     peer that is the point, but the peer may be live and too busy to answer (its ROUTER unread under
     back-pressure), and nothing counted or said they were gone. Requests have their PeerTimeoutError;
-    one-ways had nothing."""
+    one-ways had nothing. Warned when the peer had answered on that socket before it went silent."""
     caplog.set_level("WARNING", logger="zerocomm_spark.transport.peer")
     endpoint = _free_port_endpoint()
     with PeerTransport() as cli:
+        with PeerTransport(bind=endpoint) as srv:
+            srv.register(ECHO, rpc=lambda payload, peer: b"ok", direct=lambda payload, peer: None)
+            assert cli.request(endpoint, ECHO, b"hello", timeout=10) == b"ok"  # this socket was answered on
         for i in range(3):
             cli.send(endpoint, ECHO, b"one-way %d" % i)
         with pytest.raises(PeerTimeoutError):
@@ -1086,6 +1089,24 @@ def test_one_ways_a_set_aside_socket_may_drop_are_counted_and_warned(caplog: pyt
     assert [r.getMessage() for r in caplog.records if "may not have been delivered" in r.getMessage()] == [
         f"closed the socket set aside for silent peer {endpoint!r}: 3 one-way frame(s) written on it since "
         "it last answered may not have been delivered"]
+
+
+def test_a_peer_that_stays_down_is_not_warned_about_at_every_expiry(caplog: pytest.LogCaptureFixture) -> None:
+    """A group member that is down gets a keepalive ping every 2 s and heartbeats (one-ways) while our
+    data waits for its ack: each expired ping set its socket aside and closing it warned that the
+    one-ways may be lost, every few seconds for as long as it stayed down. A socket no frame was ever
+    read on is one to a down peer: its drops are counted, not warned about."""
+    caplog.set_level("WARNING", logger="zerocomm_spark.transport.peer")
+    endpoint = _free_port_endpoint()
+    with PeerTransport() as cli:
+        for round_ in range(3):
+            for i in range(3):
+                cli.send(endpoint, ECHO, b"beat %d" % i)
+            with pytest.raises(PeerTimeoutError):
+                cli.ping(endpoint, timeout=0.3)
+            _wait_until(lambda: cli.stats()["oneways_maybe_dropped"] == 3 * (round_ + 1))
+        assert cli.stats()["dealers_reset"] == 3
+    assert not [r for r in caplog.records if "may not have been delivered" in r.getMessage()]
 
 
 def test_frames_a_peer_answered_after_are_not_counted_as_maybe_dropped() -> None:

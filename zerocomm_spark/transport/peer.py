@@ -1044,9 +1044,16 @@ class PeerTransport:
             sock.close(linger=_EVICT_LINGER_MS if live else 0)
             if not live and frames:
                 self._stats.add(frames_maybe_dropped=frames, oneways_maybe_dropped=oneways)
-                if oneways:
+                # Warned only when the peer had answered on this socket: then it went silent with our
+                # frames on the way, maybe live but overloaded. A socket never answered on is one to a
+                # peer that is down (each silent expiry makes a new one): its frames were for nobody, and
+                # a group member that stays down would have the warning every keepalive for as long.
+                if oneways and heard > float("-inf"):
                     self._warn("closed the socket set aside for silent peer %.200r: %d one-way frame(s) written "
                                "on it since it last answered may not have been delivered", endpoint, oneways)
+                elif oneways:
+                    log.debug("closed a socket to %.200r that never answered: %d one-way frame(s) dropped",
+                              endpoint, oneways)
 
     def _resolve(
         self, key: tuple[str, int, int], pending: _Pending, outcome: BaseException | None, value: Any = None
