@@ -19,6 +19,10 @@ CONF = Path(__file__).resolve().parents[2] / "conf" / "zerocomm.toml"
 def test_shipped_file_is_exactly_the_defaults() -> None:
     shipped = tomllib.loads(CONF.read_text())
     assert shipped == cfgmod.DEFAULTS
+    # == takes 30 for 30.0: the file a user copies must show each setting's type as DEFAULTS has it
+    # (a TOML integer where a float is expected reads, but misleads about what the setting takes).
+    assert {(s, k): type(v) for s, keys in shipped.items() for k, v in keys.items()} == \
+        {(s, k): type(v) for s, keys in cfgmod.DEFAULTS.items() for k, v in keys.items()}
 
 
 def test_defaults_work_without_any_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
