@@ -96,7 +96,7 @@ _EPILOG = "exit codes:\n" + "\n".join(f"  {code:<4} {text}" for code, text in EX
 
 configuration: conf/zerocomm.toml lists every setting. Later wins: defaults, the file (--config,
 $ZEROCOMM_CONFIG, ~/.zerocomm/zerocomm.toml), environment ZEROCOMM_<SECTION>_<KEY>, flags
-(--set section.key=value and the shortcuts below).
+(--set section.key=value and the shortcuts under common options).
 
 examples:
   zerocomm init --label alice                  create an identity and a config file
@@ -127,7 +127,8 @@ def _common() -> argparse.ArgumentParser:
                    help="override any setting (repeatable)")
     g.add_argument("--json", action="store_true", default=s, help="print JSON for scripts instead of tables")
     g.add_argument("--timeout", type=float, metavar="SECONDS", default=s,
-                   help="deadline of the command's calls (default 30)")
+                   help="deadline of the command's calls (default 30; agent start --detach and agent stop: "
+                        "agent.start_timeout, agent.stop_timeout)")
     g.add_argument("--spawn", action="store_true", default=s,
                    help="start an agent in the background if none is running")
     return p
@@ -193,16 +194,17 @@ def build_parser() -> argparse.ArgumentParser:
     group_sub.required = True
     p = add(group_sub, "create", "create a group with this member in it", cmd_group_create)
     p.add_argument("group", metavar="GROUP")
-    p.add_argument("--mode", choices=("single", "multi", "shared"), help="how data is encrypted and fanned out")
+    p.add_argument("--mode", choices=("single", "multi", "shared"),
+                   help="how data is encrypted and fanned out (default shared)")
     p.add_argument("--ordered", action=argparse.BooleanOptionalAction, default=None,
-                   help="deliver each publisher's messages in seq order, holding early ones back")
+                   help="deliver each publisher's messages in seq order, holding early ones back (default on)")
     p.add_argument("--consistent-join", action=argparse.BooleanOptionalAction, default=None,
-                   help="refuse joiners whose members disagree on the view")
-    p.add_argument("--role", choices=("read_write", "read_only"))
+                   help="refuse joiners whose members disagree on the view (default on)")
+    p.add_argument("--role", choices=("read_write", "read_only"), help="default read_write")
     p = add(group_sub, "join", "join a group through a member you are connected to", cmd_group_join)
     p.add_argument("group", metavar="GROUP")
     p.add_argument("--via", required=True, metavar="PEER", help="a member of the group: connection id, label or DID")
-    p.add_argument("--role", choices=("read_write", "read_only"))
+    p.add_argument("--role", choices=("read_write", "read_only"), help="default read_write")
     p = add(group_sub, "leave", "leave a group", cmd_group_leave)
     p.add_argument("group", metavar="GROUP")
     p = add(group_sub, "info", "a group's settings and this member's place in it", cmd_group_info)
@@ -216,8 +218,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = add(sub, "send", "publish a message to a group; returns once every member acknowledged it", cmd_send)
     p.add_argument("group", metavar="GROUP")
-    p.add_argument("message", metavar="MESSAGE", help="the text, or - to publish each line of stdin (in chunks; "
-                                                      "see --id-prefix)")
+    p.add_argument("message", metavar="MESSAGE", help="the text, or - to publish each line of stdin (in chunks, "
+                                                      "each sent once stdin pauses 0.2 s or after 1 s; see --id-prefix)")
     p.add_argument("--id", dest="message_id", metavar="ID", help="the message id (re-sending the same id is safe)")
     p.add_argument("--id-prefix", metavar="PREFIX", type=_id_prefix,
                    help="with -: line N of stdin gets the message id PREFIX-N-HASH (HASH of the group and the "
