@@ -453,8 +453,16 @@ def agent_status(config: Config, timeout: float = 5.0) -> dict[str, Any]:
             detail = (f"; a health file from pid {health['pid']} remains (last heartbeat "
                       f"{time.time() - float(health.get('heartbeat_at', 0)):.0f}s ago): it crashed or was killed "
                       f"(the end of its log {log_file_of(config)} may say why)")
-        raise AgentNotRunningError(f"no agent is running for {config.identity_dir}{detail}",
-                                   hint="Start it with `zerocomm agent start --detach`")
+        from zerocomm_spark.keys.keystore import SEALED_FILE
+
+        hint = "Start it with `zerocomm agent start --detach`"
+        if not (config.identity_dir / SEALED_FILE).is_file():
+            # `agent start` would quietly make a new member here, labelled after the directory: right only
+            # if that is what the user wants, not when the directory is a typo or a host never set up.
+            hint = (f"{config.identity_dir} holds no identity yet: create one with `zerocomm init "
+                    f"--identity-dir {shlex.quote(str(config.identity_dir))} --label NAME`, then start it with "
+                    "`zerocomm agent start --detach` (or give --config/--identity-dir of an existing member)")
+        raise AgentNotRunningError(f"no agent is running for {config.identity_dir}{detail}", hint=hint)
     out: dict[str, Any] = dict(health or {})
     out["pid"] = pid
     try:

@@ -510,3 +510,20 @@ def test_a_second_foreground_start_of_a_running_identity_says_the_identity_is_se
     assert f"already running for the identity directory {identity} (pid {os.getpid()}, API ipc:///there/api.sock)" \
         in message, message
     assert "another --identity-dir" in (refused.value.hint or "")
+
+
+def test_status_for_a_directory_without_an_identity_says_to_init_not_to_start(tmp_path: Path) -> None:
+    """Status for a directory holding no identity (a typo, a host never set up) said "Start it with
+    `zerocomm agent start --detach`", and that start quietly made a new member there, labelled after
+    the directory, in no group. It now says the directory holds no identity and how to make one."""
+    from zerocomm_spark.keys.keystore import SEALED_FILE
+
+    config = cfgmod.load(None, env={}, flags=[f"identity.dir={tmp_path / 'typo'}"])
+    with pytest.raises(AgentNotRunningError) as caught:
+        daemon.agent_status(config, timeout=0.5)
+    assert "holds no identity yet" in caught.value.hint and "zerocomm init --identity-dir" in caught.value.hint
+    (tmp_path / "typo").mkdir()
+    (tmp_path / "typo" / SEALED_FILE).write_bytes(b"x")  # only its presence is looked at
+    with pytest.raises(AgentNotRunningError) as caught:
+        daemon.agent_status(config, timeout=0.5)
+    assert caught.value.hint == "Start it with `zerocomm agent start --detach`"
