@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from test_cli_support import ZEROCOMM, Member, start_all, wait_for
+from test_cli_support import ZEROCOMM, Member, in_group, start_all, wait_for
 from zerocomm_spark.client import Client
 from zerocomm_spark.errors import ZeroCommError
 
@@ -45,16 +45,8 @@ def _journal_ids(member: Member) -> Counter:
 
 @pytest.fixture()
 def pair(tmp_path: Path) -> Iterator[tuple[Member, Member]]:
-    alice, bob = Member(tmp_path, "alice"), Member(tmp_path, "bob")
-    try:
-        start_all([alice, bob])
-        alice.ok("group", "create", "g")
-        bob.ok("connect", alice.ok("invite")["url"])
-        bob.ok("group", "join", "g", "--via", "alice")
-        yield alice, bob
-    finally:
-        for m in (alice, bob):
-            m.stop()
+    with in_group(tmp_path) as members:
+        yield members
 
 
 def test_a_receiver_whose_journal_directory_was_removed_acknowledges_nothing_more(

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from test_cli_support import Member, start_all, wait_for
+from test_cli_support import Member, in_group, wait_for
 from zerocomm_spark.client import Client
 from zerocomm_spark.errors import ZeroCommError
 
@@ -26,16 +26,8 @@ BATCH = 50
 
 @pytest.fixture()
 def pair(tmp_path: Path) -> Iterator[tuple[Member, Member]]:
-    alice, bob = Member(tmp_path, "alice"), Member(tmp_path, "bob")
-    try:
-        start_all([alice, bob])
-        alice.ok("group", "create", "g")
-        bob.ok("connect", alice.ok("invite")["url"])
-        bob.ok("group", "join", "g", "--via", "alice")
-        yield alice, bob
-    finally:
-        for m in (alice, bob):
-            m.stop()
+    with in_group(tmp_path) as members:
+        yield members
 
 
 def _batch(n: int) -> tuple[list[bytes], list[str]]:

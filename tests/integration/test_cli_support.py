@@ -158,3 +158,14 @@ def running(root: Path, *names: str) -> Iterator[list[Member]]:
     finally:
         for m in members:
             m.stop()
+
+
+@contextmanager
+def in_group(root: Path) -> Iterator[tuple[Member, Member]]:
+    """alice and bob started under ``root``, in group 'g' (alice created it, bob joined through her);
+    both stopped at the end whatever happened."""
+    with running(root, "alice", "bob") as (alice, bob):
+        alice.ok("group", "create", "g")
+        bob.ok("connect", alice.ok("invite")["url"])
+        bob.ok("group", "join", "g", "--via", "alice")
+        yield alice, bob
