@@ -172,6 +172,14 @@ def _agent_settings(config: Config) -> list[str]:
     return argv
 
 
+def has_identity(directory: Path) -> bool:
+    """Whether ``directory`` holds a member's identity (an agent opening it serves that member; one
+    opening a directory without creates a new member there)."""
+    from zerocomm_spark.keys.keystore import SEALED_FILE
+
+    return (directory / SEALED_FILE).is_file()
+
+
 def require_identity(config: Config) -> None:
     """Refuse to start an agent on demand for an identity directory that holds no identity.
 
@@ -182,7 +190,7 @@ def require_identity(config: Config) -> None:
     from zerocomm_spark.keys.keystore import SEALED_FILE
 
     directory = config.identity_dir
-    if (directory / SEALED_FILE).is_file():
+    if has_identity(directory):
         return
     origin = config.source.get("identity.dir", "default")
     where = {"default": "the default identity directory", "flag": "the identity directory given"}.get(
@@ -453,10 +461,8 @@ def agent_status(config: Config, timeout: float = 5.0) -> dict[str, Any]:
             detail = (f"; a health file from pid {health['pid']} remains (last heartbeat "
                       f"{time.time() - float(health.get('heartbeat_at', 0)):.0f}s ago): it crashed or was killed "
                       f"(the end of its log {log_file_of(config)} may say why)")
-        from zerocomm_spark.keys.keystore import SEALED_FILE
-
         hint = "Start it with `zerocomm agent start --detach`"
-        if not (config.identity_dir / SEALED_FILE).is_file():
+        if not has_identity(config.identity_dir):
             # `agent start` would quietly make a new member here, labelled after the directory: right only
             # if that is what the user wants, not when the directory is a typo or a host never set up.
             hint = (f"{config.identity_dir} holds no identity yet: create one with `zerocomm init "
