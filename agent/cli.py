@@ -492,7 +492,10 @@ def cmd_init(ctx: Ctx) -> int:
                 hint="Give --config (or ZEROCOMM_CONFIG) a path in a directory, or one whose directories do not "
                      "exist yet (they are created); nothing was created")
     else:  # the kept file must name this identity, or every command after (and the printed one) runs another
-        kept = config_mod.load(str(target), env={}).identity_dir
+        # What the file names, every other setting as in force (so a bad value in it that a variable or
+        # flag overrides is no error here either, as it was none for ctx.config).
+        kept = config_mod.load(str(target), env={k: v for k, v in os.environ.items() if k != "ZEROCOMM_IDENTITY_DIR"},
+                               flags=[f for f in cfg.overrides() if not f.startswith("identity.dir=")]).identity_dir
         if cfg.source.get("identity.dir") == "flag" and not _same_dir(kept, cfg.identity_dir):
             raise errors.ConfigurationError(
                 f"the configuration file {target} belongs to the identity in {kept}, not {cfg.identity_dir}; "

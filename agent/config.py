@@ -5,7 +5,8 @@ shared file under ``conf/`` (or ``~/.zerocomm/zerocomm.toml``) holds the rest. E
 name, ``section.key``, spelled ``ZEROCOMM_<SECTION>_<KEY>`` in the environment and
 ``--set section.key=value`` on the command line, so nothing needs a special case. Unknown names in
 a file or a flag are errors, because a misspelt setting that is silently ignored is worse than none;
-an unknown ``ZEROCOMM_*`` variable is a warning (the environment is shared with other tools).
+an unknown ``ZEROCOMM_*`` variable is a warning (the environment is shared with other tools). Only
+the value in force is validated: a bad one that a variable or a flag overrides is not an error.
 
 ``conf/zerocomm.toml`` documents the same defaults as :data:`DEFAULTS`; a test keeps them equal.
 """
@@ -328,6 +329,11 @@ def load(config: str | os.PathLike[str] | None = None, *, env: Mapping[str, str]
         path = None  # (--config or $ZEROCOMM_CONFIG: both name the file init is to write)
     else:
         path = find_config_file(config, env)
+    # Names first, values after: only the value in force is checked, so a bad one in the file (or the
+    # environment) that a variable or a flag overrides does not fail the command, which is how a user
+    # gets past it. A misspelt name still fails wherever it is: it overrides nothing.
+    # (section, key) -> the value in force so far: (value, origin for errors, source, typed TOML value)
+    layers: dict[tuple[str, str], tuple[Any, str, str, bool]] = {}
     if path is not None:
         try:
             data = tomllib.loads(path.read_text(encoding="utf-8"))
@@ -343,14 +349,13 @@ def load(config: str | os.PathLike[str] | None = None, *, env: Mapping[str, str]
             for key, value in keys.items():
                 if key not in DEFAULTS[section]:
                     raise _unknown(f"{section} setting", key, list(DEFAULTS[section]), where=f" in {path}")
-                value = _coerce(section, key, value, f"file {path}", typed=True)
-                if (section, key) in _PATH_SETTINGS and value and not os.path.isabs(os.path.expanduser(value)):
-                    value = str(path.parent.absolute() / value)  # the file's own directory, not wherever it is run from
-                values[section][key] = value
-                source[f"{section}.{key}"] = str(path)
-    items = list(flags.items()) if isinstance(flags, Mapping) else [_split_flag(f) for f in flags]
-    passphrase_vars = {values["identity"]["passphrase_env"], env.get(ENV_PREFIX + "IDENTITY_PASSPHRASE_ENV"),
-                       *(value for name, value in items if name == "identity.passphrase_env")}
+                layers[(section, key)] = (value, f"file {path}", str(path), True)
+    items = [(_split_name(name, "flag"), value)
+             for name, value in (list(flags.items()) if isinstance(flags, Mapping) else [_split_flag(f) for f in flags])]
+    file_passphrase_env = layers.get(("identity", "passphrase_env"), ("",))[0]
+    passphrase_vars = {file_passphrase_env if isinstance(file_passphrase_env, str) else "",
+                       env.get(ENV_PREFIX + "IDENTITY_PASSPHRASE_ENV"),
+                       *(value for name, value in items if name == ("identity", "passphrase_env"))}
     for name, value in env.items():
         if not name.startswith(ENV_PREFIX) or name in _NOT_SETTINGS or name in passphrase_vars:
             continue  # (the variable identity.passphrase_env names holds the passphrase: not a setting either)
@@ -359,12 +364,16 @@ def load(config: str | os.PathLike[str] | None = None, *, env: Mapping[str, str]
         if section not in DEFAULTS or key not in DEFAULTS[section]:
             warnings.append(f"ignored the environment variable {name}: it names no setting")
             continue
-        values[section][key] = _coerce(section, key, value, f"env {name}")
-        source[f"{section}.{key}"] = f"env {name}"
-    for name, value in items:
-        section, key = _split_name(name, "flag")
-        values[section][key] = _coerce(section, key, value, f"flag {name}")
-        source[f"{section}.{key}"] = "flag"
+        layers[(section, key)] = (value, f"env {name}", f"env {name}", False)
+    for (section, key), value in items:
+        layers[(section, key)] = (value, f"flag {section}.{key}", "flag", False)
+    for (section, key), (value, origin, where, typed) in layers.items():  # the file's first, in its order
+        value = _coerce(section, key, value, origin, typed=typed)
+        if typed and path is not None and (section, key) in _PATH_SETTINGS and value \
+                and not os.path.isabs(os.path.expanduser(value)):
+            value = str(path.parent.absolute() / value)  # the file's own directory, not wherever it is run from
+        values[section][key] = value
+        source[f"{section}.{key}"] = where
     return Config(values=values, source=source, file=path, warnings=tuple(warnings))
 
 

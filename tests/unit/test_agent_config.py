@@ -278,3 +278,52 @@ def test_errors_in_a_file_name_the_file(tmp_path: Path) -> None:
     path.write_text("[jurnal]\nfsync = \"always\"\n")
     with pytest.raises(ConfigurationError, match=rf"unknown section 'jurnal' in {re.escape(str(path))}"):
         cfgmod.load(path, env={})
+
+
+def test_a_bad_file_value_that_a_variable_or_flag_overrides_does_not_fail(tmp_path: Path) -> None:
+    """Every value in the file was checked before the environment and the flags were read: a bad one
+    failed the command even with `--set` (or a ZEROCOMM_* variable) overriding it, the way a user
+    would get past a shared file they cannot edit. Now the value in force is the one checked."""
+    path = tmp_path / "site.toml"
+    path.write_text('[journal]\nfsync = "sometimes"\n[api]\nworkers = "many"\n[log]\nlevel = "loud"\n')
+    cfg = cfgmod.load(path, env={"ZEROCOMM_API_WORKERS": "3", "ZEROCOMM_LOG_LEVEL": "chatty"},
+                      flags=["journal.fsync=always", "log.level=debug"])
+    assert (cfg.get("journal", "fsync"), cfg.get("api", "workers"), cfg.get("log", "level")) == ("always", 3, "debug")
+    assert cfg.source["journal.fsync"] == "flag" and cfg.source["api.workers"] == "env ZEROCOMM_API_WORKERS"
+    # What is not overridden is still checked, naming the file; the winning value is checked too.
+    with pytest.raises(ConfigurationError, match=rf"api.workers \(from file {re.escape(str(path))}\) must be an integer"):
+        cfgmod.load(path, env={}, flags=["journal.fsync=always", "log.level=debug"])
+    with pytest.raises(ConfigurationError, match=r"journal.fsync \(from flag journal.fsync\) must be one of"):
+        cfgmod.load(path, env={"ZEROCOMM_API_WORKERS": "3"}, flags=["journal.fsync=often", "log.level=debug"])
+    # A misspelt name in the file fails even when a flag gives the setting it meant.
+    path.write_text('[journal]\nfsynk = "always"\n')
+    with pytest.raises(ConfigurationError, match=rf"unknown journal setting 'fsynk' in {re.escape(str(path))}"):
+        cfgmod.load(path, env={}, flags=["journal.fsync=always"])
+
+
+def test_the_command_line_runs_with_a_bad_file_value_it_overrides(tmp_path: Path) -> None:
+    """Where the user meets it: `zerocomm --config FILE --set ... config` exited 2 on the file's value."""
+    import json
+    import subprocess
+    import sys
+
+    path = tmp_path / "site.toml"
+    path.write_text(f'[identity]\ndir = "{tmp_path / "id"}"\n[journal]\nfsync = "sometimes"\n')
+    base = [sys.executable, "-m", "zerocomm_spark.agent", "--config", str(path), "--json"]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ZEROCOMM_")}
+    done = subprocess.run([*base, "--set", "journal.fsync=always", "config"], capture_output=True, text=True,
+                          timeout=60, env=env)
+    assert done.returncode == 0, done.stderr + done.stdout
+    shown = json.loads(done.stdout)
+    assert shown["values"]["journal"]["fsync"] == "always" and shown["source"]["journal.fsync"] == "flag"
+    env["ZEROCOMM_JOURNAL_FSYNC"] = "never"
+    done = subprocess.run([*base, "config"], capture_output=True, text=True, timeout=60, env=env)
+    assert done.returncode == 0 and json.loads(done.stdout)["values"]["journal"]["fsync"] == "never", done.stderr
+    del env["ZEROCOMM_JOURNAL_FSYNC"]
+    # init keeps the file and creates the identity it names, the flag overriding the file's bad value
+    done = subprocess.run([*base, "--set", "journal.fsync=always", "init", "--identity-dir", str(tmp_path / "id"),
+                           "--label", "site"], capture_output=True, text=True, timeout=60, env=env)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert (tmp_path / "id" / "keystore.sealed").exists() and "sometimes" in path.read_text()
+    done = subprocess.run([*base, "config"], capture_output=True, text=True, timeout=60, env=env)
+    assert done.returncode == 2 and str(path) in done.stdout, done.stdout  # not overridden: still refused
