@@ -188,6 +188,7 @@ class AgentCalls:
             out.setdefault("peers_alive", {})
         out["journal"] = {"next_offset": self.journal.next_offset, "earliest_offset": self.journal.earliest_offset(),
                           "committed_offset": self.journal.committed_offset}
+        out["transport"] = self.member.transport_stats()
         return out
 
     # --- connections ----------------------------------------------------------------------------

@@ -237,7 +237,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-n", "--lines", type=_count, default=10, metavar="N", help="show the last N first (default 10)")
     p.add_argument("--no-follow", action="store_true", help="print the last N and stop")
     _add_history(sub, add)
-    add(sub, "metrics", "messages in and out, bytes, lag per publisher, peers alive, API calls", cmd_metrics)
+    add(sub, "metrics", "messages in and out, bytes, lag per publisher, peers alive, API calls, peer transport "
+                        "counters", cmd_metrics)
     add(sub, "keygen", "make a CURVE key pair for a remote API client (api.allowed_clients)", cmd_keygen)
     add(sub, "config", "show the configuration in force and where each setting comes from", cmd_config)
     return parser
@@ -1367,6 +1368,9 @@ def cmd_metrics(ctx: Ctx) -> int:
 
     def human() -> str:
         simple = [(k, v) for k, v in metrics.items() if not isinstance(v, (dict, list))]
+        # The peer transport's counters (timeouts, drops) under their own prefix: its frames_in is not
+        # the group's messages_in.
+        simple += [(f"transport.{k}", v) for k, v in (metrics.get("transport") or {}).items()]
         text = render_pairs(simple)
         lag_rows = [{"group": g, "publisher": short_did(p, 40), "lag": n}
                     for g, pubs in (metrics.get("lag") or {}).items() for p, n in pubs.items()]

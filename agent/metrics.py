@@ -2,7 +2,8 @@
 
 Why here and not only in the data plane: the agent knows what it journaled and acknowledged (the
 numbers that matter for a consumer's lag), and what clients asked of it. The data plane's own
-counters (retransmissions, drops, liveness) are merged in when `metrics` is called.
+counters (retransmissions, drops, liveness) are merged in when `metrics` is called, and the peer
+transport's (frames, timeouts, drops, backlogs) are added under ``transport``.
 """
 
 from __future__ import annotations

@@ -948,7 +948,8 @@ class Client:
         return result
 
     def metrics(self, *, timeout: float | None = None) -> dict[str, Any]:
-        """Messages in and out, bytes, lag per publisher, peers alive, API calls."""
+        """Messages in and out, bytes, lag per publisher, peers alive, API calls, and the peer transport's
+        counters under ``transport`` (timeouts, drops, backlogs: see ``PeerTransport.stats``)."""
         result: dict[str, Any] = self.call("metrics", timeout=timeout)
         return result
 

@@ -366,6 +366,12 @@ class Agent:
     def path(self) -> Path:
         return self._path
 
+    def transport_stats(self) -> dict[str, int]:
+        """The peer transport's counters (``PeerTransport.stats``), for the agent's ``metrics``: DIDComm
+        and the data plane's acks, resends and keepalives travel on it, so its timeouts and drops are
+        where a slow or lossy peer shows first."""
+        return self._transport.stats()
+
     @property
     def keystore(self) -> Keystore:
         """The identity's sealed keystore, for components of this process (the journal key lives there)."""

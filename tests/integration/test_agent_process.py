@@ -22,7 +22,7 @@ import pyarrow as pa
 import pytest
 import zmq
 
-from test_cli_support import ZEROCOMM, Member, wait_for, zerocomm
+from test_cli_support import ZEROCOMM, Member, running, wait_for, zerocomm
 from zerocomm_spark.agent.runfiles import held_by
 from zerocomm_spark.client import Client, table_to_ipc
 from zerocomm_spark.errors import (
@@ -752,3 +752,27 @@ def test_an_agent_starting_detached_can_be_stopped(tmp_path: Path) -> None:
         assert held_by(m.run_dir) is None and m.pid() is None
         go.touch()
         assert m.start()["pid"] != child
+
+
+def test_metrics_include_the_peer_transports_counters(tmp_path: Path) -> None:
+    """The peer transport counts its timeouts, drops and backlogs (PeerTransport.stats), but the
+    agent's `metrics` left them out: a member whose calls to a peer timed out showed nothing of it."""
+    from zerocomm_spark.transport.peer import PeerTransport
+
+    with running(tmp_path, "alice", "bob") as (alice, bob):
+        bob.ok("connect", alice.ok("invite")["url"])
+        bob.ok("message", "alice", "hello")
+        seen = alice.ok("metrics")["transport"]
+        probe = PeerTransport()  # the keys it has: every one is in metrics
+        assert set(seen) == set(probe.stats()), seen
+        assert seen["frames_in"] >= 2 and seen["bytes_in"] > 0 and seen["frames_out"] >= 2, seen
+        before = bob.ok("metrics")["transport"]
+        assert before["timeouts"] == 0, before
+        alice.stop()
+        unanswered = bob.run("--timeout", "2", "message", "alice", "anyone there?")
+        assert unanswered.code != 0, unanswered
+        after = wait_for(lambda: (t := bob.ok("metrics")["transport"])["timeouts"] >= 1 and t, 10,
+                         "bob's transport to count the call that timed out")
+        assert after["frames_out"] > before["frames_out"], (before, after)
+        shown = bob.run("metrics", json_out=False)  # the table shows them too, apart from group messages
+        assert shown.code == 0 and "transport.timeouts" in shown.stdout, shown.stdout
