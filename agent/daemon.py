@@ -454,9 +454,11 @@ def agent_status(config: Config, timeout: float = 5.0) -> dict[str, Any]:
             # It said why it stopped (a journal that could not take a message): fix that before a restart.
             at = health.get("failed_at")
             ago = f" {time.time() - float(at):.0f}s ago" if isinstance(at, (int, float)) else ""
+            fix = health.get("fix")  # what the agent said to fix, by the failure's errno
+            fix = (f"{fix.rstrip('.')} before starting it again" if isinstance(fix, str) and fix
+                   else "Fix that first (free space, permissions)")
             detail = (f"; the agent (pid {health['pid']}) stopped{ago} because {health['problem'].rstrip('.')}. "
-                      f"Fix that first (free space, permissions), or it stops again; its log {log_file_of(config)} "
-                      "says more")
+                      f"{fix}, or it stops again; its log {log_file_of(config)} says more")
         elif health and isinstance(health.get("pid"), int):
             detail = (f"; a health file from pid {health['pid']} remains (last heartbeat "
                       f"{time.time() - float(health.get('heartbeat_at', 0)):.0f}s ago): it crashed or was killed "

@@ -35,6 +35,7 @@ from zerocomm_spark.agent.server import ApiServer, prepare_socket_dir
 from zerocomm_spark.client import HEALTH_FILE, PID_FILE
 from zerocomm_spark.errors import AgentAlreadyRunningError, ConfigurationError, ZeroCommError
 from zerocomm_spark.journal import Journal, journal_key
+from zerocomm_spark.journal.files import os_error_fix
 from zerocomm_spark.member import Agent
 
 __all__ = ["AgentProcess", "VERSION"]
@@ -43,6 +44,24 @@ log = logging.getLogger(__name__)
 
 VERSION = "0.1.0"
 API_CURVE_SECRET = "api-curve-secret"
+
+
+def _os_error_in(exc: BaseException) -> OSError | None:
+    """The OS error behind a journal failure (the exception itself, or its causes), if one is."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        if isinstance(current, OSError):
+            return current
+        seen.add(id(current))
+        current = current.__cause__
+    return None
+
+
+#: Descriptors held back from the start and let go when the journal fails: a journal that failed for
+#: want of descriptors (EMFILE) left none to write the health file with, and `agent status` then said
+#: the agent "crashed or was killed" instead of what to fix.
+_SPARE_FDS = 4
 
 
 class AgentProcess:
@@ -64,6 +83,8 @@ class AgentProcess:
         self._closed = False
         self.started_at = time.time()
         self.stop_reason = ""
+        self._spare_fds: list[int] = []
+        self._spare_lock = threading.Lock()  # two threads may fail at once: no descriptor closed twice
 
     # --- lifecycle ------------------------------------------------------------------------------
 
@@ -71,6 +92,7 @@ class AgentProcess:
         """Open everything and serve; raises (having released what it opened) if any part fails."""
         cfg = self.config
         try:
+            self._spare_fds = [os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC) for _ in range(_SPARE_FDS)]
             if self._run_lock_fd is not None:
                 fd, self._run_lock_fd = self._run_lock_fd, None
                 self._lock = RunLock(cfg.socket_dir).adopt(fd)
@@ -162,6 +184,7 @@ class AgentProcess:
         on a full disk. The file is updated from what is on disk, not from health(): this runs on the
         receiving thread, which may hold what the group calls in health() would wait for. The reason is
         the journal's own words (an OS error's text, or the type): never rows."""
+        self._release_spare_fds()  # room for the health file, whatever the journal ran out of
         try:
             if self._lock is not None:
                 reason = (exc.message if isinstance(exc, ZeroCommError) else str(exc) if isinstance(exc, OSError)
@@ -169,6 +192,9 @@ class AgentProcess:
                 health = dict(read_health(self.config.socket_dir) or {}, pid=os.getpid(), state="failed",
                               failed_at=time.time(),
                               problem=f"its journal in {self.config.journal_dir} failed: {reason}"[:600])
+                cause = _os_error_in(exc)
+                if cause is not None:  # what to fix follows the errno (descriptors are not disk space)
+                    health["fix"] = os_error_fix(cause)[:600]
                 write_json_atomic(self.config.socket_dir / HEALTH_FILE, health)
         except Exception:  # noqa: BLE001 - a full disk may refuse this too: the log still says it
             pass
@@ -281,6 +307,7 @@ class AgentProcess:
             ("ingest", lambda: self.ingest.close(drain_timeout=max(1.0, timeout / 4)) if self.ingest else None),
             ("journal", lambda: self.journal.close() if self.journal else None),
             ("run files", lambda: self._lock.release() if self._lock else None),
+            ("spare descriptors", self._release_spare_fds),
         ]
         for name, step in steps:
             began = time.monotonic()
@@ -291,6 +318,15 @@ class AgentProcess:
                 event(log, logging.WARNING, "closing a part of the agent failed", part=name,
                       error=type(exc).__name__, reason=str(exc)[:300])
         event(log, logging.INFO, "agent stopped", reason=self.stop_reason or None)
+
+    def _release_spare_fds(self) -> None:
+        with self._spare_lock:
+            spare, self._spare_fds = self._spare_fds, []
+        for fd in spare:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
 
     # --- health ---------------------------------------------------------------------------------
 

@@ -217,6 +217,67 @@ def test_a_full_disk_stops_the_receiver_unacknowledged_status_says_why_and_a_res
             m.stop()
 
 
+# A real agent process (AgentProcess, as `agent start` runs it) whose journal rolls a segment every
+# delivery; once it serves, its open-file limit is lowered and every descriptor left is taken, then
+# deliveries (as the data plane hands them over) go in until a roll needs one more.
+OUT_OF_FDS_AGENT = """
+import os, resource, sys, time
+from types import SimpleNamespace
+from zerocomm_spark.agent import config as cfgmod
+from zerocomm_spark.agent.process import AgentProcess
+
+cfg = cfgmod.load(None, env={}, flags=[f"identity.dir={sys.argv[1]}", "journal.segment_bytes=1024"])
+proc = AgentProcess(cfg).start()
+
+def delivery(seq):
+    return SimpleNamespace(group="g", message_id=f"m{seq}", publisher_did="did:peer:2.Ez6LSpub", seq=seq,
+                           lamport_ts=seq, sent_at=time.time(), received_at=time.time(), headers=None,
+                           payload=b"x" * 400)
+
+proc.ingest.on_messages([delivery(1), delivery(2)])
+highest = max(int(fd) for fd in os.listdir("/proc/self/fd"))
+soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+resource.setrlimit(resource.RLIMIT_NOFILE, (highest + 8, hard))
+held = []
+try:
+    while True:
+        held.append(os.open("/dev/null", os.O_RDONLY))
+except OSError:
+    pass
+print("full", flush=True)
+for seq in range(3, 100):
+    proc.ingest.on_messages([delivery(seq)])  # the agent exits (75) in here once a roll fails
+print("no roll failed", flush=True)
+"""
+
+
+def test_a_journal_roll_out_of_descriptors_stops_the_agent_and_status_says_to_raise_the_limit(
+        tmp_path: Path) -> None:
+    """A segment roll that failed with EMFILE stopped the agent (75, rightly: nothing unjournaled is
+    acknowledged), but the health file could not be written (no descriptor left for it either), so
+    `agent status` said it "crashed or was killed"; and had it been written, the advice was "free
+    space, permissions". The agent now keeps a few descriptors in reserve for that write, and status
+    says what the errno means: raise the open-file limit."""
+    import sys
+
+    identity = tmp_path / "id"
+    agent = subprocess.run([sys.executable, "-c", OUT_OF_FDS_AGENT, str(identity)], capture_output=True,
+                           text=True, timeout=120)
+    assert agent.stdout.split() == ["full"], agent
+    assert agent.returncode == 75, agent
+    assert "Too many open files" in agent.stderr, agent.stderr  # its log: the failure, and the advice
+    status = subprocess.run([*ZEROCOMM, "--identity-dir", str(identity), "agent", "status"], capture_output=True,
+                            text=True, timeout=60, env={k: v for k, v in os.environ.items()
+                                                        if not k.startswith("ZEROCOMM_")})
+    said = status.stderr
+    assert status.returncode == 3, status
+    assert "its journal" in said and "Too many open files" in said, said
+    assert "ran out of file descriptors" in said and "ulimit -n" in said and "LimitNOFILE" in said, said
+    assert "crashed or was killed" not in said and "free space" not in said, said
+    health = json.loads((identity / "run" / "health.json").read_text())
+    assert health["state"] == "failed" and "ulimit -n" in health["fix"], health
+
+
 def test_send_from_a_slow_stdin_publishes_each_line_soon_and_stops_clearly_with_the_agent(tmp_path: Path) -> None:
     """`producer | zerocomm send g -` with a producer that writes now and then (a log, a sensor): lines
     were held until 10,000 of them or 1 MiB had come, or stdin ended, so nothing was published for as

@@ -689,6 +689,93 @@ def test_a_write_failure_stops_the_journal_and_a_reopen_recovers(jdir: Path, key
                               payload=b"")]).appended == 1
 
 
+# Run in a child: it opens a journal of 1 kB segments, takes every descriptor its lowered open-file
+# limit leaves, and appends until a roll needs one more. Prints the error's message, hint and cause.
+EMFILE_AT_ROLL = """
+import errno, json, os, resource, sys
+from zerocomm_spark.errors import JournalClosedError, JournalError
+from zerocomm_spark.journal import Journal
+
+def rows(first, last):
+    return [dict(group="g", message_id=f"m{s}", publisher_did="p", seq=s, lamport_ts=s, sent_at=0,
+                 payload=b"x" * 200) for s in range(first, last + 1)]
+
+j = Journal.open(sys.argv[1], key=bytes.fromhex(sys.argv[2]), segment_bytes=1024)
+j.append(rows(1, 2))
+soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+resource.setrlimit(resource.RLIMIT_NOFILE, (min(soft, 200), hard))
+held = []
+try:
+    while True:
+        held.append(os.open("/dev/null", os.O_RDONLY))
+except OSError as exc:
+    assert exc.errno == errno.EMFILE, exc
+acked = 2
+try:
+    for seq in range(3, 200):
+        j.append(rows(seq, seq))
+        acked = seq
+    sys.exit("no roll failed")
+except JournalError as exc:
+    failure = exc
+try:
+    j.append(rows(500, 500))
+    sys.exit("an append after the failure should raise")
+except JournalClosedError as exc:
+    closed = exc
+for fd in held:
+    os.close(fd)
+j.close()
+print(json.dumps({"type": type(failure).__name__, "message": failure.message, "hint": failure.hint,
+                  "cause": getattr(failure.__cause__, "errno", None), "acked": acked,
+                  "closed_cause": getattr(closed.__cause__, "hint", None)}))
+"""
+
+
+def test_a_roll_out_of_file_descriptors_stops_the_journal_and_says_to_raise_the_open_file_limit(
+        jdir: Path, key: bytes) -> None:
+    """A segment roll that failed with EMFILE (the side index and the next segment each need a
+    descriptor) stopped the journal, rightly, but its hint said to check the directory's permissions
+    and free space: the user checked the disk. The hint now follows the errno. A real EMFILE: the
+    child lowers RLIMIT_NOFILE and holds every descriptor left."""
+    import errno
+    import json
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", EMFILE_AT_ROLL, str(jdir), key.hex()], capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    said = json.loads(done.stdout.splitlines()[-1])
+    assert said["type"] == "JournalError" and "Too many open files" in said["message"], said
+    assert said["cause"] == errno.EMFILE, said  # kept for an owner that says what to fix (the agent)
+    hint = said["hint"]
+    assert "ran out of file descriptors" in hint and "ulimit -n" in hint and "LimitNOFILE" in hint, hint
+    assert "`fds`" in hint and "reopen the journal" in hint, hint
+    assert "free space" not in hint and "permissions" not in hint, hint
+    assert said["closed_cause"] == hint, said  # later appends' JournalClosedError carries the failure
+    with Journal.open(jdir, key=key) as j:  # every acknowledged row is there, and it takes more
+        assert j.read(0).column("seq").to_pylist() == list(range(1, said["acked"] + 1))
+        assert j.append([dict(group="g", message_id="after", publisher_did="p", seq=1000, lamport_ts=0,
+                              sent_at=0, payload=b"")]).appended == 1
+
+
+@pytest.mark.parametrize(("code", "said", "not_said"), [
+    ("ENFILE", "ran out of file descriptors", "free space"),
+    ("ENOSPC", "Free space on the journal's file system", "descriptors"),
+    ("EDQUOT", "quota", "descriptors"),
+    ("EACCES", "permissions", "free space"),
+    ("EPERM", "permissions", "free space"),
+    ("EIO", "Fix what the OS reported (Input/output error)", "free space"),
+])
+def test_the_hint_of_a_write_failure_follows_its_errno(code: str, said: str, not_said: str) -> None:
+    import errno
+
+    number = getattr(errno, code)
+    fix = files_module.os_error_fix(OSError(number, os.strerror(number)))
+    assert said in fix and not_said not in fix, fix
+
+
 def test_a_journal_whose_directory_was_removed_refuses_appends_instead_of_writing_them_nowhere(
         jdir: Path, key: bytes, caplog) -> None:
     # Before, appends to the unlinked active segment succeeded: acknowledged, then gone at the next open.

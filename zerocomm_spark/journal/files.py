@@ -36,6 +36,26 @@ LOCK_FILE = "journal.lock"
 META_FILE = "journal.meta"
 COMMIT_FILE = "commit.offset"
 
+
+
+def os_error_fix(exc: OSError) -> str:
+    """What to change before the journal can write again, by the error's errno: a roll that failed for
+    want of file descriptors used to be met with "check permissions and free space", and the user
+    checked the disk. A sentence in the imperative, without a final stop (callers add what follows)."""
+    if exc.errno in (errno.EMFILE, errno.ENFILE):
+        system = (" (the whole system's file table is full, ENFILE: also close files elsewhere or raise "
+                  "fs.file-max)") if exc.errno == errno.ENFILE else ""
+        return ("The process ran out of file descriptors" + system + ": raise its open-file limit (`ulimit -n` "
+                "in the shell that starts it, LimitNOFILE= in its systemd unit; `zerocomm agent status` shows the "
+                "agent's `fds`, open of limit)")
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return ("Free space on the journal's file system (or raise the user's quota there), or keep less "
+                "(journal.retention_bytes, journal.retention_age)")
+    if exc.errno in (errno.EACCES, errno.EPERM):
+        return "Check the journal directory's permissions: the user running it must create and write files there"
+    return f"Fix what the OS reported ({exc.strerror or exc})"
+
+
 _META_MAGIC = b"ZCJM\x01"
 _META_TEXT = b"zerocomm-spark journal key check"
 _COMMIT = struct.Struct("<5sQI")

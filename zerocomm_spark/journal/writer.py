@@ -284,7 +284,7 @@ class Writer:
 
     def _check_running(self) -> None:
         if self.failure is not None:
-            raise JournalClosedError(f"the journal stopped after a write failure: {self.failure}")
+            raise JournalClosedError(f"the journal stopped after a write failure: {self.failure}") from self.failure
         if self._stopping:
             raise JournalClosedError("the journal is closed")
 
@@ -377,7 +377,14 @@ class Writer:
         detail = (f"{exc.strerror or exc}" if isinstance(exc, OSError)
                   else exc.message if isinstance(exc, JournalError) else type(exc).__name__)
         log.error("journal %s: writing failed, the journal stops: %s", self._journal.directory, detail)
-        error = exc if isinstance(exc, JournalError) else JournalError(f"writing the journal failed: {detail}")
+        if isinstance(exc, JournalError):
+            error = exc
+        elif isinstance(exc, OSError):  # the hint follows the errno: descriptors, space, permissions...
+            error = JournalError(f"writing the journal failed: {detail}",
+                                 hint=f"{files.os_error_fix(exc)}, then reopen the journal to recover")
+            error.__cause__ = exc  # kept for an owner that says what to fix (the agent's health file)
+        else:
+            error = JournalError(f"writing the journal failed: {detail}")
         with self._cond:
             if self.failure is None:  # the first failure is the one that says what went wrong
                 self.failure = error
@@ -653,7 +660,8 @@ class Writer:
                     # segment (a roll may retire it meanwhile, and a later roll close it)
                     fd = os.dup(self._fd) if force or written != self._synced else -1
                 except OSError as exc:  # out of descriptors: nothing was lost, nothing is stopped
-                    raise JournalError(f"cannot sync the journal now: {exc.strerror}") from None
+                    raise JournalError(f"cannot sync the journal now: {exc.strerror}",
+                                       hint=f"{files.os_error_fix(exc)}, then sync again: nothing was lost") from None
                 retired, self._retired = self._retired, []
                 unsynced, self._unsynced = self._unsynced, []
                 dir_dirty, self._dir_dirty = self._dir_dirty, False
@@ -661,7 +669,8 @@ class Writer:
                 self._sync_snapshot(retired, unsynced, fd, dir_dirty or force, written)
             except OSError as exc:
                 self._fail(exc, [])
-                raise self.failure from None  # type: ignore[misc]
+                # (from its own cause, the OS error, not None: that would erase it for other owners)
+                raise self.failure from self.failure.__cause__  # type: ignore[union-attr]
             finally:
                 if fd >= 0:
                     os.close(fd)
