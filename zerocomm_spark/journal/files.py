@@ -37,7 +37,6 @@ META_FILE = "journal.meta"
 COMMIT_FILE = "commit.offset"
 
 
-
 def os_error_fix(exc: OSError) -> str:
     """What to change before the journal can write again, by the error's errno: a roll that failed for
     want of file descriptors used to be met with "check permissions and free space", and the user
