@@ -152,11 +152,16 @@ def resolve_socket_dir(config: str | os.PathLike[str] | None = None,
     api = data.get("api") if isinstance(data.get("api"), dict) else {}
     identity = data.get("identity") if isinstance(data.get("identity"), dict) else {}
     in_file = {"socket_dir": api.get("socket_dir", ""), "dir": identity.get("dir", DEFAULT_IDENTITY_DIR)}
-    if not all(isinstance(v, str) for v in in_file.values()):
-        raise ConfigurationError("api.socket_dir and identity.dir must be strings")
+    # Only the value in force is checked, as the agent does: a bad one the environment overrides is no error.
+    overrides = {"socket_dir": "ZEROCOMM_API_SOCKET_DIR", "dir": "ZEROCOMM_IDENTITY_DIR"}
+    for name, value in in_file.items():
+        if overrides[name] not in env and not isinstance(value, str):
+            section = "api" if name == "socket_dir" else "identity"
+            raise ConfigurationError(f"{section}.{name} in {path} must be a string, not {type(value).__name__}",
+                                     hint=f"Fix it in {path}, or set {overrides[name]}")
     if path is not None:  # a relative path in the file is relative to the file, as the agent reads it
-        in_file = {k: v if not v or os.path.isabs(os.path.expanduser(v)) else str(path.parent.absolute() / v)
-                   for k, v in in_file.items()}
+        in_file = {k: v if not isinstance(v, str) or not v or os.path.isabs(os.path.expanduser(v))
+                   else str(path.parent.absolute() / v) for k, v in in_file.items()}
     socket_dir = env.get("ZEROCOMM_API_SOCKET_DIR", in_file["socket_dir"])
     identity_dir = env.get("ZEROCOMM_IDENTITY_DIR", in_file["dir"])
     if socket_dir:

@@ -149,6 +149,18 @@ def test_client_finds_the_socket_dir_the_agent_uses(tmp_path: Path, monkeypatch:
         assert resolve_socket_dir(config, env) == cfgmod.load(config, env=env).socket_dir, (config, env)
 
 
+def test_client_checks_only_the_socket_setting_in_force(tmp_path: Path) -> None:
+    """A bad file value the environment overrides is no error for the client either (as for the agent)."""
+    path = tmp_path / "z.toml"
+    path.write_text('[api]\nsocket_dir = 5\n[identity]\ndir = ["x"]\n')
+    env = {"ZEROCOMM_API_SOCKET_DIR": str(tmp_path / "sock"), "ZEROCOMM_IDENTITY_DIR": str(tmp_path / "id")}
+    assert resolve_socket_dir(path, env) == cfgmod.load(path, env=env).socket_dir == tmp_path / "sock"
+    with pytest.raises(ConfigurationError, match=r"identity\.dir in .*z\.toml must be a string"):
+        resolve_socket_dir(path, {"ZEROCOMM_API_SOCKET_DIR": str(tmp_path / "sock")})
+    with pytest.raises(ConfigurationError, match=r"api\.socket_dir in .*z\.toml must be a string"):
+        resolve_socket_dir(path, {"ZEROCOMM_IDENTITY_DIR": str(tmp_path / "id")})
+
+
 def test_render_toml_round_trips(tmp_path: Path) -> None:
     values = {s: dict(v) for s, v in cfgmod.DEFAULTS.items()}
     values["identity"]["label"] = 'quote " and \\ backslash'
