@@ -25,7 +25,7 @@ from typing import Any
 
 from zerocomm_spark.agent.logging import event
 from zerocomm_spark.agent.metrics import Metrics
-from zerocomm_spark.errors import InvalidJournalRowError, JournalClosedError, JournalTimeoutError
+from zerocomm_spark.errors import InvalidJournalRowError, JournalClosedError, JournalTimeoutError, ZeroCommError
 from zerocomm_spark.journal import Journal
 
 __all__ = ["JournalIngest", "EXIT_JOURNAL_FAILED", "abort_on_journal_failure"]
@@ -361,10 +361,12 @@ def _acked(receipt: Any) -> bool:
     return True
 
 
-def abort_on_journal_failure(exc: BaseException) -> None:
-    # Logged as the class and message only (never the rows), then a hard exit: see the module doc.
-    log.critical("the journal failed (%s: %s); stopping the agent without acknowledging the message",
-                 type(exc).__name__, str(exc)[:300])
+def abort_on_journal_failure(exc: BaseException, fix: str | None = None) -> None:
+    # Logged as the class and message only (never the rows), then a hard exit: see the module doc. The
+    # message without the library's hint ("reopen the journal"): the agent's own advice is ``fix``.
+    reason = exc.message if isinstance(exc, ZeroCommError) else str(exc)
+    log.critical("the journal failed (%s: %s); stopping the agent without acknowledging the message%s",
+                 type(exc).__name__, reason[:600], f". {fix}, then start it again" if fix else "")
     for handler in logging.getLogger().handlers:
         try:
             handler.flush()

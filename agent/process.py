@@ -185,6 +185,8 @@ class AgentProcess:
         receiving thread, which may hold what the group calls in health() would wait for. The reason is
         the journal's own words (an OS error's text, or the type): never rows."""
         self._release_spare_fds()  # room for the health file, whatever the journal ran out of
+        cause = _os_error_in(exc)
+        fix = os_error_fix(cause)[:600] if cause is not None else None  # by the errno: descriptors are not disk space
         try:
             if self._lock is not None:
                 reason = (exc.message if isinstance(exc, ZeroCommError) else str(exc) if isinstance(exc, OSError)
@@ -192,13 +194,12 @@ class AgentProcess:
                 health = dict(read_health(self.config.socket_dir) or {}, pid=os.getpid(), state="failed",
                               failed_at=time.time(),
                               problem=f"its journal in {self.config.journal_dir} failed: {reason}"[:600])
-                cause = _os_error_in(exc)
-                if cause is not None:  # what to fix follows the errno (descriptors are not disk space)
-                    health["fix"] = os_error_fix(cause)[:600]
+                if fix is not None:
+                    health["fix"] = fix
                 write_json_atomic(self.config.socket_dir / HEALTH_FILE, health)
         except Exception:  # noqa: BLE001 - a full disk may refuse this too: the log still says it
             pass
-        abort_on_journal_failure(exc)
+        abort_on_journal_failure(exc, fix)
 
     def _open_api(self) -> None:
         from zerocomm_spark.agent.calls import build_registry

@@ -266,6 +266,7 @@ def test_a_journal_roll_out_of_descriptors_stops_the_agent_and_status_says_to_ra
     assert agent.stdout.split() == ["full"], agent
     assert agent.returncode == 75, agent
     assert "Too many open files" in agent.stderr, agent.stderr  # its log: the failure, and the advice
+    assert "raise its open-file limit" in agent.stderr and "reopen the journal" not in agent.stderr, agent.stderr
     status = subprocess.run([*ZEROCOMM, "--identity-dir", str(identity), "agent", "status"], capture_output=True,
                             text=True, timeout=60, env={k: v for k, v in os.environ.items()
                                                         if not k.startswith("ZEROCOMM_")})
