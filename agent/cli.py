@@ -388,11 +388,15 @@ class Ctx:
                         + [("--set", o) for o in self.config.overrides()])
         return f"zerocomm{again} {words}"
 
-    def start_hint(self) -> str:
-        """What to run when no agent answers for this configuration."""
+    def start_hint(self, hint: str | None = None) -> str:
+        """What to run when no agent answers for this configuration: ``hint`` (by default "Start it with
+        `zerocomm agent start --detach`") with that command spelt for this agent where it differs."""
         plain = "zerocomm agent start --detach"
         exact = self.command("agent start --detach")
-        return f"Start it with `{plain}`" + ("" if exact == plain else f" (for this agent: `{exact}`)")
+        hint = hint or f"Start it with `{plain}`"
+        if exact == plain or f"`{plain}`" not in hint:
+            return hint
+        return hint.replace(f"`{plain}`", f"`{plain}` (for this agent: `{exact}`)", 1)
 
     def client(self) -> Client:
         if self._client is None:
@@ -651,7 +655,8 @@ def cmd_agent_status(ctx: Ctx) -> int:
     try:
         status = agent_status(ctx.config, timeout=min(ctx.timeout, 5.0))
     except errors.AgentNotRunningError as exc:
-        raise errors.AgentNotRunningError(exc.message, hint=ctx.start_hint()) from None
+        # (status's own advice, a failure to fix first or an identity to create, with the command spelt out)
+        raise errors.AgentNotRunningError(exc.message, hint=ctx.start_hint(exc.hint)) from None
     endpoints = status.get("endpoints") or {}
     journal = status.get("journal") or {}
 

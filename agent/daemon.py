@@ -449,11 +449,12 @@ def agent_status(config: Config, timeout: float = 5.0) -> dict[str, Any]:
     pid = held_by(config.socket_dir)
     health = read_health(config.socket_dir)
     if pid is None:
-        detail = ""
+        detail, failed = "", False
         if health and isinstance(health.get("pid"), int) and health.get("state") == "failed" and health.get("problem"):
             # It said why it stopped (a journal that could not take a message): fix that before a restart.
             at = health.get("failed_at")
             ago = f" {time.time() - float(at):.0f}s ago" if isinstance(at, (int, float)) else ""
+            failed = True
             fix = health.get("fix")  # what the agent said to fix, by the failure's errno
             fix = (f"{fix.rstrip('.')} before starting it again" if isinstance(fix, str) and fix
                    else "Fix that first (free space, permissions)")
@@ -464,6 +465,8 @@ def agent_status(config: Config, timeout: float = 5.0) -> dict[str, Any]:
                       f"{time.time() - float(health.get('heartbeat_at', 0)):.0f}s ago): it crashed or was killed "
                       f"(the end of its log {log_file_of(config)} may say why)")
         hint = "Start it with `zerocomm agent start --detach`"
+        if failed:  # it stopped on a failure: the fix comes first
+            hint = "Once that is fixed, start it with `zerocomm agent start --detach`"
         if not has_identity(config.identity_dir):
             # `agent start` would quietly make a new member here, labelled after the directory: right only
             # if that is what the user wants, not when the directory is a typo or a host never set up.

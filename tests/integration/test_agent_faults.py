@@ -275,6 +275,7 @@ def test_a_journal_roll_out_of_descriptors_stops_the_agent_and_status_says_to_ra
     assert "its journal" in said and "Too many open files" in said, said
     assert "ran out of file descriptors" in said and "ulimit -n" in said and "LimitNOFILE" in said, said
     assert "crashed or was killed" not in said and "free space" not in said, said
+    assert "Once that is fixed, start it" in said, said  # not a bare "Start it", which would only fail again
     health = json.loads((identity / "run" / "health.json").read_text())
     assert health["state"] == "failed" and "ulimit -n" in health["fix"], health
 

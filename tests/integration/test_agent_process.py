@@ -475,6 +475,19 @@ def test_a_spawn_never_creates_an_identity(tmp_path: Path, monkeypatch: pytest.M
         m.stop()
 
 
+def test_agent_status_of_a_directory_without_an_identity_says_init_at_the_command_line(tmp_path: Path) -> None:
+    """`zerocomm agent status` for a directory holding no identity said "Start it with `zerocomm agent
+    start --detach`", which quietly makes a new member there: the daemon's hint to `zerocomm init` was
+    replaced by the command line's generic one. It now says init, with the start command spelt out."""
+    typo = tmp_path / "typo-dir"
+    said = zerocomm("--identity-dir", str(typo), "--json", "agent", "status", env=dict(os.environ))
+    assert said.code == 3, said.stdout + said.stderr
+    hint = said.json["error"]["hint"]
+    assert f"zerocomm init --identity-dir {typo}" in hint, hint
+    assert f"(for this agent: `zerocomm --set identity.dir={typo} agent start --detach`)" in hint, hint
+    assert not typo.exists()
+
+
 def test_commands_racing_to_spawn_the_agent_all_use_it(tmp_path: Path) -> None:
     """`zerocomm --spawn CMD` run several times at once: the commands whose own start lost the race
     (the winner held the identity but did not serve yet) failed with "no agent socket" (exit 3)."""
