@@ -35,7 +35,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from zerocomm_spark.agent.config import _PATH_SETTINGS, Config
+from zerocomm_spark.agent.config import _NOT_SETTINGS, _PATH_SETTINGS, DEFAULTS, ENV_PREFIX, Config
 from zerocomm_spark.agent.logging import open_log_file
 from zerocomm_spark.agent.ingest import EXIT_JOURNAL_FAILED
 from zerocomm_spark.agent.runfiles import RunLock, clear_left_by, held_by, pid_alive, read_health, serving_pid
@@ -70,8 +70,19 @@ _SPAWNER_SECRET_NAME = re.compile(r"^(?:_?SPARK|PYSPARK|PYTHON_WORKER_).*(?:SECR
 #: Credentials of whatever started it (an executor's cloud keys, Hadoop delegation tokens, a CI job's
 #: tokens): the agent reads none of them (its settings are ZEROCOMM_* and its passphrase variable),
 #: and a process that lives for days should not hold what its starter was given for an hour.
-_CREDENTIAL_NAME = re.compile(r"SECRET|TOKEN|PASSWORD|PASSWD|CREDENTIAL|PRIVATE_KEY|^AWS_ACCESS_KEY_ID$|^KRB5CCNAME$",
-                              re.IGNORECASE)
+#: Passphrases (another member's keystore passphrase on a host that runs several, a GPG or SSH key's),
+#: DB_PASS-style passwords and API or storage keys (OPENAI_API_KEY, AZURE_STORAGE_KEY) are credentials too.
+_CREDENTIAL_NAME = re.compile(r"SECRET|TOKEN|PASSWORD|PASSWD|PASSPHRASE|CREDENTIAL|PRIVATE_KEY|(?:^|_)PASS(?:$|_)"
+                              r"|(?:^|_)(?:API_?|ACCESS_?|ACCOUNT_?)?KEY(?:$|_)|^KRB5CCNAME$", re.IGNORECASE)
+
+#: The ZEROCOMM_* names of settings (ZEROCOMM_IDENTITY_PASSPHRASE_ENV holds a variable's name, not a
+#: secret) and the package's other variables: kept whatever they look like.
+_SETTING_VARIABLES = frozenset({f"{ENV_PREFIX}{section}_{key}".upper() for section, keys in DEFAULTS.items()
+                                for key in keys} | _NOT_SETTINGS)
+
+
+def _is_setting_variable(name: str) -> bool:
+    return name.startswith(ENV_PREFIX) and name.upper() in _SETTING_VARIABLES
 
 
 def log_file_of(config: Config) -> Path:
@@ -142,11 +153,12 @@ def agent_environment(config: Config, environ: Mapping[str, str]) -> dict[str, s
     PASSWORD, CREDENTIAL, ...: cloud keys, Hadoop delegation tokens) and PYTHONPATH (unless the package comes from it:
     :func:`_agent_pythonpath`), with the relative paths in ZEROCOMM_* settings made absolute. The
     variable identity.passphrase_env names (the keystore's passphrase) is always kept; so are PATH,
-    HOME, the locale, TMPDIR and the other ZEROCOMM_* variables."""
+    HOME, the locale, TMPDIR and the ZEROCOMM_* variables, but for a credential-like one that names no
+    setting (ZEROCOMM_BOB_PASSPHRASE: another member's passphrase, not this agent's)."""
     passphrase = config.get("identity", "passphrase_env")
     env = {name: value for name, value in environ.items()
            if name == passphrase or not (name in SPAWNER_SECRETS or _SPAWNER_SECRET_NAME.match(name)
-                                         or (_CREDENTIAL_NAME.search(name) and not name.startswith("ZEROCOMM_")))}
+                                         or (_CREDENTIAL_NAME.search(name) and not _is_setting_variable(name)))}
     for section, key in _PATH_SETTINGS:
         origin = config.source.get(f"{section}.{key}", "")
         if origin.startswith("env ") and origin[4:] in env:

@@ -207,6 +207,29 @@ def test_the_agent_environment_drops_sparks_secrets_and_keeps_what_the_agent_nee
     assert env["PWD"] == "/"
 
 
+def test_the_agent_environment_drops_other_passphrases_and_api_keys(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a host that runs two members, alice's agent started with bob's keystore passphrase in its
+    environment (ZC_BOB_PASSPHRASE, even ZEROCOMM_BOB_PASSPHRASE), and with DB_PASS, OPENAI_API_KEY and
+    AZURE_STORAGE_KEY: only names with SECRET, TOKEN, PASSWORD, ... were dropped."""
+    monkeypatch.chdir(tmp_path)
+    foreign = {"ZC_BOB_PASSPHRASE": "bob's passphrase", "ZEROCOMM_BOB_PASSPHRASE": "bob's passphrase",
+               "GPG_PASSPHRASE": "s3cret", "DB_PASS": "s3cret", "SMTP_PASS_FILE": "/run/pass",
+               "OPENAI_API_KEY": "s3cret", "STRIPE_APIKEY": "s3cret", "AZURE_STORAGE_KEY": "s3cret",
+               "AZURE_STORAGE_ACCOUNT_KEY": "s3cret", "MINIO_ACCESS_KEY": "s3cret", "AWS_ACCESS_KEY_ID": "AKIA",
+               "zc_alice_passphrase_old": "s3cret"}
+    kept = {"ZC_ALICE_PASSPHRASE": "alice's passphrase", "PATH": "/usr/bin", "HOME": "/home/me",
+            "SSH_AUTH_SOCK": "/run/ssh", "AWS_REGION": "eu-west-1", "PASSAGE": "not a credential",
+            "KEYBOARD": "us", "ZEROCOMM_IDENTITY_PASSPHRASE_ENV": "ZC_ALICE_PASSPHRASE",
+            "ZEROCOMM_LOG_LEVEL": "debug", "ZEROCOMM_JARS": "/jars"}
+    environ = {**foreign, **kept}
+    config = cfgmod.load(None, env=environ, flags=[f"identity.dir={tmp_path / 'alice'}"])
+    assert config.get("identity", "passphrase_env") == "ZC_ALICE_PASSPHRASE"
+    env = daemon.agent_environment(config, environ)
+    assert not set(foreign) & set(env)
+    assert {name: env.get(name) for name in kept} == kept
+
+
 def test_the_agent_keeps_pythonpath_only_when_the_package_comes_from_it(tmp_path: Path,
                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     import zerocomm_spark
