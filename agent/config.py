@@ -210,6 +210,18 @@ def _unknown(kind: str, name: str, known: Sequence[str], where: str = "") -> Con
                               hint=f"Known {kind}s: {', '.join(known)}; see conf/zerocomm.toml")
 
 
+_PASSPHRASE_SETTING = ("identity", "passphrase_env")
+#: What a variable's name may be (POSIX's portable names): a passphrase seldom is one.
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+_PASSPHRASE_NAME_RULE = ("it holds the NAME of the environment variable that holds the keystore passphrase (letters, "
+                         "digits and _, not starting with a digit), never the passphrase; the value given is not shown")
+
+
+def _passphrase_name_hint(name: str) -> str:
+    return (f"Export the passphrase in a variable (export ZC_PASSPHRASE=...) and set {name} to its name "
+            f"(--set {name}=ZC_PASSPHRASE); if a passphrase was given here, it may be in your shell's history")
+
+
 def _coerce(section: str, key: str, value: Any, origin: str, *, typed: bool = False) -> Any:
     """``value`` as the type of the default, parsing strings from env and flags (``typed``: a TOML
     value, whose type is its own). ``origin`` names where it came from, the file's path included:
@@ -248,7 +260,15 @@ def _coerce(section: str, key: str, value: Any, origin: str, *, typed: bool = Fa
     except ValueError:
         kind = {bool: "true or false", int: "an integer", float: "a number", list: "a list of strings"}.get(
             type(default), "a string")
+        if (section, key) == _PASSPHRASE_SETTING:  # a passphrase given in its place (a TOML number): not shown
+            raise ConfigurationError(f"{name} (from {origin}) must be a string: {_PASSPHRASE_NAME_RULE}",
+                                     hint=_passphrase_name_hint(name)) from None
         raise ConfigurationError(f"{name} (from {origin}) must be {kind}, not {value!r}") from None
+    if (section, key) == _PASSPHRASE_SETTING and value and not _ENV_NAME.fullmatch(value):
+        # Checked before anything quotes the value: the passphrase itself, given where its variable's name
+        # goes, was printed, written to the agent's log and passed on in a detached agent's argv.
+        raise ConfigurationError(f"{name} (from {origin}) is not an environment variable's name: "
+                                 f"{_PASSPHRASE_NAME_RULE}", hint=_passphrase_name_hint(name))
     # Flags and variables are decoded with surrogateescape: undecodable bytes have no place in a label
     # peers see or a setting sent on (they failed half-way there). Paths are bytes on Linux and take
     # them; init refuses one it cannot write into the TOML file before it creates anything.

@@ -238,6 +238,40 @@ def test_the_passphrase_variable_is_not_taken_for_a_misspelt_setting(tmp_path: P
     assert cfg.warnings == () and cfg.get("identity", "passphrase_env") == "ZEROCOMM_PW"
 
 
+@pytest.mark.parametrize("where", ["flag", "env", "file"])
+@pytest.mark.parametrize("given", ["hunter2 my real passphrase!", "p@ss-w0rd", "9lives", "pass\udcffword", 12345678])
+def test_a_passphrase_given_in_place_of_its_variables_name_is_refused_and_never_shown(
+        tmp_path: Path, where: str, given: object) -> None:
+    """`--set identity.passphrase_env='the passphrase'` (a natural slip) was accepted: starting the agent
+    then failed with "identity.passphrase_env names <the passphrase>, which is not set", on stderr and
+    twice in the agent's log file, `zerocomm config` showed it, and a detached agent got it in its argv."""
+    if isinstance(given, int) != (where == "file") and (where != "file" or "\udcff" in str(given)):
+        pytest.skip("only a TOML file has numbers; only argv and the environment have undecodable bytes")
+    path = tmp_path / "z.toml"
+    flags: list[str] = []
+    env: dict[str, str] = {}
+    if where == "file":
+        path.write_text(f"[identity]\npassphrase_env = {given if isinstance(given, int) else repr(given)}\n",
+                        encoding="utf-8")
+    elif where == "env":
+        env["ZEROCOMM_IDENTITY_PASSPHRASE_ENV"] = str(given)
+    else:
+        flags.append(f"identity.passphrase_env={given}")
+    with pytest.raises(ConfigurationError) as caught:
+        cfgmod.load(path if where == "file" else None, env=env, flags=flags)
+    text = f"{caught.value.message} {caught.value.hint}"
+    assert "passphrase_env" in text and "name" in text
+    assert str(given) not in text and "hunter2" not in text and "p@ss" not in text and "\\udcff" not in text
+    assert repr(str(given)) not in text
+
+
+def test_a_passphrase_variables_name_is_taken_as_it_is() -> None:
+    for name in ("ZC_PASSPHRASE", "_x", "lower_case9", "ZEROCOMM_PW"):
+        assert cfgmod.load(None, env={}, flags=[f"identity.passphrase_env={name}"]).get(
+            "identity", "passphrase_env") == name
+    assert cfgmod.load(None, env={}, flags=["identity.passphrase_env="]).get("identity", "passphrase_env") == ""
+
+
 def test_a_setting_with_undecodable_bytes_names_itself(tmp_path: Path) -> None:
     """Flags and variables come from argv and the environment, decoded with surrogateescape: such a
     value cannot go into the TOML file, a socket path or a label peers see."""
