@@ -1611,6 +1611,19 @@ def test_a_late_re_send_of_a_superseded_seq_is_not_journaled_once_its_id_left_th
         assert seqs(j.read_by_seq(GROUP, bob, 1, 10)) == [1, 3, 4, 6]
 
 
+def test_a_shared_sticky_journal_directory_is_refused_not_made_private(tmp_path: Path) -> None:
+    """journal.dir=/tmp for an agent run as root, who owns it: /tmp was "tightened" to 700 (its sticky
+    bit dropped), locking every other user out of it."""
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    os.chmod(shared, 0o1777)
+    with pytest.raises(ConfigurationError, match="shared directory") as info:
+        Journal.open(shared, key=nacl.utils.random(32))
+    assert stat.S_IMODE(shared.stat().st_mode) == 0o1777
+    assert list(shared.iterdir()) == []
+    assert "journal.dir" in info.value.hint
+
+
 def test_a_journal_directory_of_another_user_is_refused_and_one_of_ours_is_made_private(tmp_path: Path) -> None:
     """Its owner could delete or roll back segments and commit points, and read counts, times and names."""
     from zerocomm_spark.errors import InsecurePermissionsError

@@ -20,6 +20,7 @@ import pytest
 
 from zerocomm_spark.errors import (
     AgentAlreadyRunningError,
+    IdentityPathError,
     InsecurePermissionsError,
     InvalidRecordError,
     KeyNotFoundError,
@@ -162,6 +163,21 @@ def test_open_directory_we_own_is_tightened(home: Path) -> None:
     os.chmod(home, 0o777)
     Keystore.open(home).close()
     assert mode_of(home) == 0o700
+
+
+def test_a_shared_sticky_directory_is_refused_not_made_private(tmp_path: Path) -> None:
+    """identity.dir=/tmp (or /var/tmp, /dev/shm) for an agent run as root, who owns them: the directory
+    was "tightened" to 700, its sticky bit dropped, locking every other user out of /tmp."""
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    os.chmod(shared, 0o1777)
+    with pytest.raises(IdentityPathError, match="shared directory") as info:
+        Keystore.open(shared)
+    assert stat.S_IMODE(shared.stat().st_mode) == 0o1777
+    assert list(shared.iterdir()) == []  # nothing made there
+    assert f"{shared}/zerocomm" in info.value.hint
+    Keystore.open(shared / "zerocomm").close()  # what the hint says works
+    assert mode_of(shared / "zerocomm") == 0o700 and stat.S_IMODE(shared.stat().st_mode) == 0o1777
 
 
 def test_directory_of_another_user_is_refused_whatever_its_mode(home: Path) -> None:

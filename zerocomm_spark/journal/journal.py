@@ -74,6 +74,12 @@ def _check_directory(path: Path) -> None:
             f"the journal directory {path} belongs to another user (uid {st.st_uid})",
             hint="Point journal.dir at a directory of the user running the agent (\"\" keeps it in the identity "
                  "directory)")
+    if st.st_mode & stat.S_ISVTX:  # /tmp as root: made 700, it would lock every other user out
+        raise ConfigurationError(
+            f"the journal directory {path} is a shared directory (mode {stat.S_IMODE(st.st_mode):o}, sticky, like "
+            "/tmp): making it private (mode 700) would lock every other user out of it",
+            hint=f"Point journal.dir at a directory of the agent's own, such as {path}/zerocomm-journal (it is "
+                 "created mode 700), or leave it unset (<identity.dir>/journal)")
     if stat.S_IMODE(st.st_mode) & 0o077:
         try:
             os.chmod(path, 0o700)
