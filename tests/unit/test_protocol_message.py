@@ -20,6 +20,30 @@ from zerocomm_spark.protocols.message import (
 )
 
 
+def test_no_message_shows_its_body_in_repr_or_str() -> None:
+    """AgentMessage's repr shows only the id and thread "as bodies can be payloads", but every concrete
+    message is a @dataclass, whose generated repr replaced it: repr(BasicMessage) printed the private
+    message's text, so one %r of a message in a log line or an error would have carried it."""
+    from dataclasses import dataclass
+    from typing import ClassVar
+
+    from zerocomm_spark.protocols.message import AgentMessage
+
+    msg = BasicMessage(content="PLAINTEXT-PRIVATE-NOTE", thread=Thread(thid="t-1"))
+    for shown in (repr(msg), str(msg), f"{msg}"):
+        assert shown == f"BasicMessage(id={msg.id!r}, thid='t-1')"
+    assert "PLAINTEXT" not in f"{[msg]} {({'m': msg})}"
+    for cls in message_types().values():  # every registered type (the protocols' modules are imported by it)
+        assert cls.__repr__ is AgentMessage.__repr__, cls
+
+    @dataclass(kw_only=True)
+    class Custom(AgentMessage):  # a protocol an application registers (Agent.register_protocol)
+        message_type: ClassVar[str] = "https://example.org/custom/1.0/note"
+        secret: str = ""
+
+    assert "hush" not in repr(Custom(secret="hush"))
+
+
 def test_round_trip_keeps_every_field_and_decorator() -> None:
     msg = BasicMessage(content="hé", thread=Thread(thid="t-1", pthid="p-1"),
                        timing=Timing(out_time="2030-01-01T00:00:00Z"))

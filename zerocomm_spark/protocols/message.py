@@ -417,6 +417,14 @@ class AgentMessage:
     def __repr__(self) -> str:  # bodies can be payloads: show only the envelope-level facts
         return f"{type(self).__name__}(id={self.id!r}, thid={self.thid!r})"
 
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        # Every subclass is a @dataclass, which writes a __repr__ of all its fields (a basic message's
+        # content, a join's proofs) over the one above unless the class has its own: give it this one,
+        # before the decorator runs. A subclass that defines __repr__ itself keeps it.
+        super().__init_subclass__(**kwargs)
+        if "__repr__" not in cls.__dict__:
+            cls.__repr__ = AgentMessage.__repr__  # type: ignore[method-assign]
+
 
 # --- registry ----------------------------------------------------------------------------------
 
