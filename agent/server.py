@@ -148,8 +148,8 @@ class Request:
 
     id: str
     call: str
-    args: dict[str, Any]
-    bulk: bytes | None
+    args: dict[str, Any] = field(repr=False)  # send's text: a payload, as is the bulk frame's content
+    bulk: bytes | None = field(repr=False)
     timeout: float
     started: float = field(default_factory=time.monotonic)
     client: str = ""

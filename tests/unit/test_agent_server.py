@@ -497,3 +497,14 @@ def test_long_polls_do_not_hold_the_workers_other_calls_need(tmp_path: Path) -> 
         for c in pollers:
             c.close()
         server.close()
+
+
+def test_a_requests_repr_shows_no_argument_or_bulk_content() -> None:
+    """A Request holds send's message text and publish's Arrow frame (payloads in clear); its dataclass
+    repr printed both, so one %r of a request in a log line or an error would have carried them."""
+    from zerocomm_spark.agent.server import Request
+
+    req = Request(id="7", call="send", args={"peer": "bob", "message": "PLAINTEXT-NOTE"}, bulk=b"PLAINTEXT-ROWS",
+                  timeout=5.0)
+    shown = f"{req!r} {req}"
+    assert "PLAINTEXT" not in shown and "send" in shown and "'7'" in shown
