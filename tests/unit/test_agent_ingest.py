@@ -212,3 +212,18 @@ def test_own_seqs_an_earlier_run_never_journaled_are_recorded_with_a_warning(tmp
         assert "previous run of this member were never journaled" in caplog.text
     finally:
         journal.close()
+
+
+@pytest.mark.parametrize("bad", [{"message_id": "m-\ud800"}, {"headers": {"k": "v\udc00"}}])
+def test_a_row_holding_a_lone_surrogate_is_refused_not_fatal(ingest, bad):
+    """Arrow raised UnicodeEncodeError for it, which the ingest took for a failing disk (the agent
+    exited, and the publisher's re-send after the restart did it again)."""
+
+    @dataclass
+    class Odd(Delivered):
+        message_id: str = "m-ok"
+
+    row = Odd(5, b"x", **bad)
+    ingest.on_messages([Delivered(4, b"before"), row])
+    assert [r["seq"] for r in ingest.journal.read(0).to_pylist()] == [4]
+    assert ingest.metrics.snapshot()["journal_rejected"] == 1

@@ -26,7 +26,9 @@ group verkey later (history). A batch meant for one member (resend answer, heart
 ``base``/``last``/``gone``/``void``) names that member in ``member``, so it cannot be replayed to another.
 
 Decoding validates every field and raises :class:`MalformedDataMessageError` naming the field
-(never its value: values may be payloads). Payloads are base64 inside the JSON.
+(never its value: values may be payloads). Payloads are base64 inside the JSON. Ids and headers must
+be text UTF-8 can carry: JSON can spell a lone surrogate ("\\ud800"), and one delivered could not be
+journaled by any member (it would be offered again after every restart).
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ import nacl.exceptions
 
 from zerocomm_spark.errors import DIDError, MalformedDataMessageError
 from zerocomm_spark.keys.keypair import verkey_bytes
+from zerocomm_spark.text import is_utf8_text
 
 if TYPE_CHECKING:
     from zerocomm_spark.keys.keypair import KeyPair
@@ -342,6 +345,8 @@ def _headers(value: Any, where: str) -> dict[str, str] | None:
     for k, v in value.items():
         if not isinstance(v, str) or not k or len(k) > MAX_HEADER_LENGTH or len(v) > MAX_HEADER_LENGTH:
             raise _bad(f"{where}'headers' must map non-empty strings to strings (each at most {MAX_HEADER_LENGTH})")
+        if not is_utf8_text(k) or not is_utf8_text(v):
+            raise _bad(f"{where}'headers' must be text: a key or value holds a lone surrogate")
     return value
 
 
@@ -366,6 +371,7 @@ def _messages(items: list[Any]) -> tuple[DataMessage, ...]:
             payload = item["payload"]
             if (type(mid) is str and type(seq) is int and type(lamport) is int and type(payload) is str
                     and prev < seq <= MAX_SEQ and 0 <= lamport <= MAX_SEQ and 0 < len(mid) <= MAX_ID_LENGTH
+                    and (mid.isascii() or is_utf8_text(mid))
                     and (type(sent_at) is float or type(sent_at) is int) and 0 <= sent_at <= MAX_SENT_AT):
                 headers = item.get("headers") if len(item) > 5 else None
                 if headers is not None:
@@ -394,6 +400,8 @@ def _message_checked(item: Any, index: int) -> DataMessage:
     mid = item.get("id")
     if type(mid) is not str or not mid or len(mid) > MAX_ID_LENGTH:
         raise _bad(f"{where}'id' must be a non-empty string of at most {MAX_ID_LENGTH} characters")
+    if not is_utf8_text(mid):
+        raise _bad(f"{where}'id' must be text: it holds a lone surrogate")
     seq = item.get("seq")
     if type(seq) is not int or not 1 <= seq <= MAX_SEQ:
         raise _bad(f"{where}'seq' must be an integer from 1 to 2**63-1")

@@ -97,6 +97,7 @@ from zerocomm_spark.group.lamport import MAX_JUMP, LamportClock
 from zerocomm_spark.group.outbox import Outbox, PublishReceipt
 from zerocomm_spark.group.sequencing import PublisherStream
 from zerocomm_spark.keys.keypair import KeyPair, verkey_to_x25519
+from zerocomm_spark.text import is_utf8_text
 from zerocomm_spark.transport.frames import ProtocolId
 from zerocomm_spark.transport.peer import connectable
 
@@ -901,6 +902,8 @@ class DataPlane:
             for mid in ids:
                 if not isinstance(mid, str) or not mid or len(mid) > dm.MAX_ID_LENGTH:
                     raise ConfigurationError(f"a message id is a non-empty string of at most {dm.MAX_ID_LENGTH} chars")
+                if not is_utf8_text(mid):  # receivers refuse it (no member could journal it): never sent
+                    raise ConfigurationError("a message id holds a lone surrogate (\\ud800-\\udfff), not text")
             if len(set(ids)) != len(ids):
                 raise ConfigurationError("message_ids must be unique within one publish() call")
         if not payloads:

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from zerocomm_spark.errors import ConfigurationError
 from zerocomm_spark.group.datamessage import MAX_HEADER_LENGTH, MAX_HEADERS
 from zerocomm_spark.group.origin import ORIGIN_HEADER
+from zerocomm_spark.text import is_utf8_text
 
 __all__ = ["HeaderProblem", "check_headers", "header_problem", "most_headers", "repeated_key"]
 
@@ -32,8 +33,9 @@ class HeaderProblem:
     """Why a header map cannot be a group message's.
 
     ``kind``: one of ``not-a-map``, ``too-many``, ``not-a-string``, ``null-value``, ``empty-key``,
-    ``too-long``, ``reserved``, ``repeated-key`` (for a caller that picks a fix to suggest by it). ``text``: the problem
-    in words that follow "has" ("row 3 of partition 5 has " + text). ``key``: the entry's key, if one."""
+    ``too-long``, ``not-text``, ``reserved``, ``repeated-key`` (for a caller that picks a fix to suggest by
+    it). ``text``: the problem in words that follow "has" ("row 3 of partition 5 has " + text). ``key``:
+    the entry's key, if one."""
 
     kind: str
     text: str
@@ -79,6 +81,9 @@ def header_problem(headers: object, *, sign: str | None = None) -> HeaderProblem
         if len(key) > MAX_HEADER_LENGTH or len(value) > MAX_HEADER_LENGTH:
             return HeaderProblem("too-long", f"header {shown!r} whose key or value is longer than "
                                              f"{MAX_HEADER_LENGTH} characters", key)
+        if not is_utf8_text(key) or not is_utf8_text(value):  # no UTF-8 form: no member could journal it
+            return HeaderProblem("not-text", f"header {shown!r} whose key or value holds a lone surrogate "
+                                             "(\\ud800-\\udfff), not text", key)
         if sign and key == ORIGIN_HEADER:
             return HeaderProblem("reserved", f"a {ORIGIN_HEADER!r} header, and {sign} is true: the agent adds the "
                                              "origin proof itself", key)

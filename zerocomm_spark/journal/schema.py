@@ -125,7 +125,8 @@ def rows_to_batch(rows: Sequence[Any], received_at: int) -> pa.RecordBatch:
                     raise InvalidJournalRowError(f"row {i}: payload must be bytes, not {type(v).__name__}")
         try:
             array = pa.array(values, type=field.type)
-        except (pa.ArrowInvalid, pa.ArrowTypeError, OverflowError, TypeError) as exc:
+        except (pa.ArrowInvalid, pa.ArrowTypeError, OverflowError, TypeError, UnicodeEncodeError) as exc:
+            # UnicodeEncodeError: a lone surrogate in a string, which no UTF-8 (so no row) can hold.
             # Not the exception's text: it can quote the offending value, which may be message content.
             raise InvalidJournalRowError(
                 f"column {name!r} cannot be stored as {field.type} ({type(exc).__name__})") from None
