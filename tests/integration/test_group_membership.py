@@ -104,7 +104,7 @@ def _made_up(agent: Agent, n: int, voucher: KeyPair | None, *, forged: bool = Fa
         out.append(MemberEntry(did=did, label="x" * 200, role="read_write", status=ACTIVE,
                                peer_endpoint=me.peer_endpoint, publish_endpoint=me.publish_endpoint,
                                group_verkey=key.verkey, transport_key=me.transport_key, invitation=me.invitation,
-                               version=1, ticket=ticket).signed(key).to_dict())
+                               version=1, ticket=ticket, group="g").signed(key).to_dict())
     return out
 
 

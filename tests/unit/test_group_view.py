@@ -28,11 +28,11 @@ from zerocomm_spark.keys.keypair import KeyPair
 
 
 def _entry(key: KeyPair, *, label: str = "m", status: str = ACTIVE, role: str = "read_write", version: int = 1,
-           transport: str = "T" * 40, endpoint: str = "tcp://127.0.0.1:5000") -> MemberEntry:
+           transport: str = "T" * 40, endpoint: str = "tcp://127.0.0.1:5000", group: str = "g") -> MemberEntry:
     return MemberEntry(did=member_did_for(key.verkey), label=label, role=role, status=status,
                        peer_endpoint="tcp://127.0.0.1:4000", publish_endpoint=endpoint,
                        group_verkey=KeyPair.generate().verkey, transport_key=transport,
-                       invitation="https://zerocomm.invalid/?oob=x", version=version).signed(key)
+                       invitation="https://zerocomm.invalid/?oob=x", version=version, group=group).signed(key)
 
 
 @pytest.fixture(scope="module")
@@ -41,6 +41,18 @@ def keys() -> list[KeyPair]:
 
 
 # --- entries -----------------------------------------------------------------------------------
+
+
+def test_an_entry_is_signed_as_an_entry_of_one_group(keys: list[KeyPair]) -> None:
+    """A member has one DID and key for all its groups: its entry of one group, replayed in another by
+    a member of both (its "left" there, say), must not pass for an entry of that group."""
+    other = _entry(keys[0], status=LEFT, version=9, group="other")
+    assert other.verify() is other and other.verify("other") is other
+    with pytest.raises(SignatureError, match="not of this group"):
+        other.verify("g")
+    assert parse_entries([other.to_dict()], group="g", skip_invalid=True) == []
+    with pytest.raises(SignatureError):  # the group is under the signature: it cannot be changed
+        replace(other, group="g").verify("g")
 
 
 def test_an_entry_is_signed_by_the_key_its_did_names(keys: list[KeyPair]) -> None:

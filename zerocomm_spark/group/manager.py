@@ -653,7 +653,7 @@ class GroupManager:
                 status=status or (old.status if old else JOINING), peer_endpoint=self._agent.endpoint,
                 publish_endpoint=self.dataplane.publish_endpoint, group_verkey=g.group_key.verkey,
                 transport_key=self._identity.curve_public.decode("ascii"), invitation=g.record.invitation_url,
-                version=next_version(max(old.version if old else 0, floor)), ticket=g.record.ticket,
+                version=next_version(max(old.version if old else 0, floor)), ticket=g.record.ticket, group=g.name,
             ).signed(self._member_key)
             g.view.merge(entry)
             return entry
@@ -828,7 +828,7 @@ class GroupManager:
         if not isinstance(reply, JoinResponse) or reply.group != group:
             raise MalformedGroupMessageError(f"{who} answered the join request with something else")
         mode, ordered, consistent = _parse_settings(reply.settings)
-        entries = parse_entries(reply.view, skip_invalid=True)
+        entries = parse_entries(reply.view, group=group, skip_invalid=True)
         acceptor_did = reply.acceptor
         ticket = Ticket.from_dict(reply.ticket)
         if ticket.verify(group=group, member=self.did, nonce=request.id) != acceptor_did:
@@ -941,7 +941,7 @@ class GroupManager:
             raise self._refusal(reply, who, g.name)
         if not isinstance(reply, SubscribeResponse) or reply.group != g.name:
             raise MalformedGroupMessageError(f"{who} answered the subscribe with something else")
-        theirs = MemberEntry.from_dict(reply.member).verify()
+        theirs = MemberEntry.from_dict(reply.member).verify(g.name)
         if theirs.did != entry.did:
             raise SignatureError(f"the member reached through {who}'s invitation is someone else")
         self._store.save_peer(entry.did, record.connection_id)
@@ -978,7 +978,8 @@ class GroupManager:
             if len(agreed) == 1 and agreed != {mine} and len(answers) == len(checksums):
                 # Every member agrees on a view we lack (a racing join went active): learn it.
                 for answer in answers.values():
-                    self._apply(g, parse_entries(answer.entries, skip_invalid=True), source=None, allow_new=True)
+                    self._apply(g, parse_entries(answer.entries, group=g.name, skip_invalid=True), source=None,
+                                allow_new=True)
                 self._subscribe_round(g, deadline, accepted, checksums)
         with self._lock:
             labels = {e.did: e.label for e in g.view.entries()}
@@ -1198,7 +1199,7 @@ class GroupManager:
         only set aside (``pending``) unless ``allow_new``: second-hand news of a new member is
         checked by :meth:`_introduce` first, so a byzantine member cannot spread an intruder.
         """
-        listed = [e for e in entries if e.did != self.did and (source is None or e.did == source)]
+        listed = [e for e in entries if e.did != self.did and (source is None or e.did == source) and e.group == g.name]
         vouched = {} if allow_new else self._to_set_aside(g, listed)
         changes: list[tuple[MemberEntry | None, MemberEntry]] = []
         with self._lock:
@@ -1312,7 +1313,7 @@ class GroupManager:
         if isinstance(g, GroupProblemReport):
             return g
         try:
-            entry = MemberEntry.from_dict(request.member).verify()
+            entry = MemberEntry.from_dict(request.member).verify(request.group)
         except (MalformedGroupMessageError, SignatureError) as exc:
             return _problem(request, ProblemCode.INVALID, f"the joiner's entry is invalid ({type(exc).__name__})")
         if entry.did == self.did:
@@ -1358,7 +1359,7 @@ class GroupManager:
         if isinstance(g, GroupProblemReport):
             return g
         try:
-            entry = MemberEntry.from_dict(request.member).verify()
+            entry = MemberEntry.from_dict(request.member).verify(request.group)
             mode, ordered, _ = _parse_settings(request.settings)
         except (MalformedGroupMessageError, SignatureError) as exc:
             return _problem(request, ProblemCode.INVALID, f"the subscriber's entry is invalid ({type(exc).__name__})")
@@ -1431,14 +1432,14 @@ class GroupManager:
             raise GroupNotFoundError("the view update is for a group this member is not in")
         if self._pair_did(g, record) is None:
             raise MalformedGroupMessageError("a view update from a member with no relationship in this group")
-        self._apply(g, parse_entries(message.entries, skip_invalid=True), source=None)
+        self._apply(g, parse_entries(message.entries, group=g.name, skip_invalid=True), source=None)
 
     def _on_leave(self, message: Leave, record: ConnectionRecord) -> None:
         with self._lock:
             g = self._groups.get(message.group)
         if g is None:
             return  # nothing to drop
-        entry = MemberEntry.from_dict(message.member).verify()
+        entry = MemberEntry.from_dict(message.member).verify(g.name)
         # The status on the state topic may have been applied first and dropped the relationship.
         sender = self._pair_did(g, record) or (
             entry.did if self._store.peer_connection(entry.did) == record.connection_id else None)
@@ -1813,7 +1814,8 @@ class GroupManager:
             answer = self._agent.request(connection_id, digest, self.config.request_timeout_s)
             if not isinstance(answer, DigestResponse):
                 return 0
-            changed = self._apply(g, parse_entries(answer.entries, skip_invalid=True), source=None) if answer.entries else 0
+            changed = (self._apply(g, parse_entries(answer.entries, group=g.name, skip_invalid=True), source=None)
+                       if answer.entries else 0)
             if answer.want:
                 with self._lock:
                     wanted = [e.to_dict() for d in answer.want if (e := g.view.get(d)) is not None]

@@ -143,6 +143,10 @@ class MemberEntry:
     invitation: str
     version: int
     ticket: dict[str, Any] | None = None  # who admitted it (policy.Ticket), so others can check second-hand news
+    # The group it is an entry of, under the signature: a member has one DID and member key for all
+    # its groups, so an entry not naming its group was valid in every one of them (a member's "left"
+    # in one group, replayed by another member, removed it from the others).
+    group: str = ""
     signature: str = ""
 
     def __repr__(self) -> str:  # keys and invitations are long and not for logs
@@ -159,10 +163,13 @@ class MemberEntry:
             raise SignatureError("a member entry is signed by the key its DID names, and only by it")
         return replace(self, signature=b64url_encode(member_key.sign(self._signed_part())))
 
-    def verify(self) -> "MemberEntry":
-        """Self, if the signature is the DID owner's; SignatureError otherwise."""
+    def verify(self, group: str | None = None) -> "MemberEntry":
+        """Self, if the signature is the DID owner's (and, given ``group``, the entry is of that group);
+        SignatureError otherwise."""
         if not self.signature:
             raise SignatureError(f"the entry of {self.did} is not signed")
+        if group is not None and self.group != group:
+            raise SignatureError(f"the entry of {self.did} is not of this group (an entry of another group, replayed)")
         try:
             verkey = _verkey_of(self.did)
             signature = b64url_decode(self.signature)
@@ -186,6 +193,8 @@ class MemberEntry:
                 if not isinstance(version, int) or isinstance(version, bool) or not 0 <= version < 2**63:
                     raise MalformedGroupMessageError("member entry field 'version' must be a non-negative integer")
                 values["version"] = version
+            elif f.name == "group":
+                values["group"] = _field_str(data, "group", allow_empty=True) if "group" in data else ""
             elif f.name == "ticket":
                 ticket = data.get("ticket")
                 if ticket is not None and (not isinstance(ticket, Mapping) or not _storable(ticket)):
@@ -219,8 +228,9 @@ class MemberEntry:
         return self.version, _canonical(asdict(self))
 
 
-def parse_entries(raw: Any, *, verify: bool = True, skip_invalid: bool = False) -> list[MemberEntry]:
-    """Entries from a peer: shape-checked and, by default, signature-checked.
+def parse_entries(raw: Any, *, group: str | None = None, verify: bool = True,
+                  skip_invalid: bool = False) -> list[MemberEntry]:
+    """Entries from a peer: shape-checked and, by default, signature-checked (as entries of ``group``).
 
     ``skip_invalid`` drops (and logs) the entries that fail instead of refusing the whole list: for
     views, where one entry an older version accepted (a saved view, a peer's repair answer) must not
@@ -233,7 +243,7 @@ def parse_entries(raw: Any, *, verify: bool = True, skip_invalid: bool = False) 
         try:
             entry = MemberEntry.from_dict(item)
             if verify:
-                entry.verify()
+                entry.verify(group)
         except (MalformedGroupMessageError, SignatureError) as exc:
             if not skip_invalid:
                 raise
@@ -410,5 +420,5 @@ def open_status(group: str, blob: bytes, mine: Mapping[str, str],
         sender = body.get("sender")
         if not isinstance(sender, str) or not sender.startswith("did:key:"):
             raise MalformedGroupMessageError("field 'sender' of a status section must be a did:key")
-        return OpenedStatus(exchange_id, their_verkey, sender, parse_entries(body.get("entries")))
+        return OpenedStatus(exchange_id, their_verkey, sender, parse_entries(body.get("entries"), group=group))
     return None
