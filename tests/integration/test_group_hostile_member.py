@@ -255,3 +255,61 @@ def test_a_member_cannot_send_different_content_under_one_seq_to_different_membe
         if message.publisher_did == mallory.groups.did:
             got = message.payload
     assert got == b"to alice"  # what every member got under seq 1 is the same
+
+
+@pytest.mark.xfail(strict=True, reason="not fixed: a member that keeps answering keepalives but never acks holds "
+                                       "every publisher's window (only keepalive death releases it); needs a policy "
+                                       "for members alive but not acking (treat as inactive past some time)")
+def test_a_member_withholding_acks_does_not_stall_the_other_publishers(tmp_path: Path) -> None:
+    from zerocomm_spark.errors import BackpressureError
+    from zerocomm_spark.group.dataplane import DataPlaneConfig
+
+    config = GroupConfig(digest_interval_s=0.3, resume_timeout_s=3.0,
+                         dataplane=DataPlaneConfig(window=64, retention_max=1_000))
+    agents = [Agent.open(tmp_path / n, label=n, group_config=config) for n in ("alice", "bob", "mallory")]
+    alice, bob, mallory = agents
+    try:
+        alice.groups.create("g")
+        for member in (bob, mallory):
+            member.groups.join("g", via=member.accept(alice.invite(), timeout=10), timeout=30)
+        mallory.groups.dataplane._send_ack = lambda *a, **k: None  # noqa: SLF001 - mallory never acks
+        try:
+            for i in range(20):
+                alice.groups.publish("g", [b"m"] * 10, timeout=2.0)
+        except BackpressureError as exc:
+            pytest.fail(f"alice stalled by mallory after {i * 10} messages: {str(exc)[:200]}")
+    finally:
+        for agent in agents:
+            agent.close()
+
+
+@pytest.mark.parametrize("mode", ["shared", "single", "multi"])
+def test_a_member_cannot_publish_as_another_nor_relay_its_signed_batches(trio: dict[str, Any], mode: str) -> None:
+    """mallory claims bob as publisher (signed by its own key), and relays a batch bob signed (as
+    captured: bob's exact bytes and signature) in its own envelopes: both are dropped as forged, and
+    nothing of them is delivered."""
+    _form(trio, "g", mode)
+    alice, bob, mallory = trio["alice"], trio["bob"], trio["mallory"]
+    before = alice.groups.stats()
+    _send_crafted(mallory, "g", [_message(1, b"forged")], publisher=bob.groups.did)
+    plane = mallory.groups.dataplane
+    g = plane._group("g")  # noqa: SLF001
+    bobs = dm.sign(json.dumps({"@type": dm.DATA_BATCH, "@id": uuid.uuid4().hex, "group": "g",
+                               "publisher": bob.groups.did, "messages": [_message(1, b"relayed")]},
+                              separators=(",", ":")).encode("ascii"), bob.groups.dataplane._group("g").group_key)  # noqa: SLF001
+    members = list(g.members.values())
+    if mode == "shared":
+        frames = [[g.data_topic, pack(bobs, [m.info.group_verkey for m in members], sender=g.group_key)]]
+    else:
+        frames = [[g.data_topic if mode == "single" else m.pair_topic,
+                   pack(bobs, [m.info.relationship_verkey], sender=m.my_key)] for m in members]
+    plane._io_send_data([(f, None, 0) for f in frames])  # noqa: SLF001
+
+    def dropped() -> int:
+        now = alice.groups.stats()
+        return sum(now[k] - before[k] for k in ("forged_batches", "rejected_non_member"))
+
+    wait_for(lambda: dropped() >= 2, 10.0, "alice to drop both")
+    bob.groups.publish("g", [b"genuine"]).wait(20)
+    wait_for(lambda: (bob.groups.did, b"genuine") in _journaled(trio), 10.0, "bob's genuine message")
+    assert {p for _, p in _journaled(trio)} & {b"forged", b"relayed"} == set()
