@@ -254,3 +254,18 @@ def test_recipient_kids_of_a_deeply_nested_protected_header_is_none() -> None:
     protected = base64.urlsafe_b64encode(b"[" * 100_000).rstrip(b"=")
     assert _recipient_kids(b'{"protected":"' + protected + b'"}') is None
     assert _recipient_kids(json.dumps({"protected": protected.decode()}).encode().replace(b'{"', b'{ "', 1)) is None
+
+
+@pytest.mark.parametrize("field", ["id", "header key", "header value"])
+def test_an_id_or_header_holding_a_lone_surrogate_is_refused(field: str) -> None:
+    """JSON spells "\\ud800"; no UTF-8 (so no journal row) holds it: the whole batch is refused."""
+    item = {"id": "m-1", "seq": 1, "lamport": 1, "sent_at": 1.0, "payload": ""}
+    if field == "id":
+        item["id"] = "m-\ud800"
+    else:
+        item["headers"] = {"k\udc00": "v"} if field == "header key" else {"k": "v\ud800"}
+    raw = json.dumps({"@type": dm.DATA_BATCH, "group": "g", "publisher": "p", "messages": [item]})
+    with pytest.raises(MalformedDataMessageError, match="lone surrogate"):
+        dm.decode(raw.encode("ascii"))
+    ok = dict(item, id="m-\u00e9", headers={"k\u00e9": "v\u4e2d\u0000"})  # text (NUL included) is fine
+    assert dm.decode(json.dumps({"@type": dm.DATA_BATCH, "group": "g", "publisher": "p", "messages": [ok]}))

@@ -150,3 +150,8 @@ def test_non_string_headers_are_refused_everywhere() -> None:
     with pytest.raises(SinkSchemaError, match="headers column is map<string,int>"):
         sink_columns(StructType([StructField("payload", BinaryType()),
                                  StructField("headers", MapType(StringType(), IntegerType()))]))
+
+
+def test_a_header_holding_a_lone_surrogate_is_a_problem_of_its_own() -> None:
+    problem = header_problem({"k": "v\ud800"})
+    assert problem is not None and problem.kind == "not-text" and "lone surrogate" in problem.text
