@@ -86,7 +86,7 @@ class Node:
             self.got.append(d)
             self.cond.notify_all()
 
-    def _state(self, group: str, blob: bytes) -> None:
+    def _state(self, group: str, blob: bytes, did: str) -> None:
         with self.cond:
             self.states.append((group, blob))
             self.cond.notify_all()

@@ -313,3 +313,21 @@ def test_a_member_cannot_publish_as_another_nor_relay_its_signed_batches(trio: d
     bob.groups.publish("g", [b"genuine"]).wait(20)
     wait_for(lambda: (bob.groups.did, b"genuine") in _journaled(trio), 10.0, "bob's genuine message")
     assert {p for _, p in _journaled(trio)} & {b"forged", b"relayed"} == set()
+
+
+def test_a_member_flooding_the_state_topic_holds_one_place_in_the_status_queue(trio: dict[str, Any]) -> None:
+    """Status blobs are zstd: 578 bytes that inflate to 16 MiB cost ~75 ms to open. Every one was
+    queued for the control thread: 10 s of mallory's flood left ~7,700 waiting (draining at ~13/s, so
+    ten minutes in front of every honest status, and memory growing with the flood). Only the
+    latest blob of each sender waits now."""
+    import zstandard
+
+    _form(trio, "g", "shared")
+    alice, mallory = trio["alice"], trio["mallory"]
+    bomb = zstandard.ZstdCompressor(level=19).compress(
+        json.dumps({"v": 1, "group": "g", "pad": "a" * (16 * 1024 * 1024 - 100)}).encode())
+    for _ in range(500):
+        mallory.groups.dataplane.publish_state("g", bomb)
+    wait_for(lambda: alice.groups.stats()["status_superseded"] > 0, 10.0, "alice to replace waiting blobs")
+    assert alice.groups._control.qsize() <= 4  # noqa: SLF001 - one per sender (and the odd other task)
+    wait_for(lambda: alice.groups._control.qsize() == 0, 5.0, "alice's control thread to be free again")  # noqa: SLF001

@@ -449,7 +449,7 @@ class DataPlane:
         curve_keypair: tuple[bytes, bytes],
         publish_bind: str = "tcp://127.0.0.1:*",
         on_deliver: Callable[[Delivered], None],
-        on_state: Callable[[str, bytes], None] | None = None,
+        on_state: Callable[[str, bytes, str], None] | None = None,
         config: DataPlaneConfig = DataPlaneConfig(),  # noqa: B008 - frozen, shared safely
         on_deliver_many: Callable[[list[Delivered]], None] | None = None,
         on_superseded: Callable[[str, str, list[int]], None] | None = None,
@@ -461,7 +461,7 @@ class DataPlane:
         if on_deliver_many is not None and not callable(on_deliver_many):
             raise ConfigurationError("on_deliver_many must be a callable taking a list of Delivered, or None")
         if on_state is not None and not callable(on_state):
-            raise ConfigurationError("on_state must be a callable taking (group, blob) or None")
+            raise ConfigurationError("on_state must be a callable taking (group, blob, member DID) or None")
         if not isinstance(config, DataPlaneConfig):
             raise ConfigurationError("config must be a DataPlaneConfig")
         self._keystore = keystore
@@ -930,7 +930,8 @@ class DataPlane:
         raise TypeError(f"payloads are bytes, got {type(p).__name__}")
 
     def publish_state(self, group: str, blob: bytes, *, timeout: float = 10.0) -> None:
-        """Publish an opaque state blob on the group's state topic; others get ``on_state(group, blob)``.
+        """Publish an opaque state blob on the group's state topic; others get ``on_state(group, blob, did)``
+        (``did``: the member whose subscription it came in on, so a flood is charged to its sender).
 
         Returns once ZeroMQ accepted it; BackpressureError if the XPUB stayed full until ``timeout``
         (the blob is then withdrawn, not sent later). Best effort beyond that: membership repairs
@@ -1704,7 +1705,7 @@ class DataPlane:
             if topic_kind == _STATE:
                 if self._on_state is not None:
                     try:
-                        self._on_state(group, body)
+                        self._on_state(group, body, did)
                     except Exception:  # noqa: BLE001
                         self._stats.add(callback_errors=1)
                         log.exception("on_state raised for group %r", group)

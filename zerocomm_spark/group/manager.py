@@ -362,6 +362,13 @@ class GroupManager:
         self._arrivals = 0
         self._inbox_cond = threading.Condition(self._lock)
         self._control: queue.Queue[Callable[[], None] | None] = queue.Queue()
+        # Status blobs waiting for the control thread, the latest per (group, member it came from): a
+        # status carries only its sender's latest entry, so an older one waiting adds nothing. One
+        # queued task per pair, so a member flooding the state topic (tiny zstd frames that inflate
+        # to 16 MiB, ~75 ms each to open) holds one place, not an unbounded backlog in front of the
+        # others' statuses.
+        self._status_waiting: dict[tuple[str, str], bytes] = {}
+        self.status_superseded = 0  # status blobs replaced by a later one of their sender before handling
         self._closing = threading.Event()
         self._threads: list[threading.Thread] = []
         # Two pools, so a job that fans out and waits (resume, repair, pairing) never waits on a task
@@ -1449,8 +1456,21 @@ class GroupManager:
 
     # --- state topic and delivery (data plane receiver thread) ----------------------------------------
 
-    def _on_state(self, group: str, blob: bytes) -> None:
-        self._control.put(lambda: self._handle_status(group, blob))
+    def _on_state(self, group: str, blob: bytes, did: str) -> None:
+        key = (group, did)
+        with self._lock:
+            queued = key in self._status_waiting
+            if queued:
+                self.status_superseded += 1
+            self._status_waiting[key] = blob
+        if not queued:
+            self._control.put(lambda: self._handle_waiting_status(key))
+
+    def _handle_waiting_status(self, key: tuple[str, str]) -> None:
+        with self._lock:
+            blob = self._status_waiting.pop(key, None)
+        if blob is not None:
+            self._handle_status(key[0], blob)
 
     def _handle_status(self, group: str, blob: bytes) -> None:
         with self._lock:
@@ -1754,10 +1774,12 @@ class GroupManager:
         return remove
 
     def stats(self) -> dict[str, Any]:
-        """Data-plane counters plus, per group, the receive buffer's drops."""
+        """Data-plane counters plus, per group, the receive buffer's drops, and the status messages a
+        later one of their sender replaced before they were handled (``status_superseded``)."""
         out = self.dataplane.stats()
         with self._lock:
             out["inbox_dropped"] = {name: g.inbox_dropped for name, g in self._groups.items()}
+            out["status_superseded"] = self.status_superseded
         return out
 
     # --- repair ----------------------------------------------------------------------------------
