@@ -327,3 +327,17 @@ def test_a_view_with_one_unusable_entry_keeps_the_others_where_asked(keys: list[
     assert [e.did for e in parse_entries([good, bad], skip_invalid=True)] == [good["did"]]
     forged = dict(_entry(keys[2]).to_dict(), label="forged")
     assert [e.did for e in parse_entries([forged, good], skip_invalid=True)] == [good["did"]]
+
+
+def test_a_status_that_inflates_far_beyond_what_sealed_sections_do_is_refused() -> None:
+    """Sealed sections are ciphertext (zstd shrinks a real status by ~1.6): a small frame inflating to
+    16 MiB is a bomb, refused before it is inflated; a status of many sections still opens."""
+    a, b, c, _ = _trio()
+    bomb = zstandard.ZstdCompressor(level=19).compress(b'{"pad":"' + b"a" * (16 * 1024 * 1024 - 20) + b'"}')
+    with pytest.raises(MalformedGroupMessageError, match="decompresses to more than"):
+        open_status("g", bomb, {"x-ab": a.rel[b.did].verkey}, b.keys.get)
+    many = [StatusSection(f"x-{i:036d}", KeyPair.generate().verkey, KeyPair.generate()) for i in range(300)]
+    entry = _entry(a.key, version=7)
+    blob = seal_status("g", a.did, [entry], [*_sections(a, b, c), *many])
+    opened = open_status("g", blob, {"x-ab": a.rel[b.did].verkey}, b.keys.get)
+    assert opened is not None and opened.entries == [entry]
