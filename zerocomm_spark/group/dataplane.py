@@ -50,7 +50,6 @@ and are offered again when the publisher re-sends them.
 from __future__ import annotations
 
 import binascii
-import itertools
 import json
 import logging
 import operator
@@ -141,6 +140,7 @@ _REBIND_WAIT_S = 5.0  # how long a rebind of the publish endpoint retries before
 # After a rebind, sends wait for the subscribers to subscribe again for at most resend_after_ms and at
 # most this long: past it, a member not back yet gets what it missed by heartbeat and NACK, as before.
 _REBIND_HOLD_MAX_S = 5.0
+_ID_BYTES = 16  # random bytes of a message id the publisher makes (publish() without message_ids)
 _READ_BATCH = 128  # frames read per socket per IO turn, so one busy publisher starves nobody
 # A resend answer is one transport frame (an RPC response, whose header is 6 bytes): room for that
 # header and the envelope's, and for the batch's other fields (group, DIDs, ids, numbers) in its plaintext.
@@ -488,9 +488,6 @@ class DataPlane:
         self._rel_keys: dict[str, KeyPair] = {}  # our relationship verkey -> key pair
         self._clock = clock if clock is not None else LamportClock()  # durable if the caller reserves (lamport.py)
         self._jump_logged = 0.0  # monotonic time of the last "stamp too far ahead" warning (rate limit)
-        # Message ids: a random per-plane prefix and a counter, unique without a uuid per message.
-        self._id_prefix = secrets.token_hex(8) + "-"
-        self._id_counter = itertools.count(1)
         self._dedup = TTLCache(config.dedup_ttl_s, config.dedup_max)
         self._stats = _Stats()
         self._allow = _CurveAllowList()
@@ -894,7 +891,13 @@ class DataPlane:
                     f"within the transport's max_frame_bytes={self._transport.max_frame_bytes}",
                     hint="Split the payload, or raise max_frame_bytes of the peer transport on every member")
         if message_ids is None:
-            ids = [f"{self._id_prefix}{next(self._id_counter):x}" for _ in payloads]
+            # 128 random bits each, from one read of the OS's generator. Not a prefix and a counter: ids
+            # are seen by every member, and the journal's id rule spans publishers (a Spark task retried
+            # on another host re-publishes its ids through another member), so a member that can predict
+            # another's next ids can publish them first and have its messages dropped as duplicates.
+            pool = os.urandom(_ID_BYTES * len(payloads)).hex()
+            step = 2 * _ID_BYTES
+            ids = [pool[i:i + step] for i in range(0, len(pool), step)]
         else:
             ids = list(message_ids)
             if len(ids) != len(payloads):
