@@ -985,6 +985,36 @@ def test_requests_that_timed_out_on_a_dead_peer_are_not_run_when_it_comes_back()
     assert ran == [b"fresh"]
 
 
+def test_closing_the_transport_drops_what_a_socket_set_aside_for_a_silent_peer_queues() -> None:
+    """A transport closed while a socket set aside for a silent peer still held a pending call closed it
+    with the usual linger (up to 0.5 s), so a peer listening again within it ran the calls that had
+    timed out, and the call the close itself failed. Such a socket now closes with LINGER 0, as it does
+    when its calls end (found by the review of the reconnect back-off)."""
+    endpoint = _free_port_endpoint()
+    ran: list[bytes] = []
+    caller = PeerTransport()
+    caller.start()
+    long = caller.request_async(endpoint, ECHO, b"long", timeout=10)
+    with pytest.raises(PeerTimeoutError):
+        caller.request(endpoint, ECHO, b"stale", timeout=0.3)
+    _wait_until(lambda: caller.stats()["dealers_reset"] == 1)
+    back = PeerTransport(bind=endpoint)
+    back.register(ECHO, rpc=lambda payload, peer: (ran.append(payload), b"ok")[1])
+    # The peer comes back while close() runs (it lingered up to 0.5 s, reconnecting meanwhile).
+    returning = threading.Timer(0.05, back.start)
+    returning.start()
+    try:
+        caller.close()
+        with pytest.raises(Exception):  # noqa: B017 - failed by the close, whatever its type
+            long.result(timeout=5)
+        returning.join(5)
+        time.sleep(1.5)  # past any linger: anything that was still queued has arrived by now
+    finally:
+        returning.cancel()
+        back.close()
+    assert ran == []
+
+
 @pytest.mark.xfail(strict=True, reason=(
     "a set-aside socket stays open, reconnecting, while another call written on it still waits, and a peer "
     "that returns meanwhile gets everything queued there. Closing it early needs proof its frames were never "

@@ -787,8 +787,13 @@ class PeerTransport:
             with self._lock:
                 self._outbox_closed = True
             linger = int(max(0.0, min(_LINGER_MS / 1000, self._close_deadline - time.monotonic())) * 1000)
-            for sock in [*dealers.values(), *self._retired, router]:
+            for sock in [*dealers.values(), router]:
                 sock.close(linger=linger)
+            for sock, (_, since) in self._retired.items():
+                # Set aside because its peer fell silent: unless it spoke since, what it queues are
+                # requests that timed out, which a peer back within the linger would still run.
+                live = self._heard.get(self._conn.get(sock, 0), float("-inf")) >= since
+                sock.close(linger=linger if live else 0)
             wake_rx.close(linger=0)
 
     def _tune(self, sock: zmq.Socket[bytes]) -> None:
