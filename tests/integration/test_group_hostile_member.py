@@ -350,3 +350,45 @@ def test_a_member_flooding_the_state_topic_holds_one_place_in_the_status_queue(t
     wait_for(lambda: alice.groups.stats()["status_superseded"] > 0, 10.0, "alice to replace waiting blobs")
     assert alice.groups._control.qsize() <= 4  # noqa: SLF001 - one per sender (and the odd other task)
     wait_for(lambda: alice.groups._control.qsize() == 0, 5.0, "alice's control thread to be free again")  # noqa: SLF001
+
+
+def test_a_member_asking_for_the_same_resends_again_and_again_draws_at_most_its_budget(trio: dict[str, Any]) -> None:
+    """A resend request (~1 KB) names a seq range; the answer is up to a transport frame. mallory,
+    withholding its acks so alice keeps everything for it, asked for the whole range again and again:
+    ~4,000 times what it sent, 51 MB/s drawn from alice by one sequential requester, unbounded. Each
+    member now has a budget of answer bytes per group (a few answers, refilled at half an answer a
+    second); past it answers are cut short or refused, counted and logged. bob is not slowed."""
+    import os
+    import time
+
+    from zerocomm_spark.transport.frames import ProtocolId
+
+    _form(trio, "g", "shared")
+    alice, bob, mallory = trio["alice"], trio["bob"], trio["mallory"]
+    plane = mallory.groups.dataplane
+    plane._send_ack = lambda *a, **k: None  # noqa: SLF001 - mallory never acks: alice keeps everything for it
+    alice.groups.publish("g", [os.urandom(200_000) for _ in range(60)])  # 12 MB, more than one answer
+    unacked = alice.groups.dataplane.stats
+    wait_for(lambda: unacked()["unacked"]["g"][bob.groups.did] == 0, 30.0, "bob to ack everything")
+    publisher = plane._group("g").members[alice.groups.did]  # noqa: SLF001
+    request = pack(dm.encode(dm.ResendRequest("g", alice.groups.did, plane.member_did, 1, None)),
+                   [publisher.info.relationship_verkey], sender=publisher.my_key)
+    drawn = answers = 0
+    start = time.monotonic()
+    while (elapsed := time.monotonic() - start) < 5.0:
+        answer = plane._transport.request(publisher.info.peer_endpoint, ProtocolId.GROUP_DATA,  # noqa: SLF001
+                                          request, timeout=10)
+        drawn += len(answer)
+        answers += bool(answer)
+    elapsed = time.monotonic() - start
+    stats = alice.groups.dataplane.stats()
+    burst, rate = alice.groups.dataplane._resend_burst, alice.groups.dataplane._resend_rate  # noqa: SLF001
+    print(f"mallory drew {drawn} bytes in {elapsed:.2f} s ({drawn / elapsed / 1e6:.1f} MB/s, {answers} answers); "
+          f"budget {burst} + {rate}/s; throttled {stats['resend_throttled']}")
+    assert drawn <= burst + rate * elapsed + 1_000_000, f"{drawn / elapsed / 1e6:.1f} MB/s drawn"
+    assert stats["resend_throttled"] > 0 and stats["resend_bytes_throttled"] > 0
+    # The budget is mallory's alone: bob's own recovery still gets its answers.
+    bob.groups.dataplane._kill_subscription("g", alice.groups.did, down_for=1.0)  # noqa: SLF001
+    time.sleep(0.3)
+    alice.groups.publish("g", [b"for bob %d" % i for i in range(50)])
+    wait_for(lambda: unacked()["unacked"]["g"][bob.groups.did] == 0, 20.0, "bob to recover what it missed")

@@ -29,7 +29,9 @@ Why it is built this way (docs/groups.md, "Data plane"):
   publisher keeps messages until every member acked them (acks by DirectSend on
   ``ProtocolId.GROUP_DATA``), bounds unacked messages with a window in messages and bytes
   (``publish`` waits, with a deadline, then raises :class:`BackpressureError`), answers NACKs (RPC
-  "resend seq a..b") with an envelope for that member only, split to fit one transport frame, and
+  "resend seq a..b") with an envelope for that member only, split to fit one transport frame, from
+  the member's ack on and within its budget of answer bytes (``_ResendBudget``: a member asking
+  again and again for what it has not acked is slowed, one recovering a real gap is not), and
   sends a heartbeat (its last seq) to members whose acks stall, so a lost tail becomes a gap they
   NACK. Receivers deliver per-publisher FIFO (hold-back, gap NACKs) and drop duplicates by message id.
 * **Batching.** A sender thread packs what is queued per group (``batch_max`` / ``linger_ms``); a
@@ -147,6 +149,7 @@ _READ_BATCH = 128  # frames read per socket per IO turn, so one busy publisher s
 _RPC_HEAD = 16
 _ANSWER_FRAME_SLACK = 1024
 _ANSWER_PLAIN_SLACK = 8192
+_RESEND_MSG_SLACK = 160  # a resent message's fields besides its payload, roughly (its budget estimate)
 _MONITOR_EVENTS = (zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_HANDSHAKE_FAILED_AUTH
                    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
 
@@ -209,6 +212,12 @@ def _answer_room(max_frame_bytes: int) -> int:
     return max(0, (max_frame_bytes - _ANSWER_FRAME_SLACK) * 3 // 4 - _ANSWER_PLAIN_SLACK)
 
 
+def _answer_bytes(payload: int, messages: int) -> int:
+    """About the envelope bytes of a resend answer holding ``messages`` whose payloads total ``payload``
+    bytes: each payload is base64 in the batch, the batch base64 in the envelope."""
+    return ((payload + messages * _RESEND_MSG_SLACK) * 4 // 3 + _ANSWER_PLAIN_SLACK) * 4 // 3 + _ANSWER_FRAME_SLACK
+
+
 def _delivered(group: str, message_id: str, publisher_did: str, seq: int, lamport_ts: int, sent_at: float,
                received_at: float, payload: bytes, headers: dict[str, str] | None) -> Delivered:
     """Build a Delivered without the frozen-dataclass __init__ (one setattr per field): this runs
@@ -250,6 +259,13 @@ class DataPlaneConfig:
     nack_retry_ms: float = 300.0
     resend_after_ms: float = 1_000.0  # heartbeat to a member whose acks stalled (tail loss, lost acks)
     resend_max: int = 2_048  # messages per resend envelope
+    # Resend answers one member may draw from us per group (bytes of envelopes): a token bucket of
+    # resend_burst_bytes (None: 4 of the largest answers, ~30 MB by default; never less than one, so any
+    # answer fits), refilled at resend_rate_bytes a second (None: half the largest answer, ~3.7 MB).
+    # Seqs a member is resent for the first time are paid back when it acks them, so recovering a real
+    # gap is not slowed; asking again for what it was sent (and has not acked) is what the rate bounds.
+    resend_burst_bytes: int | None = None
+    resend_rate_bytes: int | None = None
     request_timeout_s: float = 5.0
     keepalive_ms: float = 2_000.0
     dead_after_ms: float = 10_000.0
@@ -273,6 +289,10 @@ class DataPlaneConfig:
                 raise ConfigurationError(f"DataPlaneConfig.{name} must be a positive number, got {value!r}")
         if not isinstance(self.linger_ms, (int, float)) or self.linger_ms < 0:
             raise ConfigurationError(f"DataPlaneConfig.linger_ms must be >= 0, got {self.linger_ms!r}")
+        for name in ("resend_burst_bytes", "resend_rate_bytes"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                raise ConfigurationError(f"DataPlaneConfig.{name} must be None or a positive integer, got {value!r}")
         share = self.recv_queue_share
         if share is not None and (not isinstance(share, int) or isinstance(share, bool)
                                   or not 1 <= share <= self.recv_queue_max):
@@ -339,7 +359,43 @@ class _Group:
         self.wire_seq = outbox.last_seq  # highest seq handed to ZeroMQ (set by the IO thread)
         self.pack_lock = threading.Lock()
         self.pack_failed_logged = 0.0  # monotonic time of the last "packing failed" log line (rate limit)
+        self.resend_budgets: dict[str, _ResendBudget] = {}  # member -> what it may still draw in resends
         self.closed = False
+
+
+class _ResendBudget:
+    """Resend answer bytes one member may still draw from us in one group (a token bucket).
+
+    Answer bytes for seqs it is resent for the first time (past ``first_sent``) are owed back to it
+    when it acks them (``owed``: (last seq, bytes)), so an honest member recovering a gap gets its
+    bytes back as it delivers; re-asking for what it was sent and did not ack is paid from the rate.
+    """
+
+    __slots__ = ("lock", "tokens", "at", "first_sent", "owed", "throttled_log", "throttled_since")
+
+    OWED_MAX = 1024  # answers awaiting their ack; past it the oldest is not paid back
+
+    def __init__(self, tokens: float, now: float) -> None:
+        self.lock = threading.Lock()
+        self.tokens = tokens
+        self.at = now
+        self.first_sent = 0  # highest seq resent to it so far
+        self.owed: deque[tuple[int, int]] = deque()
+        self.throttled_log = float("-inf")  # monotonic time of the last warning
+        self.throttled_since = 0  # throttled answers not logged since
+
+    def refill(self, now: float, burst: int, rate: int) -> None:
+        if now > self.at:
+            self.tokens = min(float(burst), self.tokens + (now - self.at) * rate)
+        self.at = now
+
+    def acked(self, seq: int, burst: int) -> None:
+        back = 0
+        owed = self.owed
+        while owed and owed[0][0] <= seq:
+            back += owed.popleft()[1]
+        if back:
+            self.tokens = min(float(burst), self.tokens + back)
 
 
 class _Stats:
@@ -351,7 +407,7 @@ class _Stats:
         "rejected_non_member", "rejected_read_only", "rejected_malformed", "not_for_me", "wrong_topic",
         "lost", "subscriptions_accepted", "subscriptions_refused", "callback_errors", "probes_sent",
         "backpressure_stalls", "publish_resets", "forged_batches", "deliveries_deferred", "receive_queue_full",
-        "implausible_announcements", "receive_share_full",
+        "implausible_announcements", "receive_share_full", "resend_throttled", "resend_bytes_throttled",
     )
 
     def __init__(self) -> None:
@@ -479,6 +535,11 @@ class DataPlane:
         self._on_state = on_state
         self.config = config
         self._answer_room = _answer_room(transport.max_frame_bytes)
+        self._resend_room = max(1, min(config.batch_max_bytes * 4, self._answer_room * 3 // 4))  # payload bytes
+        # The largest resend answer (an envelope): the budget's unit.
+        answer = min(transport.max_frame_bytes - _RPC_HEAD, _answer_bytes(self._resend_room, 0))
+        self._resend_burst = max(config.resend_burst_bytes or 4 * answer, answer)
+        self._resend_rate = config.resend_rate_bytes or max(1, answer // 2)
 
         self._lock = threading.RLock()  # groups, members, key maps, ACL
         self._groups: dict[str, _Group] = {}
@@ -772,6 +833,7 @@ class DataPlane:
             if m is None:
                 raise NotAMemberError(f"{did} is not a member of group {group!r} here")
             g.outbox.remove_member(did)
+            g.resend_budgets.pop(did, None)
             self._update_access_locked()
             still_member = any(did in other.members for other in self._groups.values())
             if not still_member:
@@ -1065,6 +1127,9 @@ class DataPlane:
         missing seqs are asked again), of which ``receive_share_full`` (heartbeats dropped because
         their member already had ``recv_queue_share`` waiting: one member flooding, whose excess is
         dropped so the others' still get through),
+        ``resend_throttled`` (resend answers we cut short or refused because their member asked for more
+        than its budget, ``resend_burst_bytes``/``resend_rate_bytes``) and ``resend_bytes_throttled`` (the
+        payload bytes held back: the member asks for them again later),
         ``implausible_announcements`` (resend answers without the seqs their publisher announced, nor
         saying them gone: the announcement is ignored until made again),
         ``not_for_me`` (single mode, skipped unread), ``wrong_topic``, ``subscriptions_refused``,
@@ -2202,7 +2267,12 @@ class DataPlane:
         g, m, msg = opened
         self._heard(m.info.did)
         if isinstance(msg, dm.Ack):
-            g.outbox.ack(m.info.did, msg.seq)
+            if g.outbox.ack(m.info.did, msg.seq):
+                budget = g.resend_budgets.get(m.info.did)
+                acked = g.outbox.base_of(m.info.did)
+                if budget is not None and acked is not None:
+                    with budget.lock:
+                        budget.acked(acked, self._resend_burst)
             if msg.nonce is not None:
                 probe = self._probes.get(msg.nonce)
                 if probe is not None and probe[0] == g.name and probe[1] == m.info.did:
@@ -2234,15 +2304,44 @@ class DataPlane:
 
         Bounded to one transport frame (the RPC response): a bigger answer is refused and the member
         never catches up. What does not fit, it asks for next.
+
+        Answered from the member's ack on (it delivered everything up to it), and within what it may
+        still draw (``_ResendBudget``): a ~1 KB request can ask for a whole frame again and again, so
+        without a bound one member drew ~50 MB/s of answers from us. Past its budget an answer is
+        shortened, or refused (None: the member asks again at ``nack_retry_ms`` pace), never to less
+        than one message once its bucket is full again, so an honest member always fills its gaps.
         """
-        base = g.outbox.base_of(m.info.did)
+        did = m.info.did
+        base = g.outbox.base_of(did)
         if base is None:
             return None
         first = max(first, base + 1)
         cfg = self.config
         frame = self._transport.max_frame_bytes - _RPC_HEAD
-        msgs, gone = g.outbox.get_range(first, last, cfg.resend_max,
-                                        max(1, min(cfg.batch_max_bytes * 4, self._answer_room * 3 // 4)))
+        budget = g.resend_budgets.get(did)
+        if budget is None:
+            budget = g.resend_budgets.setdefault(did, _ResendBudget(float(self._resend_burst), time.monotonic()))
+        with budget.lock:  # taken up front (an estimate), so concurrent requests cannot overdraw it
+            budget.refill(time.monotonic(), self._resend_burst, self._resend_rate)
+            msgs, gone = g.outbox.get_range(first, last, cfg.resend_max, self._resend_room)
+            cut = self._within_budget(budget, msgs)
+            if cut is not None:
+                self._resend_throttled(g, did, budget, len(msgs) - len(cut[0]), cut[1])
+                msgs = cut[0]
+                if not msgs:
+                    return None  # the member asks again at nack_retry_ms pace
+            total = sum(len(x.payload) for x in msgs)
+            taken = _answer_bytes(total, len(msgs)) if msgs else 0
+            budget.tokens -= taken
+            seen = budget.first_sent
+            if msgs and msgs[-1].seq > seen:
+                # The share of this answer new to the member is paid back when it acks it.
+                new = sum(len(x.payload) for x in msgs if x.seq > seen)
+                budget.first_sent = msgs[-1].seq
+                if len(budget.owed) >= _ResendBudget.OWED_MAX:
+                    budget.owed.popleft()
+                budget.owed.append((msgs[-1].seq, taken * new // total if total else taken))
+        planned = msgs[-1].seq if msgs else None
         if gone is not None and last is None:
             # An open-ended request (a member that does not know where its stream starts yet, or just
             # restored its position) may cover seqs it holds back: called gone, their receipts would
@@ -2250,10 +2349,10 @@ class DataPlane:
             # asks for its actual holes, and that answer says what is gone.
             gone = None
         if gone is not None:  # it skips them and acks past them: their receipts must not say delivered
-            g.outbox.note_gone(m.info.did, *gone)
+            g.outbox.note_gone(did, *gone)
         while True:
             batch = dm.DataBatch(g.name, self.member_did, tuple(msgs), base=base, last=g.wire_seq, gone=gone,
-                                 member=m.info.did, void=g.outbox.void)
+                                 member=did, void=g.outbox.void)
             env = envelope.pack(dm.encode(batch, signer=g.group_key), [m.info.relationship_verkey], sender=m.my_key)
             if len(env) <= frame or not msgs:
                 break
@@ -2261,10 +2360,43 @@ class DataPlane:
             keep = min(len(msgs) - 1, len(msgs) * frame // len(env))
             if keep < 1:  # publish() refuses payloads this large: only outsized ids or DIDs get here
                 log.error("group %r: seq %d is too large to resend within max_frame_bytes=%d; %s cannot get it",
-                          g.name, msgs[0].seq, self._transport.max_frame_bytes, m.info.did)
+                          g.name, msgs[0].seq, self._transport.max_frame_bytes, did)
             msgs = msgs[:keep]
+        with budget.lock:
+            budget.tokens -= len(env) - taken  # what it took, not the estimate
+            if planned is not None and budget.first_sent == planned and (not msgs or msgs[-1].seq < planned):
+                budget.first_sent = max(seen, msgs[-1].seq if msgs else seen)  # cut to fit: not sent yet
         self._stats.add(retransmits=len(msgs))
         return env
+
+    def _within_budget(self, budget: _ResendBudget,
+                       msgs: list[dm.DataMessage]) -> tuple[list[dm.DataMessage], int] | None:
+        """The messages an answer may carry within ``budget`` and the payload bytes left out, or None: all.
+
+        The envelope is estimated from the payloads (base64, plus room for each message's fields); a
+        full bucket always allows one message, so none waits forever however large."""
+        if not msgs:
+            return None
+        room = budget.tokens
+        full = budget.tokens >= self._resend_burst
+        size = 0
+        for i, x in enumerate(msgs):
+            size += len(x.payload)
+            if _answer_bytes(size, i + 1) > room and not (full and i == 0):
+                return msgs[:i], sum(len(y.payload) for y in msgs[i:])
+        return None
+
+    def _resend_throttled(self, g: _Group, did: str, budget: _ResendBudget, messages: int, nbytes: int) -> None:
+        """Count, and log at most every 10 s per member (numbers only), a resend answer cut to its budget."""
+        self._stats.add(resend_throttled=1, resend_bytes_throttled=nbytes)
+        now = time.monotonic()
+        if now - budget.throttled_log < 10.0:
+            budget.throttled_since += 1
+            return
+        since, budget.throttled_log, budget.throttled_since = budget.throttled_since, now, 0
+        log.warning("group %r: %s asked for more resends than its budget (%d bytes, %d a second): %d message(s), "
+                    "%d payload bytes held back; it asks again later%s", g.name, did, self._resend_burst,
+                    self._resend_rate, messages, nbytes, f" ({since} more since the last warning)" if since else "")
 
     # --- internals: maintenance ------------------------------------------------------------------
 
