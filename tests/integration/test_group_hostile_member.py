@@ -126,7 +126,7 @@ def test_a_member_cannot_predict_another_members_next_ids_to_keep_its_messages_o
     whoever published them. A publisher's own ids were a per-publisher prefix and a counter, seen by
     every member: mallory sent bob's next ids first, and every journaling member dropped bob's messages
     as duplicates, recorded as superseded (so not even reported lost), while bob's receipts said
-    delivered. Ids the publisher makes are now 128 random bits each: nothing to predict."""
+    delivered. Ids the publisher makes are now 96 bits each of a keyed SHAKE-256: nothing to predict."""
     _form(trio, "g", "shared")
     bob, mallory = trio["bob"], trio["mallory"]
     receipt = bob.groups.publish("g", [b"bob-1"])
@@ -143,7 +143,7 @@ def test_a_member_cannot_predict_another_members_next_ids_to_keep_its_messages_o
     sent.wait(20)
     ids = [seen, *sent.message_ids]
     assert len(set(ids)) == 4 and not set(ids) & set(guesses), (ids, guesses)
-    assert all(len(mid) == 32 and int(mid, 16) >= 0 for mid in ids), ids  # 128 bits, hex
+    assert all(len(mid) == 24 and int(mid, 16) >= 0 for mid in ids), ids  # 96 bits, hex
     assert len({mid[:8] for mid in ids}) == 4, ids  # no shared prefix (4 draws of 32 bits: a clash is 1 in 7e8)
     wait_for(lambda: [p for did, p in _journaled(trio) if did == bob.groups.did] == [b"bob-1", b"bob-2", b"bob-3",
                                                                                      b"bob-4"],
