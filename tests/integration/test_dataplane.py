@@ -1157,6 +1157,19 @@ def test_a_member_that_missed_many_answers_worth_recovers_them_at_full_speed(mak
             DataPlaneConfig(resend_rate_bytes=bad)  # type: ignore[arg-type]
 
 
+def test_the_resend_budget_holds_the_largest_message_whatever_the_batch_size(make) -> None:  # type: ignore[no-untyped-def]
+    """The budget's unit was the answer of a batch's worth of payloads (4 x batch_max_bytes): with a
+    small batch_max_bytes (16 KiB: a 514 KB burst refilled at 64 KB/s) one 4 MiB message's answer
+    (~7.5 MB) took the bucket ~7 MB below zero, and were that answer lost, every resend to that member
+    waited ~2 minutes for the bucket to fill. The unit now covers the largest message publish() takes."""
+    from zerocomm_spark.group.dataplane import _answer_bytes
+
+    alice = make("alice", config=replace(FAST, batch_max_bytes=16 * 1024))
+    largest = _answer_bytes(alice.dp.max_payload_bytes, 1)
+    assert alice.dp._resend_burst >= largest  # noqa: SLF001
+    assert alice.dp._resend_burst / alice.dp._resend_rate <= 10.0  # noqa: SLF001 - refilled within seconds
+
+
 def test_headers_per_message_ride_in_one_call_and_come_back_in_resends(make) -> None:  # type: ignore[no-untyped-def]
     """A sequence of headers gives each message its own (a per-message origin proof): one publish
     call, every member gets each message with exactly its headers, also when it is resent."""

@@ -538,8 +538,12 @@ class DataPlane:
         self.config = config
         self._answer_room = _answer_room(transport.max_frame_bytes)
         self._resend_room = max(1, min(config.batch_max_bytes * 4, self._answer_room * 3 // 4))  # payload bytes
-        # The largest resend answer (an envelope): the budget's unit.
-        answer = min(transport.max_frame_bytes - _RPC_HEAD, _answer_bytes(self._resend_room, 0))
+        # The largest resend answer (an envelope): the budget's unit. One message may be larger than a
+        # batch's worth (a small batch_max_bytes): its answer counts, or the bucket went that far below
+        # zero (-7 MB against a 64 KB/s refill) and the member's next resends waited minutes.
+        largest = min(self.config.max_message_bytes, 3 * (self._answer_room // 4))  # (max_payload_bytes)
+        answer = min(transport.max_frame_bytes - _RPC_HEAD,
+                     max(_answer_bytes(self._resend_room, 0), _answer_bytes(largest, 1)))
         self._resend_burst = max(config.resend_burst_bytes or 4 * answer, answer)
         self._resend_rate = config.resend_rate_bytes or max(1, answer // 2)
 
@@ -2340,7 +2344,7 @@ class DataPlane:
                     return None  # the member asks again at nack_retry_ms pace
             total = sum(len(x.payload) for x in msgs)
             taken = _answer_bytes(total, len(msgs)) if msgs else 0
-            budget.tokens -= taken
+            budget.tokens -= taken  # reserved (concurrent requests see it); settled, not below empty, below
             seen = budget.first_sent
             if msgs and msgs[-1].seq > seen:
                 # The share of this answer new to the member is paid back when it acks it.
@@ -2371,7 +2375,9 @@ class DataPlane:
                           g.name, msgs[0].seq, self._transport.max_frame_bytes, did)
             msgs = msgs[:keep]
         with budget.lock:
-            budget.tokens -= len(env) - taken  # what it took, not the estimate
+            # What it took, not the estimate; never below empty: an answer past the estimate (large
+            # headers or ids) must not leave the member waiting longer than an empty bucket's refill.
+            budget.tokens = max(0.0, budget.tokens - (len(env) - taken))
             if planned is not None and budget.first_sent == planned and (not msgs or msgs[-1].seq < planned):
                 budget.first_sent = max(seen, msgs[-1].seq if msgs else seen)  # cut to fit: not sent yet
         self._stats.add(retransmits=len(msgs))
