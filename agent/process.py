@@ -92,7 +92,8 @@ class AgentProcess:
         """Open everything and serve; raises (having released what it opened) if any part fails."""
         cfg = self.config
         try:
-            self._spare_fds = [os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC) for _ in range(_SPARE_FDS)]
+            for _ in range(_SPARE_FDS):  # one at a time: those opened are released if a later one fails
+                self._spare_fds.append(os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC))
             if self._run_lock_fd is not None:
                 fd, self._run_lock_fd = self._run_lock_fd, None
                 self._lock = RunLock(cfg.socket_dir).adopt(fd)
