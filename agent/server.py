@@ -234,7 +234,7 @@ class CallRegistry:
 
 def prepare_socket_dir(directory: Path) -> None:
     """Create the socket directory mode 700, or refuse one another user could enter."""
-    from zerocomm_spark.paths import make_dirs
+    from zerocomm_spark.paths import make_dirs, shared_directory_problem
 
     try:
         make_dirs(directory)
@@ -248,10 +248,10 @@ def prepare_socket_dir(directory: Path) -> None:
     if st.st_uid != os.getuid():
         raise InsecurePermissionsError(f"the API socket directory {directory} belongs to uid {st.st_uid}, "
                                        f"not to the agent's user (uid {os.getuid()})")
-    if st.st_mode & stat.S_ISVTX:  # /tmp, /var/tmp, /dev/shm: an agent run as root owns them too
+    shared = shared_directory_problem("the API socket directory", directory, st)
+    if shared:
         raise ConfigurationError(
-            f"the API socket directory {directory} is a shared directory (mode {stat.S_IMODE(st.st_mode):o}, "
-            "sticky, like /tmp): making it private (mode 700) would lock every other user out of it",
+            shared,
             hint=f"Set api.socket_dir (--socket-dir) to a directory of the agent's own, such as {directory}/zerocomm; "
                  "it is created mode 700")
     if stat.S_IMODE(st.st_mode) != 0o700:

@@ -7,7 +7,7 @@ import os
 import stat
 from pathlib import Path
 
-__all__ = ["make_dirs", "not_a_directory", "what_is"]
+__all__ = ["make_dirs", "not_a_directory", "shared_directory_problem", "what_is"]
 
 
 def not_a_directory(path: Path) -> Path | None:
@@ -45,3 +45,13 @@ def make_dirs(path: Path, mode: int = 0o700) -> None:
             raise
         raise NotADirectoryError(errno.ENOTDIR, f"{os.strerror(errno.ENOTDIR)} ({blocker} {what_is(blocker)})",
                                  str(path)) from None
+
+
+def shared_directory_problem(what: str, path: Path, st: os.stat_result) -> str | None:
+    """Why ``path`` (``what``: "the journal directory", ...) cannot be made private, if it is a shared
+    sticky directory (/tmp, /var/tmp, /dev/shm, which an agent run as root owns): the chmod to 700 that
+    tightens a directory of ours would drop its sticky bit and lock every other user out of it."""
+    if not st.st_mode & stat.S_ISVTX:
+        return None
+    return (f"{what} {path} is a shared directory (mode {stat.S_IMODE(st.st_mode):o}, sticky, like /tmp): "
+            "making it private (mode 700) would lock every other user out of it")

@@ -541,9 +541,8 @@ class DataPlane:
         # The largest resend answer (an envelope): the budget's unit. One message may be larger than a
         # batch's worth (a small batch_max_bytes): its answer counts, or the bucket went that far below
         # zero (-7 MB against a 64 KB/s refill) and the member's next resends waited minutes.
-        largest = min(self.config.max_message_bytes, 3 * (self._answer_room // 4))  # (max_payload_bytes)
         answer = min(transport.max_frame_bytes - _RPC_HEAD,
-                     max(_answer_bytes(self._resend_room, 0), _answer_bytes(largest, 1)))
+                     max(_answer_bytes(self._resend_room, 0), _answer_bytes(self.max_payload_bytes, 1)))
         self._resend_burst = max(config.resend_burst_bytes or 4 * answer, answer)
         self._resend_rate = config.resend_rate_bytes or max(1, answer // 2)
 

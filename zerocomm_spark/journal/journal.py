@@ -35,7 +35,7 @@ from zerocomm_spark.journal.schema import JOURNAL_SCHEMA, now_micros, rows_withi
 from zerocomm_spark.journal.segment import RecordEntry, Segment, create_segment, open_for_append
 from zerocomm_spark.journal.superseded import Superseded
 from zerocomm_spark.journal.writer import AppendResult, FsyncPolicy, JournalStats, Writer
-from zerocomm_spark.paths import make_dirs
+from zerocomm_spark.paths import make_dirs, shared_directory_problem
 
 log = logging.getLogger(__name__)
 
@@ -74,10 +74,10 @@ def _check_directory(path: Path) -> None:
             f"the journal directory {path} belongs to another user (uid {st.st_uid})",
             hint="Point journal.dir at a directory of the user running the agent (\"\" keeps it in the identity "
                  "directory)")
-    if st.st_mode & stat.S_ISVTX:  # /tmp as root: made 700, it would lock every other user out
+    shared = shared_directory_problem("the journal directory", path, st)
+    if shared:
         raise ConfigurationError(
-            f"the journal directory {path} is a shared directory (mode {stat.S_IMODE(st.st_mode):o}, sticky, like "
-            "/tmp): making it private (mode 700) would lock every other user out of it",
+            shared,
             hint=f"Point journal.dir at a directory of the agent's own, such as {path}/zerocomm-journal (it is "
                  "created mode 700), or leave it unset (<identity.dir>/journal)")
     if stat.S_IMODE(st.st_mode) & 0o077:

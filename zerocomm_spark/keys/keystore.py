@@ -63,7 +63,7 @@ from zerocomm_spark.errors import (
     KeystoreLockedError,
 )
 from zerocomm_spark.keys.keypair import KeyPair
-from zerocomm_spark.paths import make_dirs, what_is
+from zerocomm_spark.paths import make_dirs, shared_directory_problem, what_is
 
 __all__ = ["KeyInfo", "Keystore"]
 
@@ -236,13 +236,10 @@ def _prepare_directory(directory: Path) -> None:
             "its owner could rename, replace or remove the keystore's files there",
             hint=f"Run zerocomm as the directory's owner (uid {st.st_uid}), or give an identity directory of this "
                  "user (identity.dir, --identity-dir)")
-    if st.st_mode & stat.S_ISVTX:
-        # /tmp, /var/tmp, /dev/shm (an agent run as root owns them) or a shared directory of ours: the
-        # chmod below made it 700 and dropped its sticky bit, locking every other user out of /tmp, and
-        # the keystore's files would sit beside whatever others put there.
+    shared = shared_directory_problem("the identity path", directory, st)
+    if shared:  # (and the keystore's files would sit beside whatever others put there)
         raise IdentityPathError(
-            f"the identity path {directory} is a shared directory (mode {stat.S_IMODE(st.st_mode):o}, sticky, "
-            "like /tmp): making it private (mode 700) would lock every other user out of it",
+            shared,
             hint=f"Give identity.dir (--identity-dir) a directory of this member's own, such as "
                  f"{directory}/zerocomm; it is created mode 700")
     if stat.S_IMODE(st.st_mode) & 0o077:
