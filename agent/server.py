@@ -234,7 +234,7 @@ class CallRegistry:
 
 def prepare_socket_dir(directory: Path) -> None:
     """Create the socket directory mode 700, or refuse one another user could enter."""
-    from zerocomm_spark.paths import make_dirs, shared_directory_problem
+    from zerocomm_spark.paths import make_dirs, refuse_shared_directory
 
     try:
         make_dirs(directory)
@@ -248,12 +248,10 @@ def prepare_socket_dir(directory: Path) -> None:
     if st.st_uid != os.getuid():
         raise InsecurePermissionsError(f"the API socket directory {directory} belongs to uid {st.st_uid}, "
                                        f"not to the agent's user (uid {os.getuid()})")
-    shared = shared_directory_problem("the API socket directory", directory, st)
-    if shared:
-        raise ConfigurationError(
-            shared,
-            hint=f"Set api.socket_dir (--socket-dir) to a directory of the agent's own, such as {directory}/zerocomm; "
-                 "it is created mode 700")
+    refuse_shared_directory(
+        "the API socket directory", directory, st, ConfigurationError,
+        hint=f"Set api.socket_dir (--socket-dir) to a directory of the agent's own, such as {directory}/zerocomm; "
+             "it is created mode 700")
     if stat.S_IMODE(st.st_mode) != 0o700:
         os.chmod(directory, 0o700)
         log.info("tightened the API socket directory %s to mode 700", directory)

@@ -7,7 +7,9 @@ import os
 import stat
 from pathlib import Path
 
-__all__ = ["make_dirs", "not_a_directory", "shared_directory_problem", "what_is"]
+from zerocomm_spark.errors import ZeroCommError
+
+__all__ = ["make_dirs", "not_a_directory", "refuse_shared_directory", "what_is"]
 
 
 def not_a_directory(path: Path) -> Path | None:
@@ -47,11 +49,10 @@ def make_dirs(path: Path, mode: int = 0o700) -> None:
                                  str(path)) from None
 
 
-def shared_directory_problem(what: str, path: Path, st: os.stat_result) -> str | None:
-    """Why ``path`` (``what``: "the journal directory", ...) cannot be made private, if it is a shared
+def refuse_shared_directory(what: str, path: Path, st: os.stat_result, error: type[ZeroCommError], hint: str) -> None:
+    """Raise ``error`` (with ``hint``) if ``path`` (``what``: "the journal directory", ...) is a shared
     sticky directory (/tmp, /var/tmp, /dev/shm, which an agent run as root owns): the chmod to 700 that
     tightens a directory of ours would drop its sticky bit and lock every other user out of it."""
-    if not st.st_mode & stat.S_ISVTX:
-        return None
-    return (f"{what} {path} is a shared directory (mode {stat.S_IMODE(st.st_mode):o}, sticky, like /tmp): "
-            "making it private (mode 700) would lock every other user out of it")
+    if st.st_mode & stat.S_ISVTX:
+        raise error(f"{what} {path} is a shared directory (mode {stat.S_IMODE(st.st_mode):o}, sticky, like /tmp): "
+                    "making it private (mode 700) would lock every other user out of it", hint=hint)

@@ -35,7 +35,7 @@ from zerocomm_spark.journal.schema import JOURNAL_SCHEMA, now_micros, rows_withi
 from zerocomm_spark.journal.segment import RecordEntry, Segment, create_segment, open_for_append
 from zerocomm_spark.journal.superseded import Superseded
 from zerocomm_spark.journal.writer import AppendResult, FsyncPolicy, JournalStats, Writer
-from zerocomm_spark.paths import make_dirs, shared_directory_problem
+from zerocomm_spark.paths import make_dirs, refuse_shared_directory
 
 log = logging.getLogger(__name__)
 
@@ -74,12 +74,10 @@ def _check_directory(path: Path) -> None:
             f"the journal directory {path} belongs to another user (uid {st.st_uid})",
             hint="Point journal.dir at a directory of the user running the agent (\"\" keeps it in the identity "
                  "directory)")
-    shared = shared_directory_problem("the journal directory", path, st)
-    if shared:
-        raise ConfigurationError(
-            shared,
-            hint=f"Point journal.dir at a directory of the agent's own, such as {path}/zerocomm-journal (it is "
-                 "created mode 700), or leave it unset (<identity.dir>/journal)")
+    refuse_shared_directory(
+        "the journal directory", path, st, ConfigurationError,
+        hint=f"Point journal.dir at a directory of the agent's own, such as {path}/zerocomm-journal (it is "
+             "created mode 700), or leave it unset (<identity.dir>/journal)")
     if stat.S_IMODE(st.st_mode) & 0o077:
         try:
             os.chmod(path, 0o700)

@@ -63,7 +63,7 @@ from zerocomm_spark.errors import (
     KeystoreLockedError,
 )
 from zerocomm_spark.keys.keypair import KeyPair
-from zerocomm_spark.paths import make_dirs, shared_directory_problem, what_is
+from zerocomm_spark.paths import make_dirs, refuse_shared_directory, what_is
 
 __all__ = ["KeyInfo", "Keystore"]
 
@@ -236,12 +236,11 @@ def _prepare_directory(directory: Path) -> None:
             "its owner could rename, replace or remove the keystore's files there",
             hint=f"Run zerocomm as the directory's owner (uid {st.st_uid}), or give an identity directory of this "
                  "user (identity.dir, --identity-dir)")
-    shared = shared_directory_problem("the identity path", directory, st)
-    if shared:  # (and the keystore's files would sit beside whatever others put there)
-        raise IdentityPathError(
-            shared,
-            hint=f"Give identity.dir (--identity-dir) a directory of this member's own, such as "
-                 f"{directory}/zerocomm; it is created mode 700")
+    # A shared /tmp: the keystore's files would also sit beside whatever others put there.
+    refuse_shared_directory(
+        "the identity path", directory, st, IdentityPathError,
+        hint=f"Give identity.dir (--identity-dir) a directory of this member's own, such as {directory}/zerocomm; "
+             "it is created mode 700")
     if stat.S_IMODE(st.st_mode) & 0o077:
         # Ours, only too open (umask, or made by hand): tighten it rather than refuse.
         os.chmod(directory, 0o700)
