@@ -327,9 +327,10 @@ class BackpressureError(GroupError, TimeoutError):
 class MessagesDroppedError(GroupError):
     """Messages of a publish were dropped by retention before some member acked them: it never got them."""
 
-    hint = ("The named members were inactive while more than retention_max messages (or retention_max_bytes "
-            "bytes) were published; publish those messages again (the same message ids: members that have them "
-            "drop the copies) or raise retention_max and retention_max_bytes")
+    hint = ("The named members were inactive, or stalled (alive but no ack progress for ack_stall_s), while more "
+            "than retention_max messages (or retention_max_bytes bytes) were published; publish those messages "
+            "again (the same message ids: members that have them drop the copies) or raise retention_max and "
+            "retention_max_bytes")
 
 
 class DeliveryDeferredError(GroupError):

@@ -1557,6 +1557,16 @@ def test_a_member_share_of_the_receive_bound_must_fit_in_it(share: object) -> No
     assert DataPlaneConfig(recv_queue_max=8, recv_queue_share=8).recv_queue_share == 8  # one member may hold it all
 
 
+@pytest.mark.parametrize("value", [0, -1.0, float("nan"), float("inf"), True, "30"])
+def test_ack_stall_s_is_a_positive_number_of_seconds_or_none(value: object) -> None:
+    from zerocomm_spark.errors import ConfigurationError
+
+    with pytest.raises(ConfigurationError, match="ack_stall_s"):
+        DataPlaneConfig(ack_stall_s=value)  # type: ignore[arg-type]
+    assert DataPlaneConfig().ack_stall_s == 30.0
+    assert DataPlaneConfig(ack_stall_s=None).ack_stall_s is None and DataPlaneConfig(ack_stall_s=2).ack_stall_s == 2
+
+
 def test_a_publisher_announcing_seqs_it_never_sends_is_not_asked_for_them_forever(make, caplog) -> None:  # type: ignore[no-untyped-def]
     """A heartbeat announcing seq 2**63-1 (a faulty or hostile publisher) is a tail bob lacks: he
     asked for it, the answer held nothing and said nothing was gone, and he asked again at every

@@ -276,15 +276,16 @@ def test_a_member_cannot_send_different_content_under_one_seq_to_different_membe
     assert got == b"to alice"  # what every member got under seq 1 is the same
 
 
-@pytest.mark.xfail(strict=True, reason="not fixed: a member that keeps answering keepalives but never acks holds "
-                                       "every publisher's window (only keepalive death releases it); needs a policy "
-                                       "for members alive but not acking (treat as inactive past some time)")
 def test_a_member_withholding_acks_does_not_stall_the_other_publishers(tmp_path: Path) -> None:
+    """mallory answers keepalives but never acks: it held every publisher's window for good (only
+    keepalive death released it). Now, with no ack progress for ack_stall_s while owed messages, it
+    stops holding the window: the publish that fills the window waits about ack_stall_s, then
+    everything goes through (publish's 2 s deadline is meaningful: twice ack_stall_s)."""
     from zerocomm_spark.errors import BackpressureError
     from zerocomm_spark.group.dataplane import DataPlaneConfig
 
     config = GroupConfig(digest_interval_s=0.3, resume_timeout_s=3.0,
-                         dataplane=DataPlaneConfig(window=64, retention_max=1_000))
+                         dataplane=DataPlaneConfig(window=64, retention_max=1_000, ack_stall_s=1.0))
     agents = [Agent.open(tmp_path / n, label=n, group_config=config) for n in ("alice", "bob", "mallory")]
     alice, bob, mallory = agents
     try:
@@ -297,7 +298,64 @@ def test_a_member_withholding_acks_does_not_stall_the_other_publishers(tmp_path:
                 alice.groups.publish("g", [b"m"] * 10, timeout=2.0)
         except BackpressureError as exc:
             pytest.fail(f"alice stalled by mallory after {i * 10} messages: {str(exc)[:200]}")
+        stats = alice.groups.stats()
+        assert mallory.groups.did in stats["ack_stalled"]["g"] and stats["ack_stalls"] >= 1
+        assert stats["unacked"]["g"][mallory.groups.did] >= 200  # what it lacks is kept for it
+        wait_for(lambda: alice.groups.stats()["unacked"]["g"][bob.groups.did] == 0, 20.0, "bob to ack everything")
     finally:
+        for agent in agents:
+            agent.close()
+
+
+def test_a_member_whose_callback_was_stuck_recovers_everything_in_order_and_holds_the_window_again(
+        tmp_path: Path) -> None:
+    """carol's delivery callback blocks (so it acks nothing) while alice publishes past the window,
+    and carol's subscription drops some of it: after ack_stall_s carol stops holding the window and
+    alice goes on. Once the callback returns, carol gets every message in order (what its
+    subscription lost through NACKs), catches up and holds the window again."""
+    import threading
+
+    from zerocomm_spark.group.dataplane import DataPlaneConfig
+
+    config = GroupConfig(digest_interval_s=0.3, resume_timeout_s=3.0,
+                         dataplane=DataPlaneConfig(window=32, retention_max=1_000, ack_stall_s=1.0))
+    agents = [Agent.open(tmp_path / n, label=n, group_config=config) for n in ("alice", "bob", "carol")]
+    alice, bob, carol = agents
+    gate = threading.Event()
+    gate.set()
+    got: list[bytes] = []
+
+    def stuck_while_closed(message: Any) -> None:
+        gate.wait(60)  # bounded: the test opens it long before
+        got.append(message.payload)
+
+    carol.groups.on_message(stuck_while_closed)
+    try:
+        alice.groups.create("g")
+        for member in (bob, carol):
+            member.groups.join("g", via=member.accept(alice.invite(), timeout=10), timeout=30)
+        alice.groups.publish("g", [b"warm"]).wait(20)
+        gate.clear()  # carol's next delivery blocks its receiver thread
+        plane = alice.groups.dataplane
+        stalls = plane.stats()["ack_stalls"]  # a member whose subscription was still connecting may have stalled
+        outbox = plane._group("g").outbox  # noqa: SLF001
+        sent = [b"m%03d" % i for i in range(200)]
+        receipts = [alice.groups.publish("g", sent[:10], timeout=10)]
+        carol.groups.dataplane._kill_subscription("g", alice.groups.did, down_for=1.0)  # noqa: SLF001
+        receipts += [alice.groups.publish("g", sent[i:i + 10], timeout=10) for i in range(10, 200, 10)]
+        assert plane.stats()["ack_stalled"]["g"] == [carol.groups.did]
+        assert not outbox.members()[carol.groups.did].holds_window
+        gate.set()
+        wait_for(lambda: len(got) >= 201, 30.0, "carol to get every message")
+        assert got == [b"warm", *sent]  # in order, nothing twice, nothing missing
+        wait_for(lambda: plane.stats()["unacked"]["g"][carol.groups.did] == 0, 20.0, "carol to ack everything")
+        assert plane.stats()["ack_stalled"]["g"] == [] and outbox.members()[carol.groups.did].holds_window
+        for receipt in receipts:
+            receipt.wait(10)  # delivered to every member: nothing was dropped
+        assert plane.stats()["ack_stalls"] == stalls + 1  # once, however long carol was stuck
+        assert carol.groups.stats()["nacks_sent"] >= 1  # what its subscription lost came back on request
+    finally:
+        gate.set()
         for agent in agents:
             agent.close()
 

@@ -533,3 +533,215 @@ def test_a_publish_waiting_for_the_window_without_a_finite_deadline_is_refused()
     err = _in_thread(lambda: publish(box, 1, timeout=float("inf")))
     assert isinstance(err, ConfigurationError) and "finite" in str(err), err
     assert box.last_seq == 1
+
+
+# --- members alive but not acking (ack_stall_s) -------------------------------------------------------
+
+
+def _stall_box(clock: FakeClock, ack_stall_s: float | None = 5.0, **kwargs) -> Outbox:  # type: ignore[no-untyped-def]
+    """"live" acks everything; "stuck" answers keepalives (stays active) but never acks."""
+    kwargs = {"window": 5, "retention_max": 100, **kwargs}
+    box = Outbox("g", clock=clock, ack_stall_s=ack_stall_s, **kwargs)
+    box.add_member("live")
+    box.add_member("stuck")
+    return box
+
+
+def _send(box: Outbox, n: int, acker: str | None = "live") -> PublishReceipt:
+    receipt = publish(box, n, timeout=0)  # timeout 0: never waits on the fake clock
+    box.take_unsent(1000)
+    if acker is not None:
+        box.ack(acker, box.last_seq)
+    return receipt
+
+
+def test_a_member_without_ack_progress_for_ack_stall_s_stops_holding_the_window() -> None:
+    """It used to hold every publisher's window for as long as it answered keepalives."""
+    clock = FakeClock()
+    box = _stall_box(clock)
+    first = _send(box, 5)
+    with pytest.raises(BackpressureError, match="slowest: stuck"):
+        publish(box, 1, timeout=0)
+    clock.now += 4.9
+    assert box.mark_ack_stalls() == []  # not yet
+    clock.now += 0.2
+    [(did, owed, idle)] = box.mark_ack_stalls()
+    assert (did, owed) == ("stuck", 5) and idle == pytest.approx(5.1)
+    state = box.members()["stuck"]
+    assert state.stalled and state.active and not state.holds_window
+    assert box.stalled_members() == ["stuck"] and box.ack_stalls == 1
+    assert box.mark_ack_stalls() == []  # reported once per stall
+    _send(box, 5)  # the window no longer waits for it
+    assert not first.done() and box.laggards(5) == ["stuck"]  # its receipts still wait for its acks
+    assert [d for d, _ in box.stalled(0.0)] == ["stuck"]  # and it is still sent heartbeats
+    msgs, gone = box.get_range(1, None, 100)  # and its resends: everything is kept for it
+    assert [m.seq for m in msgs] == list(range(1, 11)) and gone is None
+
+
+def test_a_publisher_waiting_on_the_window_is_woken_when_the_member_stalls() -> None:
+    clock = FakeClock()
+    box = _stall_box(clock)
+    _send(box, 5)
+    done: list[PublishReceipt] = []
+    waiter = threading.Thread(target=lambda: done.append(publish(box, 3, timeout=60)), daemon=True)
+    waiter.start()  # waits (the fake clock stands still: only a notify ends its wait)
+    time.sleep(0.1)
+    assert not done
+    clock.now += 6
+    assert [d for d, *_ in box.mark_ack_stalls()] == ["stuck"]
+    waiter.join(5)
+    assert done and done[0].seqs == (6, 7, 8)
+
+
+def test_a_slow_member_that_progresses_never_stalls() -> None:
+    clock = FakeClock()
+    box = _stall_box(clock, window=100)
+    _send(box, 20)
+    for seq in range(1, 11):  # one ack every 4 s: 40 s in all, each under ack_stall_s
+        clock.now += 4
+        assert box.mark_ack_stalls() == []
+        box.ack("stuck", seq)
+    assert box.stalled_members() == [] and box.members()["stuck"].holds_window
+
+
+def test_a_member_owed_nothing_never_stalls() -> None:
+    clock = FakeClock()
+    box = _stall_box(clock)
+    clock.now += 100
+    assert box.mark_ack_stalls() == []  # added, nothing published
+    publish(box, 3, timeout=0)
+    clock.now += 100
+    assert box.mark_ack_stalls() == []  # published but not sent yet: nothing it could ack
+    box.take_unsent(100)
+    box.ack("live", 3)
+    box.ack("stuck", 3)
+    clock.now += 100  # the group is idle: every member has everything
+    assert box.mark_ack_stalls() == []
+    _send(box, 2)  # owed from now on: its clock starts at the send, not at its last ack 100 s ago
+    assert box.mark_ack_stalls() == []
+    clock.now += 4.9
+    assert box.mark_ack_stalls() == []
+    clock.now += 0.2
+    assert [d for d, *_ in box.mark_ack_stalls()] == ["stuck"]
+
+
+def test_a_member_just_added_or_done_joining_gets_ack_stall_s_from_then() -> None:
+    clock = FakeClock()
+    box = _stall_box(clock)
+    _send(box, 2)  # held for stuck
+    box.add_member("joiner", base=0)  # owed 1-2 (e.g. a restarted member's saved base)
+    assert box.mark_ack_stalls() == []  # just added: its clock starts now
+    box.set_joining("joiner", True)
+    clock.now += 60
+    # checking its join: it holds no window, so there is nothing to release it from
+    assert [d for d, *_ in box.mark_ack_stalls()] == ["stuck"]
+    box.set_joining("joiner", False)
+    assert box.mark_ack_stalls() == []  # its clock starts when its join completes
+    clock.now += 5
+    assert [d for d, *_ in box.mark_ack_stalls()] == ["joiner"]
+
+
+def test_a_stalled_member_holds_the_window_again_only_once_caught_up() -> None:
+    """Re-admitted while far behind it would block every publisher at once (Kafka's ISR rule)."""
+    clock = FakeClock()
+    box = _stall_box(clock, window=10)
+    _send(box, 10)
+    clock.now += 5
+    assert [d for d, *_ in box.mark_ack_stalls()] == ["stuck"]
+    _send(box, 10)  # live is at 20
+    box.set_active("stuck", False)  # keepalives toggling do not re-admit it
+    box.set_active("stuck", True)
+    assert box.members()["stuck"].stalled
+    assert box.ack("stuck", 15)  # progress, but 5 behind the others: still stalled
+    assert box.members()["stuck"].stalled
+    _send(box, 8)  # the window (10) would refuse this were it held from 15
+    assert box.members()["stuck"].stalled and box.stalled_members() == ["stuck"]
+    box.ack("stuck", 28)  # caught up with live: holds the window again
+    state = box.members()["stuck"]
+    assert not state.stalled and state.holds_window and box.stalled_members() == []
+    _send(box, 10, acker="live")
+    with pytest.raises(BackpressureError, match="slowest: stuck"):
+        publish(box, 1, timeout=0)
+    box.ack("stuck", box.last_seq)
+    publish(box, 1, timeout=0)
+
+
+def test_a_stalled_member_alone_in_the_window_is_re_admitted_when_it_has_what_was_sent() -> None:
+    clock = FakeClock()
+    box = _stall_box(clock)
+    _send(box, 4)
+    clock.now += 5
+    assert [d for d, *_ in box.mark_ack_stalls()] == ["stuck"]
+    box.set_active("live", False)  # no member holds the window now
+    publish(box, 2, timeout=0)  # published, not yet sent: not what it is measured against
+    box.ack("stuck", 3)
+    assert box.members()["stuck"].stalled
+    box.ack("stuck", 4)  # everything sent
+    assert not box.members()["stuck"].stalled
+
+
+def test_removing_or_re_adding_a_stalled_member() -> None:
+    clock = FakeClock()
+    box = _stall_box(clock)
+    _send(box, 5)
+    clock.now += 5
+    box.mark_ack_stalls()
+    assert box.add_member("stuck") == 0 and box.members()["stuck"].stalled  # re-adding keeps its state
+    receipt = _send(box, 5)
+    box.remove_member("stuck")
+    assert box.stalled_members() == [] and receipt.done()
+    box.add_member("stuck")  # a new member: owed only what follows, and holding the window
+    assert box.members()["stuck"].holds_window
+
+
+def test_backpressure_names_stalled_members_apart_from_the_slowest() -> None:
+    clock = FakeClock()
+    box = _stall_box(clock)
+    box.add_member("slow")
+    _send(box, 5)
+    clock.now += 5
+    box.ack("slow", 1)  # progress: slow, not stalled
+    assert [d for d, *_ in box.mark_ack_stalls()] == ["stuck"]
+    with pytest.raises(BackpressureError) as err:
+        publish(box, 5, timeout=0)
+    text = str(err.value)
+    assert "slowest: slow" in text and "stalled member(s)" in text and "stuck" in text.split("slowest:")[1]
+
+
+def test_ack_stall_s_none_never_releases_a_member() -> None:
+    clock = FakeClock()
+    box = _stall_box(clock, ack_stall_s=None)
+    _send(box, 5)
+    clock.now += 1e6
+    assert box.mark_ack_stalls() == [] and box.stalled_members() == []
+    with pytest.raises(BackpressureError, match="slowest: stuck"):
+        publish(box, 1, timeout=0)
+
+
+@pytest.mark.parametrize("value", [0, -1.0, float("nan"), float("inf"), True, "30"])
+def test_ack_stall_s_must_be_a_positive_number_or_none(value: object) -> None:
+    with pytest.raises(ValueError, match="ack_stall_s"):
+        Outbox("g", window=5, retention_max=5, ack_stall_s=value)  # type: ignore[arg-type]
+
+
+def test_what_retention_drops_for_a_stalled_member_fails_its_receipts() -> None:
+    """A stalled member, like an inactive one, loses what it lacks past the retention limits; the
+    receipts of what it never got fail with MessagesDroppedError naming it, never resolve."""
+    clock = FakeClock()
+    box = _stall_box(clock, retention_max=6)
+    receipts = [_send(box, 3)]
+    clock.now += 5
+    assert [d for d, *_ in box.mark_ack_stalls()] == ["stuck"]
+    for _ in range(3):
+        receipts.append(_send(box, 3))
+    assert box.retention_dropped == 6 and box.held() == 6
+    msgs, gone = box.get_range(1, None, 100)  # its NACK: the answer says 1-6 are gone
+    assert gone == (1, 6) and [m.seq for m in msgs] == list(range(7, 13))
+    box.note_gone("stuck", *gone)
+    box.ack("stuck", box.last_seq)  # it skipped 1-6 and delivered 7-12: caught up
+    assert not box.members()["stuck"].stalled
+    for r in receipts[:2]:
+        with pytest.raises(MessagesDroppedError, match=r"stuck \(3\)"):
+            r.wait(0)
+    for r in receipts[2:]:
+        r.wait(0)

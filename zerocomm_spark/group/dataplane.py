@@ -34,17 +34,27 @@ Why it is built this way (docs/groups.md, "Data plane"):
   again and again for what it has not acked is slowed, one recovering a real gap is not), and
   sends a heartbeat (its last seq) to members whose acks stall, so a lost tail becomes a gap they
   NACK. Receivers deliver per-publisher FIFO (hold-back, gap NACKs) and drop duplicates by message id.
+  A member alive but making no ack progress at all for ``ack_stall_s`` while owed messages
+  (hostile, or its delivery callback stuck) stops holding the window until it catches up, so it
+  cannot stall every publisher of the group (see the paragraph on callbacks below).
 * **Batching.** A sender thread packs what is queued per group (``batch_max`` / ``linger_ms``); a
   publisher that fills whole batches packs them itself (caller runs), which spares the GIL hand-off.
 * **Causality.** One Lamport clock per member: ticked on publish, observed before every delivery.
 * **Liveness.** Keepalive pings over the peer transport mark members alive/inactive; inactive
-  members do not hold the publish window.
+  members do not hold the publish window, nor do stalled ones (alive, no ack progress for
+  ``ack_stall_s``; logged at warning, ``stats()['ack_stalled']``).
 
 Threads: IO, sender (batch + pack), receiver (decrypt, sequence, deliver, ack, NACK), maintenance
 (keepalives, heartbeats), ZAP authenticator; transport workers run the GROUP_DATA handlers.
 ``on_deliver`` (or ``on_deliver_many``, one call per delivery batch, when given) and ``on_state`` run
 on the receiver thread, one at a time, in order: a slow callback is backpressure on the publishers,
-never loss; acknowledgements cover only what a callback returned from. A callback that raises has
+never loss, as long as it makes progress. A member that makes no progress at all for ``ack_stall_s``
+(its ack does not advance while messages sent to it are unacked) stops holding the publishers'
+window until it has caught up; what it lacks is kept for it within the retention limits, as for an
+inactive member, and the receipts of those messages still wait for its acks, or fail with
+:class:`MessagesDroppedError` if retention drops them before it acks them. Each advance of its ack
+restarts the clock, so a slow but progressing callback never stalls. Acknowledgements cover only
+what a callback returned from. A callback that raises has
 not taken its messages: they count as missing again (not acked, NACKed at ``nack_retry_ms`` pace)
 and are offered again when the publisher re-sends them.
 """
@@ -276,6 +286,13 @@ class DataPlaneConfig:
     hold_bytes_max: int = 256 * 1024 * 1024  # and their payload bytes (a publisher's gap must not hold gigabytes)
     dedup_ttl_s: float = 600.0
     dedup_max: int = 200_000
+    # A member alive (answering keepalives) whose ack has not advanced for this long while it lags
+    # behind what was sent (a hostile member, or its delivery callback stuck) stops holding the
+    # window ("stalled", logged at warning, stats()['ack_stalled']) until it has caught up with the
+    # others; what it lacks is kept within the retention limits, as for an inactive member, and its
+    # receipts still wait for its acks. Each advance of its ack restarts the clock, so a slow but
+    # progressing member never stalls. None: never released (one such member stalls every publisher).
+    ack_stall_s: float | None = 30.0
 
     def __post_init__(self) -> None:
         for name in ("batch_max", "batch_max_bytes", "window", "window_bytes", "retention_max", "retention_max_bytes",
@@ -289,6 +306,11 @@ class DataPlaneConfig:
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not value > 0:
                 raise ConfigurationError(f"DataPlaneConfig.{name} must be a positive number, got {value!r}")
+        stall = self.ack_stall_s
+        if stall is not None and (not isinstance(stall, (int, float)) or isinstance(stall, bool)
+                                  or not 0 < stall < float("inf")):
+            raise ConfigurationError(f"DataPlaneConfig.ack_stall_s must be None or a positive number of seconds, "
+                                     f"got {stall!r}")
         if not isinstance(self.linger_ms, (int, float)) or self.linger_ms < 0:
             raise ConfigurationError(f"DataPlaneConfig.linger_ms must be >= 0, got {self.linger_ms!r}")
         for name in ("resend_burst_bytes", "resend_rate_bytes"):
@@ -410,6 +432,7 @@ class _Stats:
         "lost", "subscriptions_accepted", "subscriptions_refused", "callback_errors", "probes_sent",
         "backpressure_stalls", "publish_resets", "forged_batches", "deliveries_deferred", "receive_queue_full",
         "implausible_announcements", "receive_share_full", "resend_throttled", "resend_bytes_throttled",
+        "ack_stalls",
     )
 
     def __init__(self) -> None:
@@ -746,7 +769,7 @@ class DataPlane:
             cfg = self.config
             outbox = Outbox(group, window=cfg.window, retention_max=cfg.retention_max, first_seq=first_seq,
                             window_bytes=cfg.window_bytes, retention_max_bytes=cfg.retention_max_bytes,
-                            reserve=reserve, void=void)
+                            reserve=reserve, void=void, ack_stall_s=cfg.ack_stall_s)
             self._groups[group] = _Group(group, mode, bool(ordered), group_key, role, outbox)
             self._update_access_locked()
         if void is not None and 0 <= void[1] - void[0] < _VOID_MAX:  # our own journal lacks them too
@@ -1147,9 +1170,12 @@ class DataPlane:
         ``forged_batches`` (batches or hellos without a valid signature by their publisher's group
         key, or signed for another member).
         Flow: ``backpressure_waits``, ``backpressure_stalls`` (BackpressureError raised),
-        ``publish_resets`` (XPUB re-bound after ``dead_after`` without progress), ``retention_dropped``. Per group: ``lag`` {publisher: seqs not yet delivered}, ``unacked``
-        {member: our messages it has not acked}, ``held`` (messages buffered), ``held_bytes`` (their
-        payload bytes). ``peers_alive``
+        ``publish_resets`` (XPUB re-bound after ``dead_after`` without progress), ``retention_dropped``,
+        ``ack_stalls`` (times a member alive but with no ack progress for ``ack_stall_s`` was released
+        from the publish window). Per group: ``lag`` {publisher: seqs not yet delivered}, ``unacked``
+        {member: our messages it has not acked}, ``ack_stalled`` [members stalled now: they hold no
+        window until they catch up, so their ``unacked`` may grow up to the retention limits],
+        ``held`` (messages buffered), ``held_bytes`` (their payload bytes). ``peers_alive``
         {did: bool} from keepalives.
         """
         with self._stats.lock:
@@ -1164,6 +1190,7 @@ class DataPlane:
                 out["lost"] += sum(s.lost for s in g.streams.values())
         out["lag"] = lag
         out["unacked"] = {g.name: g.outbox.lag() for g in groups}
+        out["ack_stalled"] = {g.name: g.outbox.stalled_members() for g in groups}
         out["backpressure_waits"] = sum(g.outbox.backpressure_waits for g in groups)
         out["retention_dropped"] = sum(g.outbox.retention_dropped for g in groups)
         out["held"] = {g.name: g.outbox.held() for g in groups}
@@ -2435,6 +2462,7 @@ class DataPlane:
             try:
                 self._keepalives()
                 self._heartbeat_stalled()
+                self._release_ack_stalls()
             except Exception:  # noqa: BLE001
                 log.exception("group maintenance failed; continuing")
 
@@ -2489,6 +2517,23 @@ class DataPlane:
                     self._stats.add(heartbeats=1)
                 except TransportError as exc:
                     log.debug("heartbeat to %s not sent: %s", did, type(exc).__name__)
+
+    def _release_ack_stalls(self) -> None:
+        """Release from the publish window members alive but with no ack progress for ack_stall_s."""
+        stall = self.config.ack_stall_s
+        if stall is None:
+            return
+        for g in list(self._groups.values()):
+            stalled = g.outbox.mark_ack_stalls()
+            if not stalled:
+                continue
+            self._stats.add(ack_stalls=len(stalled))
+            for did, owed, idle in stalled:
+                log.warning("group %r: member %s answers keepalives but its ack has not advanced for %.1fs "
+                            "(ack_stall_s=%g) with %d of our message(s) unacked: it no longer holds the publish "
+                            "window, until it catches up. What it lacks is kept within the retention limits; "
+                            "its receipts wait for it. Check that member: its delivery callback may be stuck, "
+                            "or it withholds acks", g.name, did, idle, stall, owed)
 
     # --- test hooks ----------------------------------------------------------------------------
 

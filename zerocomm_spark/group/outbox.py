@@ -9,10 +9,17 @@ so a count alone could hold gigabytes):
   *active* member; beyond it ``publish`` waits, with a deadline, and fails with
   :class:`BackpressureError`. Members marked inactive (keepalives failed) do not hold the window,
   so one dead member cannot stall a group; nor do members still checking their join (they ack
-  nothing until it completes). A publish from a delivery callback waits only past the
-  retention limits: the acks it would wait for may wait on that very callback;
-* the *retention* limit: messages owed only to members holding no window (inactive, or still
-  checking their join) are dropped past ``retention_max`` messages (``retention_max_bytes``
+  nothing until it completes); nor do *stalled* members: alive, owed messages that were sent,
+  and their ack has not advanced for ``ack_stall_s`` (``mark_ack_stalls``, called periodically),
+  so one member that answers keepalives but never acks (hostile, or its delivery callback stuck)
+  cannot stall every publisher for good (Kafka drops such a follower from the ISR the same way).
+  A stalled member holds the window again only once it has caught up (its ack reaches the floor
+  of the members holding the window, or what was sent): re-admitted far behind, it would block
+  every publisher at once. A member that progresses, however slowly, never stalls. A publish
+  from a delivery callback waits only past the retention limits: the acks it would wait for may
+  wait on that very callback;
+* the *retention* limit: messages owed only to members holding no window (inactive, stalled, or
+  still checking their join) are dropped past ``retention_max`` messages (``retention_max_bytes``
   bytes); such a member learns the range is gone when it asks for it.
 
 Receipts resolve when every *current* member has acked their last message; members added later do
@@ -51,13 +58,17 @@ class MemberAckState:
 
     acked: int  # highest seq the member delivered contiguously (or its base: not owed before)
     active: bool = True
-    last_progress: float = 0.0  # when ``acked`` last advanced (or the member was added)
+    # When ``acked`` last advanced, or the clock last restarted: the member was added, came back
+    # active, finished its join, or was caught up when more was sent (nothing was owed until then).
+    last_progress: float = 0.0
     last_push: float = float("-inf")  # when we last pushed unacked messages to it
     joining: bool = False  # its join is being checked: it acks nothing yet, so it holds no window
+    # Alive but its ack did not advance for ack_stall_s while owed: holds no window until caught up.
+    stalled: bool = False
 
     @property
     def holds_window(self) -> bool:
-        return self.active and not self.joining
+        return self.active and not self.joining and not self.stalled
 
 
 class PublishReceipt:
@@ -133,10 +144,12 @@ class Outbox:
     def __init__(self, group: str, *, window: int, retention_max: int, first_seq: int = 1,
                  clock: Callable[[], float] = time.monotonic, reserve: Callable[[int], int] | None = None,
                  void: tuple[int, int] | None = None, window_bytes: int | None = None,
-                 retention_max_bytes: int | None = None) -> None:
+                 retention_max_bytes: int | None = None, ack_stall_s: float | None = None) -> None:
         """``reserve(seq)``, called (under the lock) before a seq past the last reservation is used,
         must save and return a limit at or past ``seq``; ``void`` is a seq range before ``first_seq``
-        this publisher may never have used (it skipped them after a restart) and holds nothing of."""
+        this publisher may never have used (it skipped them after a restart) and holds nothing of.
+        ``ack_stall_s``: seconds without ack progress, while owed, after which ``mark_ack_stalls``
+        releases a member from the window (None: never)."""
         if window < 1:
             raise ValueError("window must be at least 1")
         if retention_max < window:
@@ -145,7 +158,11 @@ class Outbox:
             raise ValueError("window_bytes must be at least 1")
         if retention_max_bytes is not None and retention_max_bytes < (window_bytes or 1):
             raise ValueError("retention_max_bytes must be at least window_bytes")
+        if ack_stall_s is not None and (isinstance(ack_stall_s, bool) or not isinstance(ack_stall_s, (int, float))
+                                        or not 0 < ack_stall_s < float("inf")):
+            raise ValueError(f"ack_stall_s must be None or a positive number of seconds, got {ack_stall_s!r}")
         self.group = group
+        self.ack_stall_s = ack_stall_s
         self.window = window
         self.retention_max = retention_max
         self.window_bytes = window_bytes  # None: no bound in bytes
@@ -177,6 +194,7 @@ class Outbox:
         self._dropped: dict[str, list[list[int]]] = {}
         self.retention_dropped = 0
         self.backpressure_waits = 0
+        self.ack_stalls = 0  # members released from the window by mark_ack_stalls, counted each time
 
     # --- members -----------------------------------------------------------------------------
 
@@ -222,7 +240,10 @@ class Outbox:
                 self._progress_locked()
 
     def set_active(self, did: str, active: bool) -> None:
-        """Inactive members stop holding the window (and may lose retention beyond its limit)."""
+        """Inactive members stop holding the window (and may lose retention beyond its limit).
+
+        A stalled member stays stalled across this (inactive, then active again): only catching up
+        re-admits it, so toggling its keepalives cannot put it back in the window far behind."""
         with self._lock:
             state = self._members.get(did)
             if state is not None and state.active != active:
@@ -238,12 +259,19 @@ class Outbox:
             state = self._members.get(did)
             if state is not None and state.joining != joining:
                 state.joining = joining
+                if not joining:  # it acks from now on: its ack_stall_s starts now, not when it was added
+                    state.last_progress = self._clock()
                 self._progress_locked()
 
     def members(self) -> dict[str, MemberAckState]:
         with self._lock:
-            return {did: MemberAckState(s.acked, s.active, s.last_progress, s.last_push, s.joining)
+            return {did: MemberAckState(s.acked, s.active, s.last_progress, s.last_push, s.joining, s.stalled)
                     for did, s in self._members.items()}
+
+    def stalled_members(self) -> list[str]:
+        """Members released from the window by ``mark_ack_stalls`` and not caught up since."""
+        with self._lock:
+            return sorted(did for did, s in self._members.items() if s.stalled)
 
     def base_of(self, did: str) -> int | None:
         """The member's acked position (its stream starts after it), or None if not a member."""
@@ -331,10 +359,16 @@ class Outbox:
                     shown = ", ".join(slow[:8]) + (" ..." if len(slow) > 8 else "")
                     bound = (f"{'retention limits, from a delivery callback,' if in_callback else 'window'} "
                              f"{window} messages" + ("" if window_bytes is None else f", {window_bytes} bytes"))
+                    # Stalled members hold no window, so they are not why it waited; named apart, since
+                    # their lag is what an operator sees growing.
+                    stalled = sorted(d for d, s in self._members.items() if s.stalled)
+                    also = "" if not stalled else (
+                        f" ({len(stalled)} stalled member(s), holding no window until they catch up: "
+                        + ", ".join(stalled[:8]) + (" ..." if len(stalled) > 8 else "") + ")")
                     raise BackpressureError(
                         f"publishing {n} message(s) ({nbytes} bytes) to group {self.group!r} waited {timeout:g}s: "
                         f"{inflight} message(s) ({self._in_flight_bytes_locked()} bytes) are unacked ({bound}); "
-                        f"slowest: {shown}")
+                        f"slowest: {shown}{also}")
                 if not waited:
                     waited = True
                     self.backpressure_waits += 1
@@ -398,6 +432,15 @@ class Outbox:
                 if out and max_bytes is not None and size > max_bytes:
                     break
                 out.append(m)
+            if out:
+                # Members that had everything sent so far were owed nothing until now: their ack has
+                # not stalled while the group was idle, so their clock (ack_stall_s, heartbeats) starts here.
+                sent = self._unsent_seq - 1
+                caught_up = [state for state in self._members.values() if state.acked >= sent]
+                if caught_up:
+                    now = self._clock()
+                    for state in caught_up:
+                        state.last_progress = now
             self._unsent_seq += len(out)
             return out
 
@@ -427,6 +470,14 @@ class Outbox:
                 return False
             state.acked = seq
             state.last_progress = self._clock()
+            if state.stalled:
+                # Caught up with the members holding the window (or with what was sent): holding it
+                # again costs the publishers nothing. Not before: far behind, it would block them all.
+                floor, sent = self._active_floor, self._unsent_seq - 1
+                if seq >= (sent if floor is None else min(floor, sent)):
+                    state.stalled = False
+                    log.info("group %r: member %s caught up (ack %d) and holds the publish window again",
+                             self.group, did, seq)
             self._progress_locked()
             return True
 
@@ -494,6 +545,31 @@ class Outbox:
                     s.last_push = now
                     out.append((did, s.acked))
         return out
+
+    def mark_ack_stalls(self) -> list[tuple[str, int, float]]:
+        """Release from the window the members whose ack has not advanced for ``ack_stall_s`` while owed.
+
+        Only members holding the window (active, not joining) stall, and only while they lag behind
+        what was sent: nothing owed, nothing to ack. Waiting publishers are woken, and what only
+        stalled members lack is kept within the retention limits (their receipts still wait for
+        them, and fail with MessagesDroppedError if retention drops what they lack). Returns the
+        newly stalled: (member, messages it has not acked, seconds since its ack last advanced).
+        """
+        after = self.ack_stall_s
+        if after is None:
+            return []
+        with self._lock:
+            now = self._clock()
+            sent = self._unsent_seq - 1
+            out = []
+            for did, s in self._members.items():
+                if s.holds_window and s.acked < sent and now - s.last_progress >= after:
+                    s.stalled = True
+                    out.append((did, self._last_seq - s.acked, now - s.last_progress))
+            if out:
+                self.ack_stalls += len(out)
+                self._progress_locked()
+            return out
 
     def laggards(self, seq: int) -> list[str]:
         """Current members that have not acked ``seq``."""
