@@ -45,7 +45,7 @@ Why it is built this way (docs/groups.md, "Data plane"):
   ``ack_stall_s``; logged at warning, ``stats()['ack_stalled']``).
 
 Threads: IO, sender (batch + pack), receiver (decrypt, sequence, deliver, ack, NACK), maintenance
-(keepalives, heartbeats), ZAP authenticator; transport workers run the GROUP_DATA handlers.
+(keepalives, heartbeats, ack stalls), ZAP authenticator; transport workers run the GROUP_DATA handlers.
 ``on_deliver`` (or ``on_deliver_many``, one call per delivery batch, when given) and ``on_state`` run
 on the receiver thread, one at a time, in order: a slow callback is backpressure on the publishers,
 never loss, as long as it makes progress. A member that makes no progress at all for ``ack_stall_s``
@@ -54,9 +54,9 @@ window until it has caught up; what it lacks is kept for it within the retention
 inactive member, and the receipts of those messages still wait for its acks, or fail with
 :class:`MessagesDroppedError` if retention drops them before it acks them. Each advance of its ack
 restarts the clock, so a slow but progressing callback never stalls. Acknowledgements cover only
-what a callback returned from. A callback that raises has
-not taken its messages: they count as missing again (not acked, NACKed at ``nack_retry_ms`` pace)
-and are offered again when the publisher re-sends them.
+what a callback returned from. A callback that raises has not taken its messages: they count as
+missing again (not acked, NACKed at ``nack_retry_ms`` pace) and are offered again when the
+publisher re-sends them.
 """
 
 from __future__ import annotations

@@ -123,8 +123,9 @@ class PublishReceipt:
             raise PeerTimeoutError(
                 f"{len(missing)} member(s) did not ack seq {self._last} of group {self._outbox.group!r} "
                 f"within {timeout:g}s: {shown}",
-                hint="They may be down or slow; see stats()['peers_alive'] and stats()['lag'], "
-                     "or wait again: the messages stay buffered for them")
+                hint="They may be down or slow; see stats()['peers_alive'], stats()['unacked'] and "
+                     "stats()['ack_stalled'] (alive but not acking), or wait again: the messages stay "
+                     "buffered for them, within the retention limits for those holding no window")
         if self._error is not None:
             raise self._error
 
