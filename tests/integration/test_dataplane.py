@@ -1565,6 +1565,9 @@ def test_ack_stall_s_is_a_positive_number_of_seconds_or_none(value: object) -> N
         DataPlaneConfig(ack_stall_s=value)  # type: ignore[arg-type]
     assert DataPlaneConfig().ack_stall_s == 30.0
     assert DataPlaneConfig(ack_stall_s=None).ack_stall_s is None and DataPlaneConfig(ack_stall_s=2).ack_stall_s == 2
+    with pytest.raises(ConfigurationError, match="more than twice ack_interval_ms"):
+        DataPlaneConfig(ack_stall_s=0.1, ack_interval_ms=50.0)  # healthy members would stall between acks
+    assert DataPlaneConfig(ack_stall_s=0.2, ack_interval_ms=50.0).ack_stall_s == 0.2
 
 
 def test_a_publisher_announcing_seqs_it_never_sends_is_not_asked_for_them_forever(make, caplog) -> None:  # type: ignore[no-untyped-def]

@@ -311,6 +311,11 @@ class DataPlaneConfig:
                                   or not 0 < stall < float("inf")):
             raise ConfigurationError(f"DataPlaneConfig.ack_stall_s must be None or a positive number of seconds, "
                                      f"got {stall!r}")
+        if stall is not None and stall * 1000 <= 2 * self.ack_interval_ms:  # (ack_interval_ms checked above)
+            # A healthy member acks every ack_interval_ms: shorter, it would stall between two acks.
+            raise ConfigurationError(
+                f"DataPlaneConfig.ack_stall_s ({stall:g} s) must be more than twice ack_interval_ms "
+                f"({self.ack_interval_ms:g} ms): healthy members would stall between acks")
         if not isinstance(self.linger_ms, (int, float)) or self.linger_ms < 0:
             raise ConfigurationError(f"DataPlaneConfig.linger_ms must be >= 0, got {self.linger_ms!r}")
         for name in ("resend_burst_bytes", "resend_rate_bytes"):
