@@ -194,7 +194,7 @@ def test_a_member_checking_its_join_holds_no_window_but_is_still_owed_and_pushed
     box.take_unsent(100)
     box.ack("live", 10)
     assert not first.done() and box.laggards(5) == ["joiner"]
-    assert box.stalled(0.0) == [("joiner", 0)]
+    assert box.heartbeats_due(0.0) == [("joiner", 0)]
     box.set_joining("joiner", False)
     with pytest.raises(BackpressureError):
         publish(box, 1, timeout=0.05)
@@ -249,13 +249,13 @@ def test_stalled_members_are_reported_once_per_interval() -> None:
     publish(box, 4)
     box.take_unsent(100)
     box.ack("carol", 4)
-    assert box.stalled(1.0) == []
+    assert box.heartbeats_due(1.0) == []
     clock.now += 1.5
-    assert box.stalled(1.0) == [("bob", 0)]
-    assert box.stalled(1.0) == []
+    assert box.heartbeats_due(1.0) == [("bob", 0)]
+    assert box.heartbeats_due(1.0) == []
     box.set_active("bob", False)
     clock.now += 5
-    assert box.stalled(1.0) == []  # inactive: keepalives, not heartbeats, decide
+    assert box.heartbeats_due(1.0) == []  # inactive: keepalives, not heartbeats, decide
 
 
 def test_close_fails_pending_receipts_and_publishers() -> None:
@@ -573,7 +573,7 @@ def test_a_member_without_ack_progress_for_ack_stall_s_stops_holding_the_window(
     assert box.mark_ack_stalls() == []  # reported once per stall
     _send(box, 5)  # the window no longer waits for it
     assert not first.done() and box.laggards(5) == ["stuck"]  # its receipts still wait for its acks
-    assert [d for d, _ in box.stalled(0.0)] == ["stuck"]  # and it is still sent heartbeats
+    assert [d for d, _ in box.heartbeats_due(0.0)] == ["stuck"]  # and it is still sent heartbeats
     msgs, gone = box.get_range(1, None, 100)  # and its resends: everything is kept for it
     assert [m.seq for m in msgs] == list(range(1, 11)) and gone is None
 

@@ -2505,7 +2505,7 @@ class DataPlane:
     def _heartbeat_stalled(self) -> None:
         after = self.config.resend_after_ms / 1000
         for g in list(self._groups.values()):
-            for did, _acked in g.outbox.stalled(after):
+            for did, _acked in g.outbox.heartbeats_due(after):
                 m = g.members.get(did)
                 if m is None:
                     continue

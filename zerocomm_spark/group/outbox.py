@@ -530,7 +530,7 @@ class Outbox:
             kept.append([first, last])
             self._dropped[did] = kept
 
-    def stalled(self, after: float) -> list[tuple[str, int]]:
+    def heartbeats_due(self, after: float) -> list[tuple[str, int]]:
         """Active members lagging behind what was sent with no progress for ``after`` seconds.
 
         Marks them; the caller sends them a heartbeat with its last seq (a lost tail has no gap
