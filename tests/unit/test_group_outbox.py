@@ -666,6 +666,31 @@ def test_a_stalled_member_holds_the_window_again_only_once_caught_up() -> None:
     publish(box, 1, timeout=0)
 
 
+def test_a_member_back_from_inactive_far_behind_holds_the_window_only_once_caught_up() -> None:
+    """Re-admitted at once, a member that was away while the publishers went on blocked every one of
+    them (window 5 here: the next publish) until it had recovered all it missed."""
+    clock = FakeClock()
+    box = _stall_box(clock, ack_stall_s=None, window=5)  # the rule holds without ack stalls too
+    box.set_active("stuck", False)  # "stuck" stops answering keepalives
+    for _ in range(4):
+        _send(box, 5)  # live acks each; 20 messages "stuck" lacks
+    box.set_active("stuck", True)
+    assert box.members()["stuck"].stalled and box.stalled_members() == ["stuck"]
+    _send(box, 5)  # not blocked by the returning member
+    assert box.ack("stuck", 20)  # recovering, still 5 behind
+    assert box.members()["stuck"].stalled
+    box.ack("stuck", 25)  # caught up with live: holds the window again
+    assert box.members()["stuck"].holds_window and box.stalled_members() == []
+    _send(box, 5)
+    with pytest.raises(BackpressureError, match="slowest: stuck"):
+        publish(box, 1, timeout=0)
+    # One back with nothing missed holds the window at once.
+    box.ack("stuck", box.last_seq)
+    box.set_active("stuck", False)
+    box.set_active("stuck", True)
+    assert box.members()["stuck"].holds_window
+
+
 def test_a_stalled_member_alone_in_the_window_is_re_admitted_when_it_has_what_was_sent() -> None:
     clock = FakeClock()
     box = _stall_box(clock)

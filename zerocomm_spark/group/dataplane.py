@@ -42,7 +42,8 @@ Why it is built this way (docs/groups.md, "Data plane"):
 * **Causality.** One Lamport clock per member: ticked on publish, observed before every delivery.
 * **Liveness.** Keepalive pings over the peer transport mark members alive/inactive; inactive
   members do not hold the publish window, nor do stalled ones (alive, no ack progress for
-  ``ack_stall_s``; logged at warning, ``stats()['ack_stalled']``).
+  ``ack_stall_s``; logged at warning, ``stats()['ack_stalled']``), nor members back from inactive
+  behind the others, until they have caught up.
 
 Threads: IO, sender (batch + pack), receiver (decrypt, sequence, deliver, ack, NACK), maintenance
 (keepalives, heartbeats, ack stalls), ZAP authenticator; transport workers run the GROUP_DATA handlers.

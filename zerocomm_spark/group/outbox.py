@@ -63,7 +63,8 @@ class MemberAckState:
     last_progress: float = 0.0
     last_push: float = float("-inf")  # when we last pushed unacked messages to it
     joining: bool = False  # its join is being checked: it acks nothing yet, so it holds no window
-    # Alive but its ack did not advance for ack_stall_s while owed: holds no window until caught up.
+    # Alive but its ack did not advance for ack_stall_s while owed, or back from inactive behind the
+    # others: holds no window until caught up.
     stalled: bool = False
 
     @property
@@ -243,14 +244,21 @@ class Outbox:
     def set_active(self, did: str, active: bool) -> None:
         """Inactive members stop holding the window (and may lose retention beyond its limit).
 
-        A stalled member stays stalled across this (inactive, then active again): only catching up
-        re-admits it, so toggling its keepalives cannot put it back in the window far behind."""
+        A member coming back behind the members holding the window (or behind what was sent, if none
+        does) does not hold it until it has caught up, as a stalled one: the publishers went on while it
+        was away, and re-admitted far behind it would block every one of them until it had recovered
+        what it missed (seconds for a member a few hundred thousand messages behind). A stalled member
+        stays stalled across this: only catching up re-admits it, so toggling its keepalives cannot put
+        it back in the window far behind."""
         with self._lock:
             state = self._members.get(did)
             if state is not None and state.active != active:
                 state.active = active
                 if active:
                     state.last_progress = self._clock()
+                    floor, sent = self._active_floor, self._unsent_seq - 1
+                    if state.acked < (sent if floor is None else min(floor, sent)):
+                        state.stalled = True  # holds no window until its ack reaches the others' (see ack)
                 self._progress_locked()
 
     def set_joining(self, did: str, joining: bool) -> None:
