@@ -563,16 +563,17 @@ class Client:
                 if spawned and time.monotonic() < deadline:
                     time.sleep(0.05)
                     continue
-                if (isinstance(exc, AgentNotRunningError) and self.socket_dir is not None
-                        and _run_lock_held(self.socket_dir)):
-                    # An agent holds its run directory but does not listen yet: it is starting (one a
-                    # connector spawned a moment ago, say). Failing now would call a starting agent dead.
+                if self.socket_dir is not None and _run_lock_held(self.socket_dir):
+                    # An agent holds its run directory but does not listen yet (it is starting: one a
+                    # connector spawned a moment ago, say), or listens and does not answer (stopping,
+                    # hung, overloaded). Failing now would call a starting agent dead, and "start one"
+                    # would send the user to a start that is refused as already running.
                     if time.monotonic() < deadline:
                         time.sleep(0.05)
                         continue
                     raise AgentNotRunningError(
-                        f"an agent holds {self.socket_dir} (starting or stopping) but did not serve on "
-                        f"{self.endpoint} within the deadline",
+                        f"an agent holds {self.socket_dir} but did not serve on {self.endpoint} within the "
+                        "deadline: it is starting or stopping, or hung",
                         hint="See its log; `zerocomm agent status` tells whether it is alive, "
                              "`zerocomm agent stop --force` stops a hung one") from None
                 if isinstance(exc, ApiTimeoutError):

@@ -135,6 +135,32 @@ def test_an_agent_holding_its_run_lock_but_not_listening_yet_is_waited_for(tmp_p
         os.close(holder)
 
 
+def test_an_agent_holding_its_run_lock_that_does_not_answer_is_named_not_sent_to_start(tmp_path: Path) -> None:
+    """An agent that holds its run directory and listens but does not answer (hung, SIGSTOPped,
+    overloaded) made Client.connect say "no agent answered ... Start one with `zerocomm agent start
+    --detach`", a start that is refused as already running, after a single call's wait. It is now
+    waited for until the deadline and named like one that does not listen yet."""
+    run = tmp_path / "run"
+    run.mkdir(mode=0o700)
+    (run / "agent.pid").write_text("12345\n")
+    listener = _listening_socket(run / "api.sock")  # connects, never answers
+    try:
+        with pytest.raises(errors.AgentNotRunningError, match="no agent answered"):  # nobody holds the lock
+            Client.connect(run, timeout=0.5)
+        holder = os.open(run / "agent.pid", os.O_RDONLY)
+        try:
+            fcntl.flock(holder, fcntl.LOCK_EX)
+            started = time.monotonic()
+            with pytest.raises(errors.AgentNotRunningError, match="an agent holds .* or hung") as info:
+                Client.connect(run, timeout=1.0)
+            assert time.monotonic() - started >= 0.9
+            assert "agent start" not in str(info.value) and "agent stop --force" in str(info.value)
+        finally:
+            os.close(holder)
+    finally:
+        listener.close()
+
+
 def test_a_loose_socket_directory_without_an_agent_is_no_agent(tmp_path: Path) -> None:
     """A socket directory of ours that group or others may write (umask 002 makes it 775) with no
     agent in it was refused as a permission problem before the socket was looked for, so spawn=True
