@@ -513,6 +513,8 @@ def run(cfg: JobConfig) -> dict[str, Any]:
         summary["total_s"] = round(time.monotonic() - job_began, 2)
         if not cfg.keep and not cfg.work_dir:
             shutil.rmtree(work, ignore_errors=True)
+            # the summary names the table: say it went with the work directory (a --table elsewhere stays)
+            summary["table_removed"] = not Path(table).exists()
     return summary
 
 
@@ -537,7 +539,9 @@ def render(summary: dict[str, Any]) -> str:
         f"latency     publish->member p50 {lat['p50'] * 1000:.0f} ms, p95 {lat['p95'] * 1000:.0f} ms; "
         f"publish->Delta p50 {dl['p50']:.2f} s, p95 {dl['p95']:.2f} s",
         f"publishers  {per}",
-        f"table       {s['table']}",
+        f"table       {s['table']}"
+        + (" (removed with the temporary work directory: --keep or --work-dir DIR keeps it)"
+           if s.get("table_removed") else ""),
         *([f"log         {s['log']}"] if s.get("log") else []),
         f"result      {'OK' if s['ok'] else 'FAILED'} in {s['total_s']}s",
     ]

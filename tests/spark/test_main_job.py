@@ -403,3 +403,21 @@ def test_stopping_the_query_leaves_the_sessions_stop_timeout_as_it_was(spark):
             spark.conf.unset(_STOP_TIMEOUT)
         else:
             spark.conf.set(_STOP_TIMEOUT, before)
+
+
+def test_a_run_without_a_work_dir_says_its_table_went_with_the_temporary_directory(tmp_path):
+    """Without --work-dir or --keep the summary's `table` line named a path the job had just removed
+    (the temporary work directory goes at the end), so a user who went to look found nothing. It now
+    says the table was removed and which options keep it."""
+    import os
+
+    env = dict(os.environ, TMPDIR=str(tmp_path))
+    done = subprocess.run(
+        [sys.executable, "-m", "zerocomm_spark.pipelines.main", "--publishers", "1", "--messages", "5",
+         "--rate", "50", "--reply-fraction", "0", "--timeout", "600"],
+        cwd=ROOT, capture_output=True, text=True, timeout=800, env=env)
+    assert done.returncode == 0, f"{done.stdout[-2000:]}\n{done.stderr[-4000:]}"
+    line = next(line for line in done.stdout.splitlines() if line.startswith("table "))
+    path = line.split()[1]
+    assert not Path(path).exists() and path.startswith(str(tmp_path)), line
+    assert "removed" in line and "--keep" in line and "--work-dir" in line, line
