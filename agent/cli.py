@@ -1001,6 +1001,12 @@ def _say_how_to_send_the_rest(exc: ZeroCommError, a: argparse.Namespace, prefix:
                  if isinstance(exc, errors.PeerTimeoutError) else f"; {lines} may be out (the outcome is unknown)")
     options = f"--id-prefix {prefix}" + (f" --skip {done}" if done else "")
     given = " (in place of yours)" if a.id_prefix or a.skip else ""
+    # What --json's error document carries besides the text (as an interrupted send's does): a script
+    # resumes from these fields, not by parsing the hint.
+    exc.json_facts = {
+        "group": a.group, "id_prefix": prefix, "acknowledged_lines": done, "acknowledged_by_this_run": acked,
+        "in_flight_lines": [done + 1, done + in_flight] if maybe_out else None,
+        "resume_options": ["--id-prefix", prefix] + (["--skip", str(done)] if done else [])}
     bad = getattr(exc, "stdin_line", None)
     if bad is not None:  # the same input would stop at the same line: the rest goes from an edited input
         hint = (f"{exc.hint}; then, to send the rest exactly once, run the same command on the edited input with "
@@ -1425,7 +1431,9 @@ def cmd_config(ctx: Ctx) -> int:
 def _report_error(exc: BaseException, as_json: bool, code: int | None = None) -> int:
     code = exit_code_for(exc) if code is None else code
     if as_json:
-        emit_json({"ok": False, "error": error_header(None, exc)["error"], "exit_code": code})
+        facts = getattr(exc, "json_facts", None)  # (a `send -` that stopped part way: how to resume)
+        emit_json({"ok": False, "error": error_header(None, exc)["error"], "exit_code": code,
+                   **(facts if isinstance(facts, dict) else {})})
     else:
         if isinstance(exc, ZeroCommError):
             message, hint = exc.message, exc.hint
