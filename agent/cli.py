@@ -717,6 +717,10 @@ _MAX_STDIN_TEXT = 1 << 20
 
 def cmd_connect(ctx: Ctx) -> int:
     url = _read_stdin("invitation URL", first_line=True) if ctx.args.url == "-" else ctx.args.url
+    if not url.strip():  # `zerocomm connect "$URL"` with the variable unset: said as such, before any agent
+        raise errors.ConfigurationError(
+            "the invitation URL is empty",
+            hint="Give the URL `zerocomm invite` printed on the inviting member (quoted), or - to read it from stdin")
     with Progress("connecting", enabled=None if not ctx.json else False):
         connection = ctx.client().accept(url, timeout=ctx.timeout)
     ctx.out(connection, f"connected to {connection.get('label')!r} (connection {connection.get('id')})")

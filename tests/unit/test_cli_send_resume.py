@@ -1,4 +1,4 @@
-"""`zerocomm send GROUP - --json` that stops part way: the error document a script resumes from."""
+"""`zerocomm send GROUP - --json` that stops part way (the error document a script resumes from); `connect` of an empty URL."""
 
 from __future__ import annotations
 
@@ -43,3 +43,17 @@ def test_the_resume_facts_count_lines_skipped_by_an_earlier_run_and_a_refusal_ha
 def test_other_errors_keep_the_plain_error_document(capsys):
     _report_error(errors.GroupNotFoundError("this member is in no group named 'x'"), True)
     assert set(json.loads(capsys.readouterr().out)) == {"ok", "error", "exit_code"}
+
+
+def test_connect_with_an_empty_url_says_the_url_is_empty_before_asking_any_agent(tmp_path, capsys):
+    """`zerocomm connect "$URL"` with the variable unset said "accept: 'url' must not be empty" (the
+    API's words, with advice about a Client method's signature), and only once an agent answered;
+    blanks said "the invitation URL is empty" with another exit code (1 against 2)."""
+    from zerocomm_spark.agent.cli import main
+
+    for url in ("", "  "):
+        code = main(["--identity-dir", str(tmp_path / "nobody"), "--json", "connect", url])
+        doc = json.loads(capsys.readouterr().out)
+        assert code == doc["exit_code"] == 2, doc
+        assert doc["error"]["message"] == "the invitation URL is empty", doc
+        assert "zerocomm invite" in doc["error"]["hint"] and "signature" not in doc["error"]["hint"], doc
