@@ -196,6 +196,17 @@ def test_joining_a_group_it_is_in_says_it_is_a_member(tmp_path: Path) -> None:
         assert refused.code == 1 and "already has a group named 'sensors'" in refused.json["error"]["message"]
 
 
+def test_joining_a_group_the_acceptor_is_not_in_names_the_acceptor_not_the_joiner(tmp_path: Path) -> None:
+    """`group join nosuch --via alice` said "alice is not an active member of group 'nosuch': this member
+    is in no group of that name": alice's words about herself, read by bob as being about bob."""
+    with running(tmp_path, "alice", "bob") as (alice, bob):
+        bob.ok("connect", alice.ok("invite")["url"])
+        refused = bob.run("group", "join", "nosuch", "--via", "alice")
+        assert refused.code == 6 and refused.json["error"]["type"] == "GroupNotFoundError", refused
+        message = refused.json["error"]["message"]
+        assert message == "alice is not an active member of group 'nosuch': it is in no group of that name", message
+
+
 def test_joiner_policy_from_the_configuration(tmp_path: Path) -> None:
     """groups.joiner_policy=invitation: only joiners who came through an invitation for the group get in."""
     owner = Member(tmp_path, "owner", "groups.joiner_policy=invitation")

@@ -1304,7 +1304,7 @@ class GroupManager:
         with self._lock:
             g = self._groups.get(group)
         if g is None or self._closed:
-            return _problem(request, ProblemCode.UNKNOWN_GROUP, "this member is in no group of that name")
+            return _problem(request, ProblemCode.UNKNOWN_GROUP, "it is in no group of that name")
         if g.phase != _ACTIVE:
             return _problem(request, ProblemCode.NOT_READY, f"the group is {g.phase} here; retry shortly")
         return g
@@ -1420,7 +1420,7 @@ class GroupManager:
         with self._lock:
             g = self._groups.get(request.group)
         if g is None or g.phase not in (_ACTIVE, _RESUMING):
-            return _problem(request, ProblemCode.UNKNOWN_GROUP, "this member is in no group of that name")
+            return _problem(request, ProblemCode.UNKNOWN_GROUP, "it is in no group of that name")
         if self._pair_did(g, record) is None:
             return _problem(request, ProblemCode.NOT_A_MEMBER, "no relationship with the sender in this group")
         with self._lock:
