@@ -77,6 +77,10 @@ def test_url_with_a_query_already_and_padded_or_bare_values() -> None:
         ("https://example.org/?oob=%%%", "base64url"),
         ("https://example.org/?oob=" + b64url_encode(b"not json"), "base64url-encoded JSON"),
         ("x" * 70_000, "longer than"),
+        # a word pasted in place of the URL said "the 'oob' parameter is not base64url-encoded JSON",
+        # a parameter it does not have
+        ("garbage", "not an invitation URL"),
+        ("AAAA", "not an invitation URL"),
     ],
 )
 def test_malformed_urls_raise_invitation_error(url: str, words: str) -> None:

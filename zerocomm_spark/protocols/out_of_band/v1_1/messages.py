@@ -156,5 +156,8 @@ class Invitation(AgentMessage):
         try:
             data = json.loads(b64url_decode(encoded).decode("utf-8"))
         except (ValueError, UnicodeDecodeError, RecursionError):
+            if encoded is url:  # no URL around it: it was taken for a bare oob value, which it is not either
+                raise InvitationError("this is not an invitation URL (https://...?oob=...) nor the base64url "
+                                      "'oob' value of one (truncated, or something else pasted?)") from None
             raise InvitationError("the 'oob' parameter is not base64url-encoded JSON (truncated URL?)") from None
         return cls.from_dict(data)
