@@ -366,7 +366,8 @@ class MalformedDataMessageError(ProtocolError):
 class GroupExistsError(GroupError):
     """This member already has a group of that name (names are unique per member)."""
 
-    hint = "Pick another name, or leave(group) first; groups() lists the names in use."
+    hint = ("Pick another name, or leave the group first (leave(group), or `zerocomm group leave GROUP`); groups() "
+            "(`zerocomm group list`) lists the names in use.")
 
 
 class GroupNotFoundError(GroupError):

@@ -43,3 +43,12 @@ def test_every_command_a_hint_names_parses(where, command):
         build_parser().parse_args(argv)
     except SystemExit as exc:
         pytest.fail(f"{where} tells users to run `zerocomm {command}`, which the CLI refuses (exit {exc.code})")
+
+
+def test_a_create_refused_for_a_name_in_use_gives_the_commands_too():
+    """`zerocomm group create sensors` of a name in use said "Pick another name, or leave(group) first;
+    groups() lists the names in use": Python calls only, where the other group errors name both."""
+    from zerocomm_spark.errors import GroupExistsError
+
+    hint = GroupExistsError("this member already has a group named 'sensors'").hint
+    assert "`zerocomm group leave GROUP`" in hint and "`zerocomm group list`" in hint, hint
