@@ -134,6 +134,20 @@ def _common() -> argparse.ArgumentParser:
     return p
 
 
+class _SubCommands(argparse._SubParsersAction):  # noqa: SLF001 - argparse's own subcommand action
+    """Subcommands whose ``--set`` adds to the ones given before the command name. argparse parses a
+    subcommand's options into a namespace of its own and copies it over, so `zerocomm --set a=1
+    config --set b=2` dropped a=1 without a word."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        before = getattr(namespace, "settings", None)
+        super().__call__(parser, namespace, values, option_string)
+        after = getattr(namespace, "settings", None)
+        if before and after is not None and after is not before:
+            namespace.settings = [*before, *after]
+
+
 class _Parser(argparse.ArgumentParser):
     """The top-level parser: `history GROUP` keeps meaning `history show GROUP` (see _with_history_action)."""
 
@@ -149,7 +163,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog="zerocomm", parents=[common], formatter_class=argparse.RawDescriptionHelpFormatter,
         description="End-to-end encrypted DIDComm group messaging: run a member agent and drive it.",
         epilog=_EPILOG)
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=argparse.ArgumentParser)
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=argparse.ArgumentParser,
+                                action=_SubCommands)
     sub.required = True
 
     def add(parent: Any, name: str, help_text: str, func: Callable[..., int]) -> argparse.ArgumentParser:
@@ -161,8 +176,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = add(sub, "init", "create this member's identity (sealed keystore, journal key) and a config file", cmd_init)
     p.add_argument("--force", action="store_true", help="overwrite an existing config file")
 
-    agent = sub.add_parser("agent", help="start, stop or inspect the agent process")
-    agent_sub = agent.add_subparsers(dest="agent_command", metavar="ACTION")
+    # (parents=[common]: the options go between `agent` and its action too, as the README says)
+    agent = sub.add_parser("agent", help="start, stop or inspect the agent process", parents=[common])
+    agent_sub = agent.add_subparsers(dest="agent_command", metavar="ACTION", action=_SubCommands)
     agent_sub.required = True
     p = add(agent_sub, "start", "run the agent (foreground; --detach for the background)", cmd_agent_start)
     p.add_argument("--detach", action="store_true", help="run in the background and return once it serves")
@@ -189,8 +205,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = add(sub, "inbox", "basic messages received since the agent started", cmd_inbox)
     p.add_argument("--peer", metavar="PEER")
 
-    group = sub.add_parser("group", help="create, join, leave and inspect groups")
-    group_sub = group.add_subparsers(dest="group_command", metavar="ACTION")
+    group = sub.add_parser("group", help="create, join, leave and inspect groups", parents=[common])
+    group_sub = group.add_subparsers(dest="group_command", metavar="ACTION", action=_SubCommands)
     group_sub.required = True
     p = add(group_sub, "create", "create a group with this member in it", cmd_group_create)
     p.add_argument("group", metavar="GROUP")
@@ -278,7 +294,7 @@ def _add_history(sub: Any, add: Callable[..., argparse.ArgumentParser]) -> None:
         "history", help="a group's journaled messages (history GROUP), or its Delta history table",
         description="`zerocomm history GROUP` lists the member's journal; the actions below keep a group's "
                     "history in a Delta table with Spark (zerocomm_spark.pipelines).")
-    actions = history.add_subparsers(dest="history_command", metavar="ACTION")
+    actions = history.add_subparsers(dest="history_command", metavar="ACTION", action=_SubCommands)
     actions.required = True
     p = add(actions, "show", "a group's journaled messages, oldest first (the default action)", cmd_history)
     p.add_argument("group", metavar="GROUP")

@@ -1,0 +1,42 @@
+"""The common options go before or after the command name, as the README says, and add up."""
+
+from __future__ import annotations
+
+import pytest
+
+from zerocomm_spark.agent.cli import build_parser
+
+
+def test_set_before_and_after_the_command_name_adds_up():
+    """`zerocomm --set journal.fsync=always config --set log.level=debug` dropped journal.fsync=always:
+    argparse copies a subcommand's own namespace over the top one, so the later --set list replaced
+    the earlier one, silently."""
+    parse = build_parser().parse_args
+    assert parse(["--set", "a.b=1", "config", "--set", "c.d=2"]).settings == ["a.b=1", "c.d=2"]
+    assert parse(["--set", "a.b=1", "group", "--set", "c.d=2", "list", "--set", "e.f=3"]).settings == [
+        "a.b=1", "c.d=2", "e.f=3"]
+    assert parse(["--set", "a.b=1", "history", "sensors", "--set", "c.d=2"]).settings == ["a.b=1", "c.d=2"]
+    assert parse(["--set", "a.b=1", "--set", "a.b=2", "config"]).settings == ["a.b=1", "a.b=2"]
+    assert parse(["config", "--set", "x.y=1"]).settings == ["x.y=1"]
+    assert getattr(parse(["config"]), "settings", None) is None
+
+
+@pytest.mark.parametrize("argv", [
+    ["group", "--json", "list"],
+    ["agent", "--json", "status"],
+    ["group", "--config", "/tmp/z.toml", "members", "sensors"],
+    ["agent", "--timeout", "5", "stop"],
+])
+def test_common_options_between_agent_or_group_and_its_action(argv):
+    """`zerocomm agent --json status` was "unrecognized arguments: --json" and `zerocomm group --config
+    PATH list` an "invalid choice" of PATH as the action, while history's took them there."""
+    args = build_parser().parse_args(argv)
+    assert args.func is not None
+
+
+def test_the_option_nearest_the_action_wins():
+    args = build_parser().parse_args(["--config", "/a.toml", "group", "--config", "/b.toml", "list",
+                                      "--timeout", "3"])
+    assert args.config == "/b.toml" and args.timeout == 3.0
+    args = build_parser().parse_args(["--json", "group", "list"])
+    assert args.json is True
