@@ -252,7 +252,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("group", metavar="GROUP")
     p.add_argument("-n", "--lines", type=_count, default=10, metavar="N", help="show the last N first (default 10)")
     p.add_argument("--no-follow", action="store_true", help="print the last N and stop")
-    _add_history(sub, add)
+    _add_history(sub, add, common)
     add(sub, "metrics", "messages in and out, bytes, lag per publisher, peers alive, API calls, peer transport "
                         "counters", cmd_metrics)
     add(sub, "keygen", "make a CURVE key pair for a remote API client (api.allowed_clients)", cmd_keygen)
@@ -288,12 +288,12 @@ _VALUE_OPTIONS = {"--config", "--identity-dir", "--label", "--socket-dir", "--en
                   "--timeout"}
 
 
-def _add_history(sub: Any, add: Callable[..., argparse.ArgumentParser]) -> None:
+def _add_history(sub: Any, add: Callable[..., argparse.ArgumentParser], common: argparse.ArgumentParser) -> None:
     """`zerocomm history GROUP` (the journal) and `zerocomm history ingest|replay|compact|vacuum` (Delta)."""
     history = sub.add_parser(
         "history", help="a group's journaled messages (history GROUP), or its Delta history table",
         description="`zerocomm history GROUP` lists the member's journal; the actions below keep a group's "
-                    "history in a Delta table with Spark (zerocomm_spark.pipelines).")
+                    "history in a Delta table with Spark (zerocomm_spark.pipelines).", parents=[common])
     actions = history.add_subparsers(dest="history_command", metavar="ACTION", action=_SubCommands)
     actions.required = True
     p = add(actions, "show", "a group's journaled messages, oldest first (the default action)", cmd_history)

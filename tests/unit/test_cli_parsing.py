@@ -26,6 +26,8 @@ def test_set_before_and_after_the_command_name_adds_up():
     ["agent", "--json", "status"],
     ["group", "--config", "/tmp/z.toml", "members", "sensors"],
     ["agent", "--timeout", "5", "stop"],
+    ["history", "--json", "replay", "sensors", "--table", "/tmp/t"],
+    ["history", "--json", "sensors"],
 ])
 def test_common_options_between_agent_or_group_and_its_action(argv):
     """`zerocomm agent --json status` was "unrecognized arguments: --json" and `zerocomm group --config
