@@ -234,6 +234,12 @@ def check_socket_dir(socket_dir: Path) -> None:
         raise problem
 
 
+#: A TCP client whose key the agent refused: the generic hint spoke of the local socket's user.
+_CURVE_REFUSED_HINT = ("List this client's CURVE public key in the agent's api.allowed_clients (and restart it), "
+                       "or check that server_key is the agent's `api key` (`zerocomm agent status`) and that "
+                       "public_key and secret_key are one pair from `zerocomm keygen`")
+
+
 def _run_lock_held(socket_dir: Path) -> bool:
     """Whether a process holds the agent's run lock (its pid file): an agent starting up holds it before
     it listens, one stopping until it exits. Only used to decide to wait, never to signal anyone."""
@@ -736,7 +742,8 @@ class Client:
                     if refused or time.monotonic() >= deadline or self._local_agent_gone():
                         self._drop_socket()
                     if refused:
-                        raise ApiPermissionError(f"the agent at {self.endpoint} refused this client's CURVE key") from None
+                        raise ApiPermissionError(f"the agent at {self.endpoint} refused this client's CURVE key",
+                                                 hint=_CURVE_REFUSED_HINT) from None
                     if self._sock is None:
                         if time.monotonic() < deadline:
                             raise AgentNotRunningError(f"no agent listens on {self.endpoint}") from None
@@ -750,7 +757,8 @@ class Client:
                 if left <= 0 or not sock.poll(int(min(left, 0.5) * 1000) + 1, zmq.POLLIN):
                     if self._auth_failed():
                         self._drop_socket()
-                        raise ApiPermissionError(f"the agent at {self.endpoint} refused this client's CURVE key")
+                        raise ApiPermissionError(f"the agent at {self.endpoint} refused this client's CURVE key",
+                                                 hint=_CURVE_REFUSED_HINT)
                     if self._local_agent_gone():
                         # A stopping agent's last replies can still be on their way (a large one takes a
                         # while through the socket it no longer listens on): a short grace before giving up.

@@ -346,9 +346,11 @@ def test_remote_clients_over_tcp_with_curve(tmp_path: Path) -> None:
             assert client.status()["label"] == "remote"
         from zerocomm_spark.errors import ApiPermissionError
 
-        with pytest.raises(ApiPermissionError, match="refused this client's CURVE key"):
+        with pytest.raises(ApiPermissionError, match="refused this client's CURVE key") as refused:
             Client.connect(endpoint, timeout=5, server_key=server_key, public_key=other_keys["public_key"],
                            secret_key=other_keys["secret_key"])
+        # the advice is for a TCP client (it said "the local API serves only the user that runs the agent")
+        assert "api.allowed_clients" in refused.value.hint and "local API" not in refused.value.hint
         assert client_keys["secret_key"] not in m.log()
         # the agent's API key is sealed in its keystore: the same after a restart
         m.stop()
