@@ -23,11 +23,13 @@ from typing import Any
 
 __all__ = [
     "ArrowProvider", "DeltaProvider", "DeltaSink", "Have", "HistoryKey", "IngestBatch", "LocalGroup",
-    "OriginSigner", "RestoreReport", "Since", "compact", "ensure_table", "ingest", "vacuum",
+    "OriginSigner", "RestoreReport", "Since", "compact", "ensure_table", "ingest", "release_checkpointed",
+    "vacuum",
 ]
 
 _WHERE = {
     "IngestBatch": "history", "compact": "history", "ensure_table": "history", "ingest": "history",
+    "release_checkpointed": "history",
     "vacuum": "history", "Since": "replay", "ArrowProvider": "restore",
     "DeltaProvider": "restore", "DeltaSink": "restore", "Have": "restore", "RestoreReport": "restore",
     "HistoryKey": "history_key", "OriginSigner": "origin", "LocalGroup": "local_group",

@@ -364,6 +364,7 @@ def ingest(ctx: Any) -> int:
     """Run the ingest query until Ctrl-C (or, with --available-now, until it has what is there now)."""
     from zerocomm_spark.pipelines.history import IngestBatch
     from zerocomm_spark.pipelines.history import ingest as start
+    from zerocomm_spark.pipelines.history import release_checkpointed
 
     a = ctx.args
     _check_ingest_args(a)
@@ -398,6 +399,11 @@ def ingest(ctx: Any) -> int:
         raise ZeroCommError(f"the ingest query failed: {_query_reason(query.exception(), full)}",
                             hint="See the Spark log above; restarting with the same --checkpoint resumes "
                                  "where it stopped, without writing anything twice")
+    try:  # the run's last batch: Spark would tell the source only when starting the next one
+        release_checkpointed(spark, a.groups, checkpoint, agent=str(ctx.config.socket_dir))
+    except ZeroCommError as exc:  # the next run commits it: nothing is lost, retention waits longer
+        log.warning("could not tell the agent's journal that the run's last batch is in Delta (%s); the next run "
+                    "does", exc.message)
     ctx.out({"table": table, "rows": total[0], "checkpoint": checkpoint},
             f"ingested {total[0]} rows into {table} (checkpoint {checkpoint})")
     return 0

@@ -489,6 +489,50 @@ def _check_member(options: Mapping[str, str]) -> None:
         link.check_groups(parsed.groups)
 
 
+def _last_committed_batch(checkpoint: str) -> int | None:
+    """The newest batch id in ``<checkpoint>/commits`` (a local checkpoint), or None."""
+    local = checkpoint[len("file:"):] if checkpoint.startswith("file:") else checkpoint
+    if "://" in local:
+        return None
+    try:
+        names = [p.name for p in (Path(local) / "commits").iterdir()]
+    except OSError:
+        return None
+    ids = [int(name) for name in names if name.isdigit()]
+    return max(ids) if ids else None
+
+
+def release_checkpointed(spark: SparkSession, groups: str | Sequence[str], checkpoint: str, *,
+                         agent: str | None = None) -> int | None:
+    """Tell the member's journal that everything an ingest run checkpointed was consumed.
+
+    Spark tells a source that a micro-batch is checkpointed only when it starts the next one, so the
+    last batch of a run that stopped (``trigger="available_now"`` or ``"once"``, or ``stop()``) stays
+    held by the journal's retention until the next run (or ``journal.consumer_expiry``): call this
+    once the query stopped. It commits what the checkpoint's commit log says is done, as Spark's
+    next batch would, never more. Returns the journal offset committed, or None (nothing to move, or
+    a checkpoint on an object store, which this does not list).
+    """
+    from zerocomm_spark.connector.agent_link import MemberLink
+    from zerocomm_spark.connector.offsets import ZeroCommOffset
+    from zerocomm_spark.connector.options import SourceOptions
+
+    batch = _last_committed_batch(checkpoint)
+    if batch is None:
+        return None
+    lines = _read_text(spark, f"{checkpoint.rstrip('/')}/offsets/{batch}").splitlines()
+    if len(lines) < 3:  # "v1", the batch's metadata, then one offset per source: ingest reads one
+        return None
+    end = ZeroCommOffset.from_json(lines[2])
+    if end.consumer is None:  # checkpointed before queries were named: the next run commits it
+        return None
+    names = [groups] if isinstance(groups, str) else list(groups)
+    parsed = SourceOptions.parse(_source_options(names, agent=agent, starting_offsets="earliest",
+                                                 max_messages_per_trigger=None, source_options=None), mode="stream")
+    with MemberLink.connect(parsed.agent) as link:
+        return link.commit(end, parsed.groups)
+
+
 def ingest(spark: SparkSession, groups: str | Sequence[str], table_path: str, checkpoint: str, *,
            agent: str | None = None, starting_offsets: str = "earliest", max_messages_per_trigger: int | None = None,
            trigger: str = "1 second", history_key: HistoryKey | None = None, query_name: str | None = None,
@@ -498,7 +542,8 @@ def ingest(spark: SparkSession, groups: str | Sequence[str], table_path: str, ch
 
     ``agent`` is the member to read through (format("zerocomm")'s agent option: socket directory,
     ipc:// endpoint or zerocomm.toml). ``trigger`` is a processing-time interval ("1 second"),
-    ``"available_now"`` (everything there now, then stop) or ``"once"``. ``history_key`` stores
+    ``"available_now"`` (everything there now, then stop; then call :func:`release_checkpointed`, or
+    the run's last batch stays held in the member's journal until the next run) or ``"once"``. ``history_key`` stores
     payloads sealed instead of in clear. ``on_batch`` hears what each micro-batch did. ``delta_txn``
     adds Delta's own idempotence check to every commit (guards against two live runs of one
     checkpoint; costs a state rebuild per micro-batch). The member is asked before the query starts:
