@@ -199,7 +199,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "bearer token, and arguments are visible to other local users in ps)")
     add(sub, "connections", "list this member's connections", cmd_connections)
     p = add(sub, "message", "send a private DIDComm basic message to one connection", cmd_message)
-    p.add_argument("peer", metavar="PEER", help="connection id, label or DID")
+    p.add_argument("peer", metavar="PEER", type=_named, help="connection id, label or DID")
     p.add_argument("text", metavar="TEXT", help="the text, or - to read it from stdin (arguments are visible to "
                    "other local users in ps)")
     p = add(sub, "inbox", "basic messages received since the agent started", cmd_inbox)
@@ -209,7 +209,7 @@ def build_parser() -> argparse.ArgumentParser:
     group_sub = group.add_subparsers(dest="group_command", metavar="ACTION", action=_SubCommands)
     group_sub.required = True
     p = add(group_sub, "create", "create a group with this member in it", cmd_group_create)
-    p.add_argument("group", metavar="GROUP")
+    p.add_argument("group", metavar="GROUP", type=_named)
     p.add_argument("--mode", choices=("single", "multi", "shared"),
                    help="how data is encrypted and fanned out (default shared)")
     p.add_argument("--ordered", action=argparse.BooleanOptionalAction, default=None,
@@ -218,22 +218,22 @@ def build_parser() -> argparse.ArgumentParser:
                    help="refuse joiners whose members disagree on the view (default on)")
     p.add_argument("--role", choices=("read_write", "read_only"), help="default read_write")
     p = add(group_sub, "join", "join a group through a member you are connected to", cmd_group_join)
-    p.add_argument("group", metavar="GROUP")
-    p.add_argument("--via", required=True, metavar="PEER", help="a member of the group: connection id, label or DID")
+    p.add_argument("group", metavar="GROUP", type=_named)
+    p.add_argument("--via", required=True, metavar="PEER", type=_named, help="a member of the group: connection id, label or DID")
     p.add_argument("--role", choices=("read_write", "read_only"), help="default read_write")
     p = add(group_sub, "leave", "leave a group", cmd_group_leave)
-    p.add_argument("group", metavar="GROUP")
+    p.add_argument("group", metavar="GROUP", type=_named)
     p = add(group_sub, "info", "a group's settings and this member's place in it", cmd_group_info)
-    p.add_argument("group", metavar="GROUP")
+    p.add_argument("group", metavar="GROUP", type=_named)
     p = add(group_sub, "members", "a group's members with their roles and status", cmd_group_members)
-    p.add_argument("group", metavar="GROUP")
+    p.add_argument("group", metavar="GROUP", type=_named)
     add(group_sub, "list", "the groups this member is in", cmd_group_list)
     p = add(group_sub, "role", "switch this member's role in a group without leaving", cmd_group_role)
-    p.add_argument("group", metavar="GROUP")
+    p.add_argument("group", metavar="GROUP", type=_named)
     p.add_argument("role", choices=("read_write", "read_only"))
 
     p = add(sub, "send", "publish a message to a group; returns once every member acknowledged it", cmd_send)
-    p.add_argument("group", metavar="GROUP")
+    p.add_argument("group", metavar="GROUP", type=_named)
     p.add_argument("message", metavar="MESSAGE", help="the text, or - to publish each line of stdin (in chunks, "
                                                       "each sent once stdin pauses 0.2 s or after 1 s; see --id-prefix)")
     p.add_argument("--id", dest="message_id", metavar="ID", help="the message id (re-sending the same id is safe)")
@@ -249,7 +249,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "zc-origin), so history can prove later who published it")
     p = add(sub, "tail", "print a group's messages as they arrive (from the journal), like tail -F (across agent "
                          "restarts)", cmd_tail)
-    p.add_argument("group", metavar="GROUP")
+    p.add_argument("group", metavar="GROUP", type=_named)
     p.add_argument("-n", "--lines", type=_count, default=10, metavar="N", help="show the last N first (default 10)")
     p.add_argument("--no-follow", action="store_true", help="print the last N and stop")
     _add_history(sub, add, common)
@@ -269,6 +269,14 @@ def _id_prefix(text: str) -> str:
     if not text or len(text) > _ID_PREFIX_MAX or not set(text) <= _ID_PREFIX_CHARS:
         raise argparse.ArgumentTypeError(f"an id prefix is 1 to {_ID_PREFIX_MAX} letters, digits, '.' or '_', "
                                          f"not {text[:80]!r}")
+    return text
+
+
+def _named(text: str) -> str:
+    """A group or peer name: empty (an unset shell variable) is a usage error here, said as such,
+    not the API's refusal with advice about a Client method's signature."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("is empty (an unset shell variable?); give the name")
     return text
 
 
@@ -297,13 +305,13 @@ def _add_history(sub: Any, add: Callable[..., argparse.ArgumentParser], common: 
     actions = history.add_subparsers(dest="history_command", metavar="ACTION", action=_SubCommands)
     actions.required = True
     p = add(actions, "show", "a group's journaled messages, oldest first (the default action)", cmd_history)
-    p.add_argument("group", metavar="GROUP")
+    p.add_argument("group", metavar="GROUP", type=_named)
     p.add_argument("--limit", type=_count, default=100, metavar="N", help="the last N messages (default 100, 0: all)")
     p.add_argument("--all", action="store_true", help="every retained message")
     key_help = "file holding the 32-byte group history key (raw or 64 hex digits, mode 600)"
     p = add(actions, "ingest", "persist groups into a Delta history table (a Spark streaming query)",
             _history("ingest"))
-    p.add_argument("groups", metavar="GROUP", nargs="+")
+    p.add_argument("groups", metavar="GROUP", nargs="+", type=_named)
     p.add_argument("--table", required=True, metavar="PATH", help="the Delta history table")
     p.add_argument("--checkpoint", metavar="PATH", help="the query's checkpoint (default: PATH/_checkpoints/ingest)")
     p.add_argument("--starting-offsets", default="earliest", metavar="WHERE",
@@ -316,7 +324,7 @@ def _add_history(sub: Any, add: Callable[..., argparse.ArgumentParser], common: 
     p.add_argument("--max-per-trigger", type=int, metavar="N", help="at most N messages per micro-batch")
     p.add_argument("--history-key-file", metavar="FILE", help=key_help + ": store payloads sealed")
     p = add(actions, "replay", "print a group's history from Delta in causal order", _history("replay"))
-    p.add_argument("group", metavar="GROUP")
+    p.add_argument("group", metavar="GROUP", type=_named)
     p.add_argument("--table", required=True, metavar="PATH", help="the Delta history table")
     since = p.add_mutually_exclusive_group()
     since.add_argument("--since-version", type=int, metavar="V", help="rows committed at Delta version V or later")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from zerocomm_spark.agent.cli import build_parser
@@ -42,3 +44,17 @@ def test_the_option_nearest_the_action_wins():
     assert args.config == "/b.toml" and args.timeout == 3.0
     args = build_parser().parse_args(["--json", "group", "list"])
     assert args.json is True
+
+
+@pytest.mark.parametrize("argv", [
+    ["group", "create", ""], ["group", "join", " ", "--via", "alice"], ["group", "join", "g", "--via", ""],
+    ["send", "", "hi"], ["group", "leave", ""], ["history", "ingest", "", "--table", "/nonexistent/t"],
+])
+def test_an_empty_group_or_peer_name_is_a_usage_error_said_as_such(argv, capsys):
+    """`zerocomm group create "$G"` with G unset reached the agent, which answered with the API's
+    words ("create: 'group' must not be empty") and advice about a Client method's signature."""
+    from zerocomm_spark.agent.cli import main as zerocomm
+
+    assert zerocomm(["--json", *argv]) == 2
+    error = json.loads(capsys.readouterr().out.splitlines()[-1])["error"]
+    assert "is empty (an unset shell variable?)" in error["message"], error
