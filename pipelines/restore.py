@@ -321,6 +321,9 @@ class Rejection:
     reason: str
 
 
+NO_ORIGIN_PROOF = "no origin proof"  # a Rejection's reason for a row published unsigned
+
+
 @dataclass
 class RestoreReport:
     """What a restore did, per provider and overall."""
@@ -338,12 +341,26 @@ class RestoreReport:
     delivered_ids: list[str] = field(default_factory=list, repr=False)
     seconds: float = 0.0
 
+    @property
+    def advice(self) -> str | None:
+        """What to do about rows refused for lacking an origin proof, if any were: sending is unsigned
+        by default and restore requires proofs by default, so a history of unsigned messages restores
+        nothing, and a count of rejections alone reads like an attack."""
+        unsigned = sum(1 for r in self.rejected if r.reason == NO_ORIGIN_PROOF)
+        if not unsigned:
+            return None
+        return (f"{unsigned} row(s) had no origin proof: their messages were published unsigned (zerocomm send "
+                "without --sign, Client.publish without sign=True, the sink without signOrigin=true). Publish "
+                "with origin proofs, or restore with require_origin=False to take unsigned rows on the providers' "
+                "word")
+
     def summary(self) -> dict[str, Any]:
         """A JSON-friendly digest (no ids beyond the first few rejections)."""
         return {"group": self.group, "offered": self.offered, "requested": self.requested, "ignored": self.ignored,
                 "received": self.received, "skipped_have": self.skipped_have, "delivered": self.delivered,
                 "refetched": self.refetched, "rejected": len(self.rejected), "missing": len(self.missing),
-                "rejections": [r.__dict__ for r in self.rejected[:10]], "seconds": round(self.seconds, 3)}
+                "rejections": [r.__dict__ for r in self.rejected[:10]], "advice": self.advice,
+                "seconds": round(self.seconds, 3)}
 
 
 # --- the exchange ------------------------------------------------------------------------------
@@ -540,7 +557,7 @@ def _check_rows(rows: pa.Table, provider: str, asked: Mapping[str, tuple[str, in
         for i, good_origin in zip(live, verified):
             if not good_origin:
                 ok[i] = False
-                reason = "no origin proof" if sigs[i] is None else "origin proof does not verify (forged or altered)"
+                reason = NO_ORIGIN_PROOF if sigs[i] is None else "origin proof does not verify (forged or altered)"
                 rejections.append(Rejection(provider, ids[i], reason))
     good = rows.filter(pa.array(ok, type=pa.bool_()))
     good = good.set_column(good.schema.get_field_index("payload"), pa.field("payload", pa.binary(), nullable=False),

@@ -133,8 +133,13 @@ def test_unsigned_rows_need_an_explicit_opt_out(alice):
     rows = make_rows(alice, 3, label="a")
     for r in rows:
         r["origin_sig"] = None
-    assert restore("g", [ArrowProvider(table(rows), "p")]).delivered == 0
-    assert restore("g", [ArrowProvider(table(rows), "p")], require_origin=False).delivered == 3
+    refused = restore("g", [ArrowProvider(table(rows), "p")])
+    assert refused.delivered == 0
+    # said as what it is (published unsigned, and how to restore them), not only counted as rejections
+    assert refused.advice is not None and refused.advice.startswith("3 row(s) had no origin proof")
+    assert "require_origin=False" in refused.advice and refused.summary()["advice"] == refused.advice
+    opted_out = restore("g", [ArrowProvider(table(rows), "p")], require_origin=False)
+    assert opted_out.delivered == 3 and opted_out.advice is None
     with pytest.raises(ConfigurationError):
         restore("g", [])
     with pytest.raises(ConfigurationError):
