@@ -505,6 +505,18 @@ class Ctx:
 # --- commands: identity and agent --------------------------------------------------------------
 
 
+def _running_identity(ctx: Ctx) -> dict[str, Any] | None:
+    """The label and endpoint of the agent running on this identity (its status), or None if it does
+    not answer or runs on another identity."""
+    try:
+        status = ctx.client().status(timeout=min(ctx.timeout, 10.0))
+    except errors.ZeroCommError:
+        return None
+    if not _same_dir(Path(str(status.get("identity_dir") or "")), ctx.config.identity_dir):
+        return None
+    return {"label": status.get("label"), "endpoint": (status.get("endpoints") or {}).get("peer")}
+
+
 def cmd_init(ctx: Ctx) -> int:
     from zerocomm_spark.journal import journal_key
     from zerocomm_spark.member import Agent
@@ -533,15 +545,24 @@ def cmd_init(ctx: Ctx) -> int:
                      f"{shlex.quote(str(cfg.identity_dir))} (then --config PATH on its commands), or --force "
                      f"to point {target} at it")
     existing = (cfg.identity_dir / "keystore.sealed").exists()
+    running = False
     if existing:
         # Only the keystore: opening the member would rejoin its groups, and messages delivered
         # (and acknowledged) now would never reach the journal, which only the agent process keeps.
         from zerocomm_spark.keys.keystore import Keystore
         from zerocomm_spark.member import SETTINGS_ID, SETTINGS_KIND
 
-        with Keystore.open(cfg.identity_dir, cfg.passphrase()) as keystore:
-            journal_key(keystore)
-            settings = keystore.get_record(SETTINGS_KIND, SETTINGS_ID) or {}
+        try:
+            with Keystore.open(cfg.identity_dir, cfg.passphrase()) as keystore:
+                journal_key(keystore)
+                settings = keystore.get_record(SETTINGS_KIND, SETTINGS_ID) or {}
+        except errors.AgentAlreadyRunningError:
+            # Its agent runs (and holds the keystore): the identity and its journal key exist; what
+            # init reports comes from the agent, not a refusal to "stop the other agent".
+            settings = _running_identity(ctx)
+            if settings is None:
+                raise
+            running = True
         label = str(settings.get("label") or cfg.label or cfg.identity_dir.name)
         if cfg.label and cfg.label != label and cfg.source.get("identity.label") == "flag":
             # A second `init --label bob` found alice's identity and said "found the identity 'alice'",
@@ -585,12 +606,13 @@ def cmd_init(ctx: Ctx) -> int:
         wrote = True
     result = {"label": label, "identity_dir": str(cfg.identity_dir), "created": not existing,
               "peer_endpoint": endpoint, "config_file": str(target), "config_written": wrote,
-              "socket_dir": str(cfg.socket_dir)}
+              "socket_dir": str(cfg.socket_dir), "agent_running": running}
+    command = f"zerocomm{'' if not ctx.config_path else ' --config ' + shlex.quote(str(target))}"
     ctx.out(result, lambda: "\n".join([
         f"{'created' if not existing else 'found'} the identity {label!r} in {cfg.identity_dir}",
         f"{'wrote' if wrote else 'kept the existing'} configuration {target}"
         + ("" if wrote else " (--force to overwrite)"),
-        f"next: zerocomm{'' if not ctx.config_path else ' --config ' + shlex.quote(str(target))} agent start --detach",
+        f"its agent is running ({command} agent status)" if running else f"next: {command} agent start --detach",
     ]))
     return EXIT_OK
 

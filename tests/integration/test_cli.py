@@ -379,6 +379,12 @@ def test_the_start_command_init_prints_works_as_printed(tmp_path: Path) -> None:
         started = zerocomm(*argv[1:], "--json")
         assert started.code == 0, started.stdout + started.stderr
         assert member.ok("agent", "status")["label"] == "spaced"
+        # init again while that agent runs: it reported the identity when the agent was stopped, but
+        # refused with exit 5 ("in use by another agent... stop the other agent") while it ran
+        again = member.run("init", "--identity-dir", str(member.identity))
+        assert again.code == 0, again.stdout + again.stderr
+        assert again.json["label"] == "spaced" and again.json["created"] is False and again.json["agent_running"]
+        assert again.json["peer_endpoint"] == member.ok("agent", "status")["endpoints"]["peer"]
     finally:
         member.stop()
 
