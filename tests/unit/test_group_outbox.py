@@ -195,12 +195,16 @@ def test_a_member_checking_its_join_holds_no_window_but_is_still_owed_and_pushed
     box.ack("live", 10)
     assert not first.done() and box.laggards(5) == ["joiner"]
     assert box.heartbeats_due(0.0) == [("joiner", 0)]
-    box.set_joining("joiner", False)
+    box.set_joining("joiner", False)  # 10 behind, a window (5) or more: it holds none until within one
+    assert box.members()["joiner"].stalled
+    publish(box, 1, timeout=0.05)  # not blocked while it recovers
+    box.take_unsent(100)
+    box.ack("live", 11)
+    box.ack("joiner", 10)  # 1 behind: it holds the window again
+    assert first.done() and box.members()["joiner"].holds_window
+    publish(box, 3, timeout=0.5)  # 4 in flight from the joiner's 10, of 5
     with pytest.raises(BackpressureError):
-        publish(box, 1, timeout=0.05)
-    box.ack("joiner", 10)
-    assert first.done()
-    publish(box, 1, timeout=0.5)
+        publish(box, 2, timeout=0.05)  # 6 of 5: the joiner holds the window
 
 
 def test_retention_limit_drops_only_what_inactive_members_lack() -> None:
@@ -641,8 +645,10 @@ def test_a_member_just_added_or_done_joining_gets_ack_stall_s_from_then() -> Non
     assert [d for d, *_ in box.mark_ack_stalls()] == ["joiner"]
 
 
-def test_a_stalled_member_holds_the_window_again_only_once_caught_up() -> None:
-    """Re-admitted while far behind it would block every publisher at once (Kafka's ISR rule)."""
+def test_a_stalled_member_holds_the_window_again_once_within_one() -> None:
+    """Re-admitted further behind it would block every publisher at once (a window or more in flight
+    on its account alone); waiting for it to catch up exactly with the others would, while they
+    publish, wait for good."""
     clock = FakeClock()
     box = _stall_box(clock, window=10)
     _send(box, 10)
@@ -652,21 +658,45 @@ def test_a_stalled_member_holds_the_window_again_only_once_caught_up() -> None:
     box.set_active("stuck", False)  # keepalives toggling do not re-admit it
     box.set_active("stuck", True)
     assert box.members()["stuck"].stalled
-    assert box.ack("stuck", 15)  # progress, but 5 behind the others: still stalled
+    assert box.ack("stuck", 10)  # progress, but a whole window behind the newest (20): still stalled
     assert box.members()["stuck"].stalled
-    _send(box, 8)  # the window (10) would refuse this were it held from 15
+    _send(box, 5)  # live is at 25; the window (10) would refuse this were it held from 10
     assert box.members()["stuck"].stalled and box.stalled_members() == ["stuck"]
-    box.ack("stuck", 28)  # caught up with live: holds the window again
+    box.ack("stuck", 16)  # 9 behind the newest: within the window, it holds it again
     state = box.members()["stuck"]
     assert not state.stalled and state.holds_window and box.stalled_members() == []
-    _send(box, 10, acker="live")
     with pytest.raises(BackpressureError, match="slowest: stuck"):
-        publish(box, 1, timeout=0)
+        publish(box, 2, timeout=0)  # 11 in flight from its 16: it slows the publishers from here
+    publish(box, 1, timeout=0)  # 10 fit
+
+
+def test_a_stalled_member_that_recovers_while_the_others_publish_is_re_admitted_and_loses_nothing() -> None:
+    """Re-admitted only once its ack reached the others' (the first version of the rule), a member
+    recovering at half the publishers' pace never did while they published: it held no window, so
+    nothing slowed them, its lag grew and retention dropped what it lacked (16 of 30 here). Within a
+    window it holds the window again and slows them to its pace instead."""
+    clock = FakeClock()
+    box = _stall_box(clock, window=4, retention_max=8)
+    receipts = [_send(box, 1)]
+    clock.now += 5
+    assert [d for d, *_ in box.mark_ack_stalls()] == ["stuck"]
+    for i in range(60):
+        try:
+            receipts.append(publish(box, 1, timeout=0))
+        except BackpressureError:
+            pass  # the window is full: it waits for "stuck", as a publisher would
+        box.take_unsent(100)
+        box.ack("live", box.last_seq)
+        if i % 2:  # "stuck" delivers one message every other round
+            box.ack("stuck", box.members()["stuck"].acked + 1)
+        clock.now += 0.1
+    assert box.retention_dropped == 0 and box.stalled_members() == []
     box.ack("stuck", box.last_seq)
-    publish(box, 1, timeout=0)
+    for receipt in receipts:
+        receipt.wait(0)  # every one delivered to both: none failed as dropped
 
 
-def test_a_member_back_from_inactive_far_behind_holds_the_window_only_once_caught_up() -> None:
+def test_a_member_back_from_inactive_far_behind_holds_the_window_only_once_within_one() -> None:
     """Re-admitted at once, a member that was away while the publishers went on blocked every one of
     them (window 5 here: the next publish) until it had recovered all it missed."""
     clock = FakeClock()
@@ -691,18 +721,21 @@ def test_a_member_back_from_inactive_far_behind_holds_the_window_only_once_caugh
     assert box.members()["stuck"].holds_window
 
 
-def test_a_stalled_member_alone_in_the_window_is_re_admitted_when_it_has_what_was_sent() -> None:
+def test_a_stalled_member_alone_in_the_window_is_re_admitted_within_one() -> None:
     clock = FakeClock()
-    box = _stall_box(clock)
+    box = _stall_box(clock)  # window 5
     _send(box, 4)
     clock.now += 5
     assert [d for d, *_ in box.mark_ack_stalls()] == ["stuck"]
     box.set_active("live", False)  # no member holds the window now
-    publish(box, 2, timeout=0)  # published, not yet sent: not what it is measured against
-    box.ack("stuck", 3)
-    assert box.members()["stuck"].stalled
-    box.ack("stuck", 4)  # everything sent
+    publish(box, 6, timeout=0)  # nothing holds the publishers back: 10 published
+    box.take_unsent(100)
+    box.ack("stuck", 5)
+    assert box.members()["stuck"].stalled  # 5 behind: a whole window
+    box.ack("stuck", 6)  # 4 behind
     assert not box.members()["stuck"].stalled
+    with pytest.raises(BackpressureError, match="slowest: stuck"):
+        publish(box, 2, timeout=0)
 
 
 def test_removing_or_re_adding_a_stalled_member() -> None:
