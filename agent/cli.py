@@ -512,7 +512,8 @@ def _running_identity(ctx: Ctx) -> dict[str, Any] | None:
         status = ctx.client().status(timeout=min(ctx.timeout, 10.0))
     except errors.ZeroCommError:
         return None
-    if not _same_dir(Path(str(status.get("identity_dir") or "")), ctx.config.identity_dir):
+    named = status.get("identity_dir")
+    if not isinstance(named, str) or not named or not _same_dir(Path(named), ctx.config.identity_dir):
         return None
     return {"label": status.get("label"), "endpoint": (status.get("endpoints") or {}).get("peer")}
 
@@ -562,6 +563,7 @@ def cmd_init(ctx: Ctx) -> int:
             settings = _running_identity(ctx)
             if settings is None:
                 raise
+            Keystore.check_passphrase(cfg.identity_dir, cfg.passphrase())  # as open() would have
             running = True
         label = str(settings.get("label") or cfg.label or cfg.identity_dir.name)
         if cfg.label and cfg.label != label and cfg.source.get("identity.label") == "flag":

@@ -385,6 +385,11 @@ def test_the_start_command_init_prints_works_as_printed(tmp_path: Path) -> None:
         assert again.code == 0, again.stdout + again.stderr
         assert again.json["label"] == "spaced" and again.json["created"] is False and again.json["agent_running"]
         assert again.json["peer_endpoint"] == member.ok("agent", "status")["endpoints"]["peer"]
+        # ...but not with credentials that do not open the keystore (it is sealed with its key file):
+        # the running agent must not stand in for checking them
+        wrong = zerocomm("--config", str(member.config), "--json", "--set", "identity.passphrase_env=ZC_TEST_PW",
+                         "init", "--identity-dir", str(member.identity), env={**os.environ, "ZC_TEST_PW": "wrong"})
+        assert wrong.code != 0 and "key file" in wrong.stdout, wrong.stdout + wrong.stderr
     finally:
         member.stop()
 

@@ -353,6 +353,14 @@ class Keystore:
     # --- opening and closing -------------------------------------------------------------------
 
     @classmethod
+    def check_passphrase(cls, directory: Path | str, passphrase: str | bytes | None = None) -> None:
+        """Unseal the keystore's snapshot to check the passphrase (or key file), without the lock:
+        for a command that must not take the directory from its running agent but must not accept
+        a wrong passphrase either. Raises KeystoreLockedError as open() would; keeps nothing."""
+        directory = Path(directory).expanduser().absolute()
+        cls._unseal(directory, directory / SEALED_FILE, cls._passphrase_bytes(passphrase))
+
+    @classmethod
     def open(cls, directory: Path | str, passphrase: str | bytes | None = None) -> "Keystore":
         """Open (or create) the keystore of an identity directory and lock it for this process.
 
