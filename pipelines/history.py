@@ -44,7 +44,7 @@ from datetime import date
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from zerocomm_spark.errors import ConfigurationError, HistoryWriteConflictError
+from zerocomm_spark.errors import ConfigurationError, HistoryWriteConflictError, ZeroCommError
 from zerocomm_spark.pipelines.commit_tags import catch_up_tag, commit_tag, last_tagged_batch
 from zerocomm_spark.pipelines.origin import ORIGIN_HEADER, SCHEME
 from zerocomm_spark.pipelines.schema import HISTORY_COLUMNS, PARTITION_COLUMNS, TABLE_PROPERTIES, history_schema
@@ -510,8 +510,9 @@ def release_checkpointed(spark: SparkSession, groups: str | Sequence[str], check
     last batch of a run that stopped (``trigger="available_now"`` or ``"once"``, or ``stop()``) stays
     held by the journal's retention until the next run (or ``journal.consumer_expiry``): call this
     once the query stopped. It commits what the checkpoint's commit log says is done, as Spark's
-    next batch would, never more. Returns the journal offset committed, or None (nothing to move, or
-    a checkpoint on an object store, which this does not list).
+    next batch would, never more. Returns the journal offset committed, or None (nothing to move, a
+    checkpoint on an object store, which this does not list, or a query with several zerocomm
+    sources, whose groups the checkpoint does not say).
     """
     from zerocomm_spark.connector.agent_link import MemberLink
     from zerocomm_spark.connector.offsets import ZeroCommOffset
@@ -521,16 +522,21 @@ def release_checkpointed(spark: SparkSession, groups: str | Sequence[str], check
     if batch is None:
         return None
     lines = _read_text(spark, f"{checkpoint.rstrip('/')}/offsets/{batch}").splitlines()
-    if len(lines) < 3:  # "v1", the batch's metadata, then one offset per source: ingest reads one
-        return None
-    end = ZeroCommOffset.from_json(lines[2])
-    if end.consumer is None:  # checkpointed before queries were named: the next run commits it
+    ends: list[ZeroCommOffset] = []
+    for line in lines[2:]:  # "v1", the batch's metadata, then one offset per source (ingest reads one)
+        try:
+            end = ZeroCommOffset.from_json(line)
+        except ZeroCommError:  # another source's offset (or "-", a source that has none yet)
+            continue
+        if end.consumer is not None:  # one checkpointed before queries were named: the next run commits it
+            ends.append(end)
+    if len(ends) != 1:  # several zerocomm sources: which groups each reads is not in the checkpoint
         return None
     names = [groups] if isinstance(groups, str) else list(groups)
     parsed = SourceOptions.parse(_source_options(names, agent=agent, starting_offsets="earliest",
                                                  max_messages_per_trigger=None, source_options=None), mode="stream")
     with MemberLink.connect(parsed.agent) as link:
-        return link.commit(end, parsed.groups)
+        return link.commit(ends[0], parsed.groups)
 
 
 def ingest(spark: SparkSession, groups: str | Sequence[str], table_path: str, checkpoint: str, *,

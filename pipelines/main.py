@@ -514,7 +514,8 @@ def run(cfg: JobConfig) -> dict[str, Any]:
         if not cfg.keep and not cfg.work_dir:
             shutil.rmtree(work, ignore_errors=True)
             # the summary names the table: say it went with the work directory (a --table elsewhere stays)
-            summary["table_removed"] = not Path(table).exists()
+            summary["table_removed"] = "://" not in str(table) and Path(table).absolute().is_relative_to(
+                Path(work).absolute()) and not Path(table).exists()
     return summary
 
 

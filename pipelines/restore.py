@@ -350,9 +350,9 @@ class RestoreReport:
         if not unsigned:
             return None
         return (f"{unsigned} row(s) had no origin proof: their messages were published unsigned (zerocomm send "
-                "without --sign, Client.publish without sign=True, the sink without signOrigin=true). Publish "
-                "with origin proofs, or restore with require_origin=False to take unsigned rows on the providers' "
-                "word")
+                "without --sign, Client.publish without sign=True, the sink without signOrigin=true), or a "
+                "provider removed the proofs. Publish with origin proofs; if you know these were sent unsigned, "
+                "restore with require_origin=False to take such rows on the providers' word")
 
     def summary(self) -> dict[str, Any]:
         """A JSON-friendly digest (no ids beyond the first few rejections)."""
