@@ -389,7 +389,7 @@ class Outbox:
                     # their lag is what an operator sees growing.
                     stalled = sorted(d for d, s in self._members.items() if s.stalled)
                     also = "" if not stalled else (
-                        f" ({len(stalled)} stalled member(s), holding no window until they catch up: "
+                        f" ({len(stalled)} stalled member(s), holding no window until they ack to within one: "
                         + ", ".join(stalled[:8]) + (" ..." if len(stalled) > 8 else "") + ")")
                     raise BackpressureError(
                         f"publishing {n} message(s) ({nbytes} bytes) to group {self.group!r} waited {timeout:g}s: "
