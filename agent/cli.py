@@ -219,7 +219,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--role", choices=("read_write", "read_only"), help="default read_write")
     p = add(group_sub, "join", "join a group through a member you are connected to", cmd_group_join)
     p.add_argument("group", metavar="GROUP", type=_named)
-    p.add_argument("--via", required=True, metavar="PEER", type=_named, help="a member of the group: connection id, label or DID")
+    p.add_argument("--via", required=True, metavar="PEER", type=_named,
+                   help="a member of the group: connection id, label or DID")
     p.add_argument("--role", choices=("read_write", "read_only"), help="default read_write")
     p = add(group_sub, "leave", "leave a group", cmd_group_leave)
     p.add_argument("group", metavar="GROUP", type=_named)
