@@ -401,7 +401,7 @@ def ingest(ctx: Any) -> int:
                                  "where it stopped, without writing anything twice")
     try:  # the run's last batch: Spark would tell the source only when starting the next one
         release_checkpointed(spark, a.groups, checkpoint, agent=str(ctx.config.socket_dir))
-    except (ZeroCommError, OSError) as exc:  # the next run commits it: nothing is lost, retention waits longer
+    except (ZeroCommError, OSError, ValueError) as exc:  # the next run commits it: retention only waits longer
         log.warning("could not tell the agent's journal that the run's last batch is in Delta (%s); the next run "
                     "does", exc.message if isinstance(exc, ZeroCommError) else f"{type(exc).__name__}: {exc}")
     ctx.out({"table": table, "rows": total[0], "checkpoint": checkpoint},

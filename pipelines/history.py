@@ -528,9 +528,10 @@ def release_checkpointed(spark: SparkSession, groups: str | Sequence[str], check
             end = ZeroCommOffset.from_json(line)
         except ZeroCommError:  # another source's offset (or "-", a source that has none yet)
             continue
-        if end.consumer is not None:  # one checkpointed before queries were named: the next run commits it
-            ends.append(end)
-    if len(ends) != 1:  # several zerocomm sources: which groups each reads is not in the checkpoint
+        ends.append(end)
+    # Several zerocomm sources: which groups each reads is not in the checkpoint. One checkpointed
+    # before queries were named: the next run commits it.
+    if len(ends) != 1 or ends[0].consumer is None:
         return None
     names = [groups] if isinstance(groups, str) else list(groups)
     parsed = SourceOptions.parse(_source_options(names, agent=agent, starting_offsets="earliest",

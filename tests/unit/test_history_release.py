@@ -33,4 +33,6 @@ def test_nothing_is_committed_without_one_named_zerocomm_source(tmp_path: Path) 
     assert release_checkpointed(None, "g", _checkpoint(tmp_path / "unnamed", [unnamed], [0])) is None
     two = [json.dumps(ZC), json.dumps({**ZC, "consumer": "spark-def"})]
     assert release_checkpointed(None, "g", _checkpoint(tmp_path / "two", two, [0])) is None
+    one_unnamed = [json.dumps(ZC), unnamed]  # two zerocomm sources, one of them from before names
+    assert release_checkpointed(None, "g", _checkpoint(tmp_path / "one-unnamed", one_unnamed, [0])) is None
     assert release_checkpointed(None, "g", "s3a://bucket/checkpoint") is None  # not listed

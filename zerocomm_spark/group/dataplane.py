@@ -35,15 +35,14 @@ Why it is built this way (docs/groups.md, "Data plane"):
   sends a heartbeat (its last seq) to members whose acks stall, so a lost tail becomes a gap they
   NACK. Receivers deliver per-publisher FIFO (hold-back, gap NACKs) and drop duplicates by message id.
   A member alive but making no ack progress at all for ``ack_stall_s`` while owed messages
-  (hostile, or its delivery callback stuck) stops holding the window until it acks to within one, so it
+  (hostile, or its delivery callback stuck) stops holding the window until it catches up, so it
   cannot stall every publisher of the group (see the paragraph on callbacks below).
 * **Batching.** A sender thread packs what is queued per group (``batch_max`` / ``linger_ms``); a
   publisher that fills whole batches packs them itself (caller runs), which spares the GIL hand-off.
 * **Causality.** One Lamport clock per member: ticked on publish, observed before every delivery.
 * **Liveness.** Keepalive pings over the peer transport mark members alive/inactive; inactive
   members do not hold the publish window, nor do stalled ones (alive, no ack progress for
-  ``ack_stall_s``; logged at warning, ``stats()['ack_stalled']``), nor members back from inactive
-  a window or more behind, until they ack to within one.
+  ``ack_stall_s``; logged at warning, ``stats()['ack_stalled']``) until they catch up.
 
 Threads: IO, sender (batch + pack), receiver (decrypt, sequence, deliver, ack, NACK), maintenance
 (keepalives, heartbeats, ack stalls), ZAP authenticator; transport workers run the GROUP_DATA handlers.
@@ -51,8 +50,9 @@ Threads: IO, sender (batch + pack), receiver (decrypt, sequence, deliver, ack, N
 on the receiver thread, one at a time, in order: a slow callback is backpressure on the publishers,
 never loss, as long as it makes progress. A member that makes no progress at all for ``ack_stall_s``
 (its ack does not advance while messages sent to it are unacked) stops holding the publishers'
-window until it acks to within a window of the newest message (from there a slow member slows the
-publishers to its pace again); what it lacks is kept for it within the retention limits, as for an
+window until it has caught up with the slowest member holding it, or acks to within a window of
+the newest message (from there a slow member slows the publishers to its pace again; one slower
+than the publishers never gets back); what it lacks is kept for it within the retention limits, as for an
 inactive member, and the receipts of those messages still wait for its acks, or fail with
 :class:`MessagesDroppedError` if retention drops them before it acks them. Each advance of its ack
 restarts the clock, so a slow but progressing callback never stalls. Acknowledgements cover only
@@ -290,8 +290,9 @@ class DataPlaneConfig:
     dedup_max: int = 200_000
     # A member alive (answering keepalives) whose ack has not advanced for this long while it lags
     # behind what was sent (a hostile member, or its delivery callback stuck) stops holding the
-    # window ("stalled", logged at warning, stats()['ack_stalled']) until it acks to within a window
-    # of the newest message; what it lacks is kept within the retention limits, as for an inactive member, and its
+    # window ("stalled", logged at warning, stats()['ack_stalled']) until it catches up (with the
+    # slowest member holding it, or to within a window of the newest message); what it lacks is kept
+    # within the retention limits, as for an inactive member, and its
     # receipts still wait for its acks. Each advance of its ack restarts the clock, so a slow but
     # progressing member never stalls. None: never released (one such member stalls every publisher).
     ack_stall_s: float | None = 30.0
@@ -1181,7 +1182,7 @@ class DataPlane:
         ``ack_stalls`` (times a member alive but with no ack progress for ``ack_stall_s`` was released
         from the publish window). Per group: ``lag`` {publisher: seqs not yet delivered}, ``unacked``
         {member: our messages it has not acked}, ``ack_stalled`` [members stalled now: they hold no
-        window until they ack to within one, so their ``unacked`` may grow up to the retention limits],
+        window until they catch up, so their ``unacked`` may grow up to the retention limits],
         ``held`` (messages buffered), ``held_bytes`` (their payload bytes). ``peers_alive``
         {did: bool} from keepalives.
         """
@@ -2538,7 +2539,7 @@ class DataPlane:
             for did, owed, idle in stalled:
                 log.warning("group %r: member %s answers keepalives but its ack has not advanced for %.1fs "
                             "(ack_stall_s=%g) with %d of our message(s) unacked: it no longer holds the publish "
-                            "window until it acks to within one. What it lacks is kept within the retention limits; "
+                            "window until it catches up. What it lacks is kept within the retention limits; "
                             "its receipts wait for it. Check that member: its delivery callback may be stuck, "
                             "or it withholds acks", g.name, did, idle, stall, owed)
 

@@ -13,12 +13,12 @@ so a count alone could hold gigabytes):
   and their ack has not advanced for ``ack_stall_s`` (``mark_ack_stalls``, called periodically),
   so one member that answers keepalives but never acks (hostile, or its delivery callback stuck)
   cannot stall every publisher for good (Kafka drops such a follower from the ISR the same way).
-  A stalled member holds the window again once it acks to within a window of the newest message
-  (in messages and bytes; so does one back from inactive or done joining a window or more behind):
-  re-admitted further behind, it would block every publisher at once, and waiting for it to catch
-  up exactly with the others would, while they publish, wait for good while retention drops what it
-  lacks. From there a slow member slows the publishers to its pace again, losing nothing. A member
-  that progresses, however slowly, never stalls. A publish
+  A stalled member holds the window again once it has caught up with the slowest member holding
+  it, or acks to within a window of the newest message (in messages and bytes): re-admitted further
+  behind, it would block every publisher at once. From there a slow member slows the publishers to
+  its pace again. Until then nothing waits for it: one slower than the publishers then never gets
+  back, and loses what retention drops, as an inactive member does. A member that progresses,
+  however slowly, never stalls. A publish
   from a delivery callback waits only past the retention limits: the acks it would wait for may
   wait on that very callback;
 * the *retention* limit: messages owed only to members holding no window (inactive, stalled, or
@@ -66,8 +66,8 @@ class MemberAckState:
     last_progress: float = 0.0
     last_push: float = float("-inf")  # when we last pushed unacked messages to it
     joining: bool = False  # its join is being checked: it acks nothing yet, so it holds no window
-    # Alive but its ack did not advance for ack_stall_s while owed, or back from inactive (or done
-    # joining) a window or more behind: holds no window until within one (_within_window_locked).
+    # Alive but its ack did not advance for ack_stall_s while owed: holds no window until it has
+    # caught up, or is within a window of the newest message (_may_hold_window_again_locked).
     stalled: bool = False
 
     @property
@@ -247,20 +247,17 @@ class Outbox:
     def set_active(self, did: str, active: bool) -> None:
         """Inactive members stop holding the window (and may lose retention beyond its limit).
 
-        A member coming back a window or more behind the newest message does not hold it until it is
-        within one, as a stalled one: the publishers went on while it was away, and re-admitted that
-        far behind it would block every one of them until it had recovered what it missed (seconds for
-        a member a few hundred thousand messages behind). A stalled member stays stalled across this:
-        only its acks re-admit it, so toggling its keepalives cannot put it back in the window far
-        behind."""
+        A member coming back holds the window at once, however far behind: the publishers wait for it
+        to recover what it missed (backpressure, not loss; it may take seconds for one a few hundred
+        thousand messages behind). Holding it out instead lost messages for a returning member slower
+        than the group, once retention ran out. A stalled member stays stalled across this: only its
+        acks re-admit it, so toggling its keepalives changes nothing."""
         with self._lock:
             state = self._members.get(did)
             if state is not None and state.active != active:
                 state.active = active
                 if active:
                     state.last_progress = self._clock()
-                    if not self._within_window_locked(state.acked):
-                        state.stalled = True  # holds no window until it is within one (see ack)
                 self._progress_locked()
 
     def set_joining(self, did: str, joining: bool) -> None:
@@ -272,8 +269,6 @@ class Outbox:
                 state.joining = joining
                 if not joining:  # it acks from now on: its ack_stall_s starts now, not when it was added
                     state.last_progress = self._clock()
-                    if not self._within_window_locked(state.acked):
-                        state.stalled = True  # behind by a window or more: as one back from inactive
                 self._progress_locked()
 
     def members(self) -> dict[str, MemberAckState]:
@@ -282,7 +277,7 @@ class Outbox:
                     for did, s in self._members.items()}
 
     def stalled_members(self) -> list[str]:
-        """Members holding no window until they ack to within one (stalled, or back a window behind)."""
+        """Members released from the window by ``mark_ack_stalls`` and not re-admitted since."""
         with self._lock:
             return sorted(did for did, s in self._members.items() if s.stalled)
 
@@ -330,15 +325,20 @@ class Outbox:
         i, ends = seq - self._first_seq, self._ends
         return ends[i] if 0 <= i < len(ends) else self._freed_bytes if i < 0 else self._total_bytes
 
-    def _within_window_locked(self, acked: int) -> bool:
-        """Whether a member acked through ``acked`` could hold the window without filling it: what it
-        lacks is less than the window, in messages and in bytes. A member released from the window
-        (stalled, back from inactive, done joining) holds it again from there: re-admitted further
-        behind it would block every publisher until it had recovered all it lacks, and waiting for it
-        to catch up exactly with the others would, while they publish, wait for good (its lag then
-        growing until retention drops what it lacks)."""
-        return self._last_seq - acked < self.window and (
-            self.window_bytes is None or self._total_bytes - self._bytes_through_locked(acked) < self.window_bytes)
+    def _may_hold_window_again_locked(self, acked: int) -> bool:
+        """Whether a stalled member acked through ``acked`` holds the window again: once it has
+        caught up with the slowest member holding it (or with what was sent, if none does), or is
+        within a window of the newest message (in messages and bytes, as ``append`` counts: at most
+        the window). Either way holding it costs the publishers at most a full window; further
+        behind it would block every one of them until it had recovered all it lacks. Only the first
+        (the rule's first version) waited, while the others published, for good: its lag grew until
+        retention dropped what it lacked; only the second kept out a member level with holders that
+        were more than a window behind (publishes from delivery callbacks go that far)."""
+        floor, sent = self._active_floor, self._unsent_seq - 1
+        if acked >= (sent if floor is None else min(floor, sent)):
+            return True
+        return self._last_seq - acked <= self.window and (
+            self.window_bytes is None or self._total_bytes - self._bytes_through_locked(acked) <= self.window_bytes)
 
     def append(
         self,
@@ -389,7 +389,7 @@ class Outbox:
                     # their lag is what an operator sees growing.
                     stalled = sorted(d for d, s in self._members.items() if s.stalled)
                     also = "" if not stalled else (
-                        f" ({len(stalled)} stalled member(s), holding no window until they ack to within one: "
+                        f" ({len(stalled)} stalled member(s), holding no window until they catch up: "
                         + ", ".join(stalled[:8]) + (" ..." if len(stalled) > 8 else "") + ")")
                     raise BackpressureError(
                         f"publishing {n} message(s) ({nbytes} bytes) to group {self.group!r} waited {timeout:g}s: "
@@ -496,11 +496,10 @@ class Outbox:
                 return False
             state.acked = seq
             state.last_progress = self._clock()
-            if state.stalled and self._within_window_locked(seq):
-                # Within a window of the newest message: it holds the window again (a slow member slows
-                # the publishers from here, as before it stalled). Not before: see _within_window_locked.
+            if state.stalled and self._may_hold_window_again_locked(seq):
+                # A slow member slows the publishers from here, as before it stalled.
                 state.stalled = False
-                log.info("group %r: member %s caught up to within the window (ack %d) and holds it again",
+                log.info("group %r: member %s caught up (ack %d) and holds the publish window again",
                          self.group, did, seq)
             self._progress_locked()
             return True
