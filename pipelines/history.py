@@ -358,10 +358,16 @@ def _our_commit(spark: SparkSession, table_path: str, tag: str) -> tuple[int | N
 # --- the streaming query -----------------------------------------------------------------------
 
 
-def _read_text(spark: SparkSession, path: str) -> str:
+def _local_path(path: str) -> Path | None:
+    """The local file a checkpoint path names (plain or file:), or None for an object store's."""
     local = path[len("file:"):] if path.startswith("file:") else path
-    if "://" not in local:
-        return Path(local).read_text(encoding="utf-8")
+    return None if "://" in local else Path(local)
+
+
+def _read_text(spark: SparkSession, path: str) -> str:
+    local = _local_path(path)
+    if local is not None:
+        return local.read_text(encoding="utf-8")
     return "\n".join(r[0] for r in spark.read.text(path).collect())  # an object store: let Hadoop read it
 
 
@@ -491,11 +497,11 @@ def _check_member(options: Mapping[str, str]) -> None:
 
 def _last_committed_batch(checkpoint: str) -> int | None:
     """The newest batch id in ``<checkpoint>/commits`` (a local checkpoint), or None."""
-    local = checkpoint[len("file:"):] if checkpoint.startswith("file:") else checkpoint
-    if "://" in local:
+    local = _local_path(checkpoint)
+    if local is None:
         return None
     try:
-        names = [p.name for p in (Path(local) / "commits").iterdir()]
+        names = [p.name for p in (local / "commits").iterdir()]
     except OSError:
         return None
     ids = [int(name) for name in names if name.isdigit()]
@@ -550,8 +556,8 @@ def ingest(spark: SparkSession, groups: str | Sequence[str], table_path: str, ch
     ``agent`` is the member to read through (format("zerocomm")'s agent option: socket directory,
     ipc:// endpoint or zerocomm.toml). ``trigger`` is a processing-time interval ("1 second"),
     ``"available_now"`` (everything there now, then stop; then call :func:`release_checkpointed`, or
-    the run's last batch stays held in the member's journal until the next run) or ``"once"``. ``history_key`` stores
-    payloads sealed instead of in clear. ``on_batch`` hears what each micro-batch did. ``delta_txn``
+    the run's last batch stays held in the member's journal until the next run) or ``"once"``.
+    ``history_key`` stores payloads sealed instead of in clear. ``on_batch`` hears what each micro-batch did. ``delta_txn``
     adds Delta's own idempotence check to every commit (guards against two live runs of one
     checkpoint; costs a state rebuild per micro-batch). The member is asked before the query starts:
     a group it is not in raises GroupNotFoundError here, not later from the running query.
