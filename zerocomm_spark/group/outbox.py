@@ -461,11 +461,10 @@ class Outbox:
             if out:
                 # Members that had everything sent so far were owed nothing until now: their ack has
                 # not stalled while the group was idle, so their clock (ack_stall_s, heartbeats) starts here.
-                sent = self._unsent_seq - 1
-                caught_up = [state for state in self._members.values() if state.acked >= sent]
-                if caught_up:
-                    now = self._clock()
-                    for state in caught_up:
+                sent, now = self._unsent_seq - 1, None
+                for state in self._members.values():
+                    if state.acked >= sent:
+                        now = self._clock() if now is None else now
                         state.last_progress = now
             self._unsent_seq += len(out)
             return out
