@@ -50,9 +50,7 @@ Threads: IO, sender (batch + pack), receiver (decrypt, sequence, deliver, ack, N
 on the receiver thread, one at a time, in order: a slow callback is backpressure on the publishers,
 never loss, as long as it makes progress. A member that makes no progress at all for ``ack_stall_s``
 (its ack does not advance while messages sent to it are unacked) stops holding the publishers'
-window until it has caught up with the slowest member holding it, or acks to within a window of
-the newest message (from there a slow member slows the publishers to its pace again; one slower
-than the publishers never gets back); what it lacks is kept for it within the retention limits, as for an
+window until it acks again; what it lacks is kept for it within the retention limits, as for an
 inactive member, and the receipts of those messages still wait for its acks, or fail with
 :class:`MessagesDroppedError` if retention drops them before it acks them. Each advance of its ack
 restarts the clock, so a slow but progressing callback never stalls. Acknowledgements cover only
@@ -290,9 +288,9 @@ class DataPlaneConfig:
     dedup_max: int = 200_000
     # A member alive (answering keepalives) whose ack has not advanced for this long while it lags
     # behind what was sent (a hostile member, or its delivery callback stuck) stops holding the
-    # window ("stalled", logged at warning, stats()['ack_stalled']) until it catches up (with the
-    # slowest member holding it, or to within a window of the newest message); what it lacks is kept
-    # within the retention limits, as for an inactive member, and its
+    # window ("stalled", logged at warning, stats()['ack_stalled']) until it acks again (then, like a
+    # member back from inactive, the publishers go on at half its pace until it is within a window:
+    # outbox.py); what it lacks is kept within the retention limits, as for an inactive member, and its
     # receipts still wait for its acks. Each advance of its ack restarts the clock, so a slow but
     # progressing member never stalls. None: never released (one such member stalls every publisher).
     ack_stall_s: float | None = 30.0

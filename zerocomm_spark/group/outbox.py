@@ -13,14 +13,16 @@ so a count alone could hold gigabytes):
   and their ack has not advanced for ``ack_stall_s`` (``mark_ack_stalls``, called periodically),
   so one member that answers keepalives but never acks (hostile, or its delivery callback stuck)
   cannot stall every publisher for good (Kafka drops such a follower from the ISR the same way).
-  A stalled member holds the window again once it has caught up with the slowest member holding
-  it, or acks to within a window of the newest message (in messages and bytes): re-admitted further
-  behind, it would block every publisher at once. From there a slow member slows the publishers to
-  its pace again. Until then nothing waits for it: one slower than the publishers then never gets
-  back, and loses what retention drops, as an inactive member does. A member that progresses,
-  however slowly, never stalls. A publish
-  from a delivery callback waits only past the retention limits: the acks it would wait for may
-  wait on that very callback;
+  A member that progresses, however slowly, never stalls. A stalled member holds the window again
+  at its next ack, and so does a member back from inactive or done joining, however far behind:
+  counting it from its ack would block every publisher until it had recovered all it lacks, and
+  holding it out (an earlier version) let its lag grow while the others published, until retention
+  dropped what it lacked. So it comes back with a *debt*: the window counts it from a window
+  behind the newest message (in messages and bytes), the debt shrinking by half of each advance of
+  its ack. The publishers go on at half its pace until it is within a window again, and nothing it
+  lacks is dropped meanwhile (retention keeps what members holding the window lack). A publish
+  from a delivery callback waits only past the retention limits, counted from the members' acks
+  without debts: the acks it would wait for may wait on that very callback;
 * the *retention* limit: messages owed only to members holding no window (inactive, stalled, or
   still checking their join) are dropped past ``retention_max`` messages (``retention_max_bytes``
   bytes); such a member learns the range is gone when it asks for it.
@@ -54,6 +56,10 @@ __all__ = ["MemberAckState", "Outbox", "PublishReceipt"]
 
 log = logging.getLogger(__name__)
 
+RETENTION_FULL_HINT = ("Members are not keeping up: retry later, give a longer timeout, or raise the retention "
+                       "limits (retention_max, retention_max_bytes), which bound what a publisher keeps for members "
+                       "behind; stats()['lag'] and the named members show who is behind")
+
 
 @dataclass(slots=True)
 class MemberAckState:
@@ -66,9 +72,11 @@ class MemberAckState:
     last_progress: float = 0.0
     last_push: float = float("-inf")  # when we last pushed unacked messages to it
     joining: bool = False  # its join is being checked: it acks nothing yet, so it holds no window
-    # Alive but its ack did not advance for ack_stall_s while owed: holds no window until it has
-    # caught up, or is within a window of the newest message (_may_hold_window_again_locked).
+    # Alive but its ack did not advance for ack_stall_s while owed: holds no window until it acks again.
     stalled: bool = False
+    # Messages the window lets the publishers run past ``acked`` beyond its size: set when the member
+    # holds the window again far behind (_hold_again_locked), halved away as its ack advances.
+    debt: int = 0
 
     @property
     def holds_window(self) -> bool:
@@ -191,8 +199,10 @@ class Outbox:
         self._members: dict[str, MemberAckState] = {}
         self._receipts: deque[PublishReceipt] = deque()
         self._closed: BaseException | None = None
-        self._active_floor: int | None = None  # min ack over active members (None: no active member)
+        # min over members holding the window of ack + debt (None: none holds it): what the window counts from
+        self._active_floor: int | None = None
         self._active_floor_bytes = 0  # payload bytes published through the active floor
+        self._hold_floor: int | None = None  # the same without debts: what a publish from a callback counts from
         # member -> [first, last] seq ranges it was told are gone (retention dropped them before it
         # acked them): their receipts fail rather than resolve when it acks past them (pruned once
         # no pending receipt covers them)
@@ -234,7 +244,7 @@ class Outbox:
             self._first_seq = self._unsent_seq = seq + 1
             self._last_seq = self._start_seq = seq
             for state in self._members.values():
-                state.acked = max(state.acked, seq)
+                state.acked, state.debt = max(state.acked, seq), 0
             self._recompute_floor_locked()
             return True
 
@@ -247,17 +257,17 @@ class Outbox:
     def set_active(self, did: str, active: bool) -> None:
         """Inactive members stop holding the window (and may lose retention beyond its limit).
 
-        A member coming back holds the window at once, however far behind: the publishers wait for it
-        to recover what it missed (backpressure, not loss; it may take seconds for one a few hundred
-        thousand messages behind). Holding it out instead lost messages for a returning member slower
-        than the group, once retention ran out. A stalled member stays stalled across this: only its
-        acks re-admit it, so toggling its keepalives changes nothing."""
+        A member coming back holds the window at once, however far behind, with a debt (see the
+        module's docstring): the publishers go on at half its pace while it recovers what it missed,
+        rather than wait for all of it, and lose it nothing. A stalled member stays stalled across
+        this: only its acks re-admit it, so toggling its keepalives changes nothing."""
         with self._lock:
             state = self._members.get(did)
             if state is not None and state.active != active:
                 state.active = active
                 if active:
                     state.last_progress = self._clock()
+                    self._hold_again_locked(state)
                 self._progress_locked()
 
     def set_joining(self, did: str, joining: bool) -> None:
@@ -269,11 +279,13 @@ class Outbox:
                 state.joining = joining
                 if not joining:  # it acks from now on: its ack_stall_s starts now, not when it was added
                     state.last_progress = self._clock()
+                    self._hold_again_locked(state)
                 self._progress_locked()
 
     def members(self) -> dict[str, MemberAckState]:
         with self._lock:
-            return {did: MemberAckState(s.acked, s.active, s.last_progress, s.last_push, s.joining, s.stalled)
+            return {did: MemberAckState(s.acked, s.active, s.last_progress, s.last_push, s.joining, s.stalled,
+                                        s.debt)
                     for did, s in self._members.items()}
 
     def stalled_members(self) -> list[str]:
@@ -309,14 +321,31 @@ class Outbox:
     def _in_flight_bytes_locked(self) -> int:
         return 0 if self._active_floor is None else self._total_bytes - self._active_floor_bytes
 
+    def _held_for_holders_locked(self) -> tuple[int, int]:
+        """Messages and bytes the members holding the window have not acked, debts not counted."""
+        floor = self._hold_floor
+        if floor is None:
+            return 0, 0
+        return self._last_seq - floor, self._total_bytes - self._bytes_through_locked(floor)
+
     def held_bytes(self) -> int:
         """Payload bytes of the messages held."""
         with self._lock:
             return self._total_bytes - self._freed_bytes
 
     def _recompute_floor_locked(self) -> None:
-        """The slowest active member's ack, cached: publish() reads it on every call."""
-        floor = self._active_floor = min((s.acked for s in self._members.values() if s.holds_window), default=None)
+        """The slowest active member's ack (with its debt, and without), cached: publish() reads it on
+        every call."""
+        floor = hold = None
+        for s in self._members.values():
+            if s.holds_window:
+                acked = s.acked
+                if hold is None or acked < hold:
+                    hold = acked
+                acked += s.debt
+                if floor is None or acked < floor:
+                    floor = acked
+        self._active_floor, self._hold_floor = floor, hold
         if floor is not None:
             self._active_floor_bytes = self._bytes_through_locked(floor)
 
@@ -325,20 +354,27 @@ class Outbox:
         i, ends = seq - self._first_seq, self._ends
         return ends[i] if 0 <= i < len(ends) else self._freed_bytes if i < 0 else self._total_bytes
 
-    def _may_hold_window_again_locked(self, acked: int) -> bool:
-        """Whether a stalled member acked through ``acked`` holds the window again: once it has
-        caught up with the slowest member holding it (or with what was sent, if none does), or is
-        within a window of the newest message (in messages and bytes, as ``append`` counts: at most
-        the window). Either way holding it costs the publishers at most a full window; further
-        behind it would block every one of them until it had recovered all it lacks. Only the first
-        (the rule's first version) waited, while the others published, for good: its lag grew until
-        retention dropped what it lacked; only the second kept out a member level with holders that
-        were more than a window behind (publishes from delivery callbacks go that far)."""
-        floor, sent = self._active_floor, self._unsent_seq - 1
-        if acked >= (sent if floor is None else min(floor, sent)):
-            return True
+    def _within_window_locked(self, acked: int) -> bool:
+        """Whether a member acked through ``acked`` lacks at most a window (messages and bytes)."""
         return self._last_seq - acked <= self.window and (
             self.window_bytes is None or self._total_bytes - self._bytes_through_locked(acked) <= self.window_bytes)
+
+    def _hold_again_locked(self, state: MemberAckState) -> None:
+        """``state`` holds the window again (back from inactive or stalled, or done joining): with the
+        debt that counts it from a window behind the newest message, in messages and bytes, if it is
+        further behind. Counted from its ack, it would block every publisher until it had recovered
+        all it lacks; held out until it was within a window (an earlier version), one slower than the
+        publishers never got back, and retention dropped what it lacked."""
+        if not state.holds_window:  # still joining, inactive or stalled: what comes back first sets it
+            state.debt = 0
+            return
+        acked = state.acked
+        at = max(acked, self._last_seq - self.window)
+        if self.window_bytes is not None and self._total_bytes - self._bytes_through_locked(at) > self.window_bytes:
+            at = max(at, self._first_seq - 1)  # before it, every message is freed: the same bytes through each
+            while at < self._last_seq and self._total_bytes - self._bytes_through_locked(at) > self.window_bytes:
+                at += 1
+        state.debt = at - acked
 
     def append(
         self,
@@ -364,37 +400,41 @@ class Outbox:
         timeout = check_timeout(timeout, "publish's timeout", only_check=True)
         n = len(payloads)
         nbytes = sum(map(len, payloads))
-        window = self.retention_max if in_callback else self.window
-        window_bytes = self.retention_max_bytes if in_callback else self.window_bytes
         deadline: float | None = None
         with self._cond:
             waited = False
             while True:
                 if self._closed is not None:
                     raise self._closed
-                inflight = self._in_flight_locked()
-                if inflight == 0 or (inflight + n <= window and (
-                        window_bytes is None or self._in_flight_bytes_locked() + nbytes <= window_bytes)):
+                full = self._full_locked(n, nbytes, in_callback)
+                if full is None:
                     break
                 if deadline is None:
                     deadline = self._clock() + max(timeout, 0.0)
                 remaining = deadline - self._clock()
                 if remaining <= 0:
-                    floor = min((s.acked for s in self._members.values() if s.holds_window), default=self._last_seq)
-                    slow = sorted(d for d, s in self._members.items() if s.holds_window and s.acked <= floor)
+                    inflight, inflight_bytes, retention = full
+                    debt = 0 if retention else 1  # the retention limits count what is held: no debts
+                    floor = min((s.acked + debt * s.debt for s in self._members.values() if s.holds_window),
+                                default=self._last_seq)
+                    slow = sorted(d for d, s in self._members.items()
+                                  if s.holds_window and s.acked + debt * s.debt <= floor)
                     shown = ", ".join(slow[:8]) + (" ..." if len(slow) > 8 else "")
-                    bound = (f"{'retention limits, from a delivery callback,' if in_callback else 'window'} "
-                             f"{window} messages" + ("" if window_bytes is None else f", {window_bytes} bytes"))
+                    limit, limit_bytes = ((self.retention_max, self.retention_max_bytes) if retention
+                                          else (self.window, self.window_bytes))
+                    bound = (("retention limits, from a delivery callback," if in_callback
+                              else "retention limits" if retention else "window")
+                             + f" {limit} messages" + ("" if limit_bytes is None else f", {limit_bytes} bytes"))
                     # Stalled members hold no window, so they are not why it waited; named apart, since
                     # their lag is what an operator sees growing.
                     stalled = sorted(d for d, s in self._members.items() if s.stalled)
                     also = "" if not stalled else (
-                        f" ({len(stalled)} stalled member(s), holding no window until they catch up: "
+                        f" ({len(stalled)} stalled member(s), holding no window until they ack again: "
                         + ", ".join(stalled[:8]) + (" ..." if len(stalled) > 8 else "") + ")")
                     raise BackpressureError(
                         f"publishing {n} message(s) ({nbytes} bytes) to group {self.group!r} waited {timeout:g}s: "
-                        f"{inflight} message(s) ({self._in_flight_bytes_locked()} bytes) are unacked ({bound}); "
-                        f"slowest: {shown}{also}")
+                        f"{inflight} message(s) ({inflight_bytes} bytes) are unacked ({bound}); "
+                        f"slowest: {shown}{also}", hint=RETENTION_FULL_HINT if retention else None)
                 if not waited:
                     waited = True
                     self.backpressure_waits += 1
@@ -426,6 +466,27 @@ class Outbox:
             if not self._members or self._over_retention_locked():
                 self._trim_locked()
             return receipt
+
+    def _full_locked(self, n: int, nbytes: int, in_callback: bool) -> tuple[int, int, bool] | None:
+        """None if ``n`` more messages (``nbytes``) may be published now; else what is in flight and
+        whether the retention limits (not the window) are what is full. The window counts debts; the
+        retention limits count what members holding the window lack, which bounds what is held (a
+        debt member's ack can jump a range retention dropped, and must not open room for as much).
+        One publish is let through whatever its size when nothing is in flight."""
+        if not in_callback:
+            inflight = self._in_flight_locked()
+            if inflight:
+                inflight_bytes = self._in_flight_bytes_locked()
+                if inflight + n > self.window or (self.window_bytes is not None
+                                                  and inflight_bytes + nbytes > self.window_bytes):
+                    return inflight, inflight_bytes, False
+            if self._hold_floor == self._active_floor:  # no debt counts: the window is the tighter bound
+                return None
+        held, held_bytes = self._held_for_holders_locked()
+        if held and (held + n > self.retention_max or (self.retention_max_bytes is not None
+                                                      and held_bytes + nbytes > self.retention_max_bytes)):
+            return held, held_bytes, True
+        return None
 
     def _reserve_locked(self, last: int) -> None:
         assert self._reserve is not None
@@ -493,13 +554,17 @@ class Outbox:
             seq = min(seq, self._unsent_seq - 1)
             if seq <= state.acked:
                 return False
-            state.acked = seq
+            advance, state.acked = seq - state.acked, seq
             state.last_progress = self._clock()
-            if state.stalled and self._may_hold_window_again_locked(seq):
-                # A slow member slows the publishers from here, as before it stalled.
+            if state.debt:  # gone within a window; never counted past the newest message
+                state.debt = 0 if self._within_window_locked(seq) else max(
+                    0, min(state.debt - (advance + 1) // 2, self._last_seq - seq))
+            if state.stalled:
                 state.stalled = False
-                log.info("group %r: member %s caught up (ack %d) and holds the publish window again",
-                         self.group, did, seq)
+                self._hold_again_locked(state)
+                log.info("group %r: member %s acks again (ack %d, %d behind) and holds the publish window again%s",
+                         self.group, did, seq, self._last_seq - seq,
+                         ", the publishers going on at half its pace until it is within a window" if state.debt else "")
             self._progress_locked()
             return True
 
@@ -586,7 +651,7 @@ class Outbox:
             out = []
             for did, s in self._members.items():
                 if s.holds_window and s.acked < sent and now - s.last_progress >= after:
-                    s.stalled = True
+                    s.stalled, s.debt = True, 0
                     out.append((did, self._last_seq - s.acked, now - s.last_progress))
             if out:
                 self.ack_stalls += len(out)
