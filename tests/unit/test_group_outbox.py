@@ -392,7 +392,8 @@ def test_a_publish_from_a_delivery_callback_waits_only_past_retention() -> None:
     assert time.monotonic() - t < 1
     with pytest.raises(BackpressureError):
         publish_bytes(box, [10], timeout=0.05)  # others still wait for the window
-    with pytest.raises(BackpressureError, match="retention limits, from a delivery callback, 8 messages, 800 bytes"):
+    with pytest.raises(BackpressureError,
+                       match=r"retention limits \(from a delivery callback\) \(8 messages, 800 bytes\)"):
         publish_bytes(box, [10] * 3, timeout=0.05, in_callback=True)  # past retention_max it waits too
     with pytest.raises(BackpressureError):
         publish_bytes(box, [800], timeout=0.05, in_callback=True)  # and past retention_max_bytes
@@ -764,6 +765,76 @@ def test_the_debt_counts_the_window_in_bytes_too() -> None:
     publish_bytes(box, [200], timeout=0)  # 1,000 bytes in flight on its account
 
 
+def test_a_member_recovering_one_message_at_a_time_opens_the_window_too() -> None:
+    """A slow member acks one message at a time; the debt shrank by ceil(1/2) = 1 for each, so the
+    window did not open at all until it had recovered all but a window (found in review)."""
+    clock = FakeClock()
+    box = _stall_box(clock, ack_stall_s=None, window=10, retention_max=1000)
+    box.set_active("stuck", False)
+    for _ in range(10):
+        _send(box, 10)  # 100 it lacks
+    box.set_active("stuck", True)
+    assert box.members()["stuck"].debt == 90
+    published = 0
+    for seq in range(1, 41):
+        box.ack("stuck", seq)
+        while True:
+            try:
+                _send(box, 1)
+            except BackpressureError:
+                break
+            published += 1
+    assert published == 20  # one for every two it delivered
+
+
+def test_one_publish_larger_than_the_window_waits_while_a_recovering_member_lacks_messages() -> None:
+    """Nothing in flight lets one publish of any size through; a debt counted up to the newest message
+    showed nothing in flight while the member still lacked 12, and 900 went through a window of 5
+    (found in review)."""
+    clock = FakeClock()
+    box = _stall_box(clock, ack_stall_s=None, window=5, retention_max=1000)
+    box.set_active("stuck", False)
+    for _ in range(8):
+        _send(box, 5)
+    box.set_active("stuck", True)  # 40 behind
+    box.ack("stuck", 28)  # the debt now counts it from the newest message (40)
+    assert box.in_flight() == 0
+    with pytest.raises(BackpressureError):
+        publish(box, 900, timeout=0)
+    publish(box, 5, timeout=0)  # a window's worth is fine
+
+
+def test_backpressure_names_a_recovering_member_with_what_it_lacks() -> None:
+    """The window counts it from a window behind the newest message; the error says how far behind it is."""
+    clock = FakeClock()
+    box = _stall_box(clock, ack_stall_s=None, window=5)
+    box.set_active("stuck", False)
+    for _ in range(20):
+        _send(box, 5)
+    box.set_active("stuck", True)
+    with pytest.raises(BackpressureError,
+                       match=r"5 message\(s\) \(10 bytes\) count against the window \(5 messages\); "
+                             r"slowest: stuck \(recovering, 100 behind\)\."):
+        publish(box, 1, timeout=0)
+
+
+def test_a_member_that_stops_holding_the_window_keeps_no_debt() -> None:
+    clock = FakeClock()
+    box = _stall_box(clock, ack_stall_s=None, window=5)
+    box.set_active("stuck", False)
+    for _ in range(4):
+        _send(box, 5)
+    box.set_active("stuck", True)
+    assert box.members()["stuck"].debt == 15
+    box.set_active("stuck", False)
+    assert box.members()["stuck"].debt == 0
+    box.set_active("stuck", True)
+    box.set_joining("stuck", True)
+    assert box.members()["stuck"].debt == 0
+    box.set_joining("stuck", False)
+    assert box.members()["stuck"].debt == 15
+
+
 def test_a_debt_never_lets_more_than_the_retention_limits_be_held() -> None:
     """A member back from far behind acks past what retention dropped in one step; halving that
     step off its debt must not open the window for as many new messages (12 held became 17 here
@@ -780,7 +851,8 @@ def test_a_debt_never_lets_more_than_the_retention_limits_be_held() -> None:
     box.note_gone("stuck", 1, 28)
     box.ack("stuck", 28)  # it skips what is gone
     with pytest.raises(BackpressureError,
-                       match=r"\(retention limits 12 messages\); slowest: stuck\. .*raise the retention limits"):
+                       match=r"count against the retention limits \(12 messages\); slowest: stuck\. "
+                             r".*raise the retention limits"):
         publish(box, 1, timeout=0)
     assert box.held() == 12
     box.ack("stuck", 32)  # 4 delivered: room for 4, the window counting from its ack with what is left of the debt

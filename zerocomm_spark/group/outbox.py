@@ -40,6 +40,7 @@ and tells members the seqs between are ``void`` (it may never have used them): n
 
 from __future__ import annotations
 
+import bisect
 import logging
 import threading
 import time
@@ -74,13 +75,19 @@ class MemberAckState:
     joining: bool = False  # its join is being checked: it acks nothing yet, so it holds no window
     # Alive but its ack did not advance for ack_stall_s while owed: holds no window until it acks again.
     stalled: bool = False
-    # Messages the window lets the publishers run past ``acked`` beyond its size: set when the member
-    # holds the window again far behind (_hold_again_locked), halved away as its ack advances.
-    debt: int = 0
+    # Twice the messages the window lets the publishers run past ``acked`` beyond its size (``debt``):
+    # set when the member holds the window again far behind (_hold_again_locked), less one for each
+    # message it acks, so the window opens by one for every two; counted in halves, so a member
+    # acking one message at a time opens it too.
+    debt_halves: int = 0
 
     @property
     def holds_window(self) -> bool:
         return self.active and not self.joining and not self.stalled
+
+    @property
+    def debt(self) -> int:
+        return self.debt_halves >> 1
 
 
 class PublishReceipt:
@@ -244,7 +251,7 @@ class Outbox:
             self._first_seq = self._unsent_seq = seq + 1
             self._last_seq = self._start_seq = seq
             for state in self._members.values():
-                state.acked, state.debt = max(state.acked, seq), 0
+                state.acked, state.debt_halves = max(state.acked, seq), 0
             self._recompute_floor_locked()
             return True
 
@@ -267,7 +274,7 @@ class Outbox:
                 state.active = active
                 if active:
                     state.last_progress = self._clock()
-                    self._hold_again_locked(state)
+                self._hold_again_locked(state)
                 self._progress_locked()
 
     def set_joining(self, did: str, joining: bool) -> None:
@@ -279,13 +286,13 @@ class Outbox:
                 state.joining = joining
                 if not joining:  # it acks from now on: its ack_stall_s starts now, not when it was added
                     state.last_progress = self._clock()
-                    self._hold_again_locked(state)
+                self._hold_again_locked(state)
                 self._progress_locked()
 
     def members(self) -> dict[str, MemberAckState]:
         with self._lock:
             return {did: MemberAckState(s.acked, s.active, s.last_progress, s.last_push, s.joining, s.stalled,
-                                        s.debt)
+                                        s.debt_halves)
                     for did, s in self._members.items()}
 
     def stalled_members(self) -> list[str]:
@@ -342,7 +349,7 @@ class Outbox:
                 acked = s.acked
                 if hold is None or acked < hold:
                     hold = acked
-                acked += s.debt
+                acked += s.debt_halves >> 1
                 if floor is None or acked < floor:
                     floor = acked
         self._active_floor, self._hold_floor = floor, hold
@@ -362,19 +369,20 @@ class Outbox:
     def _hold_again_locked(self, state: MemberAckState) -> None:
         """``state`` holds the window again (back from inactive or stalled, or done joining): with the
         debt that counts it from a window behind the newest message, in messages and bytes, if it is
-        further behind. Counted from its ack, it would block every publisher until it had recovered
-        all it lacks; held out until it was within a window (an earlier version), one slower than the
-        publishers never got back, and retention dropped what it lacked."""
+        further behind (none while it holds no window). Counted from its ack, it would block every
+        publisher until it had recovered all it lacks; held out until it was within a window (an
+        earlier version), one slower than the publishers never got back, and retention dropped what
+        it lacked."""
         if not state.holds_window:  # still joining, inactive or stalled: what comes back first sets it
-            state.debt = 0
+            state.debt_halves = 0
             return
         acked = state.acked
         at = max(acked, self._last_seq - self.window)
-        if self.window_bytes is not None and self._total_bytes - self._bytes_through_locked(at) > self.window_bytes:
-            at = max(at, self._first_seq - 1)  # before it, every message is freed: the same bytes through each
-            while at < self._last_seq and self._total_bytes - self._bytes_through_locked(at) > self.window_bytes:
-                at += 1
-        state.debt = at - acked
+        need = None if self.window_bytes is None else self._total_bytes - self.window_bytes
+        if need is not None and self._bytes_through_locked(at) < need:
+            # The first message through which that many bytes were published (ends never decrease).
+            at = min(self._last_seq, max(at, self._first_seq + bisect.bisect_left(self._ends, need)))
+        state.debt_halves = 2 * (at - acked)
 
     def append(
         self,
@@ -414,17 +422,20 @@ class Outbox:
                 remaining = deadline - self._clock()
                 if remaining <= 0:
                     inflight, inflight_bytes, retention = full
-                    debt = 0 if retention else 1  # the retention limits count what is held: no debts
+                    # The retention limits count what is held: no debts. The window counts them: a member
+                    # recovering from far behind is named with what it lacks, more than the window says.
+                    debt = 0 if retention else 1
                     floor = min((s.acked + debt * s.debt for s in self._members.values() if s.holds_window),
                                 default=self._last_seq)
-                    slow = sorted(d for d, s in self._members.items()
-                                  if s.holds_window and s.acked + debt * s.debt <= floor)
-                    shown = ", ".join(slow[:8]) + (" ..." if len(slow) > 8 else "")
+                    slow = sorted(((d, s) for d, s in self._members.items()
+                                   if s.holds_window and s.acked + debt * s.debt <= floor), key=lambda x: x[0])
+                    shown = ", ".join(d + (f" (recovering, {self._last_seq - s.acked} behind)" if debt * s.debt else "")
+                                      for d, s in slow[:8]) + (" ..." if len(slow) > 8 else "")
                     limit, limit_bytes = ((self.retention_max, self.retention_max_bytes) if retention
                                           else (self.window, self.window_bytes))
-                    bound = (("retention limits, from a delivery callback," if in_callback
+                    bound = (("retention limits (from a delivery callback)" if in_callback
                               else "retention limits" if retention else "window")
-                             + f" {limit} messages" + ("" if limit_bytes is None else f", {limit_bytes} bytes"))
+                             + f" ({limit} messages" + ("" if limit_bytes is None else f", {limit_bytes} bytes") + ")")
                     # Stalled members hold no window, so they are not why it waited; named apart, since
                     # their lag is what an operator sees growing.
                     stalled = sorted(d for d, s in self._members.items() if s.stalled)
@@ -433,7 +444,7 @@ class Outbox:
                         + ", ".join(stalled[:8]) + (" ..." if len(stalled) > 8 else "") + ")")
                     raise BackpressureError(
                         f"publishing {n} message(s) ({nbytes} bytes) to group {self.group!r} waited {timeout:g}s: "
-                        f"{inflight} message(s) ({inflight_bytes} bytes) are unacked ({bound}); "
+                        f"{inflight} message(s) ({inflight_bytes} bytes) count against the {bound}; "
                         f"slowest: {shown}{also}", hint=RETENTION_FULL_HINT if retention else None)
                 if not waited:
                     waited = True
@@ -475,7 +486,9 @@ class Outbox:
         One publish is let through whatever its size when nothing is in flight."""
         if not in_callback:
             inflight = self._in_flight_locked()
-            if inflight:
+            # One publish of any size gets through only when no member holding the window lacks a message:
+            # a debt can count one that does from the newest message.
+            if inflight or (self._hold_floor is not None and self._hold_floor < self._last_seq):
                 inflight_bytes = self._in_flight_bytes_locked()
                 if inflight + n > self.window or (self.window_bytes is not None
                                                   and inflight_bytes + nbytes > self.window_bytes):
@@ -556,9 +569,9 @@ class Outbox:
                 return False
             advance, state.acked = seq - state.acked, seq
             state.last_progress = self._clock()
-            if state.debt:  # gone within a window; never counted past the newest message
-                state.debt = 0 if self._within_window_locked(seq) else max(
-                    0, min(state.debt - (advance + 1) // 2, self._last_seq - seq))
+            if state.debt_halves:  # gone within a window; never counted past the newest message
+                state.debt_halves = 0 if self._within_window_locked(seq) else max(
+                    0, min(state.debt_halves - advance, 2 * (self._last_seq - seq)))
             if state.stalled:
                 state.stalled = False
                 self._hold_again_locked(state)
@@ -651,7 +664,7 @@ class Outbox:
             out = []
             for did, s in self._members.items():
                 if s.holds_window and s.acked < sent and now - s.last_progress >= after:
-                    s.stalled, s.debt = True, 0
+                    s.stalled, s.debt_halves = True, 0
                     out.append((did, self._last_seq - s.acked, now - s.last_progress))
             if out:
                 self.ack_stalls += len(out)
