@@ -557,6 +557,17 @@ def _send(box: Outbox, n: int, acker: str | None = "live") -> PublishReceipt:
     return receipt
 
 
+def _back_from_inactive(behind: int, per_send: int, **kwargs) -> Outbox:  # type: ignore[no-untyped-def]
+    """A _stall_box whose "stuck" was inactive while ``behind`` messages were sent (``per_send`` a
+    call, each acked by "live"), and is active again: it holds the window with its debt."""
+    box = _stall_box(FakeClock(), ack_stall_s=None, **kwargs)
+    box.set_active("stuck", False)
+    for _ in range(behind // per_send):
+        _send(box, per_send)
+    box.set_active("stuck", True)
+    return box
+
+
 def test_a_member_without_ack_progress_for_ack_stall_s_stops_holding_the_window() -> None:
     """It used to hold every publisher's window for as long as it answered keepalives."""
     clock = FakeClock()
@@ -722,12 +733,7 @@ def test_a_stalled_member_slower_than_the_publishers_loses_nothing() -> None:
 def test_a_member_back_from_inactive_far_behind_slows_the_publishers_to_half_its_pace() -> None:
     """Counted from its ack, the publishers waited until it had recovered all but a window of what it
     missed; held out, it lost what retention dropped. With the debt they go on at half its pace."""
-    clock = FakeClock()
-    box = _stall_box(clock, ack_stall_s=None, window=5)
-    box.set_active("stuck", False)
-    for _ in range(4):
-        _send(box, 5)  # live acks each; 20 messages "stuck" lacks
-    box.set_active("stuck", True)
+    box = _back_from_inactive(20, 5, window=5)  # live acks each; 20 messages "stuck" lacks
     assert box.members()["stuck"].holds_window and box.members()["stuck"].debt == 15
     with pytest.raises(BackpressureError, match="slowest: stuck"):
         publish(box, 1, timeout=0)
@@ -768,12 +774,7 @@ def test_the_debt_counts_the_window_in_bytes_too() -> None:
 def test_a_member_recovering_one_message_at_a_time_opens_the_window_too() -> None:
     """A slow member acks one message at a time; the debt shrank by ceil(1/2) = 1 for each, so the
     window did not open at all until it had recovered all but a window (found in review)."""
-    clock = FakeClock()
-    box = _stall_box(clock, ack_stall_s=None, window=10, retention_max=1000)
-    box.set_active("stuck", False)
-    for _ in range(10):
-        _send(box, 10)  # 100 it lacks
-    box.set_active("stuck", True)
+    box = _back_from_inactive(100, 10, window=10, retention_max=1000)  # 100 it lacks
     assert box.members()["stuck"].debt == 90
     published = 0
     for seq in range(1, 41):
@@ -791,12 +792,7 @@ def test_one_publish_larger_than_the_window_waits_while_a_recovering_member_lack
     """Nothing in flight lets one publish of any size through; a debt counted up to the newest message
     showed nothing in flight while the member still lacked 12, and 900 went through a window of 5
     (found in review)."""
-    clock = FakeClock()
-    box = _stall_box(clock, ack_stall_s=None, window=5, retention_max=1000)
-    box.set_active("stuck", False)
-    for _ in range(8):
-        _send(box, 5)
-    box.set_active("stuck", True)  # 40 behind
+    box = _back_from_inactive(40, 5, window=5, retention_max=1000)  # 40 behind
     box.ack("stuck", 28)  # the debt now counts it from the newest message (40)
     assert box.in_flight() == 0
     with pytest.raises(BackpressureError):
@@ -806,12 +802,7 @@ def test_one_publish_larger_than_the_window_waits_while_a_recovering_member_lack
 
 def test_backpressure_names_a_recovering_member_with_what_it_lacks() -> None:
     """The window counts it from a window behind the newest message; the error says how far behind it is."""
-    clock = FakeClock()
-    box = _stall_box(clock, ack_stall_s=None, window=5)
-    box.set_active("stuck", False)
-    for _ in range(20):
-        _send(box, 5)
-    box.set_active("stuck", True)
+    box = _back_from_inactive(100, 5, window=5)
     with pytest.raises(BackpressureError,
                        match=r"5 message\(s\) \(10 bytes\) count against the window \(5 messages\); "
                              r"slowest: stuck \(recovering, 100 behind\)\."):
@@ -819,12 +810,7 @@ def test_backpressure_names_a_recovering_member_with_what_it_lacks() -> None:
 
 
 def test_a_member_that_stops_holding_the_window_keeps_no_debt() -> None:
-    clock = FakeClock()
-    box = _stall_box(clock, ack_stall_s=None, window=5)
-    box.set_active("stuck", False)
-    for _ in range(4):
-        _send(box, 5)
-    box.set_active("stuck", True)
+    box = _back_from_inactive(20, 5, window=5)
     assert box.members()["stuck"].debt == 15
     box.set_active("stuck", False)
     assert box.members()["stuck"].debt == 0
@@ -839,13 +825,8 @@ def test_a_debt_never_lets_more_than_the_retention_limits_be_held() -> None:
     """A member back from far behind acks past what retention dropped in one step; halving that
     step off its debt must not open the window for as many new messages (12 held became 17 here
     before the publishes counted the retention limits too)."""
-    clock = FakeClock()
-    box = _stall_box(clock, ack_stall_s=None, window=5, retention_max=12)
-    box.set_active("stuck", False)
-    for _ in range(8):
-        _send(box, 5)  # 40 published; retention keeps the 12 it lacks last: 29-40
+    box = _back_from_inactive(40, 5, window=5, retention_max=12)  # retention keeps the 12 it lacks last: 29-40
     assert box.retention_dropped == 28
-    box.set_active("stuck", True)
     msgs, gone = box.get_range(1, None, 100)
     assert gone == (1, 28)
     box.note_gone("stuck", 1, 28)
@@ -865,12 +846,7 @@ def test_a_debt_never_lets_more_than_the_retention_limits_be_held() -> None:
 def test_a_publish_from_a_callback_counts_what_is_held_not_the_debts() -> None:
     """The retention limits bound what is kept, and a member with a debt lacks more than the window
     counts for it."""
-    clock = FakeClock()
-    box = _stall_box(clock, ack_stall_s=None, window=5, retention_max=12)
-    box.set_active("stuck", False)
-    for _ in range(2):
-        _send(box, 5)  # 10 "stuck" lacks
-    box.set_active("stuck", True)  # debt 5: the window counts it from 5
+    box = _back_from_inactive(10, 5, window=5, retention_max=12)  # debt 5: the window counts it from 5
     box.append([b"x"] * 2, ["cb1", "cb2"], None, LamportClock().tick, 0, in_callback=True)  # 12 held for it
     box.take_unsent(100)
     with pytest.raises(BackpressureError, match="retention limits"):
@@ -908,12 +884,7 @@ def test_a_member_back_from_inactive_holds_the_window_at_once_however_far_behind
     """Backpressure while it recovers what it missed, not loss: held out until it was within a
     window (a version of this session), a returning member slower than the group never got back
     and lost what retention dropped."""
-    clock = FakeClock()
-    box = _stall_box(clock, ack_stall_s=None, window=5)
-    box.set_active("stuck", False)
-    for _ in range(4):
-        _send(box, 5)  # live acks each; 20 messages "stuck" lacks
-    box.set_active("stuck", True)
+    box = _back_from_inactive(20, 5, window=5)  # live acks each; 20 messages "stuck" lacks
     assert box.members()["stuck"].holds_window and box.stalled_members() == []
     with pytest.raises(BackpressureError, match="slowest: stuck"):
         publish(box, 1, timeout=0)
