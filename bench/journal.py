@@ -16,7 +16,8 @@ then one ``fdatasync``), and reads after the files' pages were dropped from the 
 page-cache figures above, the stricter of the two. The journal's default policy starts the disk
 writing of what it appends as it goes (``sync_file_range`` every 4 MiB), which the plain writes do
 not; ``append_ratio_vs_writeback`` compares it with plain writes that do the same, for the reader
-who wants the baseline to use every trick the journal uses.
+who wants the baseline to use every trick the journal uses. (The journal also reserves its segment's
+disk blocks ahead of its writes, 8 MiB at a time; the plain writes do not.)
 
 ``append_without_id_rule`` repeats the appends with ``dedup_window=0`` (only the per-publisher seq
 rule): what the message-id duplicate check costs, for the reader of the figures; it is not a setting

@@ -630,6 +630,36 @@ def test_every_fsync_policy_round_trips_and_leaks_no_descriptor(jdir: Path, key:
         assert seqs(j.read(0)) == list(range(1, 301))
 
 
+def _allocated(path: Path) -> int:
+    return os.stat(path).st_blocks * 512
+
+
+def test_blocks_reserved_ahead_of_the_writes_never_show_in_sizes_and_are_given_back(jdir: Path, key: bytes) -> None:
+    segment_bytes = 4 << 20
+    with Journal.open(jdir, key=key, segment_bytes=segment_bytes) as j:
+        _fill(j, 3)
+        (active,) = jdir.glob("*.zcj")
+        size = active.stat().st_size
+        assert size < 16 << 10  # the size is what was written: readers, recovery and retention see that
+        probe = os.open(jdir / "probe", os.O_WRONLY | os.O_CREAT, 0o600)
+        try:
+            reserving = files_module.preallocate(probe, 0, 4096)
+        finally:
+            os.close(probe)
+        if reserving:  # this file system reserves: the segment's blocks are held up to its size
+            assert _allocated(active) >= segment_bytes - 4096
+        seq = 1_000
+        while len(list(jdir.glob("*.zcj"))) < 2:  # a roll
+            j.append(rows(seq, seq + 9, size=50_000))
+            seq += 10
+        first = min(jdir.glob("*.zcj"))
+        assert _allocated(first) < first.stat().st_size + (64 << 10)  # the rolled segment gave back the rest
+    for segment in jdir.glob("*.zcj"):  # and so did the active one at close
+        assert _allocated(segment) < segment.stat().st_size + (64 << 10)
+    with Journal.open(jdir, key=key) as j:
+        assert j.read(0).num_rows == j.latest().next_offset
+
+
 def test_the_key_lives_in_the_keystore(tmp_path: Path, jdir: Path) -> None:
     with Keystore.open(tmp_path / "identity") as ks:
         key = journal_key(ks)

@@ -21,6 +21,9 @@ appended as soon as they are written (``files.start_writeback``), so the disk wo
 on and each fdatasync (and a ``sync()`` or close) waits for little: without it the kernel holds the
 dirty pages until the fdatasync, which then writes everything at once (measured: 57 MB appended in
 ~70 ms, then a 24 ms fdatasync; with it, under 1 ms).
+Under every policy the writer reserves the active segment's disk blocks ahead of its writes
+(``PREALLOCATE_BYTES`` at a time, ``files.preallocate``), so a write allocates nothing; the reserve
+past the end is given back at the roll and at close.
 
 Any write or fsync error stops the journal (later appends raise JournalClosedError): after a failed
 fsync the kernel may have dropped the dirty pages, so carrying on would acknowledge data that is not
@@ -80,6 +83,10 @@ _IOV_MAX = 512  # buffers per writev (header + body per record); below every pla
 #: Under fsync="interval": bytes appended to the active segment before the syncer is woken to start
 #: their writeback (see the module docstring). Large enough to cost one wake-up per several appends.
 WRITEBACK_BYTES = 4 << 20
+#: Disk blocks reserved ahead of the writes at a time (files.preallocate), up to the segment's size:
+#: enough that reserving is rare, little enough that a journal on tmpfs (where reserved blocks are
+#: memory) or a nearly full disk holds back little that is not written.
+PREALLOCATE_BYTES = 8 << 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -235,6 +242,7 @@ class Writer:
         # the bytes written since the syncer was last woken for it.
         self._writeback_from = active.size
         self._unstarted = 0
+        self._reserved = active.size  # blocks of the active segment reserved up to here (see _reserve)
         self._writeback = journal.fsync == "interval"
         self.counters = {"appends": 0, "rows_appended": 0, "duplicates": 0, "records": 0, "writes": 0,
                          "fsyncs": 0, "bytes_written": 0, "segments_rolled": 0, "writebacks": 0}
@@ -489,10 +497,12 @@ class Writer:
             buffers.append(frame.header)
             buffers.append(frame.body)
         position = self._active.size
+        written = sum(frame.length for frame, _ in todo)
+        if position + written > self._reserved:
+            self._reserve(position + written)
         _writev_all(self._fd, buffers)
         self._check_linked()
         self._written += 1
-        written = sum(frame.length for frame, _ in todo)
         self.counters["writes"] += 1
         self.counters["bytes_written"] += written
         if self._journal.fsync == "always":
@@ -513,6 +523,15 @@ class Writer:
             if self._unstarted >= WRITEBACK_BYTES:
                 self._unstarted = 0
                 self._syncer_kick.set()
+
+    def _reserve(self, end: int) -> None:
+        """Reserve the active segment's blocks up to ``end`` and some way past it (PREALLOCATE_BYTES, not past
+        the segment's size), so the writes into them allocate nothing. Where the file system cannot (or the disk
+        is full) nothing changes: the writes allocate as they go, and report a full disk themselves."""
+        start = max(self._reserved, self._active.size)
+        stop = max(end, min(start + PREALLOCATE_BYTES, self._journal.segment_bytes))
+        files.preallocate(self._fd, start, stop - start)
+        self._reserved = stop  # refused or not: asked again only for what lies past it
 
     def _check_linked(self) -> None:
         """Raise JournalError if the active segment was unlinked (its directory removed, or the file
@@ -541,11 +560,13 @@ class Writer:
             os.fdatasync(old_fd)
         j._write_side_index(old, self._active_runs, self._recent.as_array())  # noqa: SLF001
         new, fd = create_segment(j.directory, old.end_offset, now_micros())
+        files.release_preallocation(old_fd, old.size)
         overflow: list[int] = []
         with self._sync_lock:
             self._active, self._fd = new, fd
             self._active_runs = []
             self._writeback_from = new.size
+            self._reserved = new.size
             if j.fsync == "interval":  # the syncer syncs and closes it, off the append path
                 self._retired.append(old_fd)
                 self._dir_dirty = True
@@ -739,6 +760,8 @@ class Writer:
                     os.close(fd)
                 self._retired = []
                 if self._fd >= 0:
+                    if self.failure is None:
+                        files.release_preallocation(self._fd, self._active.size)
                     os.close(self._fd)
                     self._fd = -1
         return self._active, self._active_runs, self._recent.as_array()
