@@ -195,6 +195,36 @@ def test_invalid_rows_are_refused_before_anything_is_written(jdir: Path, key: by
         assert j.append([]) == AppendResult(0, -1, 0, 0)
 
 
+def test_rows_of_dicts_other_mappings_and_objects_mixed_convert_alike_and_say_which_row_is_wrong(
+        jdir: Path, key: bytes) -> None:
+    from collections import OrderedDict
+    from types import SimpleNamespace
+
+    with Journal.open(jdir, key=key) as j:
+        second = row(2)
+        del second["seq"]
+        with pytest.raises(InvalidJournalRowError, match=r"row 1 has no 'seq'"):
+            j.append([row(1), second])
+        with pytest.raises(InvalidJournalRowError, match=r"row 1 is a int, not a dict"):
+            j.append([row(1), 7])
+        plain = row(1, received_at=5, headers={"k": "v"})
+        ordered = OrderedDict(row(2, received_at=6))
+        del ordered["headers"]  # an optional column may be left out
+        obj = SimpleNamespace(**{k: v for k, v in row(3).items() if k not in ("headers", "received_at")})
+        assert j.append([plain, ordered, obj]).appended == 3
+        table = j.read(0)
+        assert seqs(table) == [1, 2, 3]
+        received = table.column("received_at").cast(pa.int64()).to_pylist()
+        assert received[:2] == [5, 6] and received[2] > 10**15  # left out: the time it was appended
+        assert table.column("headers").to_pylist() == [[("k", "v")], None, None]
+        sparse = row(5)
+        del sparse["headers"], sparse["received_at"]
+        assert j.append([row(4, headers={"a": "b"}), sparse]).appended == 2  # plain dicts, one without either
+        more = j.read(3)
+        assert more.column("headers").to_pylist() == [[("a", "b")], None]
+        assert more.column("received_at").cast(pa.int64()).to_pylist()[1] > 10**15
+
+
 # --- idempotence -------------------------------------------------------------------------------
 
 

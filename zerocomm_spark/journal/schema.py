@@ -95,27 +95,36 @@ def _field(row: Any, name: str, index: int, required: bool) -> Any:
     return getattr(row, name, None)
 
 
+#: Per append column: (field, required, is a timestamp, is an int64), worked out once, not per append.
+_COLUMNS = tuple((f, f.name in _REQUIRED, f.type == TIMESTAMP, f.type == pa.int64()) for f in APPEND_SCHEMA)
+
+
 def rows_to_batch(rows: Sequence[Any], received_at: int) -> pa.RecordBatch:
     """Dicts or objects (dataclasses, named tuples with attributes) -> one APPEND_SCHEMA batch."""
-    for i, row in enumerate(rows):
-        if not isinstance(row, Mapping) and not dataclasses.is_dataclass(row) and not hasattr(row, "group"):
-            raise InvalidJournalRowError(f"row {i} is a {type(row).__name__}, not a dict or a message object")
+    # Plain dicts (what the agent appends) skip the per-row Mapping checks: an ABC isinstance costs
+    # ~1 us, and was paid per row for each optional column too (~40% of a 100-row append's conversion).
+    dicts = all(type(row) is dict for row in rows)
+    if not dicts:
+        for i, row in enumerate(rows):
+            if not isinstance(row, Mapping) and not dataclasses.is_dataclass(row) and not hasattr(row, "group"):
+                raise InvalidJournalRowError(f"row {i} is a {type(row).__name__}, not a dict or a message object")
     columns: list[pa.Array] = []
-    for field in APPEND_SCHEMA:
+    for field, required, is_time, is_int in _COLUMNS:
         name = field.name
-        required = name in _REQUIRED
-        if rows and isinstance(rows[0], Mapping) and required:
+        if rows and required and (dicts or isinstance(rows[0], Mapping)):
             try:
                 values = [r[name] for r in rows]
             except (KeyError, TypeError):
                 values = [_field(r, name, i, True) for i, r in enumerate(rows)]
+        elif dicts:
+            values = [r.get(name) for r in rows]
         else:
             values = [_field(r, name, i, required) for i, r in enumerate(rows)]
-        if field.type == TIMESTAMP:
+        if is_time:
             _check_times(name, values)
             if name == "received_at":
                 values = [received_at if v is None else v for v in values]
-        elif field.type == pa.int64():
+        elif is_int:
             for i, v in enumerate(values):
                 if type(v) is not int and (isinstance(v, bool) or not isinstance(v, (int, np.integer))):
                     raise InvalidJournalRowError(f"row {i}: {name} must be an int, not {type(v).__name__}")
