@@ -420,3 +420,55 @@ def test_replay_errors_of_its_own_flags_name_the_flag_not_a_setting(monkeypatch,
     error = json.loads(capsys.readouterr().out.splitlines()[-1])["error"]
     assert words in error["message"] and hint in error["hint"], error
     assert "conf/zerocomm.toml" not in error["hint"], error
+
+
+def test_ingest_needs_the_agent_running_or_spawn_before_spark_starts(monkeypatch, capsys, tmp_path):
+    """`history ingest` with no agent running started one through the connector's spawnAgent default,
+    without a word, and left it running after the command (found by a user review); every other
+    command exits 3 and says how to start it unless --spawn is given. Now ingest does the same,
+    before Spark starts."""
+    import zerocomm_spark.pipelines.commands as commands
+    from zerocomm_spark.agent.cli import main as zerocomm
+
+    def no_spark():
+        raise AssertionError("Spark was started")
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.delenv("ZEROCOMM_CONFIG", raising=False)
+    monkeypatch.setattr(commands, "_spark", no_spark)
+    assert zerocomm(["history", "ingest", "sensors", "--table", str(tmp_path / "t"), "--available-now"]) == 3
+    err = capsys.readouterr().err
+    assert "no agent is running" in err and "--spawn" in err
+
+
+@pytest.mark.parametrize("flags, spawn", [([], "false"), (["--spawn"], "true")])
+def test_ingest_starts_no_agent_mid_run_unless_spawn_was_given(monkeypatch, capsys, tmp_path, flags, spawn):
+    """The query's source, and the commit at its end, start a stopped agent only under --spawn."""
+    import zerocomm_spark.pipelines.commands as commands
+    import zerocomm_spark.pipelines.history as history
+    from zerocomm_spark.agent import cli
+    from zerocomm_spark.agent.cli import main as zerocomm
+
+    seen: dict[str, object] = {}
+
+    class Stopped:
+        isActive = False
+
+        def exception(self):
+            return None
+
+    def ingest(spark, groups, table, checkpoint, **kw):
+        seen["ingest"] = dict(kw["source_options"])
+        return Stopped()
+
+    def release(spark, groups, checkpoint, **kw):
+        seen["release"] = dict(kw["source_options"])
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.delenv("ZEROCOMM_CONFIG", raising=False)
+    monkeypatch.setattr(cli.Ctx, "client", lambda self: seen.setdefault("client", True))
+    monkeypatch.setattr(commands, "_spark", lambda: object())
+    monkeypatch.setattr(history, "ingest", ingest)
+    monkeypatch.setattr(history, "release_checkpointed", release)
+    assert zerocomm([*flags, "history", "ingest", "sensors", "--table", str(tmp_path / "t"), "--available-now"]) == 0
+    assert seen == {"client": True, "ingest": {"spawnAgent": spawn}, "release": {"spawnAgent": spawn}}
