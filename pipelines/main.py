@@ -573,6 +573,11 @@ def _check_options(parser: argparse.ArgumentParser, cfg: JobConfig) -> None:
         # for a failed query ("it stopped without an error").
         parser.error(f"--trigger is an interval for the ingest query that runs while the members publish "
                      f"(like '1 second'), not {cfg.trigger!r}")
+    from zerocomm_spark.pipelines.commands import interval_seconds
+
+    if interval_seconds(cfg.trigger) is None:  # Spark refused it only once members and Spark had started (~50 s)
+        parser.error(f"--trigger {cfg.trigger!r} is not an interval: give one like '1 second', '500 milliseconds' "
+                     f"or '1 minute 30 seconds' (weeks to microseconds, not months or years)")
 
 
 def _failure(exc: BaseException, log_file: Path | None = None) -> dict[str, str] | None:

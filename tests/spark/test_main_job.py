@@ -64,7 +64,10 @@ def test_options_out_of_range_are_usage_errors_before_anything_starts():
                        (["--timeout", "1e10"], "--timeout"),  # finite, but past what a thread's join can wait
                        (["--publishers", "0"], "--publishers"), (["--rate", "nan"], "--rate"),
                        (["--messages", "0"], "--messages"),
-                       (["--trigger", "available_now"], "--trigger"), (["--trigger", "once"], "--trigger")):
+                       (["--trigger", "available_now"], "--trigger"), (["--trigger", "once"], "--trigger"),
+                       # refused by Spark only once the members and Spark had started (~50 s), exit 1
+                       (["--trigger", "soon"], "--trigger 'soon' is not an interval"),
+                       (["--trigger", "1 month"], "--trigger '1 month' is not an interval")):
         done = subprocess.run([sys.executable, "-m", "zerocomm_spark.pipelines.main", *argv], cwd=ROOT,
                               capture_output=True, text=True, timeout=60)
         assert done.returncode == 2, (argv, done.stdout, done.stderr[-2000:])
