@@ -447,6 +447,14 @@ class Ctx:
         deadline = began + connect_timeout
         if held_by(cfg.socket_dir) is None:
             if not getattr(self.args, "spawn", False):
+                from zerocomm_spark.agent.daemon import has_identity
+
+                if not has_identity(cfg.identity_dir):  # --spawn starts only an existing member: init first
+                    raise errors.AgentNotRunningError(
+                        f"no agent is running for {cfg.identity_dir}, and it holds no identity yet",
+                        hint=f"Create one with `zerocomm init --label NAME` (with this command's --config or "
+                             f"--identity-dir if you gave one), then "
+                             + self.start_hint("start it with `zerocomm agent start --detach`"))
                 raise errors.AgentNotRunningError(
                     f"no agent is running for {cfg.identity_dir}",
                     hint=f"{self.start_hint()}, or add --spawn")

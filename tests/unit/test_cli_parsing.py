@@ -58,3 +58,20 @@ def test_an_empty_group_or_peer_name_is_a_usage_error_said_as_such(argv, capsys)
     assert zerocomm(["--json", *argv]) == 2
     error = json.loads(capsys.readouterr().out.splitlines()[-1])["error"]
     assert "is empty (an unset shell variable?)" in error["message"], error
+
+
+def test_no_agent_and_no_identity_says_to_init_first_not_to_add_spawn(monkeypatch, capsys, tmp_path):
+    """On a machine never set up, `zerocomm send g hi` said "start it ..., or add --spawn", and --spawn
+    then failed with "holds no identity" (found by a user review): --spawn starts only an existing
+    member. It now says to create the identity first; with one, the hint names --spawn as before."""
+    from zerocomm_spark.agent.cli import main as zerocomm
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.delenv("ZEROCOMM_CONFIG", raising=False)
+    assert zerocomm(["send", "g", "hi"]) == 3
+    err = capsys.readouterr().err
+    assert "holds no identity yet" in err and "zerocomm init --label NAME" in err, err
+    assert "--spawn" not in err and "zerocomm agent start --detach" in err, err
+    assert zerocomm(["--json", "group", "list"]) == 3
+    error = json.loads(capsys.readouterr().out.splitlines()[-1])["error"]
+    assert error["type"] == "AgentNotRunningError" and "zerocomm init" in error["hint"], error
