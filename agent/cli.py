@@ -452,8 +452,8 @@ class Ctx:
                 if not has_identity(cfg.identity_dir):  # --spawn starts only an existing member: init first
                     raise errors.AgentNotRunningError(
                         f"no agent is running for {cfg.identity_dir}, and it holds no identity yet",
-                        hint=f"Create one with `zerocomm init --label NAME` (with this command's --config or "
-                             f"--identity-dir if you gave one), then "
+                        hint="Create one with `zerocomm init --label NAME` (with this command's --config or "
+                             "--identity-dir if you gave one), then "
                              + self.start_hint("start it with `zerocomm agent start --detach`"))
                 raise errors.AgentNotRunningError(
                     f"no agent is running for {cfg.identity_dir}",
