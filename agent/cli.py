@@ -1004,8 +1004,10 @@ def _stdin_chunks(request_bytes: Callable[[], int], group: str, prefix: str, ski
         text = _line_text(line)
         if not is_utf8_text(text):  # stdin decodes with surrogateescape: binary input would fail mid-send
             # (Refused with its chunk, as before: binary input is most often binary from its first chunk.)
+            held = (f" (nor were lines {number - len(chunk)}..{number - 1}, read with it and not sent)"
+                    if len(chunk) > 1 else f" (nor was line {number - 1}, read with it and not sent)" if chunk else "")
             raise _bad_line(errors.BadRequestError(
-                f"line {number} of stdin is not UTF-8 text",
+                f"line {number} of stdin is not UTF-8 text{held}",
                 hint=f"Encode binary data first (for example with base64), or remove line {number}"), number)
         encoded = len(text.encode("utf-8", "surrogateescape"))
         if largest is not None and encoded > largest:

@@ -77,6 +77,7 @@ def test_text_that_is_not_utf8_is_refused_before_anything_is_sent(members: tuple
     for env in (None, {"PYTHONIOENCODING": "utf-8:strict"}):  # en_US.UTF-8 and the like decode stdin strictly
         error = refused(up, "send", "g", "-", stdin=b"fine\nbad \xff\xfe\n", code=2, env=env)
         assert "line 2" in error["message"] and "UTF-8" in error["message"], error
+        assert "nor was line 1, read with it and not sent" in error["message"], error  # says the good one did not go
     assert up.run("history", "g").json_lines == []  # refused whole: not even the good first line went out
     empty = refused(up, "send", "g", "-", stdin=b"", code=2)  # the hint was "check the named setting"
     assert "stdin" in empty["message"] and "setting" not in empty["hint"], empty
