@@ -141,7 +141,7 @@ class PublishReceipt:
             shown = ", ".join(sorted(missing)[:8]) + (" ..." if len(missing) > 8 else "")
             raise PeerTimeoutError(
                 f"{len(missing)} member(s) did not ack seq {self._last} of group {self._outbox.group!r} "
-                f"within {timeout:g}s: {shown}",
+                f"within {round(timeout, 2):g}s: {shown}",
                 hint="They may be down or slow; see stats()['peers_alive'], stats()['unacked'] and "
                      "stats()['ack_stalled'] (alive but not acking), or wait again: the messages stay "
                      "buffered for them, within the retention limits for those holding no window")
