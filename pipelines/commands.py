@@ -409,8 +409,12 @@ def ingest(ctx: Any) -> int:
     except (ZeroCommError, OSError, ValueError) as exc:  # the next run commits it: retention only waits longer
         log.warning("could not tell the agent's journal that the run's last batch is in Delta (%s); the next run "
                     "does", exc.message if isinstance(exc, ZeroCommError) else f"{type(exc).__name__}: {exc}")
-    ctx.out({"table": table, "rows": total[0], "checkpoint": checkpoint},
-            f"ingested {total[0]} rows into {table} (checkpoint {checkpoint})")
+    # Said every run: the group's messages are end-to-end encrypted, and the table holds them as they
+    # were delivered unless a history key seals them (main.sh's summary says the same).
+    sealing = "sealed with the history key" if key is not None else "in clear (--history-key-file seals them)"
+    ctx.out({"table": table, "rows": total[0], "checkpoint": checkpoint,
+             "payloads": "sealed" if key is not None else "clear"},
+            f"ingested {total[0]} rows into {table} (checkpoint {checkpoint}; payloads {sealing})")
     return 0
 
 

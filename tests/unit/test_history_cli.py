@@ -438,7 +438,7 @@ def test_ingest_needs_the_agent_running_or_spawn_before_spark_starts(monkeypatch
     monkeypatch.setattr(commands, "_spark", no_spark)
     assert zerocomm(["history", "ingest", "sensors", "--table", str(tmp_path / "t"), "--available-now"]) == 3
     err = capsys.readouterr().err
-    assert "no agent is running" in err and "--spawn" in err
+    assert "no agent is running" in err and "zerocomm agent start --detach" in err  # (and to init first: none here)
 
 
 @pytest.mark.parametrize("flags, spawn", [([], "false"), (["--spawn"], "true")])
@@ -472,3 +472,4 @@ def test_ingest_starts_no_agent_mid_run_unless_spawn_was_given(monkeypatch, caps
     monkeypatch.setattr(history, "release_checkpointed", release)
     assert zerocomm([*flags, "history", "ingest", "sensors", "--table", str(tmp_path / "t"), "--available-now"]) == 0
     assert seen == {"client": True, "ingest": {"spawnAgent": spawn}, "release": {"spawnAgent": spawn}}
+    assert "payloads in clear (--history-key-file seals them)" in capsys.readouterr().out
