@@ -20,24 +20,24 @@ from pathlib import Path
 from zerocomm_spark.errors import JournalError, JournalKeyError, JournalLockedError
 from zerocomm_spark.journal import crypto
 
-try:  # Linux's sync_file_range(2), through libc: Python's os module does not have it
-    import ctypes
 
-    _sync_file_range = ctypes.CDLL(None, use_errno=True).sync_file_range
-    _sync_file_range.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
-    _sync_file_range.restype = ctypes.c_int
-except (ImportError, OSError, AttributeError):  # pragma: no cover - not Linux (or no glibc symbol)
-    _sync_file_range = None
+def _libc(name: str, *argtypes: str) -> Callable[..., int] | None:
+    """A Linux libc call Python's os module does not have (``argtypes``: ctypes type names), or None
+    where there is none: the journal does without it, as each is advisory."""
+    try:
+        import ctypes
+
+        function = getattr(ctypes.CDLL(None, use_errno=True), name)
+    except (ImportError, OSError, AttributeError):  # pragma: no cover - not Linux (or no glibc symbol)
+        return None
+    function.argtypes = [getattr(ctypes, t) for t in argtypes]
+    function.restype = ctypes.c_int
+    return function
+
+
+_sync_file_range = _libc("sync_file_range", "c_int", "c_int64", "c_int64", "c_uint")
 _SYNC_FILE_RANGE_WRITE = 2
-
-try:  # Linux's fallocate(2) with its flags (os.posix_fallocate has none: it would grow the file)
-    import ctypes
-
-    _fallocate = ctypes.CDLL(None, use_errno=True).fallocate
-    _fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
-    _fallocate.restype = ctypes.c_int
-except (ImportError, OSError, AttributeError):  # pragma: no cover - not Linux (or no glibc symbol)
-    _fallocate = None
+_fallocate = _libc("fallocate", "c_int", "c_int", "c_int64", "c_int64")  # os.posix_fallocate has no flags
 _FALLOC_FL_KEEP_SIZE = 1
 
 log = logging.getLogger(__name__)
