@@ -380,17 +380,17 @@ def ingest(ctx: Any) -> int:
                 f"batch {batch.batch_id}: {batch.rows} rows" + (f" -> version {batch.version}" if batch.committed
                                                                  else " (already in Delta, skipped)"))
 
-    # The member's agent must run, as for every command that talks to it (exit 3 and how to start it),
-    # or --spawn starts it: before Spark starts, not by the connector's default (spawnAgent) without a word,
-    # leaving an agent running after the command. Without --spawn the query does not start one either.
+    # The member's agent must run when the command starts, as for every command that talks to it (exit 3
+    # and how to start it), or --spawn starts it: before Spark starts. The connector's default
+    # (spawnAgent) started one without a word and left it running after the command. Once running, the
+    # query still starts the agent again if it stops (spawnAgent), so a long ingest rides over a crash.
     ctx.client()
-    spawn = {"spawnAgent": "true" if getattr(a, "spawn", False) else "false"}
     spark = _spark()
     with _reading(table, "ingest"):  # a table Spark or Delta refuses at start: one line, not a Py4J traceback
         query = start(spark, a.groups, table, checkpoint, agent=str(ctx.config.socket_dir),
                       starting_offsets=a.starting_offsets, max_messages_per_trigger=a.max_per_trigger,
                       trigger="available_now" if a.available_now else (a.trigger or _DEFAULT_TRIGGER), history_key=key,
-                      on_batch=on_batch, delta_txn=a.delta_txn, source_options=spawn)
+                      on_batch=on_batch, delta_txn=a.delta_txn)
     try:
         while query.isActive:
             query.awaitTermination(1.0)
@@ -405,7 +405,7 @@ def ingest(ctx: Any) -> int:
                             hint="See the Spark log above; restarting with the same --checkpoint resumes "
                                  "where it stopped, without writing anything twice")
     try:  # the run's last batch: Spark would tell the source only when starting the next one
-        release_checkpointed(spark, a.groups, checkpoint, agent=str(ctx.config.socket_dir), source_options=spawn)
+        release_checkpointed(spark, a.groups, checkpoint, agent=str(ctx.config.socket_dir))
     except (ZeroCommError, OSError, ValueError) as exc:  # the next run commits it: retention only waits longer
         log.warning("could not tell the agent's journal that the run's last batch is in Delta (%s); the next run "
                     "does", exc.message if isinstance(exc, ZeroCommError) else f"{type(exc).__name__}: {exc}")

@@ -509,7 +509,7 @@ def _last_committed_batch(checkpoint: str) -> int | None:
 
 
 def release_checkpointed(spark: SparkSession, groups: str | Sequence[str], checkpoint: str, *,
-                         agent: str | None = None, source_options: Mapping[str, str] | None = None) -> int | None:
+                         agent: str | None = None) -> int | None:
     """Tell the member's journal that everything an ingest run checkpointed was consumed.
 
     Spark tells a source that a micro-batch is checkpointed only when it starts the next one, so the
@@ -518,8 +518,7 @@ def release_checkpointed(spark: SparkSession, groups: str | Sequence[str], check
     once the query stopped. It commits what the checkpoint's commit log says is done, as Spark's
     next batch would, never more. Returns the journal offset committed, or None (nothing to move, a
     checkpoint on an object store, which this does not list, or a query with several zerocomm
-    sources, whose groups the checkpoint does not say). ``source_options``: as given to :func:`ingest`
-    (``spawnAgent`` among them decides whether a stopped agent is started for this call).
+    sources, whose groups the checkpoint does not say).
     """
     from zerocomm_spark.connector.agent_link import MemberLink
     from zerocomm_spark.connector.offsets import ZeroCommOffset
@@ -542,8 +541,7 @@ def release_checkpointed(spark: SparkSession, groups: str | Sequence[str], check
         return None
     names = [groups] if isinstance(groups, str) else list(groups)
     parsed = SourceOptions.parse(_source_options(names, agent=agent, starting_offsets="earliest",
-                                                 max_messages_per_trigger=None, source_options=source_options),
-                                 mode="stream")
+                                                 max_messages_per_trigger=None, source_options=None), mode="stream")
     with MemberLink.connect(parsed.agent) as link:
         return link.commit(ends[0], parsed.groups)
 
