@@ -351,7 +351,7 @@ def _history(action: str) -> Callable[["Ctx"], int]:
         # Spark and Delta load only for these actions; the job itself lives with the pipelines.
         from zerocomm_spark.pipelines import commands
 
-        return int(getattr(commands, action)(ctx))
+        return commands.run(action, ctx)
 
     return run
 

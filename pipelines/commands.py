@@ -11,6 +11,7 @@ import os
 import re
 import stat
 import sys
+import tempfile
 import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
@@ -20,7 +21,7 @@ from typing import Any
 from zerocomm_spark.errors import ConfigurationError, GroupNotFoundError, InsecurePermissionsError, ZeroCommError
 from zerocomm_spark.pipelines.history_key import KEY_BYTES, HistoryKey
 
-__all__ = ["compact", "ingest", "read_key_file", "replay", "vacuum"]
+__all__ = ["compact", "ingest", "read_key_file", "replay", "run", "vacuum"]
 
 log = logging.getLogger(__name__)
 
@@ -233,11 +234,11 @@ def _spark_failure(exc: BaseException, table: str, action: str) -> ZeroCommError
     if action == "ingest":
         return ZeroCommError(f"starting the ingest into the history table at {table} failed in Spark ({reason})",
                              hint="Give --table a Delta table of group history, or a path with nothing there yet "
-                                  "(one is made), and a --checkpoint this user can write; Spark's log (the "
-                                  "driver's output) has the details")
+                                  f"(one is made), and a --checkpoint this user can write; {_spark_log_text()} "
+                                  "has the details")
     doing = {"replay": "replaying", "compact": "compacting", "vacuum": "vacuuming"}.get(action, action)
     return ZeroCommError(f"{doing} the history table at {table} failed in Spark ({reason})",
-                         hint="Spark's own error: its log (the driver's output) has the details; the table's files "
+                         hint=f"Spark's own error: {_spark_log_text()} has the details; the table's files "
                               "were read without a sign of damage")
 
 
@@ -309,10 +310,86 @@ def query_failure_text(spark: Any, query: Any) -> str:
         return str(getattr(error, "_desc", error))
 
 
+#: The file this command's Spark writes its own output to (the JVM's and its Python workers' stdout and
+#: stderr), once _spark() started it; None while Spark has not been started by this command.
+_spark_log: Path | None = None
+
+
+def _spark_log_text() -> str:
+    """Where Spark's own log is, for a hint."""
+    return f"Spark's log ({_spark_log})" if _spark_log is not None else "Spark's log (the driver's output)"
+
+
+@contextmanager
+def _output_to(fd: int) -> Iterator[None]:
+    """File descriptors 1 and 2 to ``fd`` while Spark starts, so the JVM (and the Python workers it forks
+    later) inherit it as theirs; this process's own output goes back to the terminal afterwards."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = os.dup(1), os.dup(2)
+    try:
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+        yield
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.dup2(saved[0], 1)
+        os.dup2(saved[1], 2)
+        os.close(saved[0])
+        os.close(saved[1])
+
+
 def _spark() -> Any:
+    """The local Spark session. Started here, its JVM writes to a log file, not to the terminal: five
+    lines of start-up notes and warnings ("Using incubator modules", the native-hadoop warning, the
+    log4j profile) came before every command's own output, and Spark's warnings during a query after it."""
+    global _spark_log
+    from pyspark import SparkContext
+
     from zerocomm_spark.connector.session import local_spark
 
-    return local_spark("zerocomm-history")
+    if SparkContext._active_spark_context is not None:  # noqa: SLF001 - already started (a notebook, a test)
+        return local_spark("zerocomm-history")
+    fd, name = tempfile.mkstemp(prefix="zerocomm-history-spark-", suffix=".log")
+    _spark_log = Path(name)
+    try:
+        with _output_to(fd):
+            return local_spark("zerocomm-history")
+    except ZeroCommError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - the JVM did not start: its reason is in the log, say it
+        reason = _start_failure(_spark_log.read_text(errors="replace")) or f"{type(exc).__name__}: {exc}"
+        raise ZeroCommError(f"Spark did not start: {reason}",
+                            hint=f"{_spark_log_text()} has its whole output; Spark needs Java 17 or later "
+                                 "(JAVA_HOME, or java on the PATH)") from None
+    finally:
+        os.close(fd)
+
+
+_LAUNCHER_PREFIX = re.compile(r"^\S*spark-(?:class|submit): line \d+: ")
+_START_ERROR = re.compile(r"error|exception|no such file|not found|permission denied|cannot|unable", re.IGNORECASE)
+
+
+def _start_failure(output: str) -> str | None:
+    """The line of a JVM that did not start which says why: the first that reads like an error (the
+    launcher's "java: No such file or directory", a Java exception), else the last; None if it said nothing."""
+    lines = [_LAUNCHER_PREFIX.sub("", line.strip()) for line in output.splitlines() if line.strip()]
+    return next((line for line in lines if _START_ERROR.search(line)), lines[-1] if lines else None)
+
+
+def run(action: str, ctx: Any) -> int:
+    """Run one history action. Spark's log file is removed after a success, and after an error that does
+    not name it; an error that names it (Spark's own failure) leaves it for the user to read."""
+    try:
+        code = {"ingest": ingest, "replay": replay, "compact": compact, "vacuum": vacuum}[action](ctx)
+    except ZeroCommError as exc:
+        if _spark_log is not None and str(_spark_log) not in str(exc):
+            _spark_log.unlink(missing_ok=True)
+        raise
+    if _spark_log is not None and code == 0:
+        _spark_log.unlink(missing_ok=True)
+    return code
 
 
 #: `history ingest`'s micro-batch interval without --trigger (None there: a --trigger given at all is known).
@@ -398,12 +475,12 @@ def ingest(ctx: Any) -> int:
         query.stop()
     if query.exception() is not None:
         # One line (Spark's reason and its root cause), not the first 1,000 characters of a traceback
-        # and the query's description; Spark logged the whole error above. Spark's failure: exit 1.
+        # and the query's description; Spark logged the whole error in its log. Spark's failure: exit 1.
         full = query_failure_text(spark, query)
         log.debug("the ingest query failed: %s", full)
         raise ZeroCommError(f"the ingest query failed: {_query_reason(query.exception(), full)}",
-                            hint="See the Spark log above; restarting with the same --checkpoint resumes "
-                                 "where it stopped, without writing anything twice")
+                            hint=f"{_spark_log_text()} has the whole error; restarting with the same --checkpoint "
+                                 "resumes where it stopped, without writing anything twice")
     try:  # the run's last batch: Spark would tell the source only when starting the next one
         release_checkpointed(spark, a.groups, checkpoint, agent=str(ctx.config.socket_dir))
     except (ZeroCommError, OSError, ValueError) as exc:  # the next run commits it: retention only waits longer

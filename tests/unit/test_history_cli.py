@@ -466,3 +466,17 @@ def test_ingest_with_the_agent_running_asks_it_first_and_says_how_payloads_are_k
     assert zerocomm(["history", "ingest", "sensors", "--table", str(tmp_path / "t"), "--available-now"]) == 0
     assert order == ["agent", "spark"]
     assert "payloads in clear (--history-key-file seals them)" in capsys.readouterr().out
+
+
+def test_a_jvm_that_did_not_start_is_said_by_its_error_line_not_its_last():
+    from zerocomm_spark.pipelines.commands import _start_failure
+
+    launcher = ("/venv/pyspark/bin/spark-class: line 71: /opt/jdk/bin/java: No such file or directory\n"
+                "/venv/pyspark/bin/spark-class: line 97: CMD: bad array subscript\n")
+    assert _start_failure(launcher) == "/opt/jdk/bin/java: No such file or directory"
+    java = ("WARNING: Using incubator modules: jdk.incubator.vector\n"
+            "Exception in thread \"main\" java.lang.UnsupportedClassVersionError: org/apache/spark/deploy/SparkSubmit\n"
+            "\tat java.base/java.lang.ClassLoader.defineClass1(Native Method)\n")
+    assert _start_failure(java).startswith("Exception in thread \"main\" java.lang.UnsupportedClassVersionError")
+    assert _start_failure("something odd\nthe last words\n") == "the last words"
+    assert _start_failure("\n \n") is None
