@@ -250,8 +250,10 @@ class AgentCalls:
     def info(self, req: Request, group: str) -> dict[str, Any]:
         return _plain(self.groups.info(group))
 
-    def members(self, req: Request, group: str) -> list[dict[str, Any]]:
-        return _plain(self.groups.members(group))
+    def members(self, req: Request, group: str, include_left: bool = False) -> list[dict[str, Any]]:
+        """``include_left``: members that left too (status "left"), so a reader of the history still
+        has a label for what they published."""
+        return _plain(self.groups.members(group, include_left=include_left))
 
     def switch_role(self, req: Request, group: str, role: str) -> dict[str, Any]:
         info = self.groups.switch_role(group, role, timeout=max(min(req.remaining(), 10.0), 0.1))
@@ -631,7 +633,7 @@ def build_registry(process: "AgentProcess") -> CallRegistry:
     r.add("join", calls.join, {"group": group, "via": required_text, "role": Param(str, check=_role)})
     r.add("leave", calls.leave, {"group": group})
     r.add("info", calls.info, {"group": group})
-    r.add("members", calls.members, {"group": group})
+    r.add("members", calls.members, {"group": group, "include_left": Param(bool, default=False)})
     r.add("switch_role", calls.switch_role, {"group": group, "role": Param(str, required=True, check=_role)})
     r.add("publish", calls.publish, {"group": group, "sign": Param(bool, default=False)}, bulk="required")
     r.add("latest", calls.latest, {"group": text})

@@ -1307,7 +1307,7 @@ class _Labels:
         if did not in self.names and time.monotonic() - self._refreshed > 2.0:
             self._refreshed = time.monotonic()
             try:
-                for m in self.client.members(self.group, timeout=5.0):
+                for m in self.client.members(self.group, include_left=True, timeout=5.0):  # a leaver's rows too
                     if m.get("did") and m.get("label"):
                         self.names[m["did"]] = m["label"]
             except ZeroCommError:

@@ -855,8 +855,11 @@ class Client:
         result: dict[str, Any] = self.call("info", group=group, timeout=timeout)
         return result
 
-    def members(self, group: str, *, timeout: float | None = None) -> list[dict[str, Any]]:
-        result: list[dict[str, Any]] = self.call("members", group=group, timeout=timeout)
+    def members(self, group: str, *, include_left: bool = False, timeout: float | None = None) -> list[dict[str, Any]]:
+        """The group's members; ``include_left`` adds those that left (status "left"), whose labels name
+        what they published before."""
+        args: dict[str, Any] = {"include_left": True} if include_left else {}
+        result: list[dict[str, Any]] = self.call("members", group=group, timeout=timeout, **args)
         return result
 
     def switch_role(self, group: str, role: str, *, timeout: float | None = None) -> dict[str, Any]:

@@ -100,6 +100,9 @@ def test_three_members_from_the_command_line(trio: list[Member]) -> None:
     gone = carol.run("group", "info", "g")
     assert gone.code == 6 and gone.json["error"]["type"] == "GroupNotFoundError"
     assert alice.ok("send", "g", "after carol left")["seqs"] == [5]
+    # What carol published before she left is still hers by label in the history, not a shortened DID.
+    after = {r["payload"]: r["publisher_label"] for r in bob.run("history", "g").json_lines}
+    assert after["hello from carol"] == "carol" and after["after carol left"] == "alice", after
 
 
 def test_exit_codes_and_errors_that_say_what_to_do(tmp_path: Path) -> None:
