@@ -26,11 +26,12 @@ trap 'exit 130' INT
 trap 'exit 143' TERM
 
 # Each pytest gets its own base temporary directory: two sessions must not prune each other's.
-"${pytest[@]}" --basetemp "$work/spark" tests/spark >"$work/spark.log" 2>&1 &
+# --durations: each half's slowest tests in its report, to balance the halves by (CI's limit is on the total).
+"${pytest[@]}" --durations=20 --basetemp "$work/spark" tests/spark >"$work/spark.log" 2>&1 &
 spark_pid=$!
 echo "[tests] tests/spark runs beside the rest (pid $spark_pid); its report follows at the end" >&2
 set +e
-"${pytest[@]}" --basetemp "$work/rest" tests --ignore tests/spark
+"${pytest[@]}" --durations=20 --basetemp "$work/rest" tests --ignore tests/spark
 rest=$?
 wait "$spark_pid"
 spark=$?
