@@ -362,6 +362,10 @@ def run_foreground(config: Config, *, ready_fd: int | None = None, run_lock_fd: 
     from zerocomm_spark.agent import logging as agent_logging
     from zerocomm_spark.agent.process import AgentProcess
 
+    if run_lock_fd is None:  # started by hand over a running agent: the refusal alone, before any log line
+        holder = held_by(config.socket_dir)
+        if holder is not None:
+            raise _already_running(config, holder)
     agent_logging.configure(config.get("log", "level"), config.get("log", "format"), config.log_file)
     _no_core_dumps()
     from zerocomm_spark.agent.fdlimit import raise_fd_limit

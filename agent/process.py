@@ -85,6 +85,7 @@ class AgentProcess:
         self.stop_reason = ""
         self._spare_fds: list[int] = []
         self._spare_lock = threading.Lock()  # two threads may fail at once: no descriptor closed twice
+        self._started = False
 
     # --- lifecycle ------------------------------------------------------------------------------
 
@@ -115,6 +116,7 @@ class AgentProcess:
         except BaseException:
             self.close()
             raise
+        self._started = True
         event(log, logging.INFO, "agent started", label=self.member.label if self.member else None,
               identity_dir=str(cfg.identity_dir), api=self.server.ipc_endpoint if self.server else None,
               peer=self.member.endpoint if self.member else None)
@@ -319,7 +321,8 @@ class AgentProcess:
             except Exception as exc:  # noqa: BLE001 - close the rest anyway
                 event(log, logging.WARNING, "closing a part of the agent failed", part=name,
                       error=type(exc).__name__, reason=str(exc)[:300])
-        event(log, logging.INFO, "agent stopped", reason=self.stop_reason or None)
+        if self._started:  # one that never started logged why it did not; "stopped" would mislead
+            event(log, logging.INFO, "agent stopped", reason=self.stop_reason or None)
 
     def _release_spare_fds(self) -> None:
         with self._spare_lock:

@@ -68,6 +68,13 @@ def test_lifecycle_pid_and_health_files_and_one_agent_per_identity(tmp_path: Pat
         assert other_socket.code == 5, other_socket.stderr
         assert f"already running for the identity directory {solo.identity} (pid {pid}" in other_socket.stderr
         assert "what to do:" in other_socket.stderr
+        assert '"agent stopped"' not in other_socket.stderr  # it never started: its log says why, not "stopped"
+        # In the foreground on the same configuration: the refusal alone, before the agent logs a line.
+        foreground = solo.run("agent", "start", json_out=False, timeout=30)
+        assert foreground.code == 5, foreground.stderr
+        assert foreground.stderr.splitlines() == [
+            f"zerocomm: error: an agent is already running for {solo.identity} (pid {pid})",
+            "  what to do: Use it, or stop it first with `zerocomm agent stop`"], foreground.stderr
 
         status = solo.ok("agent", "status")
         assert status["responding"] is True and status["pid"] == pid and status["uptime_s"] > 0
