@@ -375,7 +375,9 @@ def _start_failure(output: str) -> str | None:
     """The line of a JVM that did not start which says why: the first that reads like an error (the
     launcher's "java: No such file or directory", a Java exception), else the last; None if it said nothing."""
     lines = [_LAUNCHER_PREFIX.sub("", line.strip()) for line in output.splitlines() if line.strip()]
-    return next((line for line in lines if _START_ERROR.search(line)), lines[-1] if lines else None)
+    said = (line for line in lines if _START_ERROR.search(line)  # not a warning ("Unable to load native-hadoop")
+            and not line.startswith("WARNING:") and " WARN " not in line)
+    return next(said, lines[-1] if lines else None)
 
 
 def run(action: str, ctx: Any) -> int:

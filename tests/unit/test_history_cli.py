@@ -475,6 +475,7 @@ def test_a_jvm_that_did_not_start_is_said_by_its_error_line_not_its_last():
                 "/venv/pyspark/bin/spark-class: line 97: CMD: bad array subscript\n")
     assert _start_failure(launcher) == "/opt/jdk/bin/java: No such file or directory"
     java = ("WARNING: Using incubator modules: jdk.incubator.vector\n"
+            "26/11/29 15:44:09 WARN NativeCodeLoader: Unable to load native-hadoop library for your platform\n"
             "Exception in thread \"main\" java.lang.UnsupportedClassVersionError: org/apache/spark/deploy/SparkSubmit\n"
             "\tat java.base/java.lang.ClassLoader.defineClass1(Native Method)\n")
     assert _start_failure(java).startswith("Exception in thread \"main\" java.lang.UnsupportedClassVersionError")
