@@ -32,6 +32,7 @@ def policy_of(config: Config) -> Mapping[str, Any]:
 
 def group_config(config: Config) -> GroupConfig:
     # The journal takes every message; nothing here reads the manager's receive() buffer or
-    # messages(), so they keep none (they held up to 110,000 messages per group, never read).
+    # messages(), so they keep none (they held up to 110,000 messages per group, never read). It takes
+    # each publisher's messages in seq order, an unordered group's too (fifo): see GroupConfig.fifo.
     return GroupConfig(publish_bind=config.get("groups", "publish_endpoint") or None,
-                       default_policy=dict(policy_of(config)), history_max=0, inbox_max=0)
+                       default_policy=dict(policy_of(config)), history_max=0, inbox_max=0, fifo=True)

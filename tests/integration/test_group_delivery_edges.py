@@ -177,3 +177,59 @@ def test_a_bound_method_registered_twice_is_refused_too(pair: tuple[Agent, Agent
         alice.groups.on_message(sink.take)  # a new bound-method object, the same listener
     remove()
     alice.groups.on_message(Sink().take)()  # another object's method is another listener
+
+
+def test_a_hole_filled_late_in_an_unordered_group_reaches_the_agents_journal(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """bob journals as the agent does (the agent's group config, its journal listener). In an unordered
+    group he lost alice's "three" on the way and got "four" and "five" first; the repair brought
+    "three" after them, and the journal took it as a duplicate (a seq below its publisher's last)
+    while bob acknowledged it: gone for good from bob's journal (reviewer's finding). The agent now
+    takes each publisher's messages in seq order whatever the group's ordering."""
+    from zerocomm_spark.agent.config import load
+    from zerocomm_spark.agent.groups import group_config
+    from zerocomm_spark.agent.ingest import JournalIngest
+    from zerocomm_spark.agent.metrics import Metrics
+    from zerocomm_spark.journal import Journal
+
+    agent_config = group_config(load(tmp_path / "none.toml", env={}, missing_ok=True))
+    assert agent_config.fifo is True
+    journal = Journal.open(tmp_path / "journal", key=bytes(range(32)))
+    ingest = JournalIngest(journal, Metrics())
+    delivered: list[bytes] = []
+
+    def prepare(agent: Agent, manager: GroupManager) -> None:
+        manager.on_messages(ingest.on_messages)
+        manager.on_messages(lambda ms: delivered.extend(m.payload for m in ms))
+
+    dropped: list[bool] = []
+    accept = DataPlane._accept_batch  # noqa: SLF001
+
+    def loses_three_once(self: DataPlane, g: Any, m: Any, batch: dm.DataBatch) -> None:
+        if self is bob_plane and not dropped and any(msg.payload == b"three" for msg in batch.messages):
+            dropped.append(True)
+            batch = dataclasses.replace(batch, messages=tuple(msg for msg in batch.messages if msg.payload != b"three"))
+            if not batch.messages:
+                return
+        accept(self, g, m, batch)
+
+    alice = Agent.open(tmp_path / "alice", label="alice", group_config=CONFIG)
+    bob = Agent.open(tmp_path / "bob", label="bob", group_config=dataclasses.replace(
+        agent_config, digest_interval_s=0.3, resume_timeout_s=3.0, publish_bind=None), prepare_groups=prepare)
+    bob_plane = bob.groups.dataplane
+    try:
+        alice.groups.create("u", ordered=False)
+        bob.groups.join("u", via=bob.accept(alice.invite(), timeout=10), timeout=30)
+        alice.groups.publish("u", [b"one", b"two"]).wait(10)
+        monkeypatch.setattr(DataPlane, "_accept_batch", loses_three_once)
+        alice.groups.publish("u", [b"three"])
+        wait_for(lambda: dropped, 10.0, "bob to lose three")
+        alice.groups.publish("u", [b"four", b"five"]).wait(20)  # acked by bob: three came back before
+        assert delivered == [b"one", b"two", b"three", b"four", b"five"]  # in seq order, though unordered
+        rows = journal.read(0)
+        assert rows.column("payload").to_pylist() == delivered and rows.column("seq").to_pylist() == [1, 2, 3, 4, 5]
+    finally:
+        bob.close()
+        alice.close()
+        ingest.close()
+        journal.close()

@@ -157,6 +157,11 @@ class GroupConfig:
     inbox_max_bytes: int = 256 * 1024 * 1024
     default_policy: Mapping[str, Any] = field(default_factory=lambda: OpenPolicy().to_dict())
     dataplane: DataPlaneConfig = field(default_factory=DataPlaneConfig)
+    # Deliver every group's messages here in each publisher's seq order, an unordered group's too (held
+    # back until a hole is filled). A journal needs it (the agent's): it keeps one publisher's seqs in
+    # order and takes a seq at or below its last as a duplicate, so a hole filled late, after the seqs
+    # above it, was dropped there - and acknowledged. What other members deliver does not change.
+    fifo: bool = False
 
     def __post_init__(self) -> None:
         for name in ("request_timeout_s", "resume_timeout_s", "consistency_wait_s", "digest_interval_s",
@@ -594,7 +599,8 @@ class GroupManager:
             self._bump_own(g, status=ACTIVE)
             # A group of the same name we left before: members of it may hold our old stream (and
             # their journals its seqs), so the new one continues after it.
-            self.dataplane.open_group(group, mode=mode, ordered=bool(ordered), group_key=key, role=role,  # type: ignore[arg-type]
+            self.dataplane.open_group(group, mode=mode, ordered=self._in_order(record), group_key=key,
+                                      role=role,  # type: ignore[arg-type]
                                       first_seq=self._store.left_position(group) + 1,
                                       reserve=self._seq_reserver(group))
             self._save(g)
@@ -857,7 +863,8 @@ class GroupManager:
         # once; until the views are verified we publish nothing and take nothing (not acked: the
         # publishers re-send it once the group is active).
         left_at = self._store.left_position(group)
-        self.dataplane.open_group(group, mode=mode, ordered=ordered, group_key=key, role=role,  # type: ignore[arg-type]
+        self.dataplane.open_group(group, mode=mode, ordered=self._in_order(record), group_key=key,
+                                  role=role,  # type: ignore[arg-type]
                                   first_seq=left_at + 1, reserve=self._seq_reserver(group))
         checksums = {acceptor_did: reply.checksum}
         self._subscribe_round(g, deadline, accepted, checksums, acceptor=(acceptor_did, acceptor))
@@ -1099,7 +1106,7 @@ class GroupManager:
                 after = reserved
                 log.info("group %r: not every member reached; continuing after seq %d, %d seq(s) void",
                          g.name, after, void[1] - void[0] + 1)
-            self.dataplane.open_group(g.name, mode=g.record.mode, ordered=g.record.ordered,  # type: ignore[arg-type]
+            self.dataplane.open_group(g.name, mode=g.record.mode, ordered=self._in_order(g.record),  # type: ignore[arg-type]
                                       group_key=g.group_key, role=g.record.role, first_seq=after + 1,  # type: ignore[arg-type]
                                       reserve=self._seq_reserver(g.name), void=void)
             if saved.receive:
@@ -1501,6 +1508,10 @@ class GroupManager:
     def _on_deliver(self, message: Delivered) -> None:
         self._on_deliver_many([message])
 
+    def _in_order(self, record: GroupRecord) -> bool:
+        """Whether this member delivers the group's messages in each publisher's seq order (see GroupConfig.fifo)."""
+        return bool(record.ordered) or self.config.fifo
+
     def _on_superseded(self, group: str, publisher_did: str, seqs: list[int]) -> None:
         with self._lock:
             listeners = list(self._superseded_listeners)
@@ -1542,7 +1553,7 @@ class GroupManager:
                 if not all(any(c is listener for c in have) for listener in everyone):
                     break
                 done += 1
-        ordered = g is not None and g.record.ordered
+        ordered = g is not None and self._in_order(g.record)
         # Read only when there is a record to prune (rarely: a listener raised), outside our lock (the
         # data plane's lock comes first): a copy of every publisher's position per batch otherwise.
         passed = self._passed(group, key[1]) if not ordered and (now_taken is not None or key in self._taken) else 0
