@@ -174,6 +174,8 @@ class GroupConfig:
             least = 0 if name in ("history_max", "inbox_max") else 1
             if not isinstance(value, int) or isinstance(value, bool) or value < least:
                 raise ConfigurationError(f"GroupConfig.{name} must be an integer of at least {least}, got {value!r}")
+        if not isinstance(self.fifo, bool):
+            raise ConfigurationError(f"GroupConfig.fifo must be True or False, got {self.fifo!r}")
         policy_from_dict(self.default_policy)
 
 
