@@ -41,20 +41,18 @@ def test_main_job_runs_the_whole_story_and_every_check_passes(tmp_path):
     assert summary["latency_to_delta_s"]["p50"] > 0 and summary["replay_rows_per_s"] > 0
     assert (tmp_path / "history" / "_delta_log").is_dir()  # the table is where it said
 
-
-def test_main_job_run_again_on_the_same_table_checks_only_its_own_run(tmp_path):
-    table = tmp_path / "shared-history"
-    for run in (1, 2):
-        done = subprocess.run(
-            [sys.executable, "-m", "zerocomm_spark.pipelines.main", "--publishers", "1", "--messages", "5",
-             "--rate", "50", "--reply-fraction", "0", "--json", "--timeout", "600", "--table", str(table),
-             "--work-dir", str(tmp_path / f"run-{run}")],
-            cwd=ROOT, capture_output=True, text=True, timeout=800)
-        lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
-        assert lines, f"no summary (exit {done.returncode}):\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}"
-        summary = json.loads(lines[-1])
-        assert done.returncode == 0 and summary["ok"] is True, (run, summary)
-        assert summary["rows"] == summary["published"] == 5 and summary["unexpected"] == 0
+    # Run again on the same table from another work dir: it checks only its own run's rows.
+    table = tmp_path / "history"
+    done = subprocess.run(
+        [sys.executable, "-m", "zerocomm_spark.pipelines.main", "--publishers", "1", "--messages", "5",
+         "--rate", "50", "--reply-fraction", "0", "--json", "--timeout", "600", "--table", str(table),
+         "--work-dir", str(tmp_path / "run-2")],
+        cwd=ROOT, capture_output=True, text=True, timeout=800)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    assert lines, f"no summary (exit {done.returncode}):\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}"
+    again = json.loads(lines[-1])
+    assert done.returncode == 0 and again["ok"] is True, again
+    assert again["rows"] == again["published"] == 5 and again["unexpected"] == 0 and again["table"] == str(table)
 
 
 def test_options_out_of_range_are_usage_errors_before_anything_starts():
@@ -109,24 +107,12 @@ def test_a_table_path_that_cannot_be_written_is_one_error_line(tmp_path):
             assert "error: Spark failed" in done.stderr and "--table" in done.stderr, done.stderr[-2000:]
 
 
-def test_main_job_run_again_in_the_same_work_dir(tmp_path):
+def test_main_job_run_again_and_twice_at_once_in_one_work_dir_each_check_their_own(tmp_path):
     """`--work-dir DIR` keeps the members and the table; running the job again on it failed at once:
     the last run's historian already has the group ("this member already has a group named 'demo'").
-    A second run makes its own members, appends to the same table and checks its own run."""
-    for run in (1, 2):
-        done = subprocess.run(
-            [sys.executable, "-m", "zerocomm_spark.pipelines.main", "--publishers", "1", "--messages", "5",
-             "--rate", "50", "--reply-fraction", "0", "--json", "--timeout", "600", "--work-dir", str(tmp_path)],
-            cwd=ROOT, capture_output=True, text=True, timeout=800)
-        lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
-        assert lines, f"no summary (exit {done.returncode}):\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}"
-        summary = json.loads(lines[-1])
-        assert done.returncode == 0 and summary["ok"] is True, (run, summary)
-        assert summary["rows"] == summary["published"] == 5 and summary["table"] == str(tmp_path / "history")
+    A run again makes its own members, appends to the same table and checks its own run.
 
-
-def test_main_job_runs_at_the_same_time_in_one_work_dir_each_check_their_own(tmp_path):
-    """Runs in one --work-dir have members of their own (f98fbb9), but two at once still failed: both
+    Runs in one --work-dir have members of their own (f98fbb9), but two at once still failed: both
     overwrote one warm-up table (a Delta conflict ended one run, exit 1), and each replayed the other's
     rows of the group 'demo' as its own ("unexpected": 20, check failed). Each has its own scratch table
     now and checks the rows of its own publishers."""
@@ -143,6 +129,7 @@ def test_main_job_runs_at_the_same_time_in_one_work_dir_each_check_their_own(tmp
         summary = json.loads(lines[-1])
         assert run.returncode == 0 and summary["ok"] is True, summary
         assert summary["rows"] == summary["published"] == 20 and summary["unexpected"] == 0, summary
+        assert summary["table"] == str(tmp_path / "history"), summary  # the first run's table, appended to
     assert not list(tmp_path.glob("warm-up*"))  # scratch, removed
 
 
