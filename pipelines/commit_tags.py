@@ -73,6 +73,8 @@ class TagLookup:
     #: The newest commit of ``app_id`` is a catch-up one (:func:`catch_up_tag`): its checkpoint is
     #: behind the table up to ``batch``, so batch ids do not name the rows the table holds.
     behind: bool = False
+    #: When that commit was made (Delta's commit timestamp, ms), if the log says.
+    committed_ms: int | None = None
 
 
 def last_tagged_batch(spark: SparkSession, table_path: str, app_id: str, *, not_before_ms: int = 0) -> TagLookup:
@@ -86,7 +88,9 @@ def last_tagged_batch(spark: SparkSession, table_path: str, app_id: str, *, not_
         for row in rows:
             batch = parse_tag(row["userMetadata"], app_id)
             if batch is not None:
-                return TagLookup(batch, int(row["version"]), True)
+                stamp = row["timestamp"]
+                return TagLookup(batch, int(row["version"]), True,
+                                 committed_ms=int(stamp.timestamp() * 1000) if stamp is not None else None)
             newest = _parse_catch_up(row["userMetadata"], app_id)
             if newest is not None:
                 return TagLookup(newest, int(row["version"]), True, behind=True)

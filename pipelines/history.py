@@ -249,7 +249,7 @@ def append_history(df: DataFrame, table_path: str, *, app_id: str, version: int,
 
 
 def _append_history(df: DataFrame, table_path: str, *, app_id: str, version: int, look: bool, not_before_ms: int,
-                    delta_txn: bool) -> tuple[bool, int | None]:
+                    delta_txn: bool, planned_ms: int | None = None) -> tuple[bool, int | None]:
     """append_history, and the newest batch of ``app_id`` the table holds when that is past ``version``.
 
     A table ahead of the batch being written means the checkpoint is behind the table (it was put
@@ -258,7 +258,9 @@ def _append_history(df: DataFrame, table_path: str, *, app_id: str, version: int
     holds. Such a batch, up to and including the table's newest one, appends only the rows the table
     lacks, tagged as a catch-up (an empty commit if it lacks none: a restart meanwhile must still
     see the table ahead, or it would skip its re-planned batch of the table's newest id) and without
-    Delta's txn options (which would drop the write of a lower version).
+    Delta's txn options (which would drop the write of a lower version). ``planned_ms``: when Spark
+    planned this batch (None or 0 if unknown), to tell a re-run of it from a batch planned anew under
+    its id (a table commit of the batch older than the plan).
     """
     tag = commit_tag(app_id, version)
     options = {"userMetadata": tag}
@@ -276,7 +278,18 @@ def _append_history(df: DataFrame, table_path: str, *, app_id: str, version: int
                                  record_empty=True)
         return True, found.batch
     if found.batch is not None and found.batch == version:
-        return False, None
+        if not planned_ms or found.committed_ms is None or found.committed_ms >= planned_ms:
+            # Committed by a run of this very plan (Spark re-runs a batch it did not record as done), by
+            # the caller's own earlier call (append_history: it plans nothing), or the plan is unknown.
+            return False, None
+        # Committed before this plan of the batch: a checkpoint put back from a copy taken between two
+        # batches (without this one's offsets file) plans it anew under the same id, over other and more
+        # messages than the table's commit of it. Only the rows the table lacks, without Delta's txn
+        # options (which would drop the write of a version it recorded).
+        log.warning("the history table %s holds a commit of batch %d of %s from before Spark planned it this time: "
+                    "appending only the rows the table lacks", table_path, version, app_id)
+        append_new_rows_retrying(df, str(table_path), {"userMetadata": tag})
+        return True, None
     if found.complete:
         _write(df, str(table_path), options)
     else:
@@ -449,8 +462,10 @@ class HistoryWriter:
             # planned in order; a checkpoint put back from an older copy keeps its last batch's file,
             # while the batch that follows is planned anew, later than the table's commits of it).
             planned_ms = 0 if follows else _batch_planned_ms(spark, self.checkpoint, max(batch_id - 1, 0))
+            this_plan = 0 if follows else _batch_planned_ms(spark, self.checkpoint, batch_id)
             committed, ahead = _append_history(rows, self.table_path, app_id=app_id, version=batch_id,
-                                               look=not follows, not_before_ms=planned_ms, delta_txn=self.delta_txn)
+                                               look=not follows, not_before_ms=planned_ms, delta_txn=self.delta_txn,
+                                               planned_ms=this_plan)
             if ahead is not None:
                 self._behind_until = ahead
                 tag = catch_up_tag(app_id, ahead)

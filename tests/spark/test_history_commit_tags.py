@@ -693,3 +693,31 @@ def test_an_ingest_catching_up_while_another_writer_commits_to_the_same_partitio
                        lambda: f"the catch-up never reached its append: {failed}")  # the same partition
     assert failed == []
     assert sorted(table_ids(spark, table)) == ["a", "b", "n", "x"]
+
+
+def test_a_checkpoint_put_back_one_batch_behind_the_table_loses_nothing_of_the_batch_planned_anew(spark, tmp_path):
+    """The copy was taken between batches 1 and 2 (commits/1 there, offsets/2 not yet), and the live
+    query then wrote batch 2 ("r"). Put back, Spark plans batch 2 anew, over more messages ("r", "s"):
+    the table's commit of batch 2 made the writer take it for a re-run and skip it, and "s" was never
+    written (reviewer's finding). A commit older than this plan of the batch is not a re-run of it."""
+    table, ck = tmp_path / "t", checkpoint(tmp_path)
+    ensure_table(spark, str(table))
+    first = HistoryWriter(str(table), str(ck))
+    for batch_id, ids in enumerate([["p"], ["q"], ["r"]]):
+        plan(ck, batch_id, dt.datetime.now())
+        first(source_rows(spark, ids), batch_id)
+    time.sleep(0.05)
+    seen: list[IngestBatch] = []
+    again = HistoryWriter(str(table), str(ck), on_batch=seen.append)
+    plan(ck, 2, dt.datetime.now())  # planned anew after the put-back: later than the table's commit of it
+    again(source_rows(spark, ["r", "s"]), 2)
+    plan(ck, 3, dt.datetime.now())
+    again(source_rows(spark, ["t"]), 3)
+    ids = table_ids(spark, table)
+    assert sorted(ids) == ["p", "q", "r", "s", "t"], ids
+    assert [(b.batch_id, b.committed, b.rows) for b in seen] == [(2, True, 1), (3, True, 1)]
+    # A re-run of the same plan (the driver died after the commit, before Spark recorded the batch): skipped.
+    rerun: list[IngestBatch] = []
+    HistoryWriter(str(table), str(ck), on_batch=rerun.append)(source_rows(spark, ["t"]), 3)
+    assert [(b.batch_id, b.committed) for b in rerun] == [(3, False)]
+    assert sorted(table_ids(spark, table)) == ["p", "q", "r", "s", "t"]
