@@ -1100,10 +1100,11 @@ class GroupManager:
             after = max(saved.publish, self._reported(g, fresh))
             reserved = self._store.seq_reserved(g.name)
             void = None
-            if reserved > after and len(fresh) < len(peers):
+            if reserved > after and (len(fresh) < len(peers) or not peers):
                 # The saved position lags (persist_interval_s) and a member not reached may hold seqs
                 # past it: reusing them, its journal would drop our new messages as duplicates. So we
-                # continue after every seq we may have used; those we cannot tell used are void.
+                # continue after every seq we may have used; those we cannot tell used are void. So too
+                # with no member at all: our own journal (the agent's) holds what we published alone.
                 void = (after + 1, reserved)
                 after = reserved
                 log.info("group %r: not every member reached; continuing after seq %d, %d seq(s) void",
