@@ -178,7 +178,8 @@ def test_dedup_state_is_not_touched_by_rows_a_failed_write_lost(tmp_path: Path, 
         monkeypatch.setattr(writer, "_writev_all", lambda fd, buffers: (_ for _ in ()).throw(OSError(28, "No space left")))
         with pytest.raises(Exception, match="No space left"):
             j.append(_rows(range(3, 5), ["c", "d"]))
-        assert b"c" not in j._writer._recent  # noqa: SLF001
+        recent = j._writer._recent  # noqa: SLF001
+        assert state.id_key("g", "a") in recent and state.id_key("g", "c") not in recent
     monkeypatch.undo()
     with Journal.open(tmp_path / "j", key=key) as j:
         assert j.append(_rows(range(3, 5), ["c", "d"])).appended == 2
@@ -389,3 +390,29 @@ def test_a_null_over_a_long_span_is_hashed_by_its_bytes_as_a_short_one_is() -> N
         validity = pa.py_buffer(bytes([0b11 ^ (1 << null_at)]))
         column = pa.Array.from_buffers(pa.string(), 2, [validity, offsets, pa.py_buffer(data)], null_count=1)
         assert (id_hashes(column) == id_hashes(pa.array(["sssss", "L" * 200]))).all()
+
+
+def test_a_message_id_used_again_in_another_group_is_another_message(tmp_path: Path) -> None:
+    """Message ids are unique per group: "order-1" in group B is not a duplicate of "order-1" in group A.
+    The id rule was global, so B's row was dropped as a duplicate (and its seq recorded as superseded)
+    while the member acknowledged it (found by review). Within a group the rule holds as before, across
+    publishers too (a retried sink task publishing through another member), and after a restart."""
+    key = nacl.utils.random(32)
+
+    def row(group: str, publisher: str, seq: int, mid: str = "order-1") -> dict:
+        return {"group": group, "message_id": mid, "publisher_did": publisher, "seq": seq, "lamport_ts": seq,
+                "sent_at": 0, "payload": f"{group} {publisher} {seq}".encode()}
+
+    with Journal.open(tmp_path / "j", key=key) as j:
+        assert j.append([row("A", "did:a", 1)]).appended == 1
+        assert j.append([row("B", "did:a", 1)]).appended == 1
+        both = j.append([row("C", "did:a", 1), row("D", "did:b", 1)])  # one append, two groups
+        assert (both.appended, both.duplicates) == (2, 0)
+        again = j.append([row("A", "did:b", 1)])  # the same id in the same group: a duplicate, whoever sends it
+        assert (again.appended, again.duplicates) == (0, 1)
+        assert j.superseded("B", "did:a", 1, 1) == []
+    with Journal.open(tmp_path / "j", key=key) as j:  # the rule's memory comes back scoped the same way
+        assert j.append([row("A", "did:c", 1)]).duplicates == 1
+        assert j.append([row("E", "did:a", 1)]).appended == 1
+        table = j.read(0)
+    assert table.column("group").to_pylist() == ["A", "B", "C", "D", "E"]

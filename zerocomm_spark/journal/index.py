@@ -27,7 +27,7 @@ Key = tuple[str, str]  # (group, publisher_did)
 
 _INDEX_MAGIC = b"ZCJI\x01"
 _IDS_SCHEMA = pa.schema([pa.field("message_id", pa.string(), nullable=False)])
-_RECENT_MAGIC = b"ZCJD\x01"
+_RECENT_MAGIC = b"ZCJD\x02"  # 2: the id rule's keys (ids scoped by group, state.id_keys); 1 held bare ids
 RECENT_IDS_FILE = "recent.ids"
 
 

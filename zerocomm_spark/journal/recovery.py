@@ -25,7 +25,7 @@ from zerocomm_spark.journal.codec import SEGMENT_HEADER_BYTES
 from zerocomm_spark.journal.index import Run, SegmentIndex, SeqIndex, State
 from zerocomm_spark.journal.reader import load_record
 from zerocomm_spark.journal.segment import Damage, Segment, parse_segment_name, scan_segment
-from zerocomm_spark.journal.state import RecentIds
+from zerocomm_spark.journal.state import RecentIds, id_keys
 
 log = logging.getLogger(__name__)
 
@@ -106,7 +106,7 @@ def recover(directory: Path, key: bytes, *, dedup_window: int, durable_end: int 
                 runs = runs_of(batch)
                 runs_list.append((entry.base_offset, runs))
                 index.merge(state, runs)
-                ids = pa.concat_arrays([batch.column("message_id")])  # a copy: frees the record
+                ids = id_keys(batch)  # the id rule's keys (new buffers: the record is freed)
                 scanned_ids[entry.base_offset] = ids
                 scanned_rows += len(ids)
                 while len(scanned_ids) > 1:  # keep only what the newest `dedup_window` rows need
@@ -154,7 +154,7 @@ def _recover_recent_ids(directory: Path, key: bytes, segments: list[Segment], sc
                         fd = os.open(segment.path, os.O_RDONLY | os.O_CLOEXEC)
                     try:
                         batch = load_record(fd, segment.path, entry, key)
-                        ids = pa.concat_arrays([batch.column("message_id")])  # a copy: frees the record
+                        ids = id_keys(batch)  # the id rule's keys (new buffers: the record is freed)
                     except JournalCorruptError as exc:
                         log.error("journal: %s", exc)
                         continue

@@ -335,6 +335,57 @@ class RecentIds:
         return self._current.count + (self._previous.count if self._previous is not None else 0)
 
 
+def _group_suffix(group: str) -> str:
+    """16 hex digits of the group's BLAKE2b digest: the suffix that scopes a message id to its group."""
+    return hashlib.blake2b(group.encode("utf-8", "surrogatepass"), digest_size=8).hexdigest()
+
+
+def id_key(group: str, message_id: str) -> bytes:
+    """The id rule's key of one message: its id within its group (see :func:`id_keys`)."""
+    return (message_id + _group_suffix(group)).encode("utf-8", "surrogatepass")
+
+
+def id_keys(batch: pa.RecordBatch, group: str | None = None) -> pa.Array:
+    """The id rule's key of each row: its message id followed by 16 hex digits of its group's digest.
+
+    Message ids are unique per group (a publisher's id used again in another group is another message,
+    as the data plane delivers it), so the rule must not take a row of one group for a duplicate of a
+    row of another with the same id: it dropped it, and the member acknowledged it (found by review).
+    Equal keys mean the same id in the same group (short of a 64-bit digest collision between two of
+    the groups); a fixed-length suffix keeps ids of up to 112 bytes in the rule's vectorised hash.
+    ``group``: the batch's one group, when the caller knows every row has it.
+    """
+    ids = batch.column("message_id")  # by name: an append's batch or a stored record's (offset first)
+    if group is None and batch.num_rows:
+        group = constant_string(batch.column("group"))
+    if group is not None or not batch.num_rows:
+        return _with_suffix(ids, _group_suffix(group or ""))
+    suffixes = pa.array([_group_suffix(g) for g in batch.column("group").to_pylist()], pa.string())
+    return pc.binary_join_element_wise(ids, suffixes, "")
+
+
+def _with_suffix(ids: pa.Array, suffix: str) -> pa.Array:
+    """Each id followed by ``suffix`` (ASCII). Ids of one width (UUIDs, the data plane's hex ids) in
+    two numpy copies, ~10x faster than Arrow's join kernel (~100 us per 1,000 ids, on the append path)."""
+    n = len(ids)
+    if n and ids.type == pa.string() and ids.null_count == 0:
+        _, offsets, data = ids.buffers()
+        bounds = np.frombuffer(offsets, dtype=np.int32, count=n + 1, offset=ids.offset * 4)
+        first, total = int(bounds[0]), int(bounds[-1] - bounds[0])
+        if total % n == 0 and _one_width(offsets, ids.offset, n, first, total // n):
+            width, extra = total // n, len(suffix)
+            # In the widest words that divide both (a UUID's 36 bytes: 4), fewer elements to copy.
+            word = next(w for w in (8, 4, 1) if width % w == 0 and extra % w == 0 and first % w == 0)
+            kind = {8: np.uint64, 4: np.uint32, 1: np.uint8}[word]
+            out = np.empty((n, (width + extra) // word), dtype=kind)
+            body = np.frombuffer(data, dtype=np.uint8, count=total, offset=first)
+            out[:, :width // word] = body.view(kind).reshape(n, width // word)
+            out[:, width // word:] = np.frombuffer(suffix.encode("ascii"), dtype=kind)
+            starts = np.arange(0, (n + 1) * (width + extra), width + extra, dtype=np.int32)
+            return pa.Array.from_buffers(pa.string(), n, [None, pa.py_buffer(starts), pa.py_buffer(out)])
+    return pc.binary_join_element_wise(ids, pa.scalar(suffix), "")
+
+
 def id_values(array: pa.Array) -> list[bytes]:
     """A string column's values as bytes: the same UTF-8 the column holds, with no decoding."""
     return array.view(pa.binary()).to_pylist()
@@ -392,6 +443,7 @@ class Filtered:
     hashes: np.ndarray  # kept rows' message id hashes (id_hashes), for RecentIds.add
     slots: np.ndarray | None  # and their table slots (RecentIds.slots), None without the id rule
     superseded: list[tuple[Key, int]] = field(default_factory=list)  # new seqs dropped by the id rule
+    id_keys: pa.Array | None = None  # kept rows' id rule keys (id_keys), for RecentIds.add; None without the rule
 
     def runs(self, start: int, stop: int, first_offset: int) -> list[Run]:
         """Runs of kept rows [start, stop) once row ``start`` is at ``first_offset``."""
@@ -434,7 +486,9 @@ def filter_new(batch: pa.RecordBatch, last_seq: Callable[[Key], int | None], pen
     """
     n = batch.num_rows
     use_ids = recent.window > 0  # dedup_window=0 turns the id rule off (and its per-row cost)
-    id_column = batch.column(_MESSAGE_ID)
+    group = constant_string(batch.column(_GROUP)) if n else None
+    # The rule's keys: ids scoped by group (id_keys); the bare ids when the rule is off (nothing keeps them).
+    id_column = id_keys(batch, group) if use_ids else batch.column(_MESSAGE_ID)
     if use_ids:
         hashes, slots, maybe_remembered, distinct = recent.probe(id_column)
     else:
@@ -442,7 +496,6 @@ def filter_new(batch: pa.RecordBatch, last_seq: Callable[[Key], int | None], pen
     ids: list[bytes] | None = None
     remembered: np.ndarray | None = None  # per row, exactly: is its id remembered? (computed at most once)
     seqs = batch.column(_SEQ).to_numpy(zero_copy_only=False)
-    group = constant_string(batch.column(_GROUP)) if n else None
     publisher = constant_string(batch.column(_PUBLISHER)) if group is not None else None
     if publisher is not None:
         key = (group, publisher)
@@ -459,10 +512,11 @@ def filter_new(batch: pa.RecordBatch, last_seq: Callable[[Key], int | None], pen
                 if pending_ids.isdisjoint(ids):
                     pending_ids.update(ids)
                     pending[key] = int(seqs[-1])
-                    return Filtered(batch, 0, key, seqs, None, hashes, slots)  # type: ignore[arg-type]
+                    return Filtered(batch, 0, key, seqs, None, hashes, slots, id_keys=id_column)  # type: ignore[arg-type]
             else:
                 pending[key] = int(seqs[-1])
-                return Filtered(batch, 0, key, seqs, None, hashes, slots)  # type: ignore[arg-type]
+                return Filtered(batch, 0, key, seqs, None, hashes, slots,  # type: ignore[arg-type]
+                                id_keys=id_column if use_ids else None)
     # General case: several publishers, or duplicates to drop. Row by row, in order.
     groups = batch.column("group").to_pylist()
     publishers = batch.column("publisher_did").to_pylist()
@@ -495,8 +549,10 @@ def filter_new(batch: pa.RecordBatch, last_seq: Callable[[Key], int | None], pen
         keep[i] = True
         kept_keys.append(key)
     kept_count = len(kept_keys)
-    kept = batch if kept_count == n else batch.filter(pa.array(keep))
+    mask = None if kept_count == n else pa.array(keep)
+    kept = batch if mask is None else batch.filter(mask)
     distinct = set(kept_keys)
     single = next(iter(distinct)) if len(distinct) == 1 else None
+    kept_ids = None if not use_ids else id_column if mask is None else id_column.filter(mask)
     return Filtered(kept, n - kept_count, single, seqs[keep], None if single is not None else kept_keys, hashes[keep],
-                    None if slots is None else slots[:, keep], superseded)
+                    None if slots is None else slots[:, keep], superseded, kept_ids)

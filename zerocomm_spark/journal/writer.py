@@ -430,7 +430,8 @@ class Writer:
             if n:
                 size = request.nbytes if kept.duplicates == 0 else approx_bytes(batch)
                 per_record = max(1, -(-n // max(1, -(-size // MAX_RECORD_BYTES))))  # even split
-                id_column = batch.column(_MESSAGE_ID)
+                # The id rule's keys of the kept rows (ids scoped by group), for the writer's RecentIds.add.
+                id_column = kept.id_keys if kept.id_keys is not None else batch.column(_MESSAGE_ID)
                 received = _int64s(batch.column(_RECEIVED_AT))
                 # Whole-append work once (the offset column, the ids), then per record only slices.
                 stored = batch.add_column(0, _OFFSET_FIELD, pa.array(np.arange(next_offset, next_offset + n,
