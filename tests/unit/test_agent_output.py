@@ -207,7 +207,7 @@ def test_tail_names_publishers_through_the_agent_it_follows_after_a_restart(monk
         def groups(self) -> list[dict[str, str]]:  # tail first checks the member knows the group
             return [{"group": "g"}]
 
-        def members(self, group: str, timeout: float) -> list[dict[str, str]]:
+        def members(self, group: str, timeout: float, include_left: bool = False) -> list[dict[str, str]]:
             if self.closed:
                 raise errors.ClientClosedError("the client is closed")
             return []
@@ -218,7 +218,7 @@ def test_tail_names_publishers_through_the_agent_it_follows_after_a_restart(monk
     class New:
         fetched = 0
 
-        def members(self, group: str, timeout: float) -> list[dict[str, str]]:
+        def members(self, group: str, timeout: float, include_left: bool = False) -> list[dict[str, str]]:
             return [{"did": carol, "label": "carol"}]
 
         def fetch(self, **kwargs: object) -> ReadResult:
