@@ -601,9 +601,27 @@ def ingest(spark: SparkSession, groups: str | Sequence[str], table_path: str, ch
             raise ConfigurationError(f"trigger={trigger!r} is not an interval",
                                      hint='Give an interval like "1 second" or "500 milliseconds", or '
                                           '"available_now" or "once"') from None
+    sealed = sealed_groups(spark, table, names) if history_key is None and table_exists(spark, table) else []
+    if sealed:
+        raise ConfigurationError(
+            f"the history table at {table} holds sealed rows of {', '.join(map(repr, sealed))}: refusing to ingest "
+            "their payloads there in clear",
+            hint="Give the groups' history key (ingest(..., history_key=key), or --history-key-file FILE), or another "
+                 "--table")
     _check_member(options)
     ensure_table(spark, table)
     return query.start()
+
+
+def sealed_groups(spark: SparkSession, table_path: str, groups: Sequence[str]) -> list[str]:
+    """Those of ``groups`` the history table holds rows of with payloads sealed under a history key: a
+    writer without the key must not add payloads in clear beside them (one forgotten flag would leave
+    part of a table meant to be encrypted in clear)."""
+    from pyspark.sql import functions as F
+
+    held = (spark.read.format("delta").load(str(table_path))
+            .where(F.col("group").isin(sorted(set(groups))) & F.col("payload_key_id").isNotNull()))
+    return sorted(r[0] for r in held.select("group").distinct().collect())
 
 
 # --- upkeep ------------------------------------------------------------------------------------

@@ -773,17 +773,13 @@ class DeltaSink:
         import pyarrow as pa
 
         from zerocomm_spark.pipelines.commit_tags import commit_tag
-        from pyspark.sql import functions as F
-
-        from zerocomm_spark.pipelines.history import append_new_rows_retrying, ensure_table
+        from zerocomm_spark.pipelines.history import append_new_rows_retrying, ensure_table, sealed_groups
         from zerocomm_spark.pipelines.schema import history_schema
 
         ensure_table(self.spark, self.table_path)
         if self.history_key is None and rows.column("payload_key_id").null_count:
             groups = sorted(set(rows.column("group").to_pylist()))
-            held = (self.spark.read.format("delta").load(self.table_path)
-                    .where(F.col("group").isin(groups) & F.col("payload_key_id").isNotNull()))
-            if held.limit(1).count():
+            if sealed_groups(self.spark, self.table_path, groups):
                 raise ConfigurationError(
                     f"the history table at {self.table_path} holds sealed rows of {', '.join(map(repr, groups))}: "
                     "refusing to write restored payloads there in clear",

@@ -263,6 +263,27 @@ def test_a_sink_without_the_key_refuses_a_table_holding_sealed_rows(spark, tmp_p
     assert sorted((r[0], r[1]) for r in held) == [("a", key.key_id), ("b", key.key_id)]
 
 
+def test_ingest_without_the_key_refuses_a_table_holding_sealed_rows_of_its_groups(spark, tmp_path):
+    """An ingest run once with --history-key-file and once without wrote the second run's payloads in
+    clear beside the sealed ones, silently (user review). Refused before the query starts, as the
+    restore sink refuses; a group without sealed rows there goes on (here to the member check)."""
+    from zerocomm_spark.errors import ConfigurationError, ZeroCommError
+    from zerocomm_spark.pipelines.history import ingest
+    from zerocomm_spark.pipelines.history_key import HistoryKey
+    from zerocomm_spark.pipelines.restore import DeltaSink
+
+    table, key = tmp_path / "sealed", HistoryKey.generate()
+    DeltaSink(spark, str(table), history_key=key)(_restored_rows(spark, ["a"]))  # group "g", sealed
+    nowhere = str(tmp_path / "no-agent")
+    with pytest.raises(ConfigurationError, match="holds sealed rows of 'g': refusing to ingest") as refused:
+        ingest(spark, ["g", "h"], str(table), str(tmp_path / "ck"), agent=nowhere)
+    assert "--history-key-file" in str(refused.value)
+    with pytest.raises(ZeroCommError) as other:  # not sealed there: past the check, to the (missing) member
+        ingest(spark, ["h"], str(table), str(tmp_path / "ck2"), agent=nowhere)
+    assert "refusing" not in str(other.value)
+    assert not (tmp_path / "ck").exists()  # nothing started
+
+
 # --- restarts from a checkpoint behind the table, readers, bad input ----------------------------
 
 
