@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import signal
 import stat
 import sys
 import tempfile
@@ -356,6 +357,9 @@ def _spark() -> Any:
     try:
         with _output_to(fd):
             return local_spark("zerocomm-history")
+    except KeyboardInterrupt:
+        _stop_starting_jvm()
+        raise
     except ZeroCommError:
         raise
     except Exception as exc:  # noqa: BLE001 - the JVM did not start: its reason is in the log, say it
@@ -365,6 +369,33 @@ def _spark() -> Any:
                                  "(JAVA_HOME, or java on the PATH)") from None
     finally:
         os.close(fd)
+
+
+def _stop_starting_jvm() -> None:
+    """Kill the Spark JVM this process launched, when a Ctrl-C stopped its start: the JVM ignores SIGINT
+    (pyspark starts it so), and one interrupted before it watched its stdin was left running, orphaned,
+    after the command exited (user review). Its launcher is a child of this process (spark-submit
+    execs into the JVM)."""
+    me = os.getpid()
+    try:
+        entries = [e for e in os.listdir("/proc") if e.isdigit()]
+    except OSError:  # no /proc: nothing to look through
+        return
+    for entry in entries:
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                stat = f.read()
+            if int(stat[stat.rindex(b")") + 2:].split()[1]) != me:
+                continue
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                command = f.read()
+        except (OSError, ValueError, IndexError):
+            continue
+        if b"SparkSubmit" in command or b"spark-submit" in command or b"spark-class" in command:
+            try:
+                os.kill(int(entry), signal.SIGKILL)
+            except OSError:
+                pass
 
 
 _LAUNCHER_PREFIX = re.compile(r"^\S*spark-(?:class|submit): line \d+: ")
@@ -388,6 +419,11 @@ def run(action: str, ctx: Any) -> int:
     except ZeroCommError as exc:
         if _spark_log is not None and str(_spark_log) not in str(exc):
             _spark_log.unlink(missing_ok=True)
+        raise
+    except KeyboardInterrupt:  # the user stopped it: nothing in Spark's log is theirs to read
+        if _spark_log is not None:
+            _spark_log.unlink(missing_ok=True)
+        sys.stderr.write("zerocomm: interrupted (Ctrl-C)\n")
         raise
     if _spark_log is not None and code == 0:
         _spark_log.unlink(missing_ok=True)
