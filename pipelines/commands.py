@@ -262,7 +262,9 @@ def _reading(table: str, action: str = "replay") -> Iterator[None]:
         ours = _zerocomm_error_in(exc)
         if ours is not None:  # the connector refusing an option in a Python worker: its own error and exit code
             raise ours from None
-        log.debug("history %s of %s failed in Spark: %s", action, table, " <- ".join(_java_chain(exc)) or exc)
+        chain = " <- ".join(_java_chain(exc)) or str(exc)
+        log.debug("history %s of %s failed in Spark: %s", action, table, chain)
+        _note_in_spark_log(f"history {action} of {table} failed in Spark: {chain}")  # the details its hint names
         reason = _table_damage(exc, table)
         if reason is None:
             raise _spark_failure(exc, table, action) from None
@@ -314,6 +316,18 @@ def query_failure_text(spark: Any, query: Any) -> str:
 #: The file this command's Spark writes its own output to (the JVM's and its Python workers' stdout and
 #: stderr), once _spark() started it; None while Spark has not been started by this command.
 _spark_log: Path | None = None
+
+
+def _note_in_spark_log(text: str) -> None:
+    """Add a failure's whole text to Spark's log file, which the error names as having the details:
+    an error raised on the driver (Delta refusing a path) is not in what the JVM writes there."""
+    if _spark_log is None:
+        return
+    try:
+        with open(_spark_log, "a", encoding="utf-8", errors="backslashreplace") as f:
+            f.write(f"\n{time.strftime('%Y-%m-%d %H:%M:%S')} zerocomm: {text}\n")
+    except OSError:
+        pass
 
 
 def _spark_log_text() -> str:
@@ -499,7 +513,15 @@ def ingest(ctx: Any) -> int:
     # and how to start it), or --spawn starts it: before Spark starts. The connector's default
     # (spawnAgent) started one without a word and left it running after the command. Once running, the
     # query still starts the agent again if it stops (spawnAgent), so a long ingest rides over a crash.
-    ctx.client()
+    client = ctx.client()
+    # Asked here, before Spark starts (~1 min under load): the query's own check came only after that.
+    names = sorted(g.get("group", "") for g in client.groups())
+    missing = [g for g in a.groups if g not in names]
+    if missing:
+        raise GroupNotFoundError(
+            f"this member is in no group named {', '.join(map(repr, missing))}: nothing to ingest from it",
+            hint="Check the name; the groups it is in: " + (", ".join(map(repr, names)) or "none")
+                 + " (`zerocomm group list`)")
     spark = _spark()
     with _reading(table, "ingest"):  # a table Spark or Delta refuses at start: one line, not a Py4J traceback
         query = start(spark, a.groups, table, checkpoint, agent=str(ctx.config.socket_dir),
@@ -516,6 +538,7 @@ def ingest(ctx: Any) -> int:
         # and the query's description; Spark logged the whole error in its log. Spark's failure: exit 1.
         full = query_failure_text(spark, query)
         log.debug("the ingest query failed: %s", full)
+        _note_in_spark_log(f"the ingest query failed: {full}")
         raise ZeroCommError(f"the ingest query failed: {_query_reason(query.exception(), full)}",
                             hint=f"{_spark_log_text()} has the whole error; restarting with the same --checkpoint "
                                  "resumes where it stopped, without writing anything twice")
