@@ -13,6 +13,7 @@ import signal
 import stat
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
@@ -318,6 +319,50 @@ def query_failure_text(spark: Any, query: Any) -> str:
 _spark_log: Path | None = None
 
 
+@contextmanager
+def _ctrl_c_sets(event: threading.Event) -> Iterator[None]:
+    """Within: a first Ctrl-C sets ``event`` (the caller stops what it runs between two calls into the
+    JVM), a second one raises KeyboardInterrupt as usual. A KeyboardInterrupt raised inside a Py4J call
+    broke its connection mid-answer: Py4J logged ~40 lines of errors and tracebacks (user review)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def on_sigint(signum: int, frame: Any) -> None:
+        if event.is_set():
+            raise KeyboardInterrupt
+        event.set()
+
+    previous = signal.signal(signal.SIGINT, on_sigint)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+class _NotPy4J(logging.Filter):
+    """Py4J's own log records (a call cut short: "Exception while sending command", with tracebacks)
+    are not for the terminal of a command line: what failed comes back as the command's error."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return f"{os.sep}py4j{os.sep}" not in (record.pathname or "")
+
+
+def _quiet_py4j() -> None:
+    """Keep Py4J's records off the terminal. Py4J logs through the logging module's functions, which
+    configure the root logger (a stderr handler, "ERROR:root:...") when it has no handler: so it gets
+    one first, saying what Python's last-resort handler would (warnings and up, the message alone)."""
+    root = logging.getLogger()
+    if not root.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setLevel(logging.WARNING)
+        root.addHandler(handler)
+    for handler in root.handlers:
+        if not any(isinstance(f, _NotPy4J) for f in handler.filters):
+            handler.addFilter(_NotPy4J())
+    logging.getLogger("py4j").setLevel(logging.CRITICAL)
+
+
 def _note_in_spark_log(text: str) -> None:
     """Add a failure's whole text to Spark's log file, which the error names as having the details:
     an error raised on the driver (Delta refusing a path) is not in what the JVM writes there."""
@@ -366,6 +411,7 @@ def _spark() -> Any:
 
     if SparkContext._active_spark_context is not None:  # noqa: SLF001 - already started (a notebook, a test)
         return local_spark("zerocomm-history")
+    _quiet_py4j()
     fd, name = tempfile.mkstemp(prefix="zerocomm-history-spark-", suffix=".log")
     _spark_log = Path(name)
     try:
@@ -528,10 +574,10 @@ def ingest(ctx: Any) -> int:
                       starting_offsets=a.starting_offsets, max_messages_per_trigger=a.max_per_trigger,
                       trigger="available_now" if a.available_now else (a.trigger or _DEFAULT_TRIGGER), history_key=key,
                       on_batch=on_batch, delta_txn=a.delta_txn)
-    try:
-        while query.isActive:
+    with _ctrl_c_sets(stop := threading.Event()):  # not raised inside a Py4J call: ~40 lines of its errors
+        while query.isActive and not stop.is_set():
             query.awaitTermination(1.0)
-    except KeyboardInterrupt:
+    if stop.is_set():
         query.stop()
     if query.exception() is not None:
         # One line (Spark's reason and its root cause), not the first 1,000 characters of a traceback

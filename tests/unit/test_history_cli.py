@@ -528,3 +528,37 @@ def test_an_error_that_names_sparks_log_for_the_details_finds_them_there(monkeyp
     assert str(spark_log) in str(raised.value)
     text = spark_log.read_text()
     assert "history vacuum of" in text and "DELTA_MISSING_DELTA_TABLE" in text and "the cause" in text, text
+
+
+def test_a_first_ctrl_c_stops_the_ingest_between_jvm_calls_and_py4j_says_nothing(monkeypatch, capsys):
+    """Ctrl-C of a running ingest raised KeyboardInterrupt inside a Py4J call: Py4J logged ~40 lines of
+    errors and tracebacks on the terminal (through logging's root functions: "ERROR:root:..."), though
+    the ingest then stopped well (user review). A first Ctrl-C now only asks the loop to stop; a second
+    one raises as usual; Py4J's records stay off the terminal, the command's own warnings do not."""
+    import logging
+    import signal
+    import threading
+
+    import zerocomm_spark.pipelines.commands as commands
+
+    stop = threading.Event()
+    with commands._ctrl_c_sets(stop):  # noqa: SLF001
+        signal.raise_signal(signal.SIGINT)
+        assert stop.is_set()
+        with pytest.raises(KeyboardInterrupt):
+            signal.raise_signal(signal.SIGINT)
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+    root = logging.getLogger()
+    monkeypatch.setattr(root, "handlers", [])
+    commands._quiet_py4j()  # noqa: SLF001
+    try:
+        py4j = logging.LogRecord("root", logging.ERROR, "/venv/site-packages/py4j/java_gateway.py", 1060,
+                                 "Exception while sending command.", None, None)
+        root.handle(py4j)
+        logging.getLogger("zerocomm_spark.pipelines.commands").warning("could not tell the agent's journal")
+        err = capsys.readouterr().err
+        assert "Exception while sending command" not in err and "could not tell the agent's journal" in err, err
+    finally:
+        for handler in root.handlers:
+            handler.close()
